@@ -1,0 +1,17 @@
+"""grpotrl: TRL trainers whose token-level guarantees (INVARIANTS I1-I9) are checked at run time.
+
+Swap ``from trl import GRPOTrainer, GRPOConfig`` for ``from grpotrl import GRPOTrainer,
+GRPOConfig``; nothing else changes.
+"""
+
+from ._threads import apply_cpu_thread_defaults
+
+apply_cpu_thread_defaults()
+
+from .configs import GRPOConfig, SFTConfig  # noqa: E402
+from .errors import InputError, InvariantError  # noqa: E402
+from .trainers.grpo import GRPOTrainer  # noqa: E402
+from .trainers.sft import SFTTrainer  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["GRPOConfig", "SFTConfig", "GRPOTrainer", "SFTTrainer", "InputError", "InvariantError"]

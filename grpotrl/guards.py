@@ -1,0 +1,248 @@
+"""Run-time checks of INVARIANTS.md I1-I5 on the tensors a trainer really uses.
+
+Each check compares what the trainer did against an independent recomputation and raises
+``InvariantError`` naming the invariant, showing the offending sample (decoded text around
+the prompt/completion boundary, special tokens visible) and saying what to do. The trainers
+call them on the first ``guard_steps`` steps; the functions are plain and testable alone.
+
+Letters: B rows, P padded prompt width, C padded completion width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .errors import InvariantError
+from .logprobs import completion_logits, token_logprobs
+from .masking import completion_mask, position_ids_from_mask
+
+
+def boundary_report(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
+    """The view seed 000 asked people to read by eye: prompt tail | completion head, ids and text."""
+    tail, head = list(prompt_ids[-width:]), list(completion_ids[:width])
+    return (
+        f"    prompt tail: {tokenizer.decode(tail, skip_special_tokens=False)!r}  ids {tail}\n"
+        f"    completion head: {tokenizer.decode(head, skip_special_tokens=False)!r}  ids {head}"
+    )
+
+
+def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+
+
+# ---------------------------------------------------------------- I1: one prompt for all
+
+
+def check_prompts_templated(tokenizer, prompt_ids: list[list[int]], expected: list[list[int]]) -> None:
+    """I1: the ids generation saw are the chat template with the generation prompt, no doubled BOS."""
+    bos = tokenizer.bos_token_id
+    for i, (got, want) in enumerate(zip(prompt_ids, expected)):
+        if list(got) != list(want):
+            raise InvariantError(
+                "I1",
+                f"row {i}: the prompt ids given to generation are not the chat template of the prompt with the "
+                "generation prompt appended.\n"
+                f"    used:     {tokenizer.decode(list(got)[-40:], skip_special_tokens=False)!r}\n"
+                f"    template: {tokenizer.decode(list(want)[-40:], skip_special_tokens=False)!r}\n"
+                "Pass conversational prompts and let the trainer apply the template; do not pre-format them.",
+            )
+        if bos is not None and len(got) > 1 and got[0] == bos and got[1] == bos:
+            raise InvariantError(
+                "I1",
+                f"row {i}: the prompt starts with two BOS tokens ({bos}). The template already writes BOS; do "
+                "not add special tokens again when tokenizing templated text.",
+            )
+
+
+def check_same_prompt(tokenizer, generation_prompts: list[list[int]], loss_prompts: list[list[int]], rows) -> None:
+    """I1: the prompt ids the loss/KL forward uses are, bit for bit, those generation saw."""
+    for r, gen, used in zip(rows, generation_prompts, loss_prompts):
+        if list(gen) != list(used):
+            raise InvariantError(
+                "I1",
+                f"row {r}: the loss is computed on other prompt ids than generation saw.\n"
+                f"    generation: {tokenizer.decode(list(gen)[-40:], skip_special_tokens=False)!r}\n"
+                f"    loss:       {tokenizer.decode(list(used)[-40:], skip_special_tokens=False)!r}\n"
+                "Keep the prompt_ids returned by generation; never re-tokenize the raw prompt for the loss.",
+            )
+
+
+# ---------------------------------------------------------------- I3: completion = sequence[:, P:]
+
+
+def check_extraction(
+    tokenizer,
+    generate_input_ids: torch.Tensor,
+    generate_output: torch.Tensor,
+    completion_ids: list[list[int]],
+    stop_ids: list[int],
+) -> None:
+    """I3 (and I4's cut): each completion equals ``output[i, P:]`` up to and including its first stop."""
+    P = generate_input_ids.size(1)
+    raw = generate_output[:, P:]  # [B, C]
+    keep = completion_mask(raw, stop_ids)  # [B, C]
+    for i, got in enumerate(completion_ids):
+        want = raw[i][keep[i].bool()].tolist()
+        if list(got) != want:
+            prompt = generate_input_ids[i].tolist()
+            raise InvariantError(
+                "I3",
+                f"row {i}: the completion is not the generated tokens after the padded prompt width P={P} "
+                "(cut after the first stop token).\n"
+                f"    extracted: {tokenizer.decode(list(got)[:24], skip_special_tokens=False)!r}\n"
+                f"    generated: {tokenizer.decode(want[:24], skip_special_tokens=False)!r}\n"
+                + boundary_report(tokenizer, prompt, list(got))
+                + "\nExtract with `sequences[:, P:]` where P is the padded prompt width, never the count of "
+                "non-pad tokens (left padding puts the prompt at the end of the first P columns).",
+            )
+
+
+def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list, header: str) -> None:
+    """I3: the text reward functions see is the decoded completion, with no chat header in it."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    for i, (text, seen) in enumerate(zip(texts, completions)):
+        seen_text = seen[-1]["content"] if isinstance(seen, list) else seen
+        if seen_text != text:
+            raise InvariantError(
+                "I3",
+                f"row {i}: reward functions see {seen_text[:80]!r} but the completion decodes to {text[:80]!r}.",
+            )
+        if header and header.strip() and text.lstrip().startswith(header.strip()):
+            raise InvariantError(
+                "I3",
+                f"row {i}: the completion given to reward functions starts with the chat header {header!r}: "
+                f"{text[:80]!r}. The extraction boundary includes prompt tokens.\n"
+                + boundary_report(tokenizer, [], completion_ids[i]),
+            )
+
+
+# ---------------------------------------------------------------- I4: the completion mask
+
+
+def check_completion_mask(
+    tokenizer,
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    stop_ids: list[int],
+    rows,
+    truncated_masked: bool = False,
+) -> None:
+    """I4: mask is 1 up to and including the first stop token, 0 after, for every row."""
+    want = completion_mask(completion_ids, stop_ids, lengths=lengths)  # [B, C]
+    if truncated_masked:  # mask_truncated_completions zeroes rows that never stopped
+        stopped = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
+        stopped = (stopped & want.bool()).any(dim=1, keepdim=True)
+        want = want * stopped
+    bad = (want != mask.long()).any(dim=1)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        ids, got, exp = completion_ids[i].tolist(), mask[i].long().tolist(), want[i].tolist()
+        where = next(t for t in range(len(got)) if got[t] != exp[t])
+        raise InvariantError(
+            "I4",
+            f"row {rows[i]}: completion_mask is wrong at completion position {where} "
+            f"(token {ids[where]} {tokenizer.decode([ids[where]], skip_special_tokens=False)!r}).\n"
+            f"    mask used: {got[: where + 4]}\n    expected:  {exp[: where + 4]}\n"
+            f"    stop ids {stop_ids}, pad id {tokenizer.pad_token_id}\n"
+            "The first stop token stays in the loss so the model learns to stop; everything after it is 0. "
+            "Never build the mask from `token != pad_token_id` (wrong when pad == eos).",
+        )
+
+
+# ---------------------------------------------------------------- I5: logprobs at temperature T
+
+
+@torch.no_grad()
+def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
+                       temperature: float) -> torch.Tensor:
+    """Independent I5 reference: a plain forward with generate's position ids, dropout off,
+    ``log_softmax(logits / T)`` at the logit of input position ``P + t - 1``. Returns [B, C]."""
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=completion_width + 1,
+        )
+    finally:
+        model.train(was_training)
+    logits = completion_logits(out.logits, completion_width)  # [B, C, V]
+    return token_logprobs(logits, input_ids[:, -completion_width:], temperature)  # [B, C]
+
+
+def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
+                   completion_ids: torch.Tensor, temperature: float, atol: float, rows) -> float:
+    """I5: the logprobs the loss used agree with the reference on every masked-in token.
+    Returns the max gap (nats)."""
+    gap = (used.detach().float() - reference.float()).abs() * mask  # [B, C]
+    worst = float(gap.max()) if gap.numel() else 0.0
+    if worst > atol:
+        i, t = divmod(int(gap.argmax()), gap.size(1))
+        raise InvariantError(
+            "I5",
+            f"row {rows[i]}, completion token {t} ({tokenizer.decode([int(completion_ids[i, t])])!r}): the "
+            f"loss used logprob {float(used[i, t]):.6f}, but log_softmax(logits / T={temperature})[token] "
+            f"with generate's position ids is {float(reference[i, t]):.6f} (gap {worst:.2e} > {atol:.0e}).\n"
+            "The loss must score tokens with the distribution that sampled them: divide the logits by the "
+            "sampling temperature, take the logit at position P + t - 1, use the attention mask's position ids "
+            "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
+        )
+    return worst
+
+
+@contextmanager
+def record_calls(obj, name: str):
+    """Record the return values of ``obj.name(...)`` for the duration of the block.
+
+    Used to observe the logprobs the loss really used, whichever subclass computed them."""
+    original = getattr(obj, name)
+    results = []
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        results.append(out)
+        return out
+
+    with _instance_attr(obj, name, spy):
+        yield results
+
+
+@contextmanager
+def record_generate(model):
+    """Record the inputs and outputs of ``model.generate`` for the duration of the block (I3)."""
+    original = model.generate
+    calls = []
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        calls.append({
+            "input_ids": kwargs.get("input_ids", args[0] if args else None),
+            "attention_mask": kwargs.get("attention_mask"),
+            "output": sequences,
+        })
+        return out
+
+    with _instance_attr(model, "generate", spy):
+        yield calls
+
+
+@contextmanager
+def _instance_attr(obj, name: str, value):
+    """Shadow ``obj.name`` with an instance attribute, restoring exactly what was there."""
+    missing = object()
+    before = vars(obj).get(name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if before is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)

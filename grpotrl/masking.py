@@ -1,0 +1,75 @@
+"""Completion masks, stop positions and position ids: pure tensor functions.
+
+Letters: B rows in a generation batch, P padded prompt width (prompts are left-padded),
+C padded completion width (completions are right-padded), L = P + C.
+
+INVARIANTS I3 and I4 live here:
+  * a completion is ``sequence[i, P:]``; ``P`` is the padded width, never a count of
+    non-pad tokens;
+  * ``completion_mask[i, t] == 1`` exactly for ``t <= first stop position`` (or for all
+    real tokens when no stop token was produced), whether or not ``pad == eos``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def first_stop_index(completion_ids: torch.Tensor, stop_ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Index of the first stop token in each row, or ``C`` when a row holds none.
+
+    >>> first_stop_index(torch.tensor([[5, 2, 2], [5, 6, 7]]), [2]).tolist()
+    [1, 3]
+    """
+    stop = torch.as_tensor(stop_ids, device=completion_ids.device)
+    is_stop = torch.isin(completion_ids, stop)  # [B, C]
+    C = completion_ids.size(1)
+    idx = torch.full((completion_ids.size(0),), C, dtype=torch.long, device=completion_ids.device)  # [B]
+    has = is_stop.any(dim=1)  # [B]
+    idx[has] = is_stop.int().argmax(dim=1)[has]
+    return idx
+
+
+def completion_mask(
+    completion_ids: torch.Tensor,
+    stop_ids: list[int] | torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """I4: 1 up to and including the first stop token, 0 after it.
+
+    ``lengths`` (``[B]``) are the numbers of real tokens per row; without it every one of the
+    ``C`` columns counts as real. Stop tokens after the first, including padding that equals
+    eos, are masked: the mask never looks at ``pad_token_id``.
+
+    >>> completion_mask(torch.tensor([[7, 2, 2, 2], [7, 8, 9, 2], [7, 8, 9, 9]]), [2]).tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    >>> completion_mask(torch.tensor([[7, 8, 0, 0]]), [2], lengths=torch.tensor([2])).tolist()
+    [[1, 1, 0, 0]]
+    """
+    B, C = completion_ids.shape
+    t = torch.arange(C, device=completion_ids.device).expand(B, C)  # [B, C]
+    stop_at = first_stop_index(completion_ids, stop_ids)  # [B]
+    if lengths is not None:
+        stop_at = torch.minimum(stop_at, lengths.to(completion_ids.device) - 1)
+    return (t <= stop_at.unsqueeze(1)).long()  # [B, C]
+
+
+def extract_completions(sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """I3: the completion is everything after the padded prompt width ``P``.
+
+    >>> seq = torch.tensor([[0, 0, 11, 12, 21, 2], [13, 14, 15, 16, 22, 23]])  # pad=0, left-padded prompts
+    >>> extract_completions(seq, prompt_width=4).tolist()
+    [[21, 2], [22, 23]]
+    """
+    return sequences[:, prompt_width:]  # [B, C]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as ``generate`` builds them for a left-padded batch: ``cumsum(mask) - 1``.
+
+    Padding positions get 0 (they are masked out of attention and of the loss anyway).
+
+    >>> position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])).tolist()
+    [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
