@@ -81,9 +81,16 @@ def prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None
     return list(out["input_ids"])
 
 
-def doubled_bos(tokenizer, ids: list[int]) -> bool:
-    bos = _tok(tokenizer).bos_token_id
-    return bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos
+def generation_prompt_ids(tokenizer, chat_template: str | None = None, **template_kwargs) -> list[int]:
+    """The ids the template appends for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant\n``):
+    every RL prompt ends with them, so every SFT loss span must start right after them."""
+    probe = [{"role": "user", "content": "x"}]
+    with_gen = prompt_ids(tokenizer, probe, chat_template, **template_kwargs)
+    without = _tok(tokenizer).apply_chat_template(
+        probe, tokenize=True, return_dict=True, chat_template=chat_template, **template_kwargs
+    )["input_ids"]
+    n = len(without) if list(with_gen[: len(without)]) == list(without) else 0
+    return list(with_gen[n:])
 
 
 def tokenize_sft_example(

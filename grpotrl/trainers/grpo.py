@@ -76,14 +76,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         return n < 0 or self.state.global_step < n
 
     def _header_text(self) -> str:
-        probe = [{"role": "user", "content": "x"}]
-        tok = self._tokenizer
-        with_gen = tok.apply_chat_template(probe, add_generation_prompt=True, tokenize=False,
-                                           chat_template=self.chat_template, **self.chat_template_kwargs)
-        without = tok.apply_chat_template(probe, add_generation_prompt=False, tokenize=False,
-                                          chat_template=self.chat_template, **self.chat_template_kwargs)
-        suffix = with_gen[len(without):] if with_gen.startswith(without) else ""
-        return tok.decode(tok(suffix, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        """The generation prompt as reward functions would see it (``assistant\n`` for ChatML)."""
+        ids = templates.generation_prompt_ids(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ generation (I1, I3)
 

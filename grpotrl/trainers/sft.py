@@ -72,6 +72,7 @@ class SFTTrainer(trl.SFTTrainer):
             eval_dataset = tokenize_dataset(eval_dataset, processing_class, self.stop_token_ids)
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
+        self._gen_prompt_ids: list[int] | None = None
 
     def _guard_now(self) -> bool:
         n = self.args.guard_steps
@@ -79,7 +80,9 @@ class SFTTrainer(trl.SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._guard_now() and self.model.training and not self.args.packing and not self.args.padding_free:
-            check_sft_labels(self.processing_class, inputs, self.stop_token_ids)
+            if self._gen_prompt_ids is None:
+                self._gen_prompt_ids = templates.generation_prompt_ids(self.processing_class)
+            check_sft_labels(self.processing_class, inputs, self.stop_token_ids, self._gen_prompt_ids)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -89,9 +92,10 @@ class SFTTrainer(trl.SFTTrainer):
             templates.save_fingerprint(output_dir or self.args.output_dir, self.processing_class)
 
 
-def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int]) -> None:
-    """I2 on a collated batch: the loss covers one contiguous span that ends at the row's last
-    real token, and that span holds exactly one stop token, at its end."""
+def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompt_ids: list[int]) -> None:
+    """I2 on a collated batch: the loss covers one contiguous span that starts right after the
+    template's generation prompt (where RL generation starts), ends at the row's last real
+    token, and holds exactly one stop token, at its end."""
     labels, attn = inputs["labels"], inputs.get("attention_mask")
     ids = inputs["input_ids"]
     stop = torch.as_tensor(stop_ids, device=ids.device)
@@ -102,6 +106,13 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int]) -> None:
         real = attn[i].nonzero().flatten() if attn is not None else torch.arange(ids.size(1))
         span_ids = ids[i, on]
         problems = []
+        start = int(on[0])
+        before = ids[i, max(0, start - len(gen_prompt_ids)): start].tolist()
+        if gen_prompt_ids and before != gen_prompt_ids:
+            problems.append(
+                f"the loss starts after {tokenizer.decode(before, skip_special_tokens=False)!r}, not after the "
+                f"generation prompt {tokenizer.decode(gen_prompt_ids, skip_special_tokens=False)!r}"
+            )
         if on[-1] - on[0] + 1 != on.numel():
             problems.append("the loss span has holes")
         if int(on[-1]) != int(real[-1]):

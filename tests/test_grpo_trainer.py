@@ -1,0 +1,100 @@
+"""grpotrl.GRPOTrainer end to end on tiny models over the real SmolLM2 tokenizer: the guards
+run on every step of a healthy run and pass, on batches with left-padded prompts of
+different lengths, early stops, rows that never stop, and several stop ids."""
+
+import pytest
+import torch
+import trl
+from conftest import arithmetic_prompts, length_reward
+
+import grpotrl
+from grpotrl import guards
+
+
+class Observed(grpotrl.GRPOTrainer):
+    """Keeps each microbatch the loss saw, to assert the run covered the hard cases."""
+
+    def _compute_loss(self, model, inputs):
+        self.seen = getattr(self, "seen", []) + [{k: inputs[k].detach().clone() for k in (
+            "prompt_mask", "completion_ids", "completion_mask")}]
+        return super()._compute_loss(model, inputs)
+
+
+def _cases(seen, stop_ids):
+    stop = torch.tensor(stop_ids)
+    lengths, padded_prompts, no_stop = set(), False, False
+    for b in seen:
+        padded_prompts |= bool((b["prompt_mask"] == 0).any())
+        for ids, m in zip(b["completion_ids"], b["completion_mask"]):
+            n = int(m.sum())
+            lengths.add(n)
+            no_stop |= not bool(torch.isin(ids[:n], stop).any())
+    return lengths, padded_prompts, no_stop
+
+
+def test_I1_I3_I4_I5_healthy_run_passes_every_guard(tiny_llama, grpo_args):
+    trainer = Observed(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(max_steps=3),
+                       train_dataset=arithmetic_prompts())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    lengths, padded_prompts, no_stop = _cases(trainer.seen, trainer.eos_token_ids)
+    assert padded_prompts, "the batches must hold left-padded prompts"
+    assert len(lengths) >= 3 and 1 <= min(lengths) < 12, f"need early stops at several lengths: {lengths}"
+    assert trainer._guard_max_gap < 1e-5  # I5 in fp32
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed, "weights did not change"
+    assert [h for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
+
+
+def test_I4_several_stop_ids_pad_equal_to_one_of_them(tiny_multistop, grpo_args):
+    trainer = Observed(model=tiny_multistop, reward_funcs=length_reward, args=grpo_args(max_steps=3),
+                       train_dataset=arithmetic_prompts())
+    assert trainer.stop_token_ids == [0, 2]  # <|endoftext|> as eos, <|im_end|> from the template
+    assert set(trainer.generation_config.eos_token_id) == {0, 2}
+    trainer.train()
+    finals = {int(ids[int(m.sum()) - 1]) for b in trainer.seen for ids, m in zip(b["completion_ids"],
+                                                                                  b["completion_mask"])}
+    assert {0, 2} <= finals, f"both stop ids should end some completion: {finals}"
+
+
+def test_I5_positions_fixed_on_absolute_position_model(tiny_gpt2, grpo_args):
+    """With generate's position ids, GPT-2's loss logprobs equal the recomputation (TRL's differ)."""
+    trainer = grpotrl.GRPOTrainer(model=tiny_gpt2, reward_funcs=length_reward, args=grpo_args(),
+                                  train_dataset=arithmetic_prompts())
+    trainer.train()
+    assert trainer._guard_max_gap < 1e-5
+
+
+def test_default_guard_schedule_runs_first_steps_only(tiny_llama, grpo_args):
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
+                                  args=grpo_args(guard_steps=1, max_steps=2), train_dataset=arithmetic_prompts())
+    trainer.train()
+    guarded = [h["step"] for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
+    assert guarded == [1]
+
+
+def test_drop_in_for_trl_config(tiny_llama, tmp_path):
+    """A user's TRL config works unchanged; grpotrl's defaults differ only where documented."""
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path))
+    assert isinstance(args, trl.GRPOConfig)
+    assert args.bf16 is False and args.disable_dropout is True and args.guard_steps == 2
+    assert issubclass(grpotrl.GRPOTrainer, trl.GRPOTrainer) and issubclass(grpotrl.SFTTrainer, trl.SFTTrainer)
+
+
+def test_guard_record_helpers_restore_attributes(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with guards.record_generate(model) as calls:
+        model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert len(calls) == 1 and calls[0]["output"].shape[1] == 5
+    assert "generate" not in vars(model)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": 0.7}])
+def test_check_logprobs_reports_row_and_token(smollm2_tokenizer, bad):
+    used = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.0, -2.5]])
+    with pytest.raises(grpotrl.InvariantError, match="completion token 1"):
+        guards.check_logprobs(smollm2_tokenizer, used, ref, torch.ones(1, 2), torch.tensor([[5, 6]]),
+                              bad["temperature"], 1e-5, [0])

@@ -1,0 +1,151 @@
+"""Each guard against the seed bug it exists for: a trainer subclass reintroduces the bug and
+the guard must stop it. A guard that cannot fail is no guard, so each bug test has a healthy
+control run beside it (tests/test_grpo_trainer.py)."""
+
+import pytest
+import torch
+from conftest import arithmetic_prompts, length_reward
+from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+import grpotrl
+from grpotrl import InvariantError
+
+
+def _run(cls, model, args):
+    trainer = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts())
+    trainer.train()
+    return trainer
+
+
+class RawPromptForLoss(grpotrl.GRPOTrainer):
+    """Seed 000 bug #3: generation on the templated prompt, loss/KL on the raw prompt text."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        raw = [torch.tensor(self._tokenizer(x["prompt"][-1]["content"])["input_ids"]) for x in inputs]
+        out["prompt_ids"] = pad(raw, padding_value=self._tokenizer.pad_token_id, padding_side="left")
+        out["prompt_mask"] = pad([torch.ones_like(r) for r in raw], padding_value=0, padding_side="left")
+        return out
+
+
+class RawPromptForGeneration(grpotrl.GRPOTrainer):
+    """Bug #3 the other way round: generation from the untemplated text."""
+
+    def _tokenize_prompts(self, prompts):
+        return [self._tokenizer(p[-1]["content"])["input_ids"] for p in prompts], None, {}
+
+
+class DoubledBOS(grpotrl.GRPOTrainer):
+    """A template that already writes BOS, tokenized again with add_special_tokens."""
+
+    def _tokenize_prompts(self, prompts):
+        ids, images, fields = super()._tokenize_prompts(prompts)
+        return [[self._tokenizer.bos_token_id, *p] for p in ids], images, fields
+
+
+class CountNotWidth(grpotrl.GRPOTrainer):
+    """Seed 000 bug #4: the completion is cut at the count of non-pad prompt tokens."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        tok = self._tokenizer
+        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=tok.pad_token_id, padding_side="left")
+        attn = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left")
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model, torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=self.generation_config)
+        src_lens = (ids != tok.pad_token_id).sum(dim=1)  # the bug: a count used as a position
+        completions = []
+        for i in range(out.size(0)):
+            c = out[i, src_lens[i]:].tolist()
+            stops = [t for t, x in enumerate(c) if x in self.eos_token_ids]
+            completions.append(c[: stops[0] + 1] if stops else c)
+        return completions, None
+
+
+class Seed002Mask(grpotrl.GRPOTrainer):
+    """Seed 002's own 'fix': mask[first_eos:] = 0 and mask *= (token != pad)."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        ids = out["completion_ids"]
+        mask = (ids != self._tokenizer.pad_token_id).long()
+        for i in range(ids.size(0)):
+            eos = (ids[i] == self._tokenizer.eos_token_id).nonzero()
+            if len(eos):
+                mask[i, int(eos[0]):] = 0
+        out["completion_mask"] = mask
+        return out
+
+
+class NoTemperature(grpotrl.GRPOTrainer):
+    """Seed 002 Fix 1's bug: logprobs as log_softmax(logits), the sampling temperature dropped."""
+
+    divide_by_temperature = False
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, **kwargs):
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
+        logits = logits[:, -logits_to_keep - 1 : -1].float()
+        if self.divide_by_temperature:
+            logits = logits / self.temperature
+        logps = torch.log_softmax(logits, -1)
+        tokens = input_ids[:, -logits_to_keep:]
+        entropy = -(logps.exp() * logps).sum(-1) if compute_entropy else None
+        return logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy, None
+
+
+class WithTemperature(NoTemperature):
+    """The same hand-written hook, done right: the guard must let it through."""
+
+    divide_by_temperature = True
+
+
+def test_I1_guard_stops_loss_on_raw_prompt(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I1\].*loss is computed on other prompt ids"):
+        _run(RawPromptForLoss, tiny_llama, grpo_args())
+
+
+def test_I1_guard_stops_generation_from_untemplated_prompt(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I1\].*not the chat template"):
+        _run(RawPromptForGeneration, tiny_llama, grpo_args())
+
+
+def test_I1_guard_stops_doubled_bos(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I1\]"):
+        _run(DoubledBOS, tiny_llama, grpo_args())
+
+
+def test_I3_guard_stops_extraction_at_non_pad_count(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I3\].*padded prompt width") as err:
+        _run(CountNotWidth, tiny_llama, grpo_args())
+    assert "prompt tail" in str(err.value)  # the boundary report is in the message
+
+
+def test_I4_guard_stops_seed002_mask(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\].*first stop token stays in the loss"):
+        _run(Seed002Mask, tiny_llama, grpo_args(max_steps=3))
+
+
+def test_I5_guard_stops_dropped_temperature(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I5\].*T=0.7"):
+        _run(NoTemperature, tiny_llama, grpo_args())
+
+
+def test_I5_guard_passes_a_correct_custom_hook(tiny_llama, grpo_args):
+    trainer = _run(WithTemperature, tiny_llama, grpo_args())
+    assert trainer._guard_max_gap < 1e-4
+
+
+def test_I5_guard_catches_trl_positions_on_absolute_position_model(tiny_gpt2, grpo_args, monkeypatch):
+    """TRL's logprob forward uses positions 0..L-1; generate used cumsum(mask) - 1. GPT-2 shows it."""
+    import grpotrl.trainers.grpo as grpo_module
+
+    monkeypatch.setattr(grpo_module, "_positions_from_attention_mask", lambda module, args, kwargs: (args, kwargs))
+    with pytest.raises(InvariantError, match=r"(?s)\[I5\]"):
+        _run(grpotrl.GRPOTrainer, tiny_gpt2, grpo_args())
+
+
+def test_guards_off_lets_the_bug_through(tiny_llama, grpo_args):
+    """guard_steps=0 really turns the checks off (and so the checks above are what stops the bugs)."""
+    _run(NoTemperature, tiny_llama, grpo_args(guard_steps=0, max_steps=1))

@@ -1,0 +1,61 @@
+"""Fails loudly if a TRL hook grpotrl overrides or relies on changes name or signature.
+
+grpotrl is pinned to trl 1.16.x (setup.cfg). When TRL moves, this file says which hook moved
+before any trainer silently stops being guarded."""
+
+import inspect
+
+import trl
+
+import grpotrl
+
+# hook -> the parameter names grpotrl's override was written against
+GRPO_HOOKS = {
+    "_generate": ["self", "prompts"],
+    "_generate_and_score_completions": ["self", "inputs"],
+    "_compute_loss": ["self", "model", "inputs"],
+    "_get_per_token_logps_and_entropies": [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+        "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    ],
+    "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                              "has_tool_images"],
+    "_tokenize_prompts": ["self", "prompts"],
+    "save_model": ["self", "output_dir", "_internal_call"],
+}
+SFT_HOOKS = {
+    "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    "save_model": ["self", "output_dir", "_internal_call"],
+}
+
+
+def _params(cls, name):
+    assert hasattr(cls, name), f"{cls.__name__}.{name} no longer exists in trl {trl.__version__}"
+    return list(inspect.signature(getattr(cls, name)).parameters)
+
+
+def test_trl_version_is_the_tested_minor():
+    assert trl.__version__.startswith("1.16."), f"grpotrl was tested on trl 1.16.x, found {trl.__version__}"
+
+
+def test_grpo_hooks_unchanged():
+    for name, want in GRPO_HOOKS.items():
+        assert _params(trl.GRPOTrainer, name) == want, f"trl.GRPOTrainer.{name} changed signature"
+
+
+def test_sft_hooks_unchanged():
+    for name, want in SFT_HOOKS.items():
+        assert _params(trl.SFTTrainer, name) == want, f"trl.SFTTrainer.{name} changed signature"
+
+
+def test_fused_head_still_used_for_logprobs():
+    """The position-id pre-hook keys on TRL calling the model with ``fused_lm_head=True``."""
+    src = inspect.getsource(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "fused_lm_head=True" in src and "position_ids" not in src
+
+
+def test_our_overrides_keep_the_signatures():
+    for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "save_model"):
+        assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
+    assert _params(grpotrl.SFTTrainer, "compute_loss") == SFT_HOOKS["compute_loss"]
