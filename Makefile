@@ -1,0 +1,31 @@
+# make setup       create .venv and install grpotrl (scripts/setup.sh; GRPOTRL_EXTRAS=deepspeed,...)
+# make test        the test suite, as CI runs it (.ci/run)
+# make quickstart  a tiny end-to-end run on SmolLM2-135M-Instruct
+.PHONY: setup test quickstart
+
+# Idle OpenMP workers must yield, or any other busy process slows torch 30-100x on few
+# cores (grpotrl/_threads.py). Exported, so it is set before Python imports torch.
+export OMP_WAIT_POLICY := PASSIVE
+export TOKENIZERS_PARALLELISM := false
+
+VENV_STAMP := .venv/.grpotrl-setup
+
+setup:
+	scripts/setup.sh
+	touch $(VENV_STAMP)
+
+# Re-installs only when the package metadata or the setup script changed.
+$(VENV_STAMP): setup.cfg pyproject.toml scripts/setup.sh
+	scripts/setup.sh
+	touch $@
+
+# Tests run with 2 threads: the CI machine's core count, and the numbers the suite was timed with.
+test: export OMP_NUM_THREADS ?= 2
+# pytest exits 5 when it collected nothing; make would only say "Error 5", so say what it is.
+test: $(VENV_STAMP)
+	.venv/bin/python -m pytest -q tests || { status=$$?; [ $$status -ne 5 ] || \
+	    echo "make test: FAIL: pytest collected no tests (exit 5); check tests/ and that its files import" >&2; \
+	    exit $$status; }
+
+quickstart: $(VENV_STAMP)
+	.venv/bin/python -m grpotrl.quickstart

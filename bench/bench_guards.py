@@ -1,0 +1,105 @@
+"""Cost of grpotrl's guards: step time and peak memory, guarded vs plain ``trl.GRPOTrainer``.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_guards.py            # SmolLM2, 12 steps
+    .venv/bin/python bench/bench_guards.py --steps 20 --rounds 3 --guard-steps 2
+
+Both variants run the same config, seed and data in fresh subprocesses, alternated
+(plain, guarded, plain, guarded, ...) so machine noise hits both; the mean step time over all
+steps (guarded ones included) and the peak RSS (CPU) or peak CUDA memory are compared.
+Goals with the default guard schedule (guard_steps=2): step time <= 1.03x, memory <= 1.05x.
+What it does not measure: guard_steps=-1 (every step) costs one extra no-grad forward per
+microbatch; run with --guard-steps -1 to see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def child(variant: str, steps: int, guard_steps: int) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import resource
+    import time
+
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    import grpotrl
+    from grpotrl.data import load_quickstart
+    from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.rules import exact_answer_reward
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+
+    common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
+                  bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04)
+    dataset = load_quickstart("train")
+    model = resolve_model_path("smollm2-135m-instruct")
+    timer = StepTimer()
+    if variant == "trl":
+        args = trl.GRPOConfig(**common)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset,
+                                  callbacks=[timer])
+    else:
+        args = grpotrl.GRPOConfig(**common, guard_steps=guard_steps)
+        trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
+                                      train_dataset=dataset, callbacks=[timer])
+    trainer.train()
+    peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "peak_bytes": peak}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--guard-steps", type=int, default=2)
+    p.add_argument("--child", choices=["trl", "grpotrl"])
+    a = p.parse_args()
+    if a.child:
+        return child(a.child, a.steps, a.guard_steps)
+
+    results = {"trl": [], "grpotrl": []}
+    for r in range(a.rounds):
+        for variant in ("trl", "grpotrl"):
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
+                                  "--guard-steps", str(a.guard_steps)], capture_output=True, text=True)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
+            res = json.loads(line[7:])
+            results[variant].append(res)
+            print(f"round {r} {variant:8s} median step {statistics.median(res['step_times'][1:]):.3f} s  "
+                  f"peak {res['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+
+    def med(v):  # a user's wall time per step: every step, guarded ones included
+        return statistics.mean(statistics.mean(res["step_times"]) for res in results[v])
+
+    def peak(v):
+        return max(res["peak_bytes"] for res in results[v])
+
+    print(f"\nsteps={a.steps} rounds={a.rounds} guard_steps={a.guard_steps}")
+    print(f"step time  trl {med('trl'):.3f} s  grpotrl {med('grpotrl'):.3f} s  ratio {med('grpotrl') / med('trl'):.3f}"
+          "  (goal <= 1.03)")
+    print(f"peak mem   trl {peak('trl') / 2**20:.0f} MiB  grpotrl {peak('grpotrl') / 2**20:.0f} MiB  "
+          f"ratio {peak('grpotrl') / peak('trl'):.3f}  (goal <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

