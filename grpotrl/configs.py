@@ -26,10 +26,10 @@ class GuardFields:
                   "steps; -1 checks every step, 0 turns the guards off."},
     )
     guard_logprob_atol: float = field(
-        default=1e-4,
-        metadata={"help": "I5 tolerance (nats) between the loss's per-token logprobs and an independent "
-                  "log_softmax(logits / T) recomputation. Measured gap in fp32 is ~1e-6; raised 100x "
-                  "automatically under bf16/fp16."},
+        default=1e-5,
+        metadata={"help": "I5 tolerance between the loss's per-token logprobs and an independent "
+                  "log_softmax(logits / T) recomputation, in nats per nat of logit scale max|logits / T| "
+                  "(fp32 rounding grows with it). Raised 100x automatically under bf16/fp16."},
     )
     check_template: bool = field(
         default=True,

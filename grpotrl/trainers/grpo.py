@@ -147,10 +147,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         used = calls[0][0]  # [B, C] the policy logprobs the loss was built from
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([prompt_mask, cmask], dim=1)  # [B, P+C]
-        reference = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids, attention_mask,
-                                              completion_ids.size(1), self.temperature)
+        reference, scale = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids,
+                                                     attention_mask, completion_ids.size(1), self.temperature)
         atol = self.args.guard_logprob_atol * (100 if (self.args.bf16 or self.args.fp16) else 1)
-        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature, atol, rows)
+        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature, atol, rows,
+                                    scale=scale)
         self._guard_max_gap = max(self._guard_max_gap, gap)
         self._metrics["train"]["guards/logprob_max_gap"].append(gap)
         return loss
