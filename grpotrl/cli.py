@@ -1,0 +1,233 @@
+"""``grpotrl sft|grpo --config recipe.yaml [--key value ...]``: straight-line glue, no logic.
+
+    grpotrl sft  --config recipes/smollm2/sft_quickstart.yaml
+    grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml --max_steps 5
+    python -m grpotrl.cli grpo --config recipes/smollm2/grpo_quickstart.yaml
+    accelerate launch --config_file recipes/accelerate/single.yaml -m grpotrl.cli grpo --config ...
+
+A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArguments`` /
+``GRPOScriptArguments`` below (dataset, reward names), ``trl.ModelConfig`` (model, PEFT) and
+``grpotrl.SFTConfig`` / ``grpotrl.GRPOConfig`` (everything ``TrainingArguments`` and TRL know).
+``--key value`` on the command line overrides the recipe. A key that no dataclass knows is an
+error, with the closest known names.
+
+Order: parse -> model path (alias, local dir) -> tokenizer (chat template, stop tokens) ->
+dataset (+ reward columns) -> resume checkpoint; only then is the model loaded, so bad input
+costs seconds, not a model load. Simplified on purpose: datasets are ``quickstart`` or local
+JSON files (grpotrl never downloads), rewards come from ``grpotrl.rewards.rules`` by name.
+"""
+
+from __future__ import annotations
+
+import grpotrl  # noqa: I001  first: sets OMP_WAIT_POLICY before torch is imported
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from grpotrl import templates, validation
+from grpotrl.errors import InputError
+
+COMMANDS = ("sft", "grpo")
+USAGE = "usage: grpotrl {sft,grpo} --config RECIPE.yaml [--key value ...]"
+
+
+@dataclass
+class ScriptArguments:
+    dataset_name: str = field(
+        default="quickstart",
+        metadata={"help": "`quickstart` (shipped with grpotrl), a local .json/.jsonl file (its rows are the train "
+                  "split) or a local directory of them named by split (train.jsonl, test.jsonl)."},
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(
+        default="test", metadata={"help": "Split to evaluate on when eval_strategy != 'no'."}
+    )
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["exact_answer", "format"],
+        metadata={"help": f"Reward functions by name, from grpotrl.rewards.rules: {list(validation.REWARD_FUNCS)}."},
+    )
+
+
+def make_parser(command: str):
+    from trl import ModelConfig, TrlParser
+
+    # allow_abbrev=False: argparse would otherwise take `--num_generation` for `--num_generations`
+    if command == "sft":
+        return TrlParser((ScriptArguments, grpotrl.SFTConfig, ModelConfig), prog="grpotrl sft", allow_abbrev=False)
+    return TrlParser((GRPOScriptArguments, grpotrl.GRPOConfig, ModelConfig), prog="grpotrl grpo", allow_abbrev=False)
+
+
+def parse_args(command: str, argv: list[str]):
+    """``(script_args, training_args, model_args)`` from ``--config`` YAML (read with
+    ``yaml.safe_load`` by ``TrlParser``) and ``--key value`` overrides."""
+    if command not in COMMANDS:
+        raise InputError(f"Unknown command {command!r}; use one of {list(COMMANDS)}. {USAGE}")
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv) or not os.path.isfile(argv[i + 1]):
+            given = argv[i + 1] if i + 1 < len(argv) else "nothing"
+            raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
+    parser = make_parser(command)
+    *dataclasses, from_config, from_argv = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    known = {action.dest for action in parser._actions}
+    if from_config:
+        recipe = argv[argv.index("--config") + 1]
+        raise InputError(f"Unknown key(s) in the recipe {recipe}: {_with_hints(from_config[::2], known)}. "
+                         f"Fix the spelling or remove them; `grpotrl {command} --help` lists every key.")
+    if from_argv:
+        flags = [a for a in from_argv if a.startswith("-")] or from_argv
+        raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
+                         f"`grpotrl {command} --help` lists every key.")
+    return tuple(dataclasses)
+
+
+def _with_hints(keys: list[str], known: set[str]) -> str:
+    """``'lerning_rate' (did you mean 'learning_rate'?)`` for each key that has a close known one."""
+    out = []
+    for key in keys:
+        name = key.lstrip("-").split("=")[0]
+        close = difflib.get_close_matches(name, sorted(known), n=3)
+        out.append(f"{name!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+    return ", ".join(out)
+
+
+def load_split(dataset_name: str, split: str):
+    """A split of ``quickstart`` or of a local JSON file / directory; never a download."""
+    from datasets import load_dataset
+
+    from grpotrl.data import load_quickstart
+
+    if dataset_name == "quickstart":
+        return load_quickstart(split)
+    if os.path.isfile(dataset_name):
+        if split != "train":
+            raise InputError(f"dataset_name {dataset_name!r} is one file, which is the 'train' split only; "
+                             f"split {split!r} needs a directory with {split}.jsonl, or set eval_strategy: 'no'.")
+        return load_dataset("json", data_files=dataset_name, split="train")
+    if os.path.isdir(dataset_name):
+        splits = load_dataset(dataset_name)
+        if split not in splits:
+            raise InputError(f"Dataset dir {dataset_name!r} has splits {list(splits)}, not {split!r}. Set "
+                             "dataset_train_split / dataset_test_split to one of those.")
+        return splits[split]
+    raise InputError(
+        f"dataset_name {dataset_name!r} is neither 'quickstart' nor a local file or directory. grpotrl never "
+        "downloads datasets (no network here): save the data as JSONL locally and point dataset_name at it."
+    )
+
+
+def run(command: str, argv: list[str]) -> None:
+    script_args, training_args, model_args = parse_args(command, argv)
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from trl import get_peft_config, get_quantization_config
+
+    from grpotrl.models import resolve_model_path
+
+    ################
+    # Model path and tokenizer: checked before any weights are read
+    ################
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    validation.check_model_dir(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+    )
+    templates.require_chat_template(tokenizer)
+    generation_config = None
+    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        generation_config = GenerationConfig.from_pretrained(model_path)
+    stop_ids = templates.stop_token_ids(tokenizer, generation_config)
+
+    ################
+    # Dataset and rewards
+    ################
+    train_dataset = load_split(script_args.dataset_name, script_args.dataset_train_split)
+    validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=command)
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        eval_dataset = load_split(script_args.dataset_name, script_args.dataset_test_split)
+        validation.check_dataset(eval_dataset, script_args.dataset_test_split, kind=command)
+    if command == "grpo":
+        reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs)
+        validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
+
+    ################
+    # Resume checkpoint
+    ################
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint in (True, "true", "True", "last"):
+        checkpoint = validation.find_last_checkpoint(training_args.output_dir)
+    if checkpoint:
+        validation.check_resume_checkpoint(checkpoint)
+
+    ################
+    # Model and trainer
+    ################
+    transformers.set_seed(training_args.seed)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype),
+        quantization_config=get_quantization_config(model_args),
+    )
+    if command == "sft":
+        trainer = grpotrl.SFTTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+    else:
+        trainer = grpotrl.GRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+
+    ################
+    # Train, save, summarize
+    ################
+    result = trainer.train(resume_from_checkpoint=checkpoint or None)
+    trainer.save_model(training_args.output_dir)
+    metric = "reward" if command == "grpo" else "loss"
+    values = [entry[metric] for entry in trainer.state.log_history if metric in entry]
+    trend = f"{metric} {values[0]:.3f} (first) -> {values[-1]:.3f} (last)" if values else f"no {metric} logged"
+    trainer.accelerator.print(
+        f"grpotrl {command}: {trainer.state.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
+        f"{trend}, stop ids {stop_ids}; saved to {training_args.output_dir}"
+    )
+    trainer.end()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    try:
+        run(argv[0], argv[1:])
+    except InputError as err:  # bad input: the message says what to do, a traceback adds nothing
+        print(f"grpotrl {argv[0]}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Rule-based rewards with TRL's signature: ``(completions, **kwargs) -> list[float | None]``.
+
+``completions`` holds what the trainer generated, without prompt text (I3): for a
+conversational dataset each completion is a list of one assistant message
+``[{"role": "assistant", "content": "12"}]``, otherwise a plain string. Dataset columns
+other than ``prompt`` arrive as keyword lists (``answer`` for the quickstart data). A reward
+of ``None`` means "no reward for this sample" (TRL skips it), never a silent 0.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ONLY_A_NUMBER = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*$")
+
+
+def completion_text(completion) -> str:
+    """The generated text of one completion, conversational or plain.
+
+    >>> completion_text([{"role": "assistant", "content": " 12"}]), completion_text("12")
+    (' 12', '12')
+    """
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+def exact_answer_reward(completions, answer: list[str], **kwargs) -> list[float | None]:
+    r"""1.0 when the completion gives the answer, else 0.0; ``None`` where the answer is missing.
+
+    A numeric answer is compared with the LAST number in the completion (``"7 + 5 = 12"``
+    gives 12), as numbers (``"12.0"`` equals ``"12"``). Any other answer is compared with the
+    whole completion text, stripped, case-sensitive.
+
+    >>> completions = [
+    ...     [{"role": "assistant", "content": "12"}],
+    ...     [{"role": "assistant", "content": "7 + 5 = 12."}],
+    ...     [{"role": "assistant", "content": "12 or 13"}],
+    ...     [{"role": "assistant", "content": "twelve"}],
+    ... ]
+    >>> exact_answer_reward(completions, answer=["12", "12", "12", "12"])
+    [1.0, 1.0, 0.0, 0.0]
+    >>> exact_answer_reward([" Paris ", "Lyon", "3"], answer=["Paris", "Paris", None])
+    [1.0, 0.0, None]
+    """
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        text = completion_text(completion)
+        if gold is None or str(gold).strip() == "":
+            rewards.append(None)
+        elif _ONLY_A_NUMBER.match(str(gold)):
+            numbers = _NUMBER.findall(text)
+            rewards.append(1.0 if numbers and float(numbers[-1]) == float(gold) else 0.0)
+        else:
+            rewards.append(1.0 if text.strip() == str(gold).strip() else 0.0)
+    return rewards
+
+
+def format_reward(completions, **kwargs) -> list[float]:
+    r"""1.0 when the completion is only a number (the quickstart's "Answer with just the
+    number."), surrounding whitespace allowed; else 0.0.
+
+    >>> format_reward([[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "It is 12."}]])
+    [1.0, 0.0]
+    >>> format_reward([" -3\n", "12."])
+    [1.0, 0.0]
+    """
+    return [1.0 if _ONLY_A_NUMBER.match(completion_text(c)) else 0.0 for c in completions]

@@ -1,0 +1,277 @@
+"""grpotrl.validation and the CLI's pre-flight: every bad input is an ``InputError`` that names
+the bad value, raised before any model is loaded (fast: no weights are read here)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from safetensors.torch import save_file
+
+from grpotrl import cli, templates, validation
+from grpotrl.errors import InputError
+from grpotrl.rewards import rules
+
+GRPO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "grpo_quickstart.yaml"
+USER = [{"role": "user", "content": "What is 7 + 5?"}]
+ASSISTANT = [{"role": "assistant", "content": "12"}]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load weights fails the test: the checks must stop the run before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was validated")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def write_weights(directory, name="model.safetensors"):
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.zeros(4)}, str(directory / name))
+    return directory / name
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------
+
+def test_grpo_dataset_without_prompt_column_names_the_columns_found():
+    ds = Dataset.from_list([{"question": "What is 7 + 5?", "answer": "12"}])
+    with pytest.raises(InputError, match=r"'prompt' column.*\['question', 'answer'\]"):
+        validation.check_dataset(ds, "train", kind="grpo")
+
+
+def test_grpo_dataset_bad_row_is_named_by_index_and_value():
+    ds = Dataset.from_list([{"prompt": USER}, {"prompt": [{"role": "usr", "content": "hi"}]}])
+    with pytest.raises(InputError, match=r"Row 1 of the 'train' split.*role 'usr'"):
+        validation.check_dataset(ds, "train", kind="grpo")
+
+
+def test_grpo_dataset_missing_content_is_named():
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "user"}]}])
+    with pytest.raises(InputError, match=r"Row 1 .*content None"):
+        validation.check_dataset(ds, "train", kind="grpo")
+
+
+def test_empty_split_is_an_error():
+    ds = Dataset.from_list([{"prompt": USER}]).select([])
+    with pytest.raises(InputError, match=r"'test' split is empty"):
+        validation.check_dataset(ds, "test", kind="grpo")
+
+
+def test_sft_dataset_needs_prompt_completion_or_messages():
+    ds = Dataset.from_list([{"text": "What is 7 + 5? 12"}])
+    with pytest.raises(InputError, match=r"'prompt' \+ 'completion' .*\['text'\]"):
+        validation.check_dataset(ds, "train", kind="sft")
+
+
+def test_sft_completion_must_end_with_an_assistant_message():
+    ds = Dataset.from_list([{"prompt": USER, "completion": ASSISTANT}, {"prompt": USER, "completion": USER}])
+    with pytest.raises(InputError, match=r"Row 1 .*completion ends with a 'user' message"):
+        validation.check_dataset(ds, "train", kind="sft")
+
+
+def test_sft_messages_need_a_turn_before_the_answer():
+    ds = Dataset.from_list([{"messages": USER + ASSISTANT}, {"messages": ASSISTANT}])
+    with pytest.raises(InputError, match=r"Row 1 .*messages has 1 messages, needs at least 2"):
+        validation.check_dataset(ds, "train", kind="sft")
+
+
+def test_quickstart_data_passes_both_checks():
+    from grpotrl.data import load_quickstart
+
+    for split in ("train", "test"):
+        ds = load_quickstart(split)
+        validation.check_dataset(ds, split, kind="grpo")
+        validation.check_dataset(ds, split, kind="sft")
+        assert rules.exact_answer_reward(ds["completion"], answer=ds["answer"]) == [1.0] * len(ds)
+        assert rules.format_reward(ds["completion"]) == [1.0] * len(ds)
+    train = {r[0]["content"] for r in load_quickstart("train")["prompt"]}
+    test = {r[0]["content"] for r in load_quickstart("test")["prompt"]}
+    assert len(train) == 200 and len(test) == 40 and not train & test
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def test_tokenizer_without_chat_template_is_an_error(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(InputError, match="has no chat template"):
+        templates.require_chat_template(tokenizer)
+
+
+def test_cli_stops_on_a_tokenizer_without_chat_template(tmp_path, smollm2_path, smollm2_tokenizer, no_model_load):
+    model_dir = tmp_path / "no-template"
+    write_weights(model_dir)
+    (model_dir / "config.json").write_text((Path(smollm2_path) / "config.json").read_text())
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(model_dir)
+    with pytest.raises(InputError, match="has no chat template"):
+        cli.run("grpo", ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"),
+                         "--use_cpu", "true"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Model directories and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def test_missing_local_model_dir_names_the_path(tmp_path):
+    missing = tmp_path / "outputs" / "smollm2-sft-quickstart"
+    with pytest.raises(InputError, match=r"does not exist.*run that first"):
+        validation.check_model_dir(str(missing))
+
+
+def test_hub_id_is_an_error_saying_there_is_no_download(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # so 'HuggingFaceTB/...' is not a local dir by accident
+    with pytest.raises(InputError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct'.*never downloads.*smollm2-135m"):
+        validation.check_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_model_dir_with_config_only_is_incomplete(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InputError, match=r"incomplete weights: no model.safetensors.*found: config.json"):
+        validation.check_model_dir(str(tmp_path))
+
+
+def test_model_dir_without_config_is_an_error(tmp_path):
+    write_weights(tmp_path)
+    with pytest.raises(InputError, match=r"has no config.json \(found: model.safetensors\)"):
+        validation.check_model_dir(str(tmp_path))
+
+
+def test_truncated_safetensors_is_incomplete(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    weights = write_weights(tmp_path)
+    validation.check_model_dir(str(tmp_path))  # complete: passes
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-4])  # a save killed before the last bytes
+    with pytest.raises(InputError, match=rf"{len(data) - 4} bytes, its header says {len(data)}"):
+        validation.check_model_dir(str(tmp_path))
+
+
+def test_sharded_checkpoint_with_a_missing_shard(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    write_weights(tmp_path, "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InputError, match=r"missing: \['model-00002-of-00002.safetensors'\]"):
+        validation.check_model_dir(str(tmp_path))
+    write_weights(tmp_path, "model-00002-of-00002.safetensors")
+    validation.check_model_dir(str(tmp_path))
+
+
+def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
+    base = tmp_path / "base"
+    (base / "config.json").parent.mkdir()
+    (base / "config.json").write_text("{}")
+    write_weights(base)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    with pytest.raises(InputError, match=r"adapter dir .* no adapter_model.safetensors"):
+        validation.check_model_dir(str(adapter))
+    write_weights(adapter, "adapter_model.safetensors")
+    validation.check_model_dir(str(adapter))
+    (base / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=r"base model of PEFT adapter .* incomplete weights"):
+        validation.check_model_dir(str(adapter))
+
+
+def test_partial_resume_checkpoint_names_complete_ones_beside_it(tmp_path):
+    good, partial = tmp_path / "checkpoint-10", tmp_path / "checkpoint-20"
+    write_weights(good)
+    (good / "trainer_state.json").write_text("{}")
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    validation.check_resume_checkpoint(str(good))
+    with pytest.raises(InputError, match=r"checkpoint-20' is incomplete: no trainer_state.json; no model.*"
+                                         r"\['checkpoint-10'\]"):
+        validation.check_resume_checkpoint(str(partial))
+    assert validation.find_last_checkpoint(str(tmp_path)) == str(good)
+    with pytest.raises(InputError, match="holds no complete checkpoint"):
+        validation.find_last_checkpoint(str(tmp_path / "checkpoint-20"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------
+
+def test_unknown_reward_name_lists_the_known_ones():
+    assert validation.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
+    with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format'\]"):
+        validation.resolve_reward_funcs(["exact_anwser", "format"])
+
+
+def test_reward_needing_a_missing_column_is_caught_before_training():
+    ds = Dataset.from_list([{"prompt": USER, "solution": "12"}])
+    validation.check_reward_columns([rules.format_reward], ds, "train")
+    with pytest.raises(InputError, match=r"exact_answer_reward needs the dataset column\(s\) \['answer'\]"):
+        validation.check_reward_columns([rules.exact_answer_reward], ds, "train")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: parse errors and the order of checks
+# ---------------------------------------------------------------------------------------------
+
+def test_mistyped_recipe_key_errors_before_the_model_loads(tmp_path, no_model_load):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: smollm2-135m-instruct\nlerning_rate: 1.0e-5\nuse_cpu: true\n")
+    with pytest.raises(InputError, match=r"recipe.yaml: 'lerning_rate' \(did you mean 'learning_rate'"):
+        cli.run("grpo", ["--config", str(recipe)])
+
+
+def test_mistyped_command_line_key_is_an_error(tmp_path, no_model_load):
+    with pytest.raises(InputError, match=r"'num_generation' \(did you mean 'num_generations'"):
+        cli.parse_args("grpo", ["--output_dir", str(tmp_path), "--num_generation", "4"])
+
+
+def test_recipe_yaml_is_read_with_safe_load(tmp_path):
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(f'output_dir: !!python/object/apply:os.makedirs ["{tmp_path / "pwned"}"]\n')
+    with pytest.raises(Exception, match="could not determine a constructor"):
+        cli.parse_args("sft", ["--config", str(recipe)])
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_dataset_file_stops_the_cli_before_the_model_loads(tmp_path, smollm2_path, no_model_load):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "What is 7 + 5?", "answer": "12"}) + "\n")
+    with pytest.raises(InputError, match=r"'prompt' column.*\['question', 'answer'\]"):
+        cli.run("grpo", ["--model_name_or_path", smollm2_path, "--dataset_name", str(data),
+                         "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+
+
+def test_valid_recipe_reaches_the_model_load_last(smollm2_path, tmp_path, monkeypatch):
+    """All checks pass on the real quickstart inputs, and loading the model is the next step."""
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", reached)
+    with pytest.raises(Reached):
+        cli.run("grpo", ["--config", str(GRPO_RECIPE), "--model_name_or_path", smollm2_path,
+                         "--output_dir", str(tmp_path / "out")])
+
+
+def test_dataset_name_must_be_quickstart_or_local(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"prompt": USER, "answer": split}) + "\n")
+    assert cli.load_split(str(data), "test")["answer"] == ["test"]
+    assert cli.load_split(str(data / "train.jsonl"), "train")["answer"] == ["train"]
+    with pytest.raises(InputError, match=r"has splits \['train', 'test'\], not 'validation'"):
+        cli.load_split(str(data), "validation")
+    with pytest.raises(InputError, match=r"is one file, which is the 'train' split only"):
+        cli.load_split(str(data / "train.jsonl"), "test")
+    with pytest.raises(InputError, match=r"'openai/gsm8k' is neither 'quickstart' nor a local file.*never downloads"):
+        cli.load_split("openai/gsm8k", "train")
