@@ -23,9 +23,14 @@ $(VENV_STAMP): setup.cfg pyproject.toml scripts/setup.sh
 test: export OMP_NUM_THREADS ?= 2
 # pytest exits 5 when it collected nothing; make would only say "Error 5", so say what it is.
 test: $(VENV_STAMP)
-	.venv/bin/python -m pytest -q tests || { status=$$?; [ $$status -ne 5 ] || \
+	.venv/bin/python -m pytest -q tests --doctest-modules grpotrl || { status=$$?; [ $$status -ne 5 ] || \
 	    echo "make test: FAIL: pytest collected no tests (exit 5); check tests/ and that its files import" >&2; \
 	    exit $$status; }
 
+# SFT then GRPO on SmolLM2-135M-Instruct, exactly the two commands a user would type; the
+# log goes to outputs/quickstart.log as well as the terminal.
+quickstart: SHELL := /bin/bash
 quickstart: $(VENV_STAMP)
-	.venv/bin/python -m grpotrl.quickstart
+	mkdir -p outputs
+	set -o pipefail; { .venv/bin/grpotrl sft --config recipes/smollm2/sft_quickstart.yaml && \
+	  .venv/bin/grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml; } 2>&1 | tee outputs/quickstart.log

@@ -147,6 +147,8 @@ def run(command: str, argv: list[str]) -> None:
     if os.path.isfile(os.path.join(model_path, "generation_config.json")):
         generation_config = GenerationConfig.from_pretrained(model_path)
     stop_ids = templates.stop_token_ids(tokenizer, generation_config)
+    if command == "grpo" and training_args.check_template:
+        templates.check_fingerprint(model_path, tokenizer)  # I2: before the weights are read
 
     ################
     # Dataset and rewards
@@ -207,14 +209,31 @@ def run(command: str, argv: list[str]) -> None:
     ################
     result = trainer.train(resume_from_checkpoint=checkpoint or None)
     trainer.save_model(training_args.output_dir)
-    metric = "reward" if command == "grpo" else "loss"
-    values = [entry[metric] for entry in trainer.state.log_history if metric in entry]
-    trend = f"{metric} {values[0]:.3f} (first) -> {values[-1]:.3f} (last)" if values else f"no {metric} logged"
+    trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
+    trainer.accelerator.print(summary(command, trainer.state.log_history))
     trainer.accelerator.print(
         f"grpotrl {command}: {trainer.state.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
-        f"{trend}, stop ids {stop_ids}; saved to {training_args.output_dir}"
+        f"stop ids {stop_ids}; model, tokenizer, template fingerprint and trainer_state.json in "
+        f"{training_args.output_dir}"
     )
     trainer.end()
+
+
+def summary(command: str, log_history: list[dict], window: int = 5) -> str:
+    """Mean of the first and last ``window`` logged values of the metrics that tell progress.
+
+    >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
+    'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
+    """
+    keys = ["loss"] if command == "sft" else ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"]
+    lines = []
+    for key in keys:
+        values = [entry[key] for entry in log_history if key in entry]
+        if values:
+            first, last = values[:window], values[-window:]
+            lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
+                         f"{sum(last) / len(last):.3f} (last {len(last)} steps)")
+    return "\n".join(lines) or "nothing logged"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,6 +99,20 @@ def check_extraction(
             )
 
 
+def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: list[list[int]],
+                           loss_completion_ids: torch.Tensor, rows) -> None:
+    """I3: the completion ids the loss scores start with exactly the ids generation returned."""
+    for j, (r, want) in enumerate(zip(rows, generated)):
+        got = loss_completion_ids[j].tolist()
+        if got[: len(want)] != list(want):
+            raise InvariantError(
+                "I3",
+                f"row {r}: the loss scores other completion ids than generation returned.\n"
+                + boundary_report(tokenizer, prompt_ids[j], got)
+                + f"\n    generated head: {tokenizer.decode(list(want)[:8], skip_special_tokens=False)!r}",
+            )
+
+
 def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list, header: str) -> None:
     """I3: the text reward functions see is the decoded completion, with no chat header in it."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -98,3 +98,11 @@ def test_check_logprobs_reports_row_and_token(smollm2_tokenizer, bad):
     with pytest.raises(grpotrl.InvariantError, match="completion token 1"):
         guards.check_logprobs(smollm2_tokenizer, used, ref, torch.ones(1, 2), torch.tensor([[5, 6]]),
                               bad["temperature"], 1e-5, [0])
+
+
+def test_I3_loss_completion_must_be_the_generated_one(smollm2_tokenizer):
+    generated = [[520, 33, 2]]
+    guards.check_same_completions(smollm2_tokenizer, [[1, 2]], generated, torch.tensor([[520, 33, 2, 2]]), [0])
+    with pytest.raises(grpotrl.InvariantError, match="other completion ids"):  # shifted by one prompt token
+        guards.check_same_completions(smollm2_tokenizer, [[1, 2]], generated, torch.tensor([[198, 520, 33, 2]]),
+                                      [0])

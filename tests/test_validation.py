@@ -275,3 +275,20 @@ def test_dataset_name_must_be_quickstart_or_local(tmp_path):
         cli.load_split(str(data / "train.jsonl"), "test")
     with pytest.raises(InputError, match=r"'openai/gsm8k' is neither 'quickstart' nor a local file.*never downloads"):
         cli.load_split("openai/gsm8k", "train")
+
+
+def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from grpotrl.templates import stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.eos_token = None
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(InputError, match="Cannot determine the stop tokens") as err:
+        stop_token_ids(tok, generation_config=None)
+    assert "eos_token" in str(err.value)  # says what to set
+    # the template's end-of-turn alone is enough, and generation_config's ids count too
+    from transformers import GenerationConfig
+
+    assert stop_token_ids(tok, GenerationConfig(eos_token_id=[5, 7])) == [5, 7]
