@@ -39,7 +39,32 @@ class GuardFields:
 
 
 @dataclass
-class GRPOConfig(GuardFields, trl.GRPOConfig):
+class GenerationFields:
+    presence_penalty: float = field(
+        default=0.0,
+        metadata={"help": "OpenAI presence penalty, counting only the tokens generated so far in each response "
+                  "(never the prompt or padding; INVARIANT I6). TRL's `repetition_penalty` is made "
+                  "response-only the same way on the transformers generate path."},
+    )
+    frequency_penalty: float = field(
+        default=0.0,
+        metadata={"help": "OpenAI frequency penalty, counting only the tokens generated so far (I6)."},
+    )
+    min_new_tokens: int = field(
+        default=0,
+        metadata={"help": "Block every stop id (eos, end-of-turn, generation_config.eos_token_id) until this many "
+                  "tokens are generated; the trigger rate is logged as `generation/min_new_tokens_trigger_rate`."},
+    )
+    hf_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": "On the transformers generate path, correct for the gap between the sampler's "
+                  "processed distribution and the trainer's with TRL's truncated importance sampling, using "
+                  "the same knobs as vLLM: vllm_importance_sampling_mode / _clip_min / _clip_max."},
+    )
+
+
+@dataclass
+class GRPOConfig(GenerationFields, GuardFields, trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "

@@ -237,20 +237,28 @@ def record_calls(obj, name: str):
 
 
 @contextmanager
-def record_generate(model):
-    """Record the inputs and outputs of ``model.generate`` for the duration of the block (I3)."""
+def record_generate(model, extra_kwargs=None):
+    """Record the inputs and outputs of ``model.generate`` for the duration of the block (I3).
+
+    ``extra_kwargs(input_ids) -> dict`` may add keyword arguments to each call (logits
+    processors, ``output_scores``); when it asks for ``return_dict_in_generate`` the caller
+    still gets the plain sequences it asked for."""
     original = model.generate
     calls = []
 
     def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        extra = extra_kwargs(input_ids) if extra_kwargs is not None else {}
+        out = original(*args, **{**kwargs, **extra})
         sequences = out.sequences if hasattr(out, "sequences") else out
         calls.append({
-            "input_ids": kwargs.get("input_ids", args[0] if args else None),
+            "input_ids": input_ids,
             "attention_mask": kwargs.get("attention_mask"),
             "output": sequences,
+            "scores": getattr(out, "scores", None),
+            "extra": extra,
         })
-        return out
+        return sequences if extra.get("return_dict_in_generate") and not kwargs.get("return_dict_in_generate") else out
 
     with _instance_attr(model, "generate", spy):
         yield calls
