@@ -6,7 +6,7 @@ V vocabulary, C completion width (``G`` at the end of ``generate``).
 INVARIANT I6: presence, frequency and repetition penalties count only ``input_ids[:, P:]``,
 the tokens generated so far in each row, never the prompt or its left padding (seed 000 bug
 #2: twenty " the" in the prompt and a 0.4 frequency penalty put " the" 8 logits down, so EOS,
-never in the prompt, came out ~3000x likelier and answers were one token long). Because
+never in that prompt, came out ~3000x likelier and answers were one token long). Because
 prompts are left-padded, every row's response starts at column ``P`` whatever its prompt
 length, so one integer is enough. transformers' own ``RepetitionPenaltyLogitsProcessor``, as
 ``generate`` builds it from ``repetition_penalty``, skips the padding but counts the prompt.
@@ -104,14 +104,16 @@ class PresencePenaltyProcessor(_ResponseOnly):
         if self._generated(input_ids) == 0:
             return scores
         generated = input_ids[:, self.prompt_width:]  # [B, G]
-        # once per distinct id: a repeated id writes the same value twice
+        # an id generated twice writes the same gathered - penalty value twice: penalised once
         return scores.scatter(1, generated, scores.gather(1, generated) - self.penalty)  # [B, V]
 
 
 class FrequencyPenaltyProcessor(_ResponseOnly):
     """OpenAI frequency penalty over the response: ``logit[j] -= penalty * count_j``.
 
-    ``penalty`` in [-2, 2], as OpenAI and vLLM accept.
+    ``penalty`` in [-2, 2], as OpenAI and vLLM accept. Applied as ``count_j`` subtractions of
+    ``penalty`` (one scatter over the ``G`` generated ids, no ``[B, V]`` count tensor), equal to
+    the product up to fp rounding.
 
     >>> ids = torch.tensor([[9, 1, 1, 3]])  # P=2: prompt [9, 1], generated [1, 3]
     >>> FrequencyPenaltyProcessor(0.5, prompt_width=1)(ids, torch.zeros(1, 10)).tolist()[0][:4]  # P=1: [1, 1, 3]
@@ -165,15 +167,16 @@ class MinNewTokensProcessor(_ResponseOnly):
     Trigger record, for the min-new-tokens trigger rate: ``triggered`` (``[B]`` bool, None
     before the first blocked step) marks each row where, at some blocked step, a stop id had
     the highest incoming score (ties included), i.e. the row's mode was "stop here": greedy
-    decoding would have ended the response. The argmax is unchanged by temperature, top-k, top-p and min-p, which
-    run after this processor, so the record does not depend on the sampling knobs; put this
-    processor after the penalties so it sees the penalised scores. A row whose stop
-    probability was high but not the highest is not counted. ``trigger_rate`` is the share of
-    rows marked. This OR-update is the only state any processor here keeps: build a new one
-    per ``generate`` call.
+    decoding would have ended the response. Which id is on top does not change under
+    temperature, top-k, top-p or min-p, which run after this processor, so the record does not
+    depend on the sampling knobs; put this processor after the penalties so it sees the
+    penalised scores. A row whose stop probability was high but not the highest is not
+    counted. ``trigger_rate`` is the share of rows marked. This OR-update is the only state any
+    processor here keeps: build a new one per ``generate`` call.
 
     >>> p = MinNewTokensProcessor(2, stop_ids=[0, 3], prompt_width=1)
-    >>> p(torch.tensor([[5]]), torch.tensor([[9.0, 1.0, 1.0, 1.0]])).tolist()  # G=0 < 2: blocked, id 0 was the top
+    >>> # G=0 < 2: both stop ids blocked; id 0 had the top score, so the row triggered
+    >>> p(torch.tensor([[5]]), torch.tensor([[9.0, 1.0, 1.0, 1.0]])).tolist()
     [[-inf, 1.0, 1.0, -inf]]
     >>> p(torch.tensor([[5, 1, 1]]), torch.tensor([[9.0, 1.0, 1.0, 1.0]])).tolist()  # G=2: free
     [[9.0, 1.0, 1.0, 1.0]]

@@ -1,0 +1,214 @@
+"""I6: response-only penalties and min-new-tokens suppression, on the real SmolLM2 tokenizer
+(<|im_end|> = 2 is eos AND pad), with hand counts; and the sampler's own logprobs from a real
+``generate``."""
+
+import math
+
+import pytest
+import torch
+from transformers import (LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper)
+
+from grpotrl.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
+                                RepetitionPenaltyProcessor, build_processors, generated_counts, sampler_logprobs)
+
+EOS = PAD = 2  # SmolLM2: <|im_end|>, eos and pad
+ENDOFTEXT = 0  # SmolLM2's <|endoftext|>, a second stop id
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
+
+
+def test_I6_seed000_prompt_full_of_the(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    (the,) = tok.encode(" the")
+    prompt = chat(tok, "the" + " the" * 20)
+    V = len(tok)
+    assert prompt.count(the) == 20
+    assert prompt.count(EOS) == 2  # the template closes the system and the user turn with <|im_end|>
+    input_ids = torch.tensor([prompt])  # first generation step: P = whole input, G = 0
+    P = input_ids.size(1)
+    scores = torch.zeros(1, V)
+    scores[0, the], scores[0, EOS] = 3.0, 1.0
+
+    # response-only (I6): nothing generated yet, so nothing moves; p(eos)/p(the) stays e^(1-3)
+    for proc in (PresencePenaltyProcessor(0.4, P), FrequencyPenaltyProcessor(0.4, P),
+                 RepetitionPenaltyProcessor(1.3, P)):
+        assert torch.equal(proc(input_ids, scores), scores)
+
+    # the seed's whole-sequence count, inline: " the" x20 and <|im_end|> x2 in the prompt
+    whole_counts = torch.zeros(V).scatter_add_(0, input_ids[0], torch.ones(P))
+    seed = scores[0] - 0.4 * whole_counts
+    assert seed[the].item() == pytest.approx(3.0 - 0.4 * 20)  # -5: " the" pushed 8 logits down
+    assert seed[EOS].item() == pytest.approx(1.0 - 0.4 * 2)  # eos only 0.8 down
+    boost = math.exp((seed[EOS] - seed[the]).item()) / math.exp(1.0 - 3.0)
+    assert boost == pytest.approx(math.exp(8.0 - 0.8), rel=1e-4)  # eos ~1340x likelier relative to " the"
+    # the same processor counting from column 0 IS the seed's behaviour
+    assert torch.allclose(FrequencyPenaltyProcessor(0.4, prompt_width=0)(input_ids, scores)[0], seed)
+    # and transformers' repetition penalty as generate builds it (prompt_ignore_length = left padding = 0 here)
+    hf = RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.tensor([0]))(input_ids, scores.clone())
+    assert hf[0, the].item() == pytest.approx(3.0 / 1.3)
+
+    # one step later, after the model generated " the" once: only that occurrence counts
+    step2 = torch.tensor([prompt + [the]])
+    assert FrequencyPenaltyProcessor(0.4, P)(step2, scores)[0, the].item() == pytest.approx(3.0 - 0.4)
+    assert FrequencyPenaltyProcessor(0.4, P)(step2, scores)[0, EOS].item() == 1.0
+
+
+def test_I6_left_padded_batch_counts_generated_tokens_only(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    (the,), (cat,) = tok.encode(" the"), tok.encode(" cat")
+    short, long = chat(tok, "the cat"), chat(tok, "the cat the cat the cat")
+    P = len(long)
+    prompts = torch.tensor([[PAD] * (P - len(short)) + short, long])  # left padding with pad == eos
+    # row 0 generated " the", " the", " cat"; row 1 generated " cat", stopped on eos, then got a forced pad
+    generated = torch.tensor([[the, the, cat], [cat, EOS, PAD]])
+    input_ids = torch.cat([prompts, generated], dim=1)
+    V = len(tok)
+    # hand count over the generated columns only; row 0's left padding and both prompts' <|im_end|>
+    # (id 2) and " the"/" cat" are not counted. Row 1's forced pad after its stop is counted
+    # (a generated column), harmless: the row is finished and its later scores are unused.
+    hand = [{the: 2, cat: 1}, {cat: 1, EOS: 2}]
+    want = torch.zeros(2, V)
+    for row, counts in enumerate(hand):
+        for j, n in counts.items():
+            want[row, j] = n
+    assert torch.equal(generated_counts(input_ids, P, V), want)
+
+    scores = torch.zeros(2, V)
+    assert torch.equal(FrequencyPenaltyProcessor(1.0, P)(input_ids, scores), -want)
+    assert torch.equal(PresencePenaltyProcessor(1.5, P)(input_ids, scores), -1.5 * (want > 0).float())
+    scores[:, the] = 2.0
+    scores[:, cat] = -2.0
+    rep = RepetitionPenaltyProcessor(2.0, P)(input_ids, scores)
+    # row 0: " the" generated, 2.0 / 2 = 1.0; " cat" generated, -2.0 * 2 = -4.0
+    # row 1: " the" only in the prompt, unchanged 2.0; " cat" generated, -4.0
+    assert rep[:, [the, cat]].tolist() == [[1.0, -4.0], [2.0, -4.0]]
+    # a whole-sequence count (from column 0) sees the prompt: row 1 generated no " the" but holds two
+    assert long.count(the) == 2 and generated_counts(input_ids, 0, V)[1, the] == 2
+
+
+def test_I6_min_new_tokens_blocks_every_stop_id_until_k():
+    stops = [ENDOFTEXT, EOS, 7]
+    V, P, k = 10, 4, 3
+    proc = MinNewTokensProcessor(k, stops, prompt_width=P)
+    prompt = torch.tensor([[PAD, 5, 6, 8], [5, 6, 8, 9], [5, 5, 5, 5]])  # B=3
+    scores = torch.zeros(3, V)
+    scores[0, 7] = 4.0  # row 0: stop id 7 is the top score
+    scores[1, ENDOFTEXT], scores[1, 5] = 3.0, 3.5  # row 1: a likely stop, but id 5 is the top
+    scores[2, 9] = 1.0  # row 2: no stop in sight
+    input_ids = prompt
+    for g in range(k):  # G = 0, 1, 2: all three stop ids blocked in every row, the rest untouched
+        out = proc(input_ids, scores)
+        assert out[:, stops].eq(-math.inf).all()
+        keep = [j for j in range(V) if j not in stops]
+        assert torch.equal(out[:, keep], scores[:, keep])
+        input_ids = torch.cat([input_ids, torch.tensor([[5], [5], [5]])], dim=1)
+    assert scores[0, 7] == 4.0  # inputs not modified
+    # G = k: free; a stop that is the top now is not a trigger (nothing was blocked)
+    scores[2, EOS] = 9.0
+    for _ in range(2):
+        assert torch.equal(proc(input_ids, scores), scores)
+        input_ids = torch.cat([input_ids, torch.tensor([[5], [5], [5]])], dim=1)
+    # only row 0 had a stop id as its top score at a blocked step
+    assert proc.triggered.tolist() == [True, False, False]
+    assert proc.trigger_count == 1 and proc.trigger_rate == pytest.approx(1 / 3)
+    assert MinNewTokensProcessor(k, stops, P).trigger_rate == 0.0  # never called: nothing blocked
+
+
+def test_I6_repetition_penalty_matches_transformers_without_prompt_and_ignores_prompt():
+    g = torch.Generator().manual_seed(0)
+    V = 12
+    input_ids = torch.randint(0, V, (3, 9), generator=g)
+    scores = torch.randn(3, V, generator=g) * 3  # both signs
+    # P = 0 (no prompt): identical to transformers'
+    ours = RepetitionPenaltyProcessor(1.3, prompt_width=0)(input_ids, scores)
+    assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3)(input_ids, scores.clone()))
+    # P = 4: identical to transformers' with prompt_ignore_length=4 ...
+    ours = RepetitionPenaltyProcessor(1.3, prompt_width=4)(input_ids, scores)
+    assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=4)(input_ids, scores.clone()))
+    # ... and not to what generate builds from repetition_penalty (skips left padding only, here none)
+    built = RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.zeros(3, dtype=torch.long))
+    prompt_only = [set(r[:4].tolist()) - set(r[4:].tolist()) for r in input_ids]
+    assert any(prompt_only)  # some id occurs in a prompt but was not generated
+    differs = ~torch.isclose(ours, built(input_ids, scores.clone()))
+    for row, ids in enumerate(prompt_only):  # they differ exactly on those ids
+        assert set(differs[row].nonzero().flatten().tolist()) == ids
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: PresencePenaltyProcessor(2.5, 3), "presence_penalty"),
+    (lambda: FrequencyPenaltyProcessor(float("nan"), 3), "frequency_penalty"),
+    (lambda: FrequencyPenaltyProcessor("0.1", 3), "frequency_penalty"),
+    (lambda: RepetitionPenaltyProcessor(0.0, 3), "repetition_penalty"),
+    (lambda: RepetitionPenaltyProcessor(-1.2, 3), "repetition_penalty"),
+    (lambda: PresencePenaltyProcessor(0.1, -1), "prompt_width"),
+    (lambda: PresencePenaltyProcessor(0.1, 3.0), "prompt_width"),
+    (lambda: MinNewTokensProcessor(0, [2], 3), "min_new_tokens"),
+    (lambda: MinNewTokensProcessor(True, [2], 3), "min_new_tokens"),
+    (lambda: MinNewTokensProcessor(2, [], 3), "stop_ids"),
+    (lambda: MinNewTokensProcessor(2, [2, -1], 3), "stop_ids"),
+    (lambda: build_processors(3, min_new_tokens=2), "stop_ids"),
+])
+def test_I6_init_validation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_I6_stale_prompt_width_and_reuse_are_errors():
+    with pytest.raises(ValueError, match="per generate call"):
+        PresencePenaltyProcessor(0.1, prompt_width=5)(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4))
+    proc = MinNewTokensProcessor(2, [2], prompt_width=1)
+    proc(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="reused"):
+        proc(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        MinNewTokensProcessor(2, [9], 0)(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 4))
+
+
+def test_I5_I6_sampler_logprobs_through_real_generate(tiny_llama, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+             for c in ("Hi", "What is 1 + 1 + 1 + 2?")]
+    batch = tok(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    assert batch["attention_mask"][0, 0] == 0  # really left-padded
+    P = batch["input_ids"].size(1)
+    k, stops, T, top_k = 3, [ENDOFTEXT, EOS], 0.7, 20
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_new_tokens=k, stop_ids=stops)
+    procs = build_processors(P, **kw)
+    bias = {(EOS,): 40.0}  # makes <|im_end|> the top score everywhere: it must still wait for k tokens
+    torch.manual_seed(0)
+    out = model.generate(**batch, do_sample=True, temperature=T, top_k=top_k, max_new_tokens=6, sequence_bias=bias,
+                         eos_token_id=stops, pad_token_id=PAD, logits_processor=procs,
+                         output_scores=True, output_logits=True, return_dict_in_generate=True)
+    completions = out.sequences[:, P:]  # [B, C]
+    # min-new-tokens really ran inside generate: k tokens without a stop, then the biased eos
+    assert not torch.isin(completions[:, :k], torch.tensor(stops)).any()
+    assert completions[:, k].tolist() == [EOS, EOS] and completions.size(1) == k + 1
+    assert procs[-1].trigger_count == 2  # both rows' top score was eos while it was blocked
+
+    # what transformers 5.23 stores as `scores`: raw logits -> sequence bias -> OUR processors ->
+    # temperature -> top-k, i.e. exactly the tensor it samples from (replayed with fresh processors)
+    replay = LogitsProcessorList([SequenceBiasLogitsProcessor(sequence_bias=bias), *build_processors(P, **kw),
+                                  TemperatureLogitsWarper(T), TopKLogitsWarper(top_k)])
+    for t, (raw, stored) in enumerate(zip(out.logits, out.scores)):
+        want = replay(out.sequences[:, : P + t], raw)
+        assert torch.allclose(stored, want, atol=1e-6), t
+        assert (stored.isfinite().sum(-1) <= top_k).all()  # top-k applied: warpers are in `scores`
+
+    got = sampler_logprobs(out.scores, out.sequences, P)  # [B, C]
+    want = torch.stack(out.scores, dim=1).log_softmax(-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    assert got.shape == completions.shape
+    assert torch.allclose(got, want, atol=1e-6)
+    assert got.isfinite().all()  # every column up to and including the stop was sampled, so p > 0
+    # the processed logprob is not the trainer's log_softmax(raw / T): penalties and top-k move it
+    trainer = torch.stack(out.logits, dim=1).div(T).log_softmax(-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    assert not torch.allclose(got, trainer, atol=1e-3)
+
+
+def test_sampler_logprobs_needs_matching_widths():
+    with pytest.raises(ValueError, match="score steps"):
+        sampler_logprobs([torch.zeros(1, 4)], torch.zeros(1, 5, dtype=torch.long), prompt_width=3)
