@@ -201,7 +201,8 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     ``atol`` times the logit scale ``max |logits / T|`` where that exceeds 1 (fp32 rounding of
     a log-softmax over a 49k vocabulary grows with the logits: on SmolLM2 the fused head and a
     plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
-    gap = (used.detach().float() - reference.float()).abs() * mask  # [B, C]
+    used = used.detach()
+    gap = (used.float() - reference.float()).abs() * mask  # [B, C]
     scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
     worst = float(scaled.max()) if scaled.numel() else 0.0
     if worst > atol:
