@@ -1,0 +1,72 @@
+"""Pure loss math against hand-derived numbers: KL estimators and the IS ratio."""
+
+import math
+
+import pytest
+import torch
+
+from grpotrl.losses import (importance_sampling_ratio, kl_abs, kl_full, kl_k1, kl_k2, kl_k3, kl_penalty)
+
+
+def test_kl_estimators_hand_values():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    # d = logp - ref = [1, -1]
+    assert kl_k1(logp, ref).tolist() == [1.0, -1.0]
+    assert kl_abs(logp, ref).tolist() == [1.0, 1.0]
+    assert kl_k2(logp, ref).tolist() == [0.5, 0.5]
+    # k3: r = exp(ref - logp) = [e^-1, e^1]; r - log r - 1 = [e^-1 + 1 - 1, e - 1 - 1]
+    assert kl_k3(logp, ref).tolist() == pytest.approx([math.exp(-1), math.e - 2], abs=1e-6)
+    assert kl_k3(torch.tensor([0.0]), torch.tensor([-50.0])).item() == 10.0  # 49 + e^-50 - 1, clamped
+
+
+def test_kl_estimators_vanish_at_the_reference():
+    x = torch.tensor([-0.3, -4.0])
+    for est in ("k1", "abs", "k2", "k3"):
+        assert kl_penalty(x, x, est).abs().max().item() == 0.0, est
+
+
+def test_k1_and_k3_are_unbiased_for_the_exact_kl():
+    """E_{x~pi}[k1] = E[k3] = KL(pi || ref); checked exactly by enumerating a 3-token vocabulary."""
+    logits, ref_logits = torch.tensor([1.0, 0.0, -1.0]), torch.tensor([0.0, 0.5, 0.0])
+    logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+    p = logp.exp()
+    exact = kl_full(logits.view(1, 1, 3), ref_logits.view(1, 1, 3)).item()
+    assert (p * kl_k1(logp, ref)).sum().item() == pytest.approx(exact, abs=1e-6)
+    assert (p * kl_k3(logp, ref)).sum().item() == pytest.approx(exact, abs=1e-6)
+    assert exact == pytest.approx((p * (logp - ref)).sum().item(), abs=1e-7)
+
+
+def test_kl_full_temperature_and_identity():
+    lg = torch.randn(2, 3, 7)
+    assert kl_full(lg, lg).abs().max().item() < 1e-6
+    # T=2 equals T=1 on halved logits
+    ref = torch.randn(2, 3, 7)
+    assert torch.allclose(kl_full(lg, ref, temperature=2.0), kl_full(lg / 2, ref / 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("est", ["k1", "abs", "k2", "k3"])
+def test_kl_gradient_pushes_logp_back_towards_the_reference(est):
+    """Minimising the penalty lowers log pi of a token pi over-weights relative to pi_ref."""
+    logp = torch.tensor([-1.0], requires_grad=True)  # pi puts more mass on the token than ref
+    kl_penalty(logp, torch.tensor([-2.0]), est).sum().backward()
+    assert logp.grad.item() > 0  # gradient descent lowers logp
+
+
+def test_kl_full_gradient_moves_pi_towards_ref():
+    logits = torch.tensor([[[2.0, 0.0]]], requires_grad=True)
+    ref = torch.tensor([[[0.0, 0.0]]])
+    kl_full(logits, ref).sum().backward()
+    assert logits.grad[0, 0, 0] > 0 > logits.grad[0, 0, 1]  # descent lowers the over-weighted logit
+
+
+def test_importance_sampling_ratio_modes():
+    t, s = torch.tensor([[0.0, 0.0, -1.0]]), torch.tensor([[0.0, -2.0, -1.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0]])  # last token is padding: ratio 1 whatever its values
+    # token ratios exp([0, 2, 0]) = [1, 7.389, 1]
+    assert importance_sampling_ratio(t, s, m, "token_truncate", clip_max=3.0).tolist() == [[1.0, 3.0, 1.0]]
+    assert importance_sampling_ratio(t, s, m, "token_mask", clip_max=3.0).tolist() == [[1.0, 0.0, 1.0]]
+    # sequence: exp(0 + 2) = 7.389 > 3
+    assert importance_sampling_ratio(t, s, m, "sequence_truncate", clip_max=3.0).tolist() == [[3.0]]
+    assert importance_sampling_ratio(t, s, m, "sequence_mask", clip_max=3.0).tolist() == [[0.0]]
+    with pytest.raises(ValueError, match="mode"):
+        importance_sampling_ratio(t, s, m, "bogus")
