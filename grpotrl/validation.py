@@ -28,6 +28,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 REWARD_FUNCS = {
     "exact_answer": rules.exact_answer_reward,
     "format": rules.format_reward,
+    "length": rules.length_penalty,
 }
 
 # Keyword arguments TRL's GRPOTrainer passes to every reward function besides the dataset columns.

