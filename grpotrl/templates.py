@@ -134,8 +134,10 @@ def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[st
 def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None) -> None:
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, FINGERPRINT_FILE + ".tmp")
+    record = {**template_fingerprint(tokenizer, chat_template),
+              "template": chat_template or _tok(tokenizer).chat_template or ""}
     with open(tmp, "w") as f:
-        json.dump(template_fingerprint(tokenizer, chat_template), f, indent=2)
+        json.dump(record, f, indent=2)
     os.replace(tmp, os.path.join(output_dir, FINGERPRINT_FILE))
 
 
@@ -148,12 +150,15 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         saved = json.load(f)
     now = template_fingerprint(tokenizer, chat_template)
     if saved.get("sha256") != now["sha256"]:
+        old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
+        n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        where = (f"templates differ from character {n}: checkpoint {old[max(0, n - 20):n + 40]!r} vs now "
+                 f"{new[max(0, n - 20):n + 40]!r}" if old != new else
+                 f"special tokens differ: checkpoint {saved.get('specials')} vs now {now['specials']}")
         raise InvariantError(
             "I2",
             f"The checkpoint {model_dir!r} was trained with another chat template than the one this run "
-            f"would use (fingerprint {saved.get('sha256', '?')[:12]} vs {now['sha256'][:12]}; special tokens "
-            f"{saved.get('specials')} vs {now['specials']}). RL on it would train on prompts the model never "
-            "saw in SFT. Load the tokenizer saved with the checkpoint, or set `check_template=False` if the "
-            "change is deliberate.",
+            f"would use ({where}). RL on it would train on prompts the model never saw in SFT. Load the "
+            "tokenizer saved with the checkpoint, or set `check_template=False` if the change is deliberate.",
         )
     return True
