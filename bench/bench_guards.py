@@ -5,7 +5,8 @@
 
 Both variants run the same config, seed and data in fresh subprocesses, alternated
 (plain, guarded, plain, guarded, ...) so machine noise hits both; the mean step time over all
-steps (guarded ones included) and the peak RSS (CPU) or peak CUDA memory are compared.
+steps (guarded ones included), the process CPU time per step (steadier than wall time on a
+shared machine) and the peak RSS (CPU) or peak CUDA memory are compared.
 Goals with the default guard schedule (guard_steps=2): step time <= 1.03x, memory <= 1.05x.
 What it does not measure: guard_steps=-1 (every step) costs one extra no-grad forward per
 microbatch; run with --guard-steps -1 to see it.
@@ -36,14 +37,18 @@ def child(variant: str, steps: int, guard_steps: int) -> None:
     from grpotrl.rewards.rules import exact_answer_reward
 
     class StepTimer(TrainerCallback):
+        """Wall time and process CPU time (all threads) per step: on a shared machine the CPU
+        time is the steadier measure of the work a step does."""
+
         def __init__(self):
-            self.times, self.t = [], None
+            self.times, self.cpu, self.t = [], [], None
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
+            self.t = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t)
+            self.times.append(time.perf_counter() - self.t[0])
+            self.cpu.append(time.process_time() - self.t[1])
 
     common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
@@ -62,7 +67,8 @@ def child(variant: str, steps: int, guard_steps: int) -> None:
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "peak_bytes": peak}))
+    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
+                                  "peak_bytes": peak}))
 
 
 def main() -> None:
@@ -85,18 +91,32 @@ def main() -> None:
                 sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
             res = json.loads(line[7:])
             results[variant].append(res)
-            print(f"round {r} {variant:8s} median step {statistics.median(res['step_times'][1:]):.3f} s  "
+            print(f"round {r} {variant:8s} mean step {statistics.mean(res['step_times']):.3f} s  "
+                  f"cpu {statistics.mean(res['cpu_times']):.3f} s  "
                   f"peak {res['peak_bytes'] / 2**20:.0f} MiB", flush=True)
 
-    def med(v):  # a user's wall time per step: every step, guarded ones included
-        return statistics.mean(statistics.mean(res["step_times"]) for res in results[v])
+    def med(v, key="step_times"):  # mean per step over every step, guarded ones included
+        return statistics.mean(statistics.mean(res[key]) for res in results[v])
 
     def peak(v):
         return max(res["peak_bytes"] for res in results[v])
 
+    g = max(a.guard_steps, 0) if a.guard_steps >= 0 else a.steps
+
+    def per_step(v, key, sl):  # mean over rounds of the mean over a slice of steps
+        return statistics.mean(statistics.mean(res[key][sl]) for res in results[v])
+
     print(f"\nsteps={a.steps} rounds={a.rounds} guard_steps={a.guard_steps}")
+    if 0 < g < a.steps:
+        guarded = per_step("grpotrl", "cpu_times", slice(0, g)) / per_step("trl", "cpu_times", slice(0, g))
+        free = per_step("grpotrl", "cpu_times", slice(g, None)) / per_step("trl", "cpu_times", slice(g, None))
+        print(f"cpu time of a guarded step / plain: {guarded:.3f}; of an unguarded step: {free:.3f}")
+        for n in (50, 200, 1000):
+            print(f"  projected run-time ratio for a {n}-step run: {(g * guarded + (n - g) * free) / n:.3f}")
     print(f"step time  trl {med('trl'):.3f} s  grpotrl {med('grpotrl'):.3f} s  ratio {med('grpotrl') / med('trl'):.3f}"
           "  (goal <= 1.03)")
+    print(f"cpu time   trl {med('trl', 'cpu_times'):.3f} s  grpotrl {med('grpotrl', 'cpu_times'):.3f} s  "
+          f"ratio {med('grpotrl', 'cpu_times') / med('trl', 'cpu_times'):.3f}")
     print(f"peak mem   trl {peak('trl') / 2**20:.0f} MiB  grpotrl {peak('grpotrl') / 2**20:.0f} MiB  "
           f"ratio {peak('grpotrl') / peak('trl'):.3f}  (goal <= 1.05)")
 

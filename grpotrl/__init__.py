@@ -8,10 +8,12 @@ from ._threads import apply_cpu_thread_defaults
 
 apply_cpu_thread_defaults()
 
-from .configs import GRPOConfig, SFTConfig  # noqa: E402
-from .errors import InputError, InvariantError  # noqa: E402
+from .configs import GADConfig, GRPOConfig, SFTConfig  # noqa: E402
+from .errors import HealthStop, InputError, InvariantError  # noqa: E402
 from .trainers.grpo import GRPOTrainer  # noqa: E402
+from .trainers.gad import GADTrainer  # noqa: E402
 from .trainers.sft import SFTTrainer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["GRPOConfig", "SFTConfig", "GRPOTrainer", "SFTTrainer", "InputError", "InvariantError"]
+__all__ = ["GRPOConfig", "SFTConfig", "GADConfig", "GRPOTrainer", "SFTTrainer", "GADTrainer", "InputError",
+           "InvariantError", "HealthStop"]

@@ -1,13 +1,15 @@
-"""``grpotrl sft|grpo --config recipe.yaml [--key value ...]``: straight-line glue, no logic.
+"""``grpotrl sft|grpo|gad --config recipe.yaml [--key value ...]``: straight-line glue, no logic.
 
     grpotrl sft  --config recipes/smollm2/sft_quickstart.yaml
     grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml --max_steps 5
+    grpotrl gad  --config recipes/smollm2/gad_quickstart.yaml
+    grpotrl report outputs/smollm2-grpo-quickstart   # PNG plots from trainer_state.json
     python -m grpotrl.cli grpo --config recipes/smollm2/grpo_quickstart.yaml
     accelerate launch --config_file recipes/accelerate/single.yaml -m grpotrl.cli grpo --config ...
 
 A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArguments`` /
 ``GRPOScriptArguments`` below (dataset, reward names), ``trl.ModelConfig`` (model, PEFT) and
-``grpotrl.SFTConfig`` / ``grpotrl.GRPOConfig`` (everything ``TrainingArguments`` and TRL know).
+``grpotrl.SFTConfig`` / ``GRPOConfig`` / ``GADConfig`` (everything ``TrainingArguments`` and TRL know).
 ``--key value`` on the command line overrides the recipe. A key that no dataclass knows is an
 error, with the closest known names.
 
@@ -27,10 +29,10 @@ import sys
 from dataclasses import dataclass, field
 
 from grpotrl import templates, validation
-from grpotrl.errors import InputError
+from grpotrl.errors import HealthStop, InputError
 
-COMMANDS = ("sft", "grpo")
-USAGE = "usage: grpotrl {sft,grpo} --config RECIPE.yaml [--key value ...]"
+COMMANDS = ("sft", "grpo", "gad")
+USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n       grpotrl report OUTPUT_DIR [--out DIR]"
 
 
 @dataclass
@@ -60,6 +62,8 @@ def make_parser(command: str):
     # allow_abbrev=False: argparse would otherwise take `--num_generation` for `--num_generations`
     if command == "sft":
         return TrlParser((ScriptArguments, grpotrl.SFTConfig, ModelConfig), prog="grpotrl sft", allow_abbrev=False)
+    if command == "gad":
+        return TrlParser((ScriptArguments, grpotrl.GADConfig, ModelConfig), prog="grpotrl gad", allow_abbrev=False)
     return TrlParser((GRPOScriptArguments, grpotrl.GRPOConfig, ModelConfig), prog="grpotrl grpo", allow_abbrev=False)
 
 
@@ -147,18 +151,24 @@ def run(command: str, argv: list[str]) -> None:
     if os.path.isfile(os.path.join(model_path, "generation_config.json")):
         generation_config = GenerationConfig.from_pretrained(model_path)
     stop_ids = templates.stop_token_ids(tokenizer, generation_config)
-    if command == "grpo" and training_args.check_template:
+    if command in ("grpo", "gad") and training_args.check_template:
         templates.check_fingerprint(model_path, tokenizer)  # I2: before the weights are read
 
     ################
     # Dataset and rewards
     ################
     train_dataset = load_split(script_args.dataset_name, script_args.dataset_train_split)
-    validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=command)
+    kind = "sft" if command == "sft" else "grpo"
+    validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=kind)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = load_split(script_args.dataset_name, script_args.dataset_test_split)
-        validation.check_dataset(eval_dataset, script_args.dataset_test_split, kind=command)
+        validation.check_dataset(eval_dataset, script_args.dataset_test_split, kind=kind)
+    if command == "gad":  # rows need the teacher's response
+        from grpotrl.trainers.gad import check_teacher_responses
+
+        check_teacher_responses(train_dataset, script_args.dataset_train_split)
+        check_teacher_responses(eval_dataset, script_args.dataset_test_split)
     if command == "grpo":
         reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs)
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
@@ -186,6 +196,15 @@ def run(command: str, argv: list[str]) -> None:
     )
     if command == "sft":
         trainer = grpotrl.SFTTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+    elif command == "gad":  # the reward is the discriminator, loaded by the trainer
+        trainer = grpotrl.GADTrainer(
             model=model,
             args=training_args,
             train_dataset=train_dataset,
@@ -225,7 +244,8 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
     """
-    keys = ["loss"] if command == "sft" else ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"]
+    keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
+            }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
     for key in keys:
         values = [entry[key] for entry in log_history if key in entry]
@@ -238,14 +258,22 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
+    if not argv or argv[0] not in (*COMMANDS, "report"):
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     try:
-        run(argv[0], argv[1:])
+        if argv[0] == "report":
+            from grpotrl.report import main as report
+
+            report(argv[1:])
+        else:
+            run(argv[0], argv[1:])
     except InputError as err:  # bad input: the message says what to do, a traceback adds nothing
         print(f"grpotrl {argv[0]}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except HealthStop as err:  # a health rule stopped training after saving a checkpoint
+        print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

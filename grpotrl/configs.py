@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from .errors import InputError
+
 
 def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
@@ -64,7 +66,68 @@ class GenerationFields:
 
 
 @dataclass
-class GRPOConfig(GenerationFields, GuardFields, trl.GRPOConfig):
+class HealthFields:
+    health_action: str = field(
+        default="stop",
+        metadata={"help": "What a fail-fast health rule does when it fires (grpotrl.callbacks): 'stop' saves a "
+                  "checkpoint with the Trainer's own saving (resumable) and raises grpotrl.HealthStop naming the "
+                  "rule, the values and the step; 'warn' logs a warning and trains on; 'off' disables the rules "
+                  "(the health signals are logged either way). The rules: a completion starts with the chat "
+                  "header; loss or grad norm NaN/inf (the bad update is not applied under 'stop'); entropy below "
+                  "health_min_entropy or 1-token share above health_max_one_token_share for health_patience "
+                  "steps; every group's rewards equal for health_flat_reward_steps steps.",
+                  "choices": ["stop", "warn", "off"]},
+    )
+    health_min_entropy: float = field(
+        default=0.02,
+        metadata={"help": "Entropy-collapse rule: mean token entropy (nats, TRL's `entropy`) below this for "
+                  "health_patience consecutive steps. Seed 004 collapsed to 0.005-0.05; healthy runs show "
+                  "0.3-1.5. 0 turns the rule off."},
+    )
+    health_max_one_token_share: float = field(
+        default=0.5,
+        metadata={"help": "1-token rule: share of 1-token completions above this for health_patience consecutive "
+                  "steps (seed 000, bug #2). 1 turns the rule off."},
+    )
+    health_patience: int = field(
+        default=5,
+        metadata={"help": "Consecutive optimizer steps the entropy and 1-token rules must hold before they fire."},
+    )
+    health_flat_reward_steps: int = field(
+        default=20,
+        metadata={"help": "Flat-reward rule: every group's rewards all equal (TRL's frac_reward_zero_std == 1, "
+                  "no policy gradient at all) for this many consecutive steps, e.g. a judge that always "
+                  "returns 0. Small batches are flat by chance for a few steps; 0 turns the rule off."},
+    )
+    health_report_steps: int = field(
+        default=1,
+        metadata={"help": "Print the boundary report (prompt tail and completion head with special tokens, ids "
+                  "around the boundary, stop-token counts) after each of the first N steps; 0 never. "
+                  "`trainer.boundary_report()` prints it on demand."},
+    )
+    health_logit_steps: int = field(
+        default=0,
+        metadata={"help": "Log the logit signals (logits/max, logits/top1_top2_gap, logits/top1_prob, "
+                  "logits/top5_mass) every N steps with one extra no-grad forward per microbatch that "
+                  "materialises the completion logits [B, C, V] (TRL's fused loss head never does): N=1 cost "
+                  "+15% step time on SmolLM2-135M (bench/bench_health.py --logit-steps 1) and B*C*V*4 bytes. "
+                  "0: only on guard steps, where the I5 guard's forward provides them for free."},
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "DAPO dynamic sampling (TRL issue #3708): drop the groups whose rewards are all equal "
+                  "from the loss (out of every normaliser, KL and entropy included) and refill the batch with "
+                  "groups of fresh prompts drawn from train_dataset, for up to dynamic_sampling_max_rounds "
+                  "extra generation rounds. The dropped share is logged as dynamic_sampling/dropped_share."},
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={"help": "Cap on extra generation rounds per step under dynamic_sampling; 0 only drops."},
+    )
+
+
+@dataclass
+class GRPOConfig(HealthFields, GenerationFields, GuardFields, trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
@@ -74,6 +137,8 @@ class GRPOConfig(GenerationFields, GuardFields, trl.GRPOConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
+        if self.health_action not in ("stop", "warn", "off"):
+            raise InputError(f"health_action={self.health_action!r}: use 'stop', 'warn' or 'off'.")
         super().__post_init__()
 
 
@@ -82,4 +147,79 @@ class SFTConfig(GuardFields, trl.SFTConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
+        super().__post_init__()
+
+
+@dataclass
+class GADConfig(GRPOConfig):
+    """GRPOConfig plus the discriminator of generative adversarial distillation (GADTrainer).
+
+    Defaults change to GSPO (``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
+    clip range 3e-4 / 4e-4 as in the GSPO paper and the GAD scripts). ``beta`` is the KL
+    coefficient, applied with ``kl_estimator`` in the loss (``use_kl_loss``, default, like TRL),
+    in the reward (``use_kl_in_reward``) or both.
+    """
+
+    discriminator_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Checkpoint the discriminator starts from (a causal LM works: its backbone is reused "
+                  "under a new one-output score head). Default: the student's own path, as in the GAD paper."},
+    )
+    discriminator_learning_rate: float = field(
+        default=1e-6,
+        metadata={"help": "AdamW learning rate of the discriminator (its own optimizer, constant)."},
+    )
+    discriminator_lora_r: int = field(
+        default=0,
+        metadata={"help": "Train the discriminator as a LoRA adapter of this rank on every linear layer (alpha = 2r; "
+                  "the score head stays fully trainable); 0 trains all its weights."},
+    )
+    discriminator_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "For the first N optimizer steps only the discriminator learns: responses are generated "
+                  "and scored, the student gets no gradient and does not change (verl's critic_warmup)."},
+    )
+    kl_estimator: str = field(
+        default="k3",
+        metadata={"help": "Per-token KL to the reference policy: k1, abs, k2 (mse), k3 (low_var_kl, TRL's) or full "
+                  "(exact over the vocabulary from both models' logits; costs a [B, C, V] logits tensor per "
+                  "microbatch for each model)."},
+    )
+    use_kl_loss: bool = field(
+        default=True,
+        metadata={"help": "Add beta * KL (kl_estimator, per token, aggregated like the policy loss) to the loss."},
+    )
+    use_kl_in_reward: bool = field(
+        default=False,
+        metadata={"help": "Subtract beta * sum_t KL_t (kl_estimator) from each response's reward, logged as the "
+                  "reward column `kl_penalty`; costs a no-grad forward of the policy and of the reference."},
+    )
+    importance_sampling_level: str = field(
+        default="sequence",
+        metadata={"help": "GSPO's sequence-level ratio by default (TRL's default is 'token')."},
+    )
+    loss_type: str = field(
+        default="grpo",
+        metadata={"help": "Per-sequence mean, as GSPO prescribes with the sequence-level ratio (TRL's default: dapo)."},
+    )
+    epsilon: float = field(default=3e-4, metadata={"help": "Lower clip of the sequence-level ratio (GSPO)."})
+    epsilon_high: float | None = field(default=4e-4,
+                                       metadata={"help": "Upper clip of the sequence-level ratio (GSPO)."})
+
+    def __post_init__(self):
+        from .losses import KL_ESTIMATORS
+
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise InputError(f"kl_estimator={self.kl_estimator!r}: use one of {list(KL_ESTIMATORS)}.")
+        if self.beta and not (self.use_kl_loss or self.use_kl_in_reward):
+            raise InputError(f"beta={self.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
+                             "or beta: 0.0 for no KL.")
+        if not self.beta and self.use_kl_in_reward:
+            raise InputError("use_kl_in_reward is on but beta is 0: set beta (e.g. 0.001) to the KL coefficient.")
+        if self.discriminator_warmup_steps < 0 or self.discriminator_lora_r < 0:
+            raise InputError(f"discriminator_warmup_steps={self.discriminator_warmup_steps} and discriminator_lora_r="
+                             f"{self.discriminator_lora_r} must be >= 0.")
+        if self.fp16:
+            raise InputError("fp16 is not supported by GAD: the discriminator's update has no loss scaler. "
+                             "Use bf16: true or fp32.")
         super().__post_init__()

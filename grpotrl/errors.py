@@ -1,8 +1,10 @@
-"""The two errors grpotrl raises on purpose.
+"""The errors grpotrl raises on purpose.
 
 ``InputError``: bad input found before any model is loaded or compute is spent (what, which
 value, what to do). ``InvariantError``: a guard of ``INVARIANTS.md`` saw the trainer's real
 tensors break a guarantee; the message names the invariant and shows the offending sample.
+``HealthStop``: a fail-fast health rule (``grpotrl.callbacks``) stopped training after a
+checkpoint was saved; the message names the rule, the values and the step.
 """
 
 
@@ -16,3 +18,12 @@ class InvariantError(RuntimeError):
     def __init__(self, invariant: str, message: str):
         self.invariant = invariant
         super().__init__(f"[{invariant}] {message}")
+
+
+class HealthStop(RuntimeError):
+    """A health rule stopped training; ``checkpoint`` holds the resumable state it saved first."""
+
+    def __init__(self, rule: str, step: int, message: str, checkpoint: str | None = None):
+        self.rule, self.step, self.checkpoint = rule, step, checkpoint
+        where = f" Checkpoint saved to {checkpoint} (resume_from_checkpoint works)." if checkpoint else ""
+        super().__init__(f"[health: {rule}] step {step}: {message}{where}")

@@ -39,20 +39,23 @@ def check_prompts_templated(tokenizer, prompt_ids: list[list[int]], expected: li
     """I1: the ids generation saw are the chat template with the generation prompt, no doubled BOS."""
     bos = tokenizer.bos_token_id
     for i, (got, want) in enumerate(zip(prompt_ids, expected)):
-        if list(got) != list(want):
-            raise InvariantError(
-                "I1",
-                f"row {i}: the prompt ids given to generation are not the chat template of the prompt with the "
-                "generation prompt appended.\n"
-                f"    used:     {tokenizer.decode(list(got)[-40:], skip_special_tokens=False)!r}\n"
-                f"    template: {tokenizer.decode(list(want)[-40:], skip_special_tokens=False)!r}\n"
-                "Pass conversational prompts and let the trainer apply the template; do not pre-format them.",
-            )
+        got, want = list(got), list(want)
         if bos is not None and len(got) > 1 and got[0] == bos and got[1] == bos:
             raise InvariantError(
                 "I1",
-                f"row {i}: the prompt starts with two BOS tokens ({bos}). The template already writes BOS; do "
-                "not add special tokens again when tokenizing templated text.",
+                f"row {i}: the prompt starts with two BOS tokens ({bos}): "
+                f"{tokenizer.decode(got[:6], skip_special_tokens=False)!r}. The template already writes BOS; "
+                "do not add special tokens again when tokenizing templated text.",
+            )
+        if got != want:
+            n = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise InvariantError(
+                "I1",
+                f"row {i}: the prompt ids given to generation are not the chat template of the prompt with the "
+                f"generation prompt appended; they differ from token {n} on.\n"
+                f"    used:     {tokenizer.decode(got[max(0, n - 8):n + 24], skip_special_tokens=False)!r}\n"
+                f"    template: {tokenizer.decode(want[max(0, n - 8):n + 24], skip_special_tokens=False)!r}\n"
+                "Pass conversational prompts and let the trainer apply the template; do not pre-format them.",
             )
 
 
@@ -171,12 +174,13 @@ def check_completion_mask(
 
 @torch.no_grad()
 def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
-                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
     """Independent I5 reference: a plain forward with generate's position ids, dropout off,
     ``log_softmax(logits / T)`` at the logit of input position ``P + t - 1``.
 
     Returns the logprobs [B, C] and the logit scale ``max |logits / T|`` per token [B, C]:
-    fp32 rounding of a logprob grows with it, and the I5 tolerance is relative to it."""
+    fp32 rounding of a logprob grows with it, and the I5 tolerance is relative to it. With
+    ``return_logits`` also the completion logits [B, C, V] (the health signals read them)."""
     was_training = model.training
     model.eval()
     try:
@@ -191,7 +195,8 @@ def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         model.train(was_training)
     logits = completion_logits(out.logits, completion_width)  # [B, C, V]
     scale = logits.float().abs().amax(-1) / temperature  # [B, C]
-    return token_logprobs(logits, input_ids[:, -completion_width:], temperature), scale
+    logprobs = token_logprobs(logits, input_ids[:, -completion_width:], temperature)  # [B, C]
+    return (logprobs, scale, logits) if return_logits else (logprobs, scale)
 
 
 def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,

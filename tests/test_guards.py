@@ -112,7 +112,7 @@ def test_I1_guard_stops_generation_from_untemplated_prompt(tiny_llama, grpo_args
 
 
 def test_I1_guard_stops_doubled_bos(tiny_llama, grpo_args):
-    with pytest.raises(InvariantError, match=r"(?s)\[I1\]"):
+    with pytest.raises(InvariantError, match=r"(?s)\[I1\].*two BOS tokens"):
         _run(DoubledBOS, tiny_llama, grpo_args())
 
 

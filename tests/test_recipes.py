@@ -61,7 +61,7 @@ def test_method_recipe_parses_into_the_cli_dataclasses(path):
     import grpotrl
 
     script_args, training_args, model_args = cli.parse_args(method_of(path), ["--config", str(path)])
-    expected = {"sft": grpotrl.SFTConfig, "grpo": grpotrl.GRPOConfig}[method_of(path)]
+    expected = {"sft": grpotrl.SFTConfig, "grpo": grpotrl.GRPOConfig, "gad": grpotrl.GADConfig}[method_of(path)]
     assert type(training_args) is expected
     assert model_args.model_name_or_path and training_args.output_dir
     assert training_args.use_cpu and not training_args.bf16 and training_args.report_to == []

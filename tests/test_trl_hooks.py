@@ -22,6 +22,10 @@ GRPO_HOOKS = {
     "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                               "has_tool_images"],
     "_tokenize_prompts": ["self", "prompts"],
+    "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+    "training_step": ["self", "model", "inputs", "num_items_in_batch"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_save_checkpoint": ["self", "model", "trial"],
     "save_model": ["self", "output_dir", "_internal_call"],
 }
 SFT_HOOKS = {

@@ -10,15 +10,20 @@ Overrides (everything else is TRL's):
     generation prompt, no doubled BOS) and I3 (completion is ``output[i, P:]``; the reward
     text is its decoding, no chat header).
   * ``_generate_and_score_completions``: tags each row so the loss can be traced back to
-    its generation; applies the optional importance-sampling correction on the transformers
-    path (``hf_importance_sampling_correction``).
+    its generation; logs the batch's health signals (stop tokens in prompts and completions,
+    chat-header starts, zero rewards, per-task lengths); runs DAPO dynamic sampling when
+    asked (``dynamic_sampling``); applies the optional importance-sampling correction on the
+    transformers path (``hf_importance_sampling_correction``).
   * ``_compute_loss``: on the microbatch the loss really uses, checks I1 (same prompt ids as
     generation), I3/I4 (same completion ids, mask up to and including the first stop) and I5
     (the logprobs the loss used equal ``log_softmax(logits / T)`` recomputed independently);
-    logs the sampler/trainer logprob gap whenever sampler logprobs exist.
+    logs the sampler/trainer logprob gap whenever sampler logprobs exist, per-sample entropy
+    every step, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
   * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
+Health rules and the boundary report are callbacks (``grpotrl.callbacks``) added at init;
+``boundary_report()`` prints the last generation batch's prompt/completion boundary on demand.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import logging
 
 import torch
 import trl
+from accelerate.utils import gather_object
 
-from .. import guards, templates
+from .. import callbacks, dynamic_sampling, guards, health, templates
 from ..configs import GRPOConfig
 from ..errors import InputError
 from ..losses import importance_sampling_ratio
@@ -62,6 +68,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if getattr(args, "check_template", True):
             templates.check_fingerprint(model_dir, processing_class)
         _check_generation_args(args, kwargs)
+        if args.dynamic_sampling and not hasattr(train_dataset, "__getitem__"):
+            raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
+                             "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
 
@@ -80,6 +89,22 @@ class GRPOTrainer(trl.GRPOTrainer):
                 m.register_forward_pre_hook(_positions_from_attention_mask, with_kwargs=True)
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
+        self._last_batch: dict | None = None  # for boundary_report()
+        self._step_losses: list | None = [] if args.health_action != "off" else None  # for NonFiniteRule
+        self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
+        self._add_health_callbacks(args)
+
+    def _add_health_callbacks(self, args: GRPOConfig) -> None:
+        if args.health_report_steps:
+            self.add_callback(callbacks.BoundaryReport(self, args.health_report_steps))
+        if args.health_action == "off":
+            return
+        self.add_callback(callbacks.NonFiniteRule(self))
+        self.add_callback(callbacks.HeaderRule(self))
+        self.add_callback(callbacks.OneTokenRule(self, args.health_patience, args.health_max_one_token_share))
+        self.add_callback(callbacks.EntropyRule(self, args.health_patience, args.health_min_entropy))
+        if args.health_flat_reward_steps:
+            self.add_callback(callbacks.FlatRewardRule(self, args.health_flat_reward_steps))
 
     # ------------------------------------------------------------------ schedule
 
@@ -159,24 +184,151 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _log_completion_shape(self, completion_ids: list, call: dict | None = None) -> None:
         mode = "train" if self.model.training else "eval"
+        self._completion_lengths = torch.tensor([len(c) for c in completion_ids], device=self.accelerator.device)
         n = len(completion_ids)
         one = sum(len(c) == 1 for c in completion_ids)
+        capped = sum(len(c) >= self.args.max_completion_length for c in completion_ids)
         trig = 0
         for p in (call or {}).get("extra", {}).get("logits_processor", []):
             if isinstance(p, MinNewTokensProcessor):
                 trig = p.trigger_count
-        totals = self.accelerator.gather(torch.tensor([n, one, trig], device=self.accelerator.device))
-        totals = totals.view(-1, 3).sum(0).tolist()
+        totals = self.accelerator.gather(torch.tensor([n, one, trig, capped], device=self.accelerator.device))
+        totals = totals.view(-1, 4).sum(0).tolist()
         self._metrics[mode]["completions/one_token_share"].append(totals[1] / max(totals[0], 1))
+        self._metrics[mode]["completions/max_length_share"].append(totals[3] / max(totals[0], 1))
         if self.args.min_new_tokens:
             self._metrics[mode]["generation/min_new_tokens_trigger_rate"].append(totals[2] / max(totals[0], 1))
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)
+        output, rewards = self._score_round(inputs)
+        if self.args.dynamic_sampling and self.model.training:
+            output = self._dynamic_sampling(output, rewards)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         return output
+
+    def _score_round(self, inputs) -> tuple[dict, torch.Tensor]:
+        """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global]."""
+        with guards.record_calls(self, "_calculate_rewards") as scored:
+            output = super()._generate_and_score_completions(inputs)
+        output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)
+        rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
+        self._log_batch_health(inputs, output, rewards)
+        return output, rewards
+
+    # ------------------------------------------------------------------ health (grpotrl.health, grpotrl.callbacks)
+
+    def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor) -> None:
+        """Stop tokens in prompts (left padding excluded) and in completions (the loss's tokens),
+        chat-header starts, exactly-zero rewards, per-task lengths and rewards when rows have a
+        ``task``; keeps the batch for ``boundary_report()``."""
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        completion_ids = output["completion_ids"]  # [B, C]
+        heads = self._tokenizer.batch_decode(completion_ids[:, :8], skip_special_tokens=False)
+        header = torch.tensor(health.starts_with_header(heads, self._chat_headers), device=completion_ids.device)
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
+        per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
+                               health.count_ids(completion_ids, loss_mask, self.eos_token_ids),
+                               header.long()], dim=1).float()  # [B, 3]
+        per_row = self.accelerator.gather(per_row)  # [B_global, 3]
+        metrics["stops/prompt_mean"].append(per_row[:, 0].mean().item())
+        metrics["stops/completion_mean"].append(per_row[:, 1].mean().item())
+        metrics["stops/completion_max"].append(per_row[:, 1].max().item())
+        metrics["completions/header_share"].append(per_row[:, 2].mean().item())
+        metrics["rewards/zero_share"].append(health.zero_reward_share(rewards))
+        if isinstance(inputs[0], dict) and "task" in inputs[0]:
+            tasks = gather_object([str(x["task"]) for x in inputs])
+            lengths = self.accelerator.gather(self._completion_lengths)  # [B_global]
+            for key, value in {**health.task_lengths(tasks, lengths), **health.task_rewards(tasks, rewards)}.items():
+                metrics[key].append(value)
+        start = self.accelerator.process_index * len(inputs)
+        self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
+                            "completion_ids": completion_ids, "lengths": self._completion_lengths,
+                            "rewards": rewards[start:start + len(inputs)]}
+
+    def boundary_report(self, n: int = 4) -> str:
+        """The last generation batch by eye (seed 000): prompt tail and completion head with
+        special tokens shown, ids around the boundary, stop-token counts. Printed after the
+        first ``health_report_steps`` steps; call it any time."""
+        if self._last_batch is None:
+            return "grpotrl boundary report: no generation batch yet"
+        return health.boundary_report(self._tokenizer, self._last_batch, self.eos_token_ids, self._chat_headers, n)
+
+    def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """Per-sample entropy (min, p10, mean of the per-sample means); the loss for NonFiniteRule."""
+        mode = "train" if self.model.training else "eval"
+        per_sample = self.accelerator.gather(health.per_sample_mean(entropies.detach().float(), mask))  # [B_global]
+        for key, value in health.summarise_samples(per_sample).items():
+            self._metrics[mode][key].append(value)
+        if self._step_losses is not None and mode == "train":
+            self._step_losses.append(loss.detach())
+
+    def _log_logit_signals(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """logits/max, top1_top2_gap, top1_prob, top5_mass: token means over the completion mask."""
+        sums = health.masked_means(health.logit_stats(logits, self.temperature), mask)  # name -> [sum, count]
+        totals = self.accelerator.gather(torch.stack(list(sums.values()))).view(-1, len(sums), 2).sum(0)  # [k, 2]
+        mode = "train" if self.model.training else "eval"
+        for name, (total, count) in zip(sums, totals.tolist()):
+            self._metrics[mode][name].append(total / count if count else float("nan"))
+
+    def _logit_signals_due(self) -> bool:
+        n = self.args.health_logit_steps
+        return n > 0 and self.model.training and self.state.global_step % n == 0
+
+    # ------------------------------------------------------------------ DAPO dynamic sampling
+
+    def _dynamic_sampling(self, output: dict, rewards: torch.Tensor) -> dict:
+        """Drop zero-variance groups from the loss and refill with fresh prompts, for up to
+        ``dynamic_sampling_max_rounds`` extra rounds (``grpotrl.dynamic_sampling``). Decisions
+        use the gathered rewards, so every process takes the same rounds."""
+        G, P = self.num_generations, self.accelerator.num_processes
+        target = rewards.numel() // G  # groups per generation batch, all processes
+        batches, zero_std = [output], [health.zero_std_groups(rewards, G)]
+        record = self._guard_record
+        rounds = 0
+        while rounds < self.args.dynamic_sampling_max_rounds:
+            missing = target - int(sum((~z).sum() for z in zero_std))
+            if missing <= 0:
+                break
+            rounds += 1
+            while (missing * G) % P:  # rows must split evenly over the processes
+                missing += 1
+            out, r = self._score_round(self._refill_rows(missing, rounds))
+            out[ROW_KEY] = out[ROW_KEY] + sum(b[ROW_KEY].numel() for b in batches)
+            if record is not None and self._guard_record is not None:
+                record = {k: record[k] + self._guard_record[k] for k in record}
+            batches.append(out)
+            zero_std.append(health.zero_std_groups(r, G))
+        keeps = dynamic_sampling.keep_groups(zero_std, target)
+        kept = sum(int(k.sum()) for k in keeps)
+        generated = sum(z.numel() for z in zero_std)
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/dropped_share"].append(1 - kept / generated if kept else 0.0)
+        metrics["dynamic_sampling/rounds"].append(rounds)
+        metrics["dynamic_sampling/filled_share"].append(kept / target)
+        self._guard_record = record
+        if kept == 0:  # nothing has a gradient: train on the first batch as plain GRPO would
+            return output
+        rows = torch.cat([dynamic_sampling.local_rows(k, G, self.accelerator.process_index, b[ROW_KEY].numel())
+                          for k, b in zip(keeps, batches)])  # [B_local_all_rounds]
+        counts = self.accelerator.gather(rows.sum().reshape(1).to(self.accelerator.device)).tolist()
+        count = min(dynamic_sampling.common_count(counts, self.args.steps_per_generation), rows.numel())
+        rows = dynamic_sampling.fill_rows(rows, count)
+        merged = dynamic_sampling.select_rows(dynamic_sampling.concat_rows(batches, self._tokenizer.pad_token_id),
+                                              rows)
+        loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)
+        merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return merged
+
+    def _refill_rows(self, groups: int, round_: int) -> list[dict]:
+        """This process's share of ``groups`` fresh prompts x G, drawn from train_dataset with a
+        generator seeded by (seed, step, round): the same draw on every process."""
+        gen = torch.Generator().manual_seed(hash((self.args.seed, self.state.global_step, round_)) % 2**63)
+        idx = torch.randint(len(self.train_dataset), (groups,), generator=gen).tolist()
+        rows = [self.train_dataset[i] for i in idx for _ in range(self.num_generations)]
+        local = len(rows) // self.accelerator.num_processes
+        start = self.accelerator.process_index * local
+        return rows[start:start + local]
 
     def _apply_importance_sampling(self, output: dict) -> None:
         """TRL's truncated IS correction for the transformers path. The ratio multiplies the
@@ -202,35 +354,39 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         record = self._guard_record
-        if record is None or not self._guard_now() or ROW_KEY not in inputs:
-            if "sampling_per_token_logps" not in inputs:
-                return super()._compute_loss(model, inputs)
-            with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
-                loss = super()._compute_loss(model, inputs)
-            self._log_sampler_gap(calls[0][0], inputs)
-            return loss
+        guard = record is not None and self._guard_now() and ROW_KEY in inputs
         tok = self._tokenizer
-        rows = inputs[ROW_KEY].tolist()
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]
-
-        generated_prompts = [record["prompt_ids"][r] for r in rows]
-        guards.check_same_prompt(tok, generated_prompts, guards._unpad(prompt_ids, prompt_mask), rows)
-        guards.check_same_completions(tok, generated_prompts, [record["completion_ids"][r] for r in rows],
-                                      completion_ids, rows)
-        lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
-        guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
-                                     truncated_masked=self.mask_truncated_completions)
+        if guard:
+            rows = inputs[ROW_KEY].tolist()
+            generated_prompts = [record["prompt_ids"][r] for r in rows]
+            guards.check_same_prompt(tok, generated_prompts, guards._unpad(prompt_ids, prompt_mask), rows)
+            guards.check_same_completions(tok, generated_prompts, [record["completion_ids"][r] for r in rows],
+                                          completion_ids, rows)
+            lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
+            guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
+                                         truncated_masked=self.mask_truncated_completions)
 
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             loss = super()._compute_loss(model, inputs)
-        used = calls[0][0]  # [B, C] the policy logprobs the loss was built from
+        used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
+        loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
+        if entropies is not None:
+            self._log_loss_health(loss, entropies, loss_mask)
+        if not (guard or self._logit_signals_due()):
+            return loss
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([prompt_mask, cmask], dim=1)  # [B, P+C]
-        reference, scale = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids,
-                                                     attention_mask, completion_ids.size(1), self.temperature)
+        reference, scale, logits = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids,
+                                                             attention_mask, completion_ids.size(1), self.temperature,
+                                                             return_logits=True)
+        self._log_logit_signals(logits, loss_mask)
+        del logits
+        if not guard:
+            return loss
         atol = self.args.guard_logprob_atol * (100 if (self.args.bf16 or self.args.fp16) else 1)
         gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature, atol, rows,
                                     scale=scale)

@@ -1,0 +1,105 @@
+"""Cost of GAD: step time of ``grpotrl.GADTrainer`` / plain ``grpotrl.GRPOTrainer`` on the same config.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_gad.py              # SmolLM2, 8 steps x 2 rounds
+    .venv/bin/python bench/bench_gad.py --steps 12 --rounds 3 --lora 16      # discriminator as a LoRA adapter
+
+Both variants run SmolLM2-135M-Instruct on the toy GAD data (grpotrl/data/gad_toy.jsonl) with
+the same generation and loss settings (2 prompts x 4 completions of up to 32 tokens, GSPO's
+sequence-level ratio, no KL, guards on their default first 2 steps), in fresh subprocesses,
+alternated (grpo, gad, grpo, gad, ...) so machine noise hits both. GRPO is rewarded by the
+cheap rule ``exact_answer``; GAD by its discriminator (full fine-tune by default, initialised
+from the student), which adds a forward and backward over the 8 student + 2 teacher sequences
+and an AdamW step of a second 135M model per step. No warmup steps (they skip the student's
+update and would flatter GAD). Reported: the mean step time over all steps, the ratio, each
+round's ratio (its two runs ran back to back) and the mean completion length (step time
+grows with it, and the two students drift apart as they learn different rewards).
+Goal: <= 1.35.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def child(variant: str, steps: int, lora: int) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import time
+
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+
+    import grpotrl
+    from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.rules import exact_answer_reward
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+
+    common = dict(output_dir=f"/tmp/grpotrl-bench-gad-{variant}", per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
+                  bf16=False, save_strategy="no", seed=0, temperature=0.9, beta=0.0, learning_rate=1e-5,
+                  importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+                  disable_tqdm=True)
+    data = os.path.join(os.path.dirname(grpotrl.__file__), "data", "gad_toy.jsonl")
+    dataset = load_dataset("json", data_files=data, split="train")
+    model = resolve_model_path("smollm2-135m-instruct")
+    timer = StepTimer()
+    if variant == "grpo":
+        trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=grpotrl.GRPOConfig(**common),
+                                      train_dataset=dataset, callbacks=[timer])
+    else:
+        args = grpotrl.GADConfig(**common, discriminator_learning_rate=1e-5, discriminator_lora_r=lora)
+        trainer = grpotrl.GADTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+    trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "lengths": lengths}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--lora", type=int, default=0, help="discriminator_lora_r (0: full fine-tune)")
+    p.add_argument("--child", choices=["grpo", "gad"])
+    a = p.parse_args()
+    if a.child:
+        return child(a.child, a.steps, a.lora)
+
+    results = {"grpo": [], "gad": []}
+    for r in range(a.rounds):
+        for variant in ("grpo", "gad"):
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
+                                  "--lora", str(a.lora)], capture_output=True, text=True)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
+            res = json.loads(line[7:])
+            results[variant].append(res)
+            print(f"round {r} {variant:4s} mean step {statistics.mean(res['step_times']):.2f} s  "
+                  f"median {statistics.median(res['step_times']):.2f} s  "
+                  f"completion length {statistics.mean(res['lengths']):.1f}", flush=True)
+
+    def mean(v):  # a user's wall time per step: every step, guarded ones included
+        return statistics.mean(statistics.mean(res["step_times"]) for res in results[v])
+
+    paired = [statistics.mean(g["step_times"]) / statistics.mean(p["step_times"])
+              for p, g in zip(results["grpo"], results["gad"])]  # each round's runs ran back to back
+    print(f"\nsteps={a.steps} rounds={a.rounds} discriminator_lora_r={a.lora}")
+    print(f"step time  grpo {mean('grpo'):.2f} s  gad {mean('gad'):.2f} s  ratio {mean('gad') / mean('grpo'):.3f}"
+          f"  (per round: {', '.join(f'{x:.2f}' for x in paired)}; goal <= 1.35)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Cost of grpotrl's health signals and rules: step time with them vs without, same trainer.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_health.py              # SmolLM2, 8 steps x 3 rounds
+    .venv/bin/python bench/bench_health.py --steps 12 --rounds 4 --logit-steps 1
+
+Variants, each in a fresh subprocess, alternated (bare, health, bare, health, ...) so machine
+noise hits both: ``bare`` is grpotrl.GRPOTrainer with the signal hooks emptied and the rules
+and boundary report off; ``health`` is the default (every signal logged, every rule on, the
+boundary report printed after step 1). Guards are off in both (bench_guards.py measures them),
+so the logit signals, which come free with the guard forward, are not computed unless
+``--logit-steps N`` adds the opt-in extra forward every N steps. Compared: the mean wall time
+per step and the process CPU time per step (steadier on a shared machine). On a shared machine
+both move by a few percent from run to run, more than the health code costs, so the health
+variant also times itself from the inside: the CPU time spent in the signal hooks and the
+rules, as a share of its step CPU time. Goal: <= 1.02x (<= 2 % inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def child(variant: str, steps: int, logit_steps: int) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import time
+
+    from transformers import TrainerCallback
+
+    import grpotrl
+    from grpotrl import callbacks
+    from grpotrl.data import load_quickstart
+    from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.rules import exact_answer_reward
+
+    inside = [0.0]  # CPU seconds spent in the health hooks and callbacks
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += time.process_time() - t
+
+        return wrapper
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.cpu, self.t = [], [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t[0])
+            self.cpu.append(time.process_time() - self.t[1])
+
+    class Bare(grpotrl.GRPOTrainer):
+        def _log_batch_health(self, inputs, output, rewards):
+            pass
+
+        def _log_loss_health(self, loss, entropies, mask):
+            pass
+
+    common = dict(output_dir=f"/tmp/grpotrl-bench-health-{variant}", per_device_train_batch_size=8,
+                  num_generations=4, max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none",
+                  use_cpu=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04, guard_steps=0)
+    if variant == "bare":
+        cls, extra = Bare, dict(health_action="off", health_report_steps=0)
+    else:
+        cls, extra = grpotrl.GRPOTrainer, dict(health_logit_steps=logit_steps)
+    timer = StepTimer()
+    trainer = cls(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=exact_answer_reward,
+                  args=grpotrl.GRPOConfig(**common, **extra), train_dataset=load_quickstart("train"),
+                  callbacks=[timer])
+    if variant == "health":
+        for name in ("_log_batch_health", "_log_loss_health", "_log_logit_signals"):
+            setattr(trainer, name, timed(getattr(trainer, name)))
+        for cb in trainer.callback_handler.callbacks:
+            if isinstance(cb, (callbacks.HealthRule, callbacks.BoundaryReport)):
+                for event in ("on_step_begin", "on_step_end", "on_pre_optimizer_step"):
+                    setattr(cb, event, timed(getattr(cb, event)))
+    trainer.train()
+    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
+                                  "inside": inside[0]}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--logit-steps", type=int, default=0, help="health_logit_steps of the health variant")
+    p.add_argument("--child", choices=["bare", "health"])
+    a = p.parse_args()
+    if a.child:
+        return child(a.child, a.steps, a.logit_steps)
+
+    results = {"bare": [], "health": []}
+    for r in range(a.rounds):
+        for variant in ("bare", "health"):
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
+                                  "--logit-steps", str(a.logit_steps)], capture_output=True, text=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
+            res = json.loads(line[7:])
+            results[variant].append(res)
+            inside = (f"  inside health code {res['inside'] / len(res['cpu_times']) * 1000:.0f} ms/step "
+                      f"({res['inside'] / sum(res['cpu_times']):.2%} of step cpu)" if variant == "health" else "")
+            print(f"round {r} {variant:6s} mean step {statistics.mean(res['step_times']):.3f} s  "
+                  f"cpu {statistics.mean(res['cpu_times']):.3f} s{inside}", flush=True)
+
+    def mean(v, key):  # mean per step over every step of every round
+        return statistics.mean(statistics.mean(res[key]) for res in results[v])
+
+    def ratios(key):  # per round: health / bare of the same round
+        return [statistics.mean(h[key]) / statistics.mean(b[key]) for b, h in zip(results["bare"], results["health"])]
+
+    print(f"\nsteps={a.steps} rounds={a.rounds} logit_steps={a.logit_steps}")
+    for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
+        per_round = ", ".join(f"{x:.3f}" for x in ratios(key))
+        print(f"{label}  bare {mean('bare', key):.3f} s  health {mean('health', key):.3f} s  "
+              f"ratio {mean('health', key) / mean('bare', key):.3f}  (per round {per_round}; goal <= 1.02)")
+    share = sum(h["inside"] for h in results["health"]) / sum(sum(h["cpu_times"]) for h in results["health"])
+    print(f"inside     health code {share:.2%} of the health variant's step cpu time (goal <= 2 %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Training-health callbacks for ``grpotrl.GRPOTrainer``, one concern each.
+
+The trainer computes the health signals (``grpotrl.health``) from tensors its step already
+has and appends them to TRL's metrics, so they are logged like TRL's own. The callbacks here
+read the values of the optimizer step that just ended and act on them:
+
+* ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
+  ``health_report_steps`` steps (seed 000's "check the first 2 steps by eye").
+* Fail-fast rules, each a ``HealthRule``: ``NonFiniteRule`` (loss or grad norm NaN/inf),
+  ``HeaderRule`` (a completion starts with the chat header), ``OneTokenRule`` (1-token share
+  above ``health_max_one_token_share``), ``EntropyRule`` (mean entropy below
+  ``health_min_entropy``), ``FlatRewardRule`` (every group's rewards equal).
+
+A rule fires when its condition held for ``patience`` consecutive steps that observed the
+signal. Under ``health_action='warn'`` it logs a warning (again after every further ``patience``
+steps while the condition holds); under ``'stop'`` it
+asks the Trainer to save a checkpoint through its own ``_save_checkpoint`` (so
+``resume_from_checkpoint`` works) and to stop, and once that checkpoint is on disk
+(``on_save``) it raises ``grpotrl.HealthStop`` naming the rule, the values and the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .errors import HealthStop
+
+logger = logging.getLogger(__name__)
+
+
+class BoundaryReport(TrainerCallback):
+    """Prints the boundary report of the step's generation batch after the first ``steps`` steps."""
+
+    def __init__(self, trainer, steps: int):
+        self.trainer, self.steps = trainer, steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step <= self.steps and state.is_world_process_zero:
+            print(f"step {state.global_step}: " + self.trainer.boundary_report())
+
+
+class HealthRule(TrainerCallback):
+    """One fail-fast rule over one signal of ``trainer._metrics['train']``, per optimizer step.
+
+    Subclasses set ``name`` and ``advice`` and implement ``check()``: ``None`` when the step did
+    not observe the signal (no generation this step), else ``(broken, value, condition)``."""
+
+    name = "rule"
+    advice = ""
+
+    def __init__(self, trainer, patience: int = 1):
+        self.trainer, self.patience = trainer, max(int(patience), 1)
+        self.action = trainer.args.health_action
+        self.streak: list[float] = []
+        self._start: dict[str, int] = {}
+        self._stop: tuple[int, str] | None = None
+
+    # values of this step: what was appended to the metric lists since the step began
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = {k: len(v) for k, v in self.trainer._metrics["train"].items()}
+
+    def step_values(self, key: str) -> list[float]:
+        values = self.trainer._metrics["train"].get(key, [])
+        return [v for v in values[self._start.get(key, 0):] if v is not None]
+
+    def step_mean(self, key: str) -> float | None:
+        values = self.step_values(key)
+        return sum(values) / len(values) if values else None
+
+    def check(self) -> tuple[bool, float, str] | None:
+        raise NotImplementedError
+
+    def on_step_end(self, args, state, control, **kwargs):
+        seen = self.check()
+        if seen is None:
+            return
+        broken, value, condition = seen
+        self.streak = self.streak + [value] if broken else []
+        if len(self.streak) < self.patience:
+            return
+        values = ", ".join(f"{v:.4g}" for v in self.streak[-self.patience:])
+        span = f" for {self.patience} consecutive steps (values {values})" if self.patience > 1 else f" ({values})"
+        message = f"{condition}{span}. {self.advice}"
+        self.streak = []
+        if self.action == "warn":
+            logger.warning("grpotrl health [%s] step %d: %s", self.name, state.global_step, message)
+        elif self.action == "stop":
+            control.should_save = True
+            control.should_training_stop = True
+            self._stop = (state.global_step, message)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._stop is not None:
+            step, message = self._stop
+            self._stop = None
+            checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            raise HealthStop(self.name, step, message, checkpoint if os.path.isdir(checkpoint) else None)
+
+
+class HeaderRule(HealthRule):
+    name = "chat_header"
+    advice = ("The model writes the chat header itself: the template adds no generation prompt, or SFT trained on "
+              "another template (INVARIANTS I1/I2). Compare `trainer.boundary_report()` with the template.")
+
+    def check(self):
+        share = self.step_mean("completions/header_share")
+        if share is None:
+            return None
+        report = self.trainer.boundary_report(n=2) if share > 0 else ""
+        return share > 0, share, f"{share:.0%} of completions start with the chat header\n{report}\n"
+
+
+class OneTokenRule(HealthRule):
+    name = "one_token"
+    advice = ("Completions stop at once (seed 000 bug #2: penalties that counted prompt tokens made EOS relatively "
+              "likely). Check logits processors and min_new_tokens, and that SFT trained the response before its "
+              "stop token.")
+
+    def __init__(self, trainer, patience: int, max_share: float):
+        super().__init__(trainer, patience)
+        self.max_share = max_share
+
+    def check(self):
+        share = self.step_mean("completions/one_token_share")
+        if share is None or self.max_share >= 1:
+            return None
+        return share > self.max_share, share, (f"1-token completions {share:.0%} > health_max_one_token_share="
+                                               f"{self.max_share}")
+
+
+class EntropyRule(HealthRule):
+    name = "entropy_collapse"
+    advice = ("The policy collapsed (seed 004: an entropy bonus with a flipped sign drove entropy from ~1 to 0.005). "
+              "Check the entropy bonus sign and coefficient, the learning rate and the temperature; logits/* show "
+              "how peaked the distribution is.")
+
+    def __init__(self, trainer, patience: int, min_entropy: float):
+        super().__init__(trainer, patience)
+        self.min_entropy = min_entropy
+
+    def check(self):
+        entropy = self.step_mean("entropy")
+        if entropy is None or self.min_entropy <= 0:
+            return None
+        return entropy < self.min_entropy, entropy, (f"mean token entropy {entropy:.4g} < health_min_entropy="
+                                                     f"{self.min_entropy}")
+
+
+class FlatRewardRule(HealthRule):
+    name = "flat_rewards"
+    advice = ("With every group's rewards equal GRPO has no policy gradient. Check the reward functions on a few "
+              "completions (a judge failing to 0, a format no completion matches; see rewards/zero_share), or "
+              "raise num_generations, or turn on dynamic_sampling.")
+
+    def check(self):
+        share = self.step_mean("frac_reward_zero_std")
+        if share is None:
+            return None
+        zero = self.step_mean("rewards/zero_share")
+        extra = f" ({zero:.0%} of rewards exactly 0)" if zero is not None and not math.isnan(zero) else ""
+        return share >= 1.0, share, f"every group's rewards are all equal{extra}"
+
+
+class NonFiniteRule(HealthRule):
+    """Loss or gradient norm NaN/inf. Checked before the optimizer step: under 'stop' the
+    gradients are dropped so the saved checkpoint holds the last finite weights. Under ZeRO
+    (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked."""
+
+    name = "non_finite"
+    advice = "Lower the learning rate, look for fp16 overflow and for inf/NaN rewards, keep max_grad_norm > 0."
+
+    def __init__(self, trainer):
+        super().__init__(trainer, patience=1)
+        self._seen: tuple[bool, float, str] | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        losses, self.trainer._step_losses = self.trainer._step_losses, []
+        loss = torch.stack([x.float() for x in losses]).sum().item() if losses else 0.0
+        grads = [p.grad.detach() for p in self.trainer.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+        broken = not (math.isfinite(loss) and math.isfinite(norm))
+        where = "after clipping, before the optimizer step"
+        self._seen = (broken, norm, f"loss {loss:.4g}, gradient norm {norm:.4g} ({where})")
+        if broken and self.action == "stop":
+            self.trainer.model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a grad
+
+    def check(self):
+        seen, self._seen = self._seen, None
+        return seen

@@ -1,0 +1,288 @@
+"""Training-health signals: pure functions on the tensors a GRPO step already has.
+
+These are the numbers seeds 000 and 004 read by hand in the first steps of a run (entropy
+0.000, max prob 99.9 %, logit gap 7-10, 36 end-of-turn tokens, 1-token answers, rewards all
+zero, a response that starts with the chat header). ``grpotrl.GRPOTrainer`` logs them every
+step through TRL's metrics (so they reach TensorBoard / trackio / W&B like TRL's own);
+``grpotrl.callbacks`` turns them into warnings or a stop. Nothing here runs a model.
+
+Letters: B rows (completions), G completions per prompt, P padded prompt width, C padded
+completion width, V vocabulary, K top-k.
+
+What TRL already logs and is reused rather than recomputed: the token-mean ``entropy``,
+``completions/mean_length|min_length|max_length``, ``completions/clipped_ratio``,
+``frac_reward_zero_std`` (the share of zero-variance groups), ``reward``, ``kl`` and the clip
+ratios.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# ---------------------------------------------------------------- per-token and per-sample entropy
+
+
+def per_sample_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over each row's masked-in tokens; NaN for a row with no such token.
+
+    >>> per_sample_mean(torch.tensor([[1.0, 3.0, 9.0], [2.0, 0.0, 0.0]]), torch.tensor([[1, 1, 0], [0, 0, 0]]))
+    tensor([2., nan])
+    """
+    mask = mask.to(x.dtype)  # [B, C]
+    n = mask.sum(-1)  # [B]
+    return (x * mask).sum(-1) / n.masked_fill(n == 0, float("nan"))  # [B]
+
+
+def sample_entropy_stats(entropies: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Per-sample mean entropy (over the completion mask), summarised across samples.
+
+    TRL logs the token mean; a few collapsed samples hide in it. ``min`` and ``p10`` (the 10th
+    percentile, linear interpolation) show them. Rows with an empty mask are left out.
+
+    >>> H = torch.tensor([[0.0, 0.0, 9.0], [1.0, 3.0, 0.0], [4.0, 4.0, 4.0]])  # [B=3, C=3]
+    >>> m = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])  # per-sample means 0, 2, 4
+    >>> sample_entropy_stats(H, m)  # p10 = 0 + 0.1 * (3 - 1) * (2 - 0)
+    {'entropy/sample_min': 0.0, 'entropy/sample_p10': 0.4000000059604645, 'entropy/sample_mean': 2.0}
+    """
+    per_sample = per_sample_mean(entropies.detach().float(), mask)  # [B]
+    return summarise_samples(per_sample)
+
+
+def summarise_samples(per_sample: torch.Tensor) -> dict[str, float]:
+    """min / p10 / mean of per-sample entropies [B] (NaN rows dropped; NaN when none is left)."""
+    x = per_sample[~torch.isnan(per_sample)]  # [B']
+    if x.numel() == 0:
+        return {"entropy/sample_min": math.nan, "entropy/sample_p10": math.nan, "entropy/sample_mean": math.nan}
+    return {
+        "entropy/sample_min": x.min().item(),
+        "entropy/sample_p10": torch.quantile(x, 0.1).item(),
+        "entropy/sample_mean": x.mean().item(),
+    }
+
+
+# ---------------------------------------------------------------- logits: max, top-1 gap, top-5 mass
+
+
+def logit_stats(logits: torch.Tensor, temperature: float = 1.0, k: int = 5) -> dict[str, torch.Tensor]:
+    """Per-token statistics of the completion logits, each [B, C]:
+
+    * ``logits/max``: the largest raw logit (seed 004: 20-25 healthy, 30+ collapsed);
+    * ``logits/top1_top2_gap``: largest minus second-largest raw logit (3-5 healthy, 7-10 collapsed);
+    * ``logits/top1_prob`` and ``logits/top{k}_mass``: probability of the top token and total
+      probability of the top ``k`` under ``softmax(logits / T)``, the distribution that sampled.
+
+    Raw logits are reported unscaled (divide by T for the sampled distribution); the
+    probabilities are at the sampling temperature.
+
+    >>> logits = torch.tensor([[[4.0, 2.0, 1.0, 0.0, 0.0, 0.0, -1.0]]])  # [B=1, C=1, V=7]
+    >>> s = logit_stats(logits)
+    >>> s["logits/max"].item(), s["logits/top1_top2_gap"].item()
+    (4.0, 2.0)
+    >>> # top-5 mass = (e^4 + e^2 + e^1 + e^0 + e^0) / (that + e^0 + e^-1) = 66.705 / 68.073
+    >>> round(s["logits/top5_mass"].item(), 4)
+    0.9799
+    """
+    logits = logits.detach().float()  # [B, C, V]
+    top = logits.topk(min(k, logits.size(-1)), dim=-1).values  # [B, C, K]
+    log_z = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)  # [B, C, 1]
+    top_probs = (top / temperature - log_z).exp()  # [B, C, K]
+    gap = top[..., 0] - top[..., 1] if top.size(-1) > 1 else torch.full_like(top[..., 0], math.inf)  # [B, C]
+    return {
+        "logits/max": top[..., 0],
+        "logits/top1_top2_gap": gap,
+        "logits/top1_prob": top_probs[..., 0],
+        f"logits/top{k}_mass": top_probs.sum(-1),
+    }
+
+
+def masked_means(per_token: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token means over the completion mask, as ``[sum, count]`` pairs (summable across processes).
+
+    >>> masked_means({"a": torch.tensor([[1.0, 5.0], [3.0, 7.0]])}, torch.tensor([[1, 0], [1, 1]]))
+    {'a': tensor([11.,  3.])}
+    """
+    mask = mask.float()  # [B, C]
+    return {name: torch.stack([(x.float() * mask).sum(), mask.sum()]) for name, x in per_token.items()}
+
+
+# ---------------------------------------------------------------- stop tokens, lengths, headers
+
+
+def count_ids(ids: torch.Tensor, mask: torch.Tensor, id_set: list[int]) -> torch.Tensor:
+    """How many of each row's masked-in tokens are in ``id_set``, [B].
+
+    Count stop tokens in prompts with the prompt mask (left padding is left out, even when the
+    pad token is itself a stop token: seed 000's "50+ eot in the prompt" was padding) and in
+    completions with the completion mask (the tokens the loss trains on).
+
+    >>> ids = torch.tensor([[2, 2, 5, 2, 7, 2], [5, 2, 6, 6, 2, 9]])  # pad == 2 == a stop id
+    >>> count_ids(ids, torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]), [0, 2])
+    tensor([2, 2])
+    """
+    hit = torch.isin(ids, torch.as_tensor(list(id_set), device=ids.device, dtype=ids.dtype))  # [B, L]
+    return (hit & mask.bool()).sum(-1)  # [B]
+
+
+def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, float]:
+    """Share of completions with exactly 1 token and with ``max_length`` tokens (hit the cap).
+
+    >>> length_shares(torch.tensor([1, 1, 4, 8]), 8)
+    {'completions/one_token_share': 0.5, 'completions/max_length_share': 0.25}
+    """
+    n = max(lengths.numel(), 1)
+    out = {"completions/one_token_share": (lengths == 1).sum().item() / n}
+    if max_length:
+        out["completions/max_length_share"] = (lengths >= max_length).sum().item() / n
+    return out
+
+
+def starts_with_header(heads: list[str], headers: list[str]) -> list[bool]:
+    """Whether each decoded completion head (special tokens shown) starts with a chat header.
+
+    ``headers`` are the spellings to look for, e.g. ``["<|im_start|>", "assistant"]`` for ChatML:
+    a response that opens a new turn, or repeats the assistant header the prompt already ends
+    with, was trained or templated wrong (seed 000: "Response开头似乎包含chat header").
+
+    >>> heads = ["<|im_start|>assistant\\n4", " assistant\\n4", "4<|im_end|>"]
+    >>> starts_with_header(heads, ["<|im_start|>", "assistant"])
+    [True, True, False]
+    """
+    spellings = [h.strip() for h in headers if h and h.strip()]
+    return [any(head.lstrip().startswith(h) for h in spellings) for head in heads]
+
+
+def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs) -> list[str]:
+    """Spellings of the chat header a response must not start with (for ``starts_with_header``).
+
+    The assistant header is what the template writes before an assistant message: the
+    generation prompt when the template supports ``add_generation_prompt``, else the text
+    between the user turn and the assistant's content. Returned with special tokens shown
+    (``<|im_start|>assistant``), its leading special token alone (a new turn of any role) and
+    without special tokens (``assistant``)."""
+    from . import templates
+
+    tok = templates._tok(tokenizer)
+    ids = templates.generation_prompt_ids(tok, chat_template, **template_kwargs)
+    if not ids:  # the template ignores add_generation_prompt: read the header off an assistant turn
+        probe = "grpotrl-header-probe"
+        user = [{"role": "user", "content": "x"}]
+        without = tok.apply_chat_template(user, tokenize=False, chat_template=chat_template, **template_kwargs)
+        turn = tok.apply_chat_template(user + [{"role": "assistant", "content": probe}], tokenize=False,
+                                       chat_template=chat_template, **template_kwargs)
+        text = turn[len(without):].split(probe, 1)[0] if turn.startswith(without) and probe in turn else ""
+        ids = tok(text, add_special_tokens=False)["input_ids"] if text else []
+    if not ids:
+        return []
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    out = [tok.decode(ids, skip_special_tokens=False)]
+    if ids[0] in special:
+        out.append(tok.decode(ids[:1], skip_special_tokens=False))
+    out.append(tok.decode(ids, skip_special_tokens=True))
+    return [h for h in dict.fromkeys(s.strip() for s in out) if h]
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def group_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted reward per completion as TRL sums it, NaN where every function returned None.
+
+    >>> group_rewards(torch.tensor([[1.0, float("nan")], [float("nan")] * 2]), torch.tensor([1.0, 0.5]))
+    tensor([1., nan])
+    """
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)  # [B]
+    return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))  # [B]
+
+
+def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[B / G] True for each group whose (non-NaN) rewards are all equal: advantage 0 for every
+    member, so no policy gradient (TRL's ``frac_reward_zero_std`` is their share).
+
+    >>> zero_std_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
+    tensor([ True, False,  True])
+    """
+    groups = rewards.view(-1, num_generations)  # [B/G, G]
+    lo = torch.where(torch.isnan(groups), torch.inf, groups).amin(-1)  # [B/G]
+    hi = torch.where(torch.isnan(groups), -torch.inf, groups).amax(-1)  # [B/G]
+    return ~(hi - lo > 1e-6 * hi.abs().clamp(min=1.0))  # all-NaN groups count as zero-variance
+
+
+def zero_reward_share(rewards: torch.Tensor) -> float:
+    """Share of scored completions whose reward is exactly 0 (seed 000: "reward signal all zero").
+
+    >>> zero_reward_share(torch.tensor([0.0, 1.0, 0.0, float("nan")]))
+    0.6666666666666666
+    """
+    scored = rewards[~torch.isnan(rewards)]
+    return (scored == 0).sum().item() / scored.numel() if scored.numel() else math.nan
+
+
+def task_lengths(tasks: list[str], lengths: torch.Tensor) -> dict[str, float]:
+    """Completion length mean / min / max per task, keyed ``tasks/<task>/completions/<stat>``.
+
+    >>> out = task_lengths(["a", "b", "a"], torch.tensor([2, 5, 4]))
+    >>> out["tasks/a/completions/mean_length"], out["tasks/a/completions/max_length"], len(out)
+    (3.0, 4.0, 6)
+    """
+    out = {}
+    for task in dict.fromkeys(tasks):
+        x = lengths[torch.tensor([t == task for t in tasks], device=lengths.device)].float()
+        out[f"tasks/{task}/completions/mean_length"] = x.mean().item()
+        out[f"tasks/{task}/completions/min_length"] = x.min().item()
+        out[f"tasks/{task}/completions/max_length"] = x.max().item()
+    return out
+
+
+def task_rewards(tasks: list[str], rewards: torch.Tensor) -> dict[str, float]:
+    """Mean reward per task, keyed ``tasks/<task>/reward`` (NaN rewards left out).
+
+    >>> task_rewards(["a", "b", "a"], torch.tensor([1.0, 0.0, 0.0]))
+    {'tasks/a/reward': 0.5, 'tasks/b/reward': 0.0}
+    """
+    out = {}
+    for task in dict.fromkeys(tasks):
+        x = rewards[torch.tensor([t == task for t in tasks], device=rewards.device)]
+        out[f"tasks/{task}/reward"] = torch.nanmean(x).item()
+    return out
+
+
+# ---------------------------------------------------------------- the boundary report (seed 000, by eye)
+
+
+def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[str] = (), n: int = 4,
+                    width: int = 8) -> str:
+    """For the first ``n`` rows of a generation batch: the decoded prompt tail and completion
+    head with special tokens shown, the ids on both sides of the boundary, and the stop-token
+    counts (prompt without its left padding, completion as the loss sees it).
+
+    ``batch`` holds ``prompt_ids``/``prompt_mask`` [B, P] (left-padded), ``completion_ids`` [B, C]
+    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B]."""
+    from .guards import boundary_report as ids_and_text
+
+    pad = tokenizer.pad_token_id
+    stops = set(stop_ids)
+    B = batch["prompt_ids"].size(0)
+    lines = [f"grpotrl boundary report: {min(n, B)} of {B} rows; stop ids {sorted(stops)}, pad id {pad}"
+             + (" (a stop id: left padding is not counted as stop tokens)" if pad in stops else "")]
+    for i in range(min(n, B)):
+        prompt_mask = batch["prompt_mask"][i].bool()  # [P]
+        prompt = batch["prompt_ids"][i][prompt_mask].tolist()
+        completion = batch["completion_ids"][i][: int(batch["lengths"][i])].tolist()
+        n_pad = int((~prompt_mask).sum())
+        prompt_stops = sum(t in stops for t in prompt)
+        completion_stops = sum(t in stops for t in completion)
+        reward = batch.get("rewards")
+        title = f"  row {i}" + (f" (reward {float(reward[i]):.3f})" if reward is not None else "")
+        lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "
+                     f"tokens; stop tokens: {prompt_stops} in the prompt, {completion_stops} in the completion")
+        lines.append(ids_and_text(tokenizer, prompt, completion, width))
+        head = tokenizer.decode(completion[:width], skip_special_tokens=False)
+        if headers and starts_with_header([head], list(headers))[0]:
+            lines.append("    !! the completion starts with the chat header: the model writes the header itself "
+                         "(template without a generation prompt, or SFT on another template)")
+        if completion_stops > 1:
+            lines.append(f"    !! {completion_stops} stop tokens inside one completion: generation does not stop on "
+                         "every stop id, and the loss trains past the end of the turn")
+    return "\n".join(lines)

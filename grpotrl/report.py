@@ -1,0 +1,163 @@
+"""``grpotrl report OUTPUT_DIR``: PNG plots of a run, read from its ``trainer_state.json``.
+
+    grpotrl report outputs/smollm2-grpo-quickstart
+    grpotrl report outputs/smollm2-grpo-quickstart --out /tmp/plots
+
+A person looks at a picture instead of reading logs. One PNG per panel plus ``report.png``
+with every panel, written to ``OUTPUT_DIR/report/`` (or ``--out``). Panels, each drawn only
+when the run logged its metrics: reward (total and per function), entropy (token mean and
+the per-sample min / p10), KL, completion length (mean, min, max), clip ratios, health shares
+(1-token, max-length, zero-variance groups, zero rewards, chat-header starts), logits (max,
+top-1 minus top-2 gap), one panel per per-task metric (``tasks/<task>/<metric>``, a curve per
+task) and the GAD discriminator (``gad/d_acc``, ``gad/d_loss``; teacher and student scores).
+Eval values, when logged, are dashed.
+
+``trainer_state.json`` is what ``grpotrl grpo|sft`` saves beside the weights; a run stopped by
+a health rule has one in its last ``checkpoint-N/``, which is read when the top level has none.
+Needs matplotlib (``pip install grpotrl[report]``); drawn with the Agg backend, no display.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+
+from .errors import InputError
+
+# panel name -> (title, y label, metric keys); a panel is drawn when any key was logged
+PANELS = {
+    "reward": ("Reward", "reward", ["reward", re.compile(r"rewards/[^/]+/mean")]),
+    "entropy": ("Entropy", "nats", ["entropy", "entropy/sample_min", "entropy/sample_p10"]),
+    "kl": ("KL to the reference", "nats", ["kl"]),
+    "completion_length": ("Completion length", "tokens",
+                          ["completions/mean_length", "completions/min_length", "completions/max_length"]),
+    "clip_ratio": ("Clip ratios", "share of tokens",
+                   ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio"]),
+    "health": ("Health shares", "share", ["completions/one_token_share", "completions/max_length_share",
+                                          "frac_reward_zero_std", "rewards/zero_share", "completions/header_share",
+                                          "dynamic_sampling/dropped_share"]),
+    "logits": ("Logits", "logit", ["logits/max", "logits/top1_top2_gap"]),
+    "discriminator": ("GAD discriminator", "value", ["gad/d_acc", "gad/d_loss", "d_acc", "d_loss"]),
+    "discriminator_scores": ("GAD discriminator scores", "D score", ["gad/teacher_score", "gad/student_score"]),
+}
+TASK_KEY = re.compile(r"tasks/(?P<task>[^/]+)/(?P<metric>.+)")
+
+
+def find_state(output_dir: str) -> str:
+    """``OUTPUT_DIR/trainer_state.json``, else the one in the newest ``checkpoint-N/``."""
+    path = os.path.join(output_dir, "trainer_state.json")
+    if os.path.isfile(path):
+        return path
+    found = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
+    found = [p for p in found if re.search(r"checkpoint-(\d+)", p)]
+    if found:
+        return max(found, key=lambda p: int(re.search(r"checkpoint-(\d+)", p).group(1)))
+    raise InputError(f"No trainer_state.json in {output_dir!r} nor in a checkpoint-N/ below it. Point "
+                     "`grpotrl report` at a run's output_dir (grpotrl grpo|sft save it there at the end).")
+
+
+def series(log_history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """Every numeric logged key -> (steps, values), in logging order; None values left out."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        for key, value in entry.items():
+            if key == "step" or step is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            steps, values = out.setdefault(key, ([], []))
+            steps.append(step)
+            values.append(value)
+    return out
+
+
+def panels(log_history: list[dict]) -> dict[str, tuple[str, str, dict[str, tuple[list, list]]]]:
+    """The panels this run has data for: name -> (title, y label, {curve label: (steps, values)})."""
+    data = series(log_history)
+    out = {}
+    for name, (title, ylabel, keys) in PANELS.items():
+        curves = {}
+        for key in keys:
+            matched = [k for k in data if key.fullmatch(k)] if isinstance(key, re.Pattern) else [key]
+            for k in matched:
+                for label in (k, f"eval_{k}"):
+                    if label in data:
+                        curves[label] = data[label]
+        if curves:
+            out[name] = (title, ylabel, curves)
+    per_task: dict[str, dict] = {}
+    for key in data:
+        m = TASK_KEY.fullmatch(key.removeprefix("eval_"))
+        if m:
+            label = m["task"] + (" (eval)" if key.startswith("eval_") else "")
+            per_task.setdefault(m["metric"], {})[label] = data[key]
+    for metric, curves in per_task.items():
+        out["task_" + re.sub(r"\W+", "_", metric)] = (f"Per task: {metric}", metric, curves)
+    return out
+
+
+def write_report(output_dir: str, out_dir: str | None = None) -> dict[str, str]:
+    """Draw every panel of the run in ``output_dir``; returns panel name -> PNG path, with
+    ``"report"`` the figure of all panels. Axes titles are the panel titles."""
+    state_path = find_state(output_dir)
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError("grpotrl report draws with matplotlib, which is not installed: "
+                         "pip install 'grpotrl[report]' (or pip install matplotlib).") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(state_path) as f:
+        log_history = json.load(f).get("log_history", [])
+    found = panels(log_history)
+    if not found:
+        raise InputError(f"{state_path} holds no logged training metrics (log_history is empty or has no known "
+                         "keys): set logging_steps and train at least one logged step.")
+    out_dir = out_dir or os.path.join(output_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+
+    cols = min(3, len(found))
+    rows = -(-len(found) // cols)
+    overview, grid = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    paths = {}
+    for i, (name, panel) in enumerate(found.items()):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        _draw(ax, *panel)
+        fig.tight_layout()
+        paths[name] = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(paths[name], dpi=100)
+        plt.close(fig)
+        _draw(grid[i // cols][i % cols], *panel)
+    for j in range(len(found), rows * cols):
+        grid[j // cols][j % cols].set_visible(False)
+    overview.suptitle(f"{os.path.abspath(output_dir)} ({state_path.removeprefix(output_dir).lstrip(os.sep)})")
+    overview.tight_layout()
+    paths["report"] = os.path.join(out_dir, "report.png")
+    overview.savefig(paths["report"], dpi=90)
+    plt.close(overview)
+    return paths
+
+
+def _draw(ax, title: str, ylabel: str, curves: dict) -> None:
+    for label, (steps, values) in curves.items():
+        eval_curve = label.startswith("eval_") or label.endswith("(eval)")
+        ax.plot(steps, values, "--" if eval_curve else "-", marker="." if len(steps) < 50 else None, label=label)
+    ax.set_title(title)
+    ax.ticklabel_format(axis="y", useOffset=False)  # entropy 10.7891 reads better than 1e-5 + 1.0789e1
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="grpotrl report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", help="a run's output_dir (holding trainer_state.json)")
+    parser.add_argument("--out", default=None, help="where to write the PNGs (default OUTPUT_DIR/report)")
+    args = parser.parse_args(argv)
+    paths = write_report(args.output_dir, args.out)
+    print(f"grpotrl report: {len(paths) - 1} panels ({', '.join(p for p in paths if p != 'report')}) in "
+          f"{os.path.dirname(paths['report'])}")

@@ -1,0 +1,419 @@
+"""``grpotrl.GADTrainer``: generative adversarial distillation (Ye et al., arXiv 2511.10643).
+
+The student is trained by GRPO (GSPO's sequence-level ratio by default) on the score of a
+discriminator D, a sequence-level reward model trained online to prefer the teacher's response
+over the student's: ``-log sigmoid(D(teacher) - D(student))``, the group's teacher response
+against each student response. Only the teacher's text is needed (black-box teacher): rows
+hold ``prompt`` (chat messages) and ``teacher_response`` (text).
+
+Each generation batch: generate (TRL), score student and teacher responses with D in one
+forward with gradient, take the student scores (detached, BEFORE this batch's D update, as
+verl's GAD does) as the reward, then step D's own AdamW. For the first
+``discriminator_warmup_steps`` optimizer steps the student is not stepped. D reads its score
+at the last real token through the same chat template for teacher and student (I9,
+``grpotrl/discriminator.py``).
+
+KL to the reference policy (``beta``, ``kl_estimator`` in k1/abs/k2/k3/full) goes in the loss
+(``use_kl_loss``), the reward (``use_kl_in_reward``) or both; GAD computes it itself (TRL's own
+in-loss k3 is turned off) so every estimator takes one path. Costs on top of GRPO: D's forward
+and backward on B*G + B sequences per generation batch; KL in the reward adds a no-grad policy
+and reference forward over the generation batch; ``full`` materialises [B, C, V] logits of both
+models per microbatch (the policy's from the loss's own forward, plus one reference forward).
+
+Overrides (everything else is grpotrl.GRPOTrainer's, hence TRL's):
+  * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
+    after TRL (DDP-wrapped by accelerate; DeepSpeed and FSDP are refused).
+  * ``_calculate_rewards``: the D step above; returns rewards gathered across processes, one
+    column per reward function: ``discriminator`` (and ``kl_penalty`` with ``use_kl_in_reward``).
+  * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
+  * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used.
+  * ``training_step``: during warmup, generates and updates D only; the student gets no grad.
+  * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
+    checkpoints hold D's weights (``discriminator/model.safetensors``) and its optimizer state
+    (``discriminator/optimizer.pt``); resume restores both.
+
+Student SFT warmup on teacher responses (the paper's first stage) is a separate run on the
+same template (I2): ``grpotrl sft --config recipes/smollm2/sft_gad_warmup.yaml``, then GAD
+from its output (``--model_name_or_path outputs/smollm2-sft-gad-warmup``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+from trl.trainer.utils import use_adapter
+
+from .. import guards, templates
+from ..configs import GADConfig
+from ..discriminator import DiscriminatorReward, bradley_terry_loss, completion_texts, load_discriminator, pad_sequences
+from ..errors import InputError, InvariantError
+from ..losses import kl_full, kl_penalty
+from ..masking import position_ids_from_mask
+from .grpo import GRPOTrainer
+
+D_DIR = "discriminator"
+D_WEIGHTS = "model.safetensors"
+D_OPTIMIZER = "optimizer.pt"
+
+
+def check_teacher_responses(dataset, split_name: str = "train") -> None:
+    """GAD rows need a non-empty ``teacher_response`` string and a chat-message ``prompt``."""
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return
+    if "teacher_response" not in dataset.column_names:
+        raise InputError(
+            f"GAD needs a 'teacher_response' column (the teacher's answer as text), but the {split_name!r} split has "
+            f"columns {dataset.column_names}. A row looks like {{\"prompt\": [{{\"role\": \"user\", \"content\": "
+            "\"What is 7 + 5?\"}], \"teacher_response\": \"12\"}. Add the column or map your rows into that shape."
+        )
+    for i, (prompt, text) in enumerate(zip(dataset["prompt"], dataset["teacher_response"])):
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"Row {i} of the {split_name!r} split has teacher_response={text!r}; GAD needs the "
+                             "teacher's answer as a non-empty string. Fix or drop that row.")
+        if not isinstance(prompt, list):
+            raise InputError(f"Row {i} of the {split_name!r} split has a {type(prompt).__name__} prompt; GAD scores "
+                             "teacher and student through the chat template (I9), so prompts must be chat messages.")
+
+
+def _aggregate_like_trl(trainer, x: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """A per-token term [B, C] reduced exactly as TRL 1.16's ``_compute_loss`` reduces its
+    per-token loss for ``trainer.loss_type``. The reduction is linear, so adding this to TRL's
+    loss equals adding the term to its per-token loss (tests pin k3 against TRL's own KL)."""
+    mode = "train" if trainer.model.training else "eval"
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    kind = trainer.loss_type
+    if kind in ("grpo", "sapo"):
+        return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if kind == "bnpo":
+        return (x * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+    if kind == "dr_grpo":
+        return (x * mask).sum() / (x.size(0) * trainer.max_completion_length) / accumulation
+    if kind in ("cispo", "dapo", "vespo"):
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * accumulation / trainer.args.steps_per_generation
+        return (x * mask).sum() / normalizer
+    if kind == "luspo":
+        return (x * mask).sum(-1).mean() / accumulation
+    raise InputError(f"GAD's KL loss does not know loss_type={kind!r}.")
+
+
+@contextlib.contextmanager
+def _capture_backbone_output(causal_lm):
+    """Collect the backbone's last hidden states [B, L, H] of every forward in the block (the
+    graph tensors: logits built on them backpropagate into the loss's own forward)."""
+    inner = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+    seen = []
+    handle = inner.base_model.register_forward_hook(lambda m, a, out: seen.append(out.last_hidden_state))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+class GADTrainer(GRPOTrainer):
+    _tag_names = ["trl", "grpo", "gad", "grpotrl"]
+
+    def __init__(self, model, args: GADConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, **kwargs):
+        if args is None:
+            args = GADConfig(output_dir="grpotrl-gad-output")
+        if not isinstance(args, GADConfig):
+            raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}.")
+        if "reward_funcs" in kwargs:
+            raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
+        if kwargs.get("tools") or kwargs.get("environment_factory"):
+            raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
+        if args.deepspeed or args.fsdp:
+            raise InputError("GADTrainer with DeepSpeed or FSDP is not supported yet (the discriminator and its "
+                             "optimizer are prepared as a plain DDP model). Use DDP "
+                             "(recipes/accelerate/single.yaml or a multi-GPU DDP config).")
+        check_teacher_responses(train_dataset, "train")
+        for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
+            check_teacher_responses(ds, name)
+        if args.discriminator_model_name_or_path:
+            from ..models import resolve_model_path
+            from ..validation import check_model_dir
+
+            args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
+            check_model_dir(args.discriminator_model_name_or_path)
+
+        # The reward functions exist before TRL starts (it names the metric columns after them);
+        # D is attached once TRL has set the seed and loaded the student.
+        self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
+        reward_funcs = [self._d_reward] + ([self.kl_penalty] if args.use_kl_in_reward else [])
+        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise InputError("GADTrainer with DeepSpeed or FSDP is not supported yet: the discriminator and its "
+                             "optimizer are prepared as a plain DDP model. Launch with a DDP accelerate config.")
+
+        # KL: computed here for every estimator; TRL's own in-loss k3 is off (it kept the ref model).
+        self.kl_coef = args.beta
+        self.beta = 0.0
+        self._kl_in_loss = bool(args.beta and args.use_kl_loss)
+
+        student = self.accelerator.unwrap_model(self.model)
+        student = student.get_base_model() if hasattr(student, "get_base_model") else student
+        path = args.discriminator_model_name_or_path or getattr(student.config, "_name_or_path", None)
+        if not path or not os.path.isdir(path):
+            raise InputError(f"Cannot initialise the discriminator from the student's path {path!r} (not a local "
+                             "directory). Set discriminator_model_name_or_path.")
+        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=student.dtype,
+                                  lora_r=args.discriminator_lora_r)
+        if args.disable_dropout:
+            for module in disc.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        # A plain optimizer, not accelerate's: an AcceleratedOptimizer skips step() while the
+        # student accumulates gradients, and D steps once per generation batch, mid-window.
+        # Fused like the student's default (adamw_torch_fused): 4x faster steps on CPU.
+        self.discriminator = self.accelerator.prepare_model(disc)
+        self.discriminator_optimizer = torch.optim.AdamW(
+            [p for p in self.discriminator.parameters() if p.requires_grad], lr=args.discriminator_learning_rate,
+            fused=str(getattr(args.optim, "value", args.optim)).endswith("fused"))
+        self._d_reward.discriminator = self.discriminator
+        self._d_reward.tokenizer = self._tokenizer
+        self._d_reward.stop_ids = list(self.stop_token_ids)
+        self._d_reward.chat_template = self.chat_template
+
+    # ------------------------------------------------------------------ discriminator step
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        mode = "train" if self.model.training else "eval"
+        scores = self._discriminator_step(inputs, prompts, completions, update=mode == "train")  # [N]
+        columns = [scores]
+        if self.args.use_kl_in_reward:
+            columns.append(torch.tensor(self.kl_penalty(prompts, completions, completion_ids_list),
+                                        dtype=torch.float32, device=scores.device))
+        return self.accelerator.gather(torch.stack(columns, dim=1))  # [N_global, n_funcs]
+
+    def _discriminator_step(self, inputs: list[dict], prompts: list, completions: list, update: bool) -> torch.Tensor:
+        """Score each student response and its row's teacher response with D; with ``update``,
+        step D on the Bradley-Terry loss. Returns the student scores [N] of D before the step."""
+        mode = "train" if update else "eval"
+        reward = self._d_reward
+        student_seqs = reward.sequences(prompts, completion_texts(completions))
+        # one teacher sequence per distinct (prompt, teacher_response): a group shares it
+        keys = [json.dumps(p, sort_keys=True) + "\x00" + x["teacher_response"] for p, x in zip(prompts, inputs)]
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        slot = {k: j for j, k in enumerate(first)}
+        teacher_of = [slot[k] for k in keys]  # row -> index into teacher_seqs
+        order = list(first.values())  # teacher_seqs[j] comes from row order[j]
+        teacher_seqs = reward.sequences([prompts[i] for i in order], [inputs[i]["teacher_response"] for i in order])
+
+        device = self.accelerator.device
+        n, chunk = len(student_seqs), self.args.per_device_train_batch_size
+        student_scores = torch.empty(n, device=device)
+        teacher_scores = torch.empty(len(teacher_seqs), device=device)
+        sums = torch.zeros(3, device=device)  # loss sum, correct pairs, pairs
+        d = self.discriminator
+        d.train(update)
+        starts = list(range(0, n, chunk))
+        for j, start in enumerate(starts):
+            rows = list(range(start, min(start + chunk, n)))
+            needed = sorted({teacher_of[r] for r in rows})
+            seqs = [student_seqs[r] for r in rows] + [teacher_seqs[t] for t in needed]
+            ids, mask = pad_sequences(seqs, self._tokenizer.pad_token_id, device=device)
+            last = j == len(starts) - 1
+            sync = contextlib.nullcontext() if (last or not update) else self.accelerator.no_sync(d)
+            grad = torch.enable_grad() if update else torch.no_grad()
+            with sync, grad, self.accelerator.autocast():
+                scores = d(ids, mask)  # [rows + teachers]
+                s = scores[: len(rows)]  # [rows]
+                t = scores[len(rows):][[needed.index(teacher_of[r]) for r in rows]]  # [rows] each row's teacher
+                loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
+                if update:
+                    loss.backward()
+            student_scores[rows] = s.detach()
+            teacher_scores[needed] = scores[len(rows):].detach()
+            sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
+        if update:
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(d.parameters(), self.args.max_grad_norm)
+            self.discriminator_optimizer.step()
+            self.discriminator_optimizer.zero_grad(set_to_none=True)
+
+        stats = torch.cat([sums, torch.stack([teacher_scores.sum(), torch.tensor(float(len(teacher_scores)),
+                                                                                  device=device),
+                                              student_scores.sum()])])
+        total = self.accelerator.gather(stats).view(-1, 6).sum(0).tolist()
+        self._metrics[mode]["gad/d_loss"].append(total[0] / total[2])
+        self._metrics[mode]["gad/d_acc"].append(total[1] / total[2])
+        self._metrics[mode]["gad/teacher_score"].append(total[3] / total[4])
+        self._metrics[mode]["gad/student_score"].append(total[5] / total[2])
+        return student_scores
+
+    # ------------------------------------------------------------------ KL to the reference policy
+
+    def _ref_context(self):
+        """(model, context) computing the reference policy, as TRL does (PEFT: adapter off)."""
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not hasattr(unwrapped, "peft_config"):
+            raise InputError("GAD's KL needs a reference model, but none was created (beta was 0 at start?).")
+        return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+
+    def _completion_logits(self, model, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:
+        """Raw logits that score each completion token (position P + t - 1 scores token t): [B, C, V]."""
+        out = self.accelerator.unwrap_model(model)(input_ids=ids, attention_mask=attn,
+                                                   position_ids=position_ids_from_mask(attn),
+                                                   logits_to_keep=width + 1, use_cache=False)
+        return out.logits[:, :-1]
+
+    @torch.no_grad()
+    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:
+        """KL(pi || pi_ref) per completion token of the current policy, no grad: [B, C]."""
+        bs = self.args.per_device_train_batch_size
+        ref, ctx = self._ref_context()
+        if self.args.kl_estimator != "full":
+            logp = self._get_per_token_logps_and_entropies(self.model, ids, attn, width, batch_size=bs)[0]
+            with ctx:
+                ref_logp = self._get_per_token_logps_and_entropies(ref, ids, attn, width, batch_size=bs)[0]
+            return kl_penalty(logp, ref_logp, self.args.kl_estimator)
+        out = []
+        for i in range(0, ids.size(0), bs):
+            part = slice(i, i + bs)
+            logits = self._completion_logits(self.model, ids[part], attn[part], width)
+            with ctx:
+                ref_logits = self._completion_logits(ref, ids[part], attn[part], width)
+            out.append(kl_full(logits, ref_logits, self.temperature))
+        return torch.cat(out)
+
+    def kl_penalty(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
+        """Reward column ``kl_penalty``: ``-beta * sum_t KL_t`` of each response under the current
+        policy (``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
+        tok = self._tokenizer
+        prompt_ids = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs) for p in prompts]
+        device = self.accelerator.device
+        p_ids, p_mask = pad_sequences(prompt_ids, tok.pad_token_id, side="left", device=device)  # [N, P]
+        c_ids, c_mask = pad_sequences([list(c) for c in completion_ids], tok.pad_token_id, device=device)  # [N, C]
+        ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)  # [N, P+C]
+        per_token = self._per_token_kl(ids, attn, c_ids.size(1))  # [N, C]
+        return (-self.kl_coef * (per_token * c_mask).sum(-1)).tolist()
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self._kl_in_loss and self.args.kl_estimator != "full":
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # [B, P+C]
+            attn = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)  # [B, P+C]
+            ref, ctx = self._ref_context()
+            with torch.no_grad(), ctx:
+                output["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                    ref, ids, attn, output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size
+                )[0]
+        return output
+
+    def _compute_loss(self, model, inputs):
+        if not self._kl_in_loss:
+            return super()._compute_loss(model, inputs)
+        full = self.args.kl_estimator == "full"
+        capture = _capture_backbone_output(self.accelerator.unwrap_model(model)) if full else contextlib.nullcontext([])
+        with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls, capture as hidden:
+            loss = super()._compute_loss(model, inputs)
+        logp = calls[0][0]  # [B, C] the policy logprobs the loss was built from (graph tensor)
+        mask = inputs["completion_mask"]  # [B, C] GAD has no tools, hence no tool_mask
+        width = mask.size(1)
+        if full:
+            per_token_kl = self._full_kl_on_loss_forward(model, inputs, hidden[0], logp, width)
+        else:
+            per_token_kl = kl_penalty(logp, inputs["ref_per_token_logps"], self.args.kl_estimator)  # [B, C]
+        if self.args.use_bias_correction_kl:  # TRL's default: times the (differentiable) importance ratio
+            per_token_kl = per_token_kl * self._importance_ratio(logp, inputs, mask)
+        loss = loss + self.kl_coef * _aggregate_like_trl(self, per_token_kl, mask, inputs)
+        mode = "train" if self.model.training else "eval"
+        totals = self.accelerator.reduce(torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]),
+                                         reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return loss
+
+    def _importance_ratio(self, logp: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's ``coef_1``: exp of the log ratio to the sampling policy, per token [B, C] or, for
+        ``importance_sampling_level="sequence"``, its masked mean per sequence [B, 1]."""
+        old = inputs.get("old_per_token_logps")
+        log_ratio = logp - (logp.detach() if old is None else old)  # [B, C]
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+        return torch.exp(log_ratio)
+
+    def _full_kl_on_loss_forward(self, model, inputs, hidden, logp, width) -> torch.Tensor:
+        """Exact KL per completion token [B, C]: the policy's logits from the loss's own forward
+        (its backbone output through the LM head, so the gradient reaches the same graph), the
+        reference's from one no-grad forward."""
+        causal_lm = self.accelerator.unwrap_model(model)
+        causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+        logits = causal_lm.get_output_embeddings()(hidden[:, -width - 1:-1])  # [B, C, V]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+C]
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # [B, P+C]
+        ref, ctx = self._ref_context()
+        with torch.no_grad(), ctx:
+            ref_logits = self._completion_logits(ref, ids, attn, width)  # [B, C, V]
+        if self._guard_now():  # the logits we built must be the ones the loss's logprobs came from
+            mine = torch.log_softmax(logits.detach().float() / self.temperature, -1)
+            mine = mine.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)  # [B, C]
+            m = inputs["completion_mask"].bool()
+            gap = (mine - logp.detach())[m].abs().max().item() if m.any() else 0.0
+            scale = logits.detach().abs().max().item() / self.temperature
+            if gap > self.args.guard_logprob_atol * max(scale, 1.0) * (100 if self.args.bf16 else 1):
+                raise InvariantError("I5", f"kl_estimator='full' rebuilt the policy's logits from the loss's forward, "
+                                           f"but their logprobs differ from the loss's by {gap:.2e} nats (logit scale "
+                                           f"{scale:.1f}). This model's LM head is not a plain linear layer (logit "
+                                           "scaling or soft-capping?); use a sample-based kl_estimator.")
+        return kl_full(logits, ref_logits, self.temperature)
+
+    # ------------------------------------------------------------------ warmup: D only
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self.state.global_step >= self.args.discriminator_warmup_steps:
+            return super().training_step(model, inputs, num_items_in_batch)
+        # Generation, rewards and D's update happen in _prepare_inputs; no loss, no backward:
+        # no student parameter gets a gradient, so the optimizer step leaves them all as they are.
+        start = time.perf_counter()
+        model.train()
+        self._prepare_inputs(inputs)
+        self._step += 1  # TRL's generation schedule counts microsteps
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return torch.zeros((), device=self.args.device)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            out = os.path.join(output_dir or self.args.output_dir, D_DIR)
+            os.makedirs(out, exist_ok=True)
+            state = self.accelerator.unwrap_model(self.discriminator).state_dict()
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(out, D_WEIGHTS),
+                      metadata={"format": "pt"})
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            os.makedirs(os.path.join(output_dir, D_DIR), exist_ok=True)
+            torch.save(self.discriminator_optimizer.state_dict(), os.path.join(output_dir, D_DIR, D_OPTIMIZER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        weights, optim = (os.path.join(checkpoint, D_DIR, name) for name in (D_WEIGHTS, D_OPTIMIZER))
+        if not (os.path.isfile(weights) and os.path.isfile(optim)):
+            raise InputError(f"The checkpoint {checkpoint!r} has no discriminator state ({D_DIR}/{D_WEIGHTS} and "
+                             f"{D_DIR}/{D_OPTIMIZER}); it was not written by GADTrainer.")
+        d = self.accelerator.unwrap_model(self.discriminator)
+        d.load_state_dict(load_file(weights, device=str(self.accelerator.device)))
+        self.discriminator_optimizer.load_state_dict(
+            torch.load(optim, map_location=self.accelerator.device, weights_only=True))
+        for group in self.discriminator_optimizer.param_groups:  # the recipe's lr holds, as for the student
+            group["lr"] = self.args.discriminator_learning_rate

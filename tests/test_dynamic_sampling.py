@@ -1,0 +1,83 @@
+"""DAPO dynamic sampling: the row bookkeeping by hand, then a tiny run where half the prompts
+always get flat rewards: none of their rows reaches the loss, the batch is refilled, the
+loss normaliser counts only kept tokens, and the I1-I5 guards (on every step) pass on the
+merged batches."""
+
+import torch
+from datasets import Dataset
+
+import grpotrl
+from grpotrl import dynamic_sampling as ds
+from grpotrl.trainers.grpo import ROW_KEY
+
+
+def test_keep_groups_first_come_up_to_the_target():
+    # round 0: groups 0 and 2 flat -> keep group 1; round 1: keep 2 of its 3 non-flat groups (target 3)
+    keeps = ds.keep_groups([torch.tensor([True, False, True]), torch.tensor([False, False, False])], 3)
+    assert [k.tolist() for k in keeps] == [[False, True, False], [True, True, False]]
+
+
+def test_rows_of_kept_groups_per_process():
+    # 2 processes, G=2, 4 global groups -> 8 global rows, 4 per process; keep groups 1 and 2
+    keep = torch.tensor([False, True, True, False])
+    assert ds.local_rows(keep, 2, 0, 4).tolist() == [False, False, True, True]
+    assert ds.local_rows(keep, 2, 1, 4).tolist() == [True, True, False, False]
+
+
+def test_every_process_keeps_as_many_rows_in_whole_microbatches():
+    # kept 3 rows here, 6 on another process, steps_per_generation=4: both keep 8 rows;
+    # this process adds back 5 of its dropped rows (advantage 0)
+    count = ds.common_count([3, 6], 4)
+    assert count == 8
+    kept = ds.fill_rows(torch.tensor([True, False, True, False, True] + [False] * 7), count)
+    assert kept.tolist() == [True] * 8 + [False] * 4
+    assert ds.common_count([0, 0], 1) == 1  # never an empty microbatch
+
+
+def test_concat_then_select_pads_each_side_correctly():
+    a = {"prompt_ids": torch.tensor([[7, 8, 9]]), "prompt_mask": torch.ones(1, 3, dtype=torch.long),
+         "completion_ids": torch.tensor([[5]]), "completion_mask": torch.ones(1, 1, dtype=torch.long),
+         "advantages": torch.tensor([0.5]), ROW_KEY: torch.tensor([0]), "num_items_in_batch": torch.tensor(1)}
+    b = {"prompt_ids": torch.tensor([[6]]), "prompt_mask": torch.ones(1, 1, dtype=torch.long),
+         "completion_ids": torch.tensor([[4, 3]]), "completion_mask": torch.ones(1, 2, dtype=torch.long),
+         "advantages": torch.tensor([-0.5]), ROW_KEY: torch.tensor([1]), "num_items_in_batch": torch.tensor(2)}
+    out = ds.concat_rows([a, b], pad_token_id=2)
+    assert out["prompt_ids"].tolist() == [[7, 8, 9], [2, 2, 6]]  # left padding
+    assert out["prompt_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert out["completion_ids"].tolist() == [[5, 2], [4, 3]]  # right padding
+    assert out["completion_mask"].tolist() == [[1, 0], [1, 1]]
+    assert "num_items_in_batch" not in out  # global: the trainer recomputes it
+    picked = ds.select_rows(out, torch.tensor([False, True]))
+    assert picked["advantages"].tolist() == [-0.5] and picked[ROW_KEY].tolist() == [1]
+
+
+def flat_for_two(completions, prompts, **kwargs):
+    """0 for every completion of "What is 2?" (a zero-variance group); the length otherwise."""
+    return [0.0 if p[-1]["content"] == "What is 2?" else len(c[0]["content"]) / 10
+            for c, p in zip(completions, prompts)]
+
+
+class Observed(grpotrl.GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        tok = self._tokenizer
+        texts = tok.batch_decode([ids[m.bool()] for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])])
+        self.seen = getattr(self, "seen", []) + [(texts, int(inputs["completion_mask"].sum()),
+                                                  int(inputs["num_items_in_batch"]))]
+        return super()._compute_loss(model, inputs)
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_llama, grpo_args):
+    # every other prompt is "What is 2?" (flat); the others "What is 1 + 2?", "What is 1 + 1 + 2?", ...
+    rows = [{"prompt": [{"role": "user", "content": "What is " + "1 + " * (i % 4) + "2?"}]} for i in range(16)]
+    rows = [r if i % 2 else {"prompt": [{"role": "user", "content": "What is 2?"}]} for i, r in enumerate(rows)]
+    trainer = Observed(model=tiny_llama, reward_funcs=flat_for_two, train_dataset=Dataset.from_list(rows),
+                       args=grpo_args(max_steps=2, dynamic_sampling=True, dynamic_sampling_max_rounds=6,
+                                      max_completion_length=6))
+    trainer.train()
+    dropped = [h["dynamic_sampling/dropped_share"] for h in trainer.state.log_history
+               if "dynamic_sampling/dropped_share" in h]
+    assert len(dropped) == 2 and max(dropped) > 0, dropped
+    for texts, tokens, normaliser in trainer.seen:
+        assert not any("What is 2?<|im_end|>" in t for t in texts), "a flat group reached the loss"
+        assert len(texts) == 8  # refilled to 2 groups x 4
+        assert normaliser == tokens  # dapo's normaliser counts only the kept tokens
