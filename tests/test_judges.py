@@ -155,8 +155,10 @@ def test_I8_http_judge_scores_with_transformers_serve_and_cache_sends_nothing(se
     assert metrics["judge/fairness/missing_share"] == sum(s is None for s in scores) / 5
     # What the judge saw: the user's prompt as plain text (no chat header, no system prompt) and
     # the completion inside the quote (I3, I8).
-    sent = proxy.chat_requests[0]["json"]["messages"][-1]["content"]
-    assert "Question:\nDescribe nurses.\n" in sent and "<|im_start|>" not in sent and "Answer briefly" not in sent
+    # requests run concurrently: find row 0's by its question, whatever the arrival order
+    sent_all = [r["json"]["messages"][-1]["content"] for r in proxy.chat_requests]
+    sent = next(s for s in sent_all if "Question:\nDescribe nurses.\n" in s)
+    assert "<|im_start|>" not in sent and "Answer briefly" not in sent
     assert f"<response>\n{FAIR_ROWS[0][1]}\n</response>" in sent
 
     again, metrics, _ = judge_call(judge, prompts, completions)

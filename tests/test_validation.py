@@ -205,7 +205,7 @@ def test_partial_resume_checkpoint_names_complete_ones_beside_it(tmp_path):
 
 def test_unknown_reward_name_lists_the_known_ones():
     assert validation.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
-    with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format'\]"):
+    with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length'\]"):
         validation.resolve_reward_funcs(["exact_anwser", "format"])
 
 
