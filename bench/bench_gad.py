@@ -11,8 +11,9 @@ cheap rule ``exact_answer``; GAD by its discriminator (full fine-tune by default
 from the student), which adds a forward and backward over the 8 student + 2 teacher sequences
 and an AdamW step of a second 135M model per step. No warmup steps (they skip the student's
 update and would flatter GAD). Reported: the mean step time over all steps, the ratio, each
-round's ratio (its two runs ran back to back) and the mean completion length (step time
-grows with it, and the two students drift apart as they learn different rewards).
+round's ratio (its two runs ran back to back), the process CPU time per step (all threads;
+far steadier than wall time when other jobs share the cores) and the mean completion length
+(step time grows with it, and the two students drift apart as they learn different rewards).
 Goal: <= 1.35.
 """
 
@@ -39,13 +40,14 @@ def child(variant: str, steps: int, lora: int) -> None:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.times, self.t = [], None
+            self.times, self.cpu, self.t = [], [], None
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
+            self.t = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t)
+            self.times.append(time.perf_counter() - self.t[0])
+            self.cpu.append(time.process_time() - self.t[1])
 
     common = dict(output_dir=f"/tmp/grpotrl-bench-gad-{variant}", per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
@@ -64,7 +66,8 @@ def child(variant: str, steps: int, lora: int) -> None:
         trainer = grpotrl.GADTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "lengths": lengths}))
+    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
+                                  "lengths": lengths}))
 
 
 def main() -> None:
@@ -89,16 +92,20 @@ def main() -> None:
             results[variant].append(res)
             print(f"round {r} {variant:4s} mean step {statistics.mean(res['step_times']):.2f} s  "
                   f"median {statistics.median(res['step_times']):.2f} s  "
+                  f"cpu {statistics.mean(res['cpu_times']):.2f} s  "
                   f"completion length {statistics.mean(res['lengths']):.1f}", flush=True)
 
-    def mean(v):  # a user's wall time per step: every step, guarded ones included
-        return statistics.mean(statistics.mean(res["step_times"]) for res in results[v])
+    def mean(v, key="step_times"):  # a user's wall time per step: every step, guarded ones included
+        return statistics.mean(statistics.mean(res[key]) for res in results[v])
 
     paired = [statistics.mean(g["step_times"]) / statistics.mean(p["step_times"])
               for p, g in zip(results["grpo"], results["gad"])]  # each round's runs ran back to back
     print(f"\nsteps={a.steps} rounds={a.rounds} discriminator_lora_r={a.lora}")
     print(f"step time  grpo {mean('grpo'):.2f} s  gad {mean('gad'):.2f} s  ratio {mean('gad') / mean('grpo'):.3f}"
           f"  (per round: {', '.join(f'{x:.2f}' for x in paired)}; goal <= 1.35)")
+    print(f"cpu time   grpo {mean('grpo', 'cpu_times'):.2f} s  gad {mean('gad', 'cpu_times'):.2f} s  "
+          f"ratio {mean('gad', 'cpu_times') / mean('grpo', 'cpu_times'):.3f}  (process CPU seconds per step, all "
+          "threads: steadier than wall time on a shared machine)")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,23 @@ def test_I9_teacher_and_student_text_take_the_same_template_path(smollm2_tokeniz
     assert tok.decode(teacher[len(prompt_ids):]) == "27<|im_end|>"
 
 
+def test_I9_runtime_guard_stops_a_discriminator_that_reads_the_last_position(tiny_llama, gad_args):
+    """A scorer that reads position L-1 (padding included) passes on unpadded rows only."""
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=gad_args(max_steps=1),
+                                 train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    with torch.no_grad():
+        d.hf_model.score.weight.mul_(100)  # the random head's scores are ~0.03: make any misread visible
+
+    def last_position(input_ids, attention_mask):
+        hidden = d.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return d.hf_model.score(hidden[:, -1]).squeeze(-1).float()
+
+    d.forward = last_position
+    with pytest.raises(grpotrl.InvariantError, match=r"\[I9\]"):
+        trainer.train()
+
+
 def test_lora_discriminator_trains_adapter_and_head_only(tiny_llama, smollm2_tokenizer):
     d = gd.load_discriminator(tiny_llama, smollm2_tokenizer.pad_token_id, lora_r=4)
     trainable = [n for n, p in d.named_parameters() if p.requires_grad]

@@ -232,6 +232,8 @@ class GADTrainer(GRPOTrainer):
                 loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
                 if update:
                     loss.backward()
+            if j == 0 and self._guard_now() and self.args.disable_dropout:
+                self._check_score_alone(seqs, scores.detach())
             student_scores[rows] = s.detach()
             teacher_scores[needed] = scores[len(rows):].detach()
             sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
@@ -250,6 +252,22 @@ class GADTrainer(GRPOTrainer):
         self._metrics[mode]["gad/teacher_score"].append(total[3] / total[4])
         self._metrics[mode]["gad/student_score"].append(total[5] / total[2])
         return student_scores
+
+    def _check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor) -> None:
+        """I9 at run time: the most padded sequence of the batch scores the same alone."""
+        k = min(range(len(seqs)), key=lambda i: len(seqs[i]))
+        with torch.no_grad(), self.accelerator.autocast():
+            alone = self.discriminator(*pad_sequences([seqs[k]], self._tokenizer.pad_token_id,
+                                                      device=batched.device))[0]
+        gap = (alone - batched[k]).abs().item()
+        tol = 2e-5 * max(1.0, abs(alone.item())) * (100 if self.args.bf16 else 1)  # fp32 batch-shape noise
+        if gap > tol:
+            tok = self._tokenizer
+            raise InvariantError(
+                "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
+                f"inside a padded batch (gap {gap:.2e} > {tol:.1e}): it does not read the last real token whatever "
+                f"the padding. Sequence end: {tok.decode(seqs[k][-12:])!r}. A custom discriminator must pool by "
+                "the attention mask (grpotrl.discriminator.Discriminator does).")
 
     # ------------------------------------------------------------------ KL to the reference policy
 
