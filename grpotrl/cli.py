@@ -194,34 +194,18 @@ def run(command: str, argv: list[str]) -> None:
         dtype=model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype),
         quantization_config=get_quantization_config(model_args),
     )
-    if command == "sft":
-        trainer = grpotrl.SFTTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
-        )
-    elif command == "gad":  # the reward is the discriminator, loaded by the trainer
-        trainer = grpotrl.GADTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
-        )
-    else:
-        trainer = grpotrl.GRPOTrainer(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
-        )
+    trainer_cls = {"sft": grpotrl.SFTTrainer, "grpo": grpotrl.GRPOTrainer, "gad": grpotrl.GADTrainer}[command]
+    # GAD's reward is its discriminator, loaded by the trainer; SFT has none
+    rewards = {"reward_funcs": reward_funcs} if command == "grpo" else {}
+    trainer = trainer_cls(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        **rewards,
+    )
 
     ################
     # Train, save, summarize

@@ -91,13 +91,12 @@ def test_guard_record_helpers_restore_attributes(tiny_llama):
     assert "generate" not in vars(model)
 
 
-@pytest.mark.parametrize("bad", [{"temperature": 0.7}])
-def test_check_logprobs_reports_row_and_token(smollm2_tokenizer, bad):
+def test_check_logprobs_reports_row_and_token(smollm2_tokenizer):
     used = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.0, -2.5]])
     with pytest.raises(grpotrl.InvariantError, match="completion token 1"):
         guards.check_logprobs(smollm2_tokenizer, used, ref, torch.ones(1, 2), torch.tensor([[5, 6]]),
-                              bad["temperature"], 1e-5, [0])
+                              0.7, 1e-5, [0])
 
 
 def test_I3_loss_completion_must_be_the_generated_one(smollm2_tokenizer):
