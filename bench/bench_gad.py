@@ -20,34 +20,19 @@ Goal: <= 1.35.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
+
+import _runner  # bench/_runner.py: the timer and the alternating driver
 
 
 def child(variant: str, steps: int, lora: int) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import time
-
     from datasets import load_dataset
-    from transformers import TrainerCallback
 
     import grpotrl
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import exact_answer_reward
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.cpu, self.t = [], [], None
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = (time.perf_counter(), time.process_time())
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t[0])
-            self.cpu.append(time.process_time() - self.t[1])
 
     common = dict(output_dir=f"/tmp/grpotrl-bench-gad-{variant}", per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
@@ -57,7 +42,7 @@ def child(variant: str, steps: int, lora: int) -> None:
     data = os.path.join(os.path.dirname(grpotrl.__file__), "data", "gad_toy.jsonl")
     dataset = load_dataset("json", data_files=data, split="train")
     model = resolve_model_path("smollm2-135m-instruct")
-    timer = StepTimer()
+    timer = _runner.step_timer()
     if variant == "grpo":
         trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=grpotrl.GRPOConfig(**common),
                                       train_dataset=dataset, callbacks=[timer])
@@ -66,8 +51,7 @@ def child(variant: str, steps: int, lora: int) -> None:
         trainer = grpotrl.GADTrainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
-                                  "lengths": lengths}))
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, lengths=lengths)
 
 
 def main() -> None:
@@ -80,23 +64,11 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.lora)
 
-    results = {"grpo": [], "gad": []}
-    for r in range(a.rounds):
-        for variant in ("grpo", "gad"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
-                                  "--lora", str(a.lora)], capture_output=True, text=True)
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
-            res = json.loads(line[7:])
-            results[variant].append(res)
-            print(f"round {r} {variant:4s} mean step {statistics.mean(res['step_times']):.2f} s  "
-                  f"median {statistics.median(res['step_times']):.2f} s  "
-                  f"cpu {statistics.mean(res['cpu_times']):.2f} s  "
-                  f"completion length {statistics.mean(res['lengths']):.1f}", flush=True)
+    results = _runner.alternate(__file__, ("grpo", "gad"), a.rounds, ["--steps", str(a.steps), "--lora", str(a.lora)],
+                                describe=lambda v, res: f"  completion length {statistics.mean(res['lengths']):.1f}")
 
     def mean(v, key="step_times"):  # a user's wall time per step: every step, guarded ones included
-        return statistics.mean(statistics.mean(res[key]) for res in results[v])
+        return _runner.mean_per_step(results, v, key)
 
     paired = [statistics.mean(g["step_times"]) / statistics.mean(p["step_times"])
               for p, g in zip(results["grpo"], results["gad"])]  # each round's runs ran back to back

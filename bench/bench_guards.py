@@ -15,47 +15,29 @@ microbatch; run with --guard-steps -1 to see it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
+
+import _runner  # bench/_runner.py: the timer and the alternating driver
 
 
 def child(variant: str, steps: int, guard_steps: int) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import resource
-    import time
 
     import torch
     import trl
-    from transformers import TrainerCallback
 
     import grpotrl
     from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import exact_answer_reward
 
-    class StepTimer(TrainerCallback):
-        """Wall time and process CPU time (all threads) per step: on a shared machine the CPU
-        time is the steadier measure of the work a step does."""
-
-        def __init__(self):
-            self.times, self.cpu, self.t = [], [], None
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = (time.perf_counter(), time.process_time())
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t[0])
-            self.cpu.append(time.process_time() - self.t[1])
-
     common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
                   bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04)
     dataset = load_quickstart("train")
     model = resolve_model_path("smollm2-135m-instruct")
-    timer = StepTimer()
+    timer = _runner.step_timer()
     if variant == "trl":
         args = trl.GRPOConfig(**common)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset,
@@ -67,8 +49,7 @@ def child(variant: str, steps: int, guard_steps: int) -> None:
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
-                                  "peak_bytes": peak}))
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak)
 
 
 def main() -> None:
@@ -81,30 +62,20 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.guard_steps)
 
-    results = {"trl": [], "grpotrl": []}
-    for r in range(a.rounds):
-        for variant in ("trl", "grpotrl"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
-                                  "--guard-steps", str(a.guard_steps)], capture_output=True, text=True)
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
-            res = json.loads(line[7:])
-            results[variant].append(res)
-            print(f"round {r} {variant:8s} mean step {statistics.mean(res['step_times']):.3f} s  "
-                  f"cpu {statistics.mean(res['cpu_times']):.3f} s  "
-                  f"peak {res['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    results = _runner.alternate(__file__, ("trl", "grpotrl"), a.rounds,
+                                ["--steps", str(a.steps), "--guard-steps", str(a.guard_steps)],
+                                describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
     def med(v, key="step_times"):  # mean per step over every step, guarded ones included
-        return statistics.mean(statistics.mean(res[key]) for res in results[v])
+        return _runner.mean_per_step(results, v, key)
 
     def peak(v):
         return max(res["peak_bytes"] for res in results[v])
 
     g = max(a.guard_steps, 0) if a.guard_steps >= 0 else a.steps
 
-    def per_step(v, key, sl):  # mean over rounds of the mean over a slice of steps
-        return statistics.mean(statistics.mean(res[key][sl]) for res in results[v])
+    def per_step(v, key, sl):
+        return _runner.mean_per_step(results, v, key, sl)
 
     print(f"\nsteps={a.steps} rounds={a.rounds} guard_steps={a.guard_steps}")
     if 0 < g < a.steps:

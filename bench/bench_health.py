@@ -18,18 +18,16 @@ rules, as a share of its step CPU time. Goal: <= 1.02x (<= 2 % inside).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
+
+import _runner  # bench/_runner.py: the timer and the alternating driver
 
 
 def child(variant: str, steps: int, logit_steps: int) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import time
 
-    from transformers import TrainerCallback
 
     import grpotrl
     from grpotrl import callbacks
@@ -49,17 +47,6 @@ def child(variant: str, steps: int, logit_steps: int) -> None:
 
         return wrapper
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.cpu, self.t = [], [], None
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = (time.perf_counter(), time.process_time())
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t[0])
-            self.cpu.append(time.process_time() - self.t[1])
-
     class Bare(grpotrl.GRPOTrainer):
         def _log_batch_health(self, inputs, output, rewards):
             pass
@@ -74,7 +61,7 @@ def child(variant: str, steps: int, logit_steps: int) -> None:
         cls, extra = Bare, dict(health_action="off", health_report_steps=0)
     else:
         cls, extra = grpotrl.GRPOTrainer, dict(health_logit_steps=logit_steps)
-    timer = StepTimer()
+    timer = _runner.step_timer()
     trainer = cls(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=exact_answer_reward,
                   args=grpotrl.GRPOConfig(**common, **extra), train_dataset=load_quickstart("train"),
                   callbacks=[timer])
@@ -86,8 +73,7 @@ def child(variant: str, steps: int, logit_steps: int) -> None:
                 for event in ("on_step_begin", "on_step_end", "on_pre_optimizer_step"):
                     setattr(cb, event, timed(getattr(cb, event)))
     trainer.train()
-    print("RESULT " + json.dumps({"variant": variant, "step_times": timer.times, "cpu_times": timer.cpu,
-                                  "inside": inside[0]}))
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, inside=inside[0])
 
 
 def main() -> None:
@@ -100,23 +86,17 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.logit_steps)
 
-    results = {"bare": [], "health": []}
-    for r in range(a.rounds):
-        for variant in ("bare", "health"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(a.steps),
-                                  "--logit-steps", str(a.logit_steps)], capture_output=True, text=True)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
-            res = json.loads(line[7:])
-            results[variant].append(res)
-            inside = (f"  inside health code {res['inside'] / len(res['cpu_times']) * 1000:.0f} ms/step "
-                      f"({res['inside'] / sum(res['cpu_times']):.2%} of step cpu)" if variant == "health" else "")
-            print(f"round {r} {variant:6s} mean step {statistics.mean(res['step_times']):.3f} s  "
-                  f"cpu {statistics.mean(res['cpu_times']):.3f} s{inside}", flush=True)
+    def inside(variant, res):
+        if variant != "health":
+            return ""
+        return (f"  inside health code {res['inside'] / len(res['cpu_times']) * 1000:.0f} ms/step "
+                f"({res['inside'] / sum(res['cpu_times']):.2%} of step cpu)")
+
+    results = _runner.alternate(__file__, ("bare", "health"), a.rounds,
+                                ["--steps", str(a.steps), "--logit-steps", str(a.logit_steps)], describe=inside)
 
     def mean(v, key):  # mean per step over every step of every round
-        return statistics.mean(statistics.mean(res[key]) for res in results[v])
+        return _runner.mean_per_step(results, v, key)
 
     def ratios(key):  # per round: health / bare of the same round
         return [statistics.mean(h[key]) / statistics.mean(b[key]) for b, h in zip(results["bare"], results["health"])]

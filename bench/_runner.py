@@ -1,0 +1,61 @@
+"""What every bench here shares: a per-step timer for the child process, and the driver that
+runs variants alternately in fresh subprocesses so machine noise hits all of them.
+
+A bench script is its own child: ``python bench/X.py --child VARIANT ...`` trains and prints
+one ``RESULT {json}`` line; ``alternate`` runs the children and collects those results.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+
+def step_timer():
+    """A TrainerCallback recording wall time and process CPU time (all threads) per step: on a
+    shared machine the CPU time is the steadier measure of the work a step does."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.cpu, self.t = [], [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t[0])
+            self.cpu.append(time.process_time() - self.t[1])
+
+    return StepTimer()
+
+
+def report(**result) -> None:
+    """The child's one line of output."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[str], describe=None) -> dict:
+    """Run ``script --child V *args`` for each variant, ``rounds`` times, alternating; return
+    ``{variant: [result, ...]}``. ``describe(variant, result)`` adds to each progress line."""
+    results = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant in variants:
+            out = subprocess.run([sys.executable, script, "--child", variant, *args], capture_output=True, text=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
+            res = json.loads(line[len("RESULT "):])
+            results[variant].append(res)
+            extra = describe(variant, res) if describe else ""
+            print(f"round {r} {variant:8s} mean step {statistics.mean(res['step_times']):.3f} s  "
+                  f"cpu {statistics.mean(res['cpu_times']):.3f} s{extra}", flush=True)
+    return results
+
+
+def mean_per_step(results: dict, variant: str, key: str = "step_times", steps: slice = slice(None)) -> float:
+    """Mean over rounds of the mean over ``steps`` of ``key`` (every step by default)."""
+    return statistics.mean(statistics.mean(res[key][steps]) for res in results[variant])
