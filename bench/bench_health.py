@@ -51,7 +51,7 @@ def child(variant: str, steps: int, logit_steps: int) -> None:
         def _log_batch_health(self, inputs, output, rewards):
             pass
 
-        def _log_loss_health(self, loss, entropies, mask):
+        def _log_loss_health(self, loss, entropies, mask, task=None):
             pass
 
     common = dict(output_dir=f"/tmp/grpotrl-bench-health-{variant}", per_device_train_batch_size=8,

@@ -12,8 +12,10 @@ from .configs import GADConfig, GRPOConfig, SFTConfig  # noqa: E402
 from .errors import HealthStop, InputError, InvariantError  # noqa: E402
 from .trainers.grpo import GRPOTrainer  # noqa: E402
 from .trainers.gad import GADTrainer  # noqa: E402
+from .trainers.multitask import MultiTaskGRPOTrainer  # noqa: E402
 from .trainers.sft import SFTTrainer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["GRPOConfig", "SFTConfig", "GADConfig", "GRPOTrainer", "SFTTrainer", "GADTrainer", "InputError",
+__all__ = ["GRPOConfig", "SFTConfig", "GADConfig", "GRPOTrainer", "MultiTaskGRPOTrainer", "SFTTrainer", "GADTrainer",
+           "InputError",
            "InvariantError", "HealthStop"]

@@ -127,7 +127,32 @@ class HealthFields:
 
 
 @dataclass
-class GRPOConfig(HealthFields, GenerationFields, GuardFields, trl.GRPOConfig):
+class MultiTaskFields:
+    task_column: str = field(
+        default="task",
+        metadata={"help": "Dataset column holding each row's task label. When present, metrics are also logged per "
+                  "task (tasks/<task>/reward, reward_std, entropy, completions/mean_length, one_token_share); "
+                  "grpotrl.MultiTaskGRPOTrainer takes reward functions per task from it."},
+    )
+    cagrad: str = field(
+        default="off",
+        metadata={"help": "MultiTaskGRPOTrainer only. 'off': one backward of the summed loss. 'exact': CAGrad "
+                  "(Liu et al. 2021) over the per-task policy gradients of all trainable parameters, accumulated "
+                  "over the gradient-accumulation window (K task backward passes + 1 for KL and the entropy "
+                  "bonus, which are added after the combination). 'low_memory': CAGrad weights from the per-task "
+                  "gradients of the last transformer block's trainable parameters only (K short backward passes), "
+                  "then one weighted backward of everything, weights per microbatch.",
+                  "choices": ["off", "exact", "low_memory"]},
+    )
+    cagrad_c: float = field(
+        default=0.5,
+        metadata={"help": "CAGrad's c (alpha in the reference code): radius of the ball around the mean gradient "
+                  "the update may move in, as a fraction of its norm; 0 is the mean gradient. Typical 0.4-0.5."},
+    )
+
+
+@dataclass
+class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
@@ -139,6 +164,14 @@ class GRPOConfig(HealthFields, GenerationFields, GuardFields, trl.GRPOConfig):
             self.bf16 = False
         if self.health_action not in ("stop", "warn", "off"):
             raise InputError(f"health_action={self.health_action!r}: use 'stop', 'warn' or 'off'.")
+        if self.cagrad not in ("off", "exact", "low_memory"):
+            raise InputError(f"cagrad={self.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
+        if not 0.0 <= self.cagrad_c < 10:
+            raise InputError(f"cagrad_c={self.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
+        if self.entropy_coef < 0:
+            raise InputError(f"entropy_coef={self.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
+                             "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
+                             "entropy; use 0 for no bonus.")
         super().__post_init__()
 
 

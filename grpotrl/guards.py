@@ -1,4 +1,4 @@
-"""Run-time checks of INVARIANTS.md I1-I5 on the tensors a trainer really uses.
+"""Run-time checks of INVARIANTS.md I1-I5 and I7 on the tensors a trainer really uses.
 
 Each check compares what the trainer did against an independent recomputation and raises
 ``InvariantError`` naming the invariant, showing the offending sample (decoded text around
@@ -223,6 +223,69 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
             "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
         )
     return worst
+
+
+# ---------------------------------------------------------------- I7: the entropy bonus's sign
+
+
+def entropy_slope(loss: torch.Tensor, entropies: torch.Tensor, accumulation: float = 1.0) -> float:
+    """``d loss / d H`` on the graph that will be backpropagated, for ``H`` the mean entropy of
+    the tokens the loss reads: the derivative along "every token's entropy rises by one"
+    (``sum_t d loss / d H_t``), times the gradient-accumulation factor the loss was divided by.
+    Only the path from ``loss`` back to the entropy node is walked (a few elementwise ops),
+    never the model. 0 when the loss does not depend on the entropies.
+
+    >>> H = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [B=1, C=2]
+    >>> round(entropy_slope(1.0 - 0.1 * H.mean(), H), 6)  # policy - c H with c = 0.1
+    -0.1
+    """
+    if not entropies.requires_grad:
+        return 0.0
+    (g,) = torch.autograd.grad(loss, entropies, retain_graph=True, allow_unused=True)
+    return 0.0 if g is None else float(g.sum()) * accumulation
+
+
+def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef: float, accumulation: float,
+                       where: str) -> float:
+    """I7: ``loss = policy + beta * KL - c * H``, so ``d loss / d H`` must be ``-c`` (to 1e-4 of
+    max(c, 1)). Returns the measured slope; raises naming ``where`` otherwise."""
+    if entropies is None:
+        if coef:
+            raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
+                                 "no entropies (compute_entropy=False?), so the bonus cannot act.")
+        return 0.0
+    slope = entropy_slope(loss, entropies, accumulation)
+    if abs(slope + coef) > 1e-4 * max(abs(coef), 1.0):
+        if coef and slope == 0.0:
+            problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
+        elif coef and slope * coef > 0:
+            problem = ("the entropy term enters with a FLIPPED sign, so every step lowers entropy "
+                       "(seed 004: entropy collapsed from ~1 to 0.005)")
+        else:
+            problem = "the entropy term enters with the wrong weight"
+        raise InvariantError(
+            "I7",
+            f"{where}: on the graph being backpropagated d loss / d H = {slope:+.6g}, but the entropy bonus "
+            f"coefficient is c = {coef:g}, so it must be {-coef:+.6g}: {problem}.\n"
+            "The loss must be policy + beta * KL - c * H with c >= 0 encouraging exploration. Fix the sign where "
+            "the entropy term is built; do not switch modes to hide it.",
+        )
+    return slope
+
+
+def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float) -> None:
+    """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
+    every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
+    (so a negated or rescaled "entropy" cannot pass the sign check)."""
+    gap = (used.detach().float() - reference.float()).abs() * mask  # [B, C]
+    worst = float(gap.max()) if gap.numel() else 0.0
+    if worst > atol:
+        i, t = divmod(int(gap.argmax()), gap.size(1))
+        raise InvariantError(
+            "I7", f"row {i}, completion token {t}: the entropy the loss used is {float(used[i, t]):.6f} but the "
+            f"entropy of softmax(logits / T) there is {float(reference[i, t]):.6f} (gap {worst:.2e} > {atol:.0e}). "
+            "The entropy bonus must act on the policy's own entropy at the sampling temperature.",
+        )
 
 
 @contextmanager

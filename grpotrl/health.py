@@ -220,11 +220,12 @@ def zero_reward_share(rewards: torch.Tensor) -> float:
 
 
 def task_lengths(tasks: list[str], lengths: torch.Tensor) -> dict[str, float]:
-    """Completion length mean / min / max per task, keyed ``tasks/<task>/completions/<stat>``.
+    """Completion length mean / min / max and the share of 1-token completions per task, keyed
+    ``tasks/<task>/completions/<stat>``.
 
-    >>> out = task_lengths(["a", "b", "a"], torch.tensor([2, 5, 4]))
-    >>> out["tasks/a/completions/mean_length"], out["tasks/a/completions/max_length"], len(out)
-    (3.0, 4.0, 6)
+    >>> out = task_lengths(["a", "b", "a"], torch.tensor([1, 5, 4]))
+    >>> out["tasks/a/completions/mean_length"], out["tasks/a/completions/one_token_share"], len(out)
+    (2.5, 0.5, 8)
     """
     out = {}
     for task in dict.fromkeys(tasks):
@@ -232,20 +233,35 @@ def task_lengths(tasks: list[str], lengths: torch.Tensor) -> dict[str, float]:
         out[f"tasks/{task}/completions/mean_length"] = x.mean().item()
         out[f"tasks/{task}/completions/min_length"] = x.min().item()
         out[f"tasks/{task}/completions/max_length"] = x.max().item()
+        out[f"tasks/{task}/completions/one_token_share"] = (x == 1).float().mean().item()
     return out
 
 
 def task_rewards(tasks: list[str], rewards: torch.Tensor) -> dict[str, float]:
-    """Mean reward per task, keyed ``tasks/<task>/reward`` (NaN rewards left out).
+    """Reward mean and (population) std per task, keyed ``tasks/<task>/reward`` and
+    ``tasks/<task>/reward_std`` (NaN rewards left out).
 
     >>> task_rewards(["a", "b", "a"], torch.tensor([1.0, 0.0, 0.0]))
-    {'tasks/a/reward': 0.5, 'tasks/b/reward': 0.0}
+    {'tasks/a/reward': 0.5, 'tasks/a/reward_std': 0.5, 'tasks/b/reward': 0.0, 'tasks/b/reward_std': 0.0}
     """
     out = {}
     for task in dict.fromkeys(tasks):
         x = rewards[torch.tensor([t == task for t in tasks], device=rewards.device)]
-        out[f"tasks/{task}/reward"] = torch.nanmean(x).item()
+        x = x[~torch.isnan(x)]
+        out[f"tasks/{task}/reward"] = x.mean().item() if x.numel() else float("nan")
+        out[f"tasks/{task}/reward_std"] = x.std(correction=0).item() if x.numel() else float("nan")
     return out
+
+
+def task_means(tasks: list[str], values: torch.Tensor, name: str) -> dict[str, float]:
+    """Mean of ``values`` [B] per task (NaN rows left out), keyed ``tasks/<task>/<name>``.
+
+    >>> task_means(["a", "b", "a"], torch.tensor([1.0, 2.0, float("nan")]), "entropy")
+    {'tasks/a/entropy': 1.0, 'tasks/b/entropy': 2.0}
+    """
+    return {f"tasks/{task}/{name}": torch.nanmean(values[torch.tensor([t == task for t in tasks],
+                                                                      device=values.device)]).item()
+            for task in dict.fromkeys(tasks)}
 
 
 # ---------------------------------------------------------------- the boundary report (seed 000, by eye)

@@ -106,3 +106,86 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     if estimator == "k3":
         return kl_k3(logp, ref_logp)
     raise ValueError(f"KL estimator {estimator!r}: use one of {KL_ESTIMATORS[:4]} (or kl_full with logits)")
+
+
+# ---------------------------------------------------------------- CAGrad (Liu et al., NeurIPS 2021)
+# Letters: K tasks. The reference is Cranial-XIX/CAGrad, ``cagrad()`` in nyuv2/utils.py.
+
+
+def _cagrad_objective(x: torch.Tensor, gram: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """``g_w . g0 + c ||g0|| ||g_w||`` for the weights ``x`` [..., K]; ``c`` already holds ``alpha ||g0||``."""
+    return (x @ gram @ b) + c * ((x @ gram * x).sum(-1) + 1e-8).sqrt()
+
+
+def _golden_min(f, lo: float, hi: float, iters: int = 90) -> float:
+    """Minimiser of a convex function of one variable on [lo, hi] (golden section; 0.618^90 ~ 1e-19)."""
+    r = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    x1, x2 = b - r * (b - a), a + r * (b - a)
+    f1, f2 = f(x1), f(x2)
+    for _ in range(iters):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - r * (b - a)
+            f1 = f(x1)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + r * (b - a)
+            f2 = f(x2)
+    return (a + b) / 2
+
+
+def cagrad_weights(gram: torch.Tensor, alpha: float, sweeps: int = 50) -> torch.Tensor:
+    """The simplex weights ``w`` [K] that minimise ``g_w . g0 + alpha ||g0|| ||g_w||``, where
+    ``g_w = sum_k w_k g_k``, ``g0`` the mean task gradient, from the Gram matrix ``gram`` [K, K]
+    (``gram[i, j] = g_i . g_j``). The objective is convex; it is minimised by exact line
+    searches that move weight between two tasks at a time (one search solves K = 2).
+
+    >>> cagrad_weights(torch.eye(2), 0.5).tolist()  # orthogonal, equal norms: symmetric
+    [0.5, 0.5]
+    """
+    gram = gram.detach().double().cpu()
+    K = gram.size(0)
+    b = torch.full((K,), 1.0 / K, dtype=torch.float64)
+    c = alpha * math.sqrt(max(gram.mean().item(), 0.0))
+    x = b.clone()
+    for _ in range(sweeps):
+        before = _cagrad_objective(x, gram, b, c).item()
+        for i in range(K):
+            for j in range(i + 1, K):
+                total = (x[i] + x[j]).item()
+
+                def f(t, i=i, j=j, total=total):
+                    y = x.clone()
+                    y[i], y[j] = t, total - t
+                    return _cagrad_objective(y, gram, b, c).item()
+
+                t = _golden_min(f, 0.0, total)
+                x[i], x[j] = t, total - t
+        if K == 2 or before - _cagrad_objective(x, gram, b, c).item() < 1e-15:
+            break
+    return x.float()
+
+
+def cagrad_coefficients(gram: torch.Tensor, alpha: float, rescale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """CAGrad's update as a combination of the task gradients: ``d = sum_k coef_k g_k`` with
+    ``d = g0 + lambda g_w``, ``lambda = alpha ||g0|| / ||g_w||``, divided by ``1 + alpha^2`` for
+    ``rescale=1`` (the reference's default), ``1 + alpha`` for 2, unscaled for 0.
+    Returns (coef [K], w [K]). ``alpha = 0`` gives the mean gradient.
+
+    >>> coef, w = cagrad_coefficients(torch.eye(2), 0.0)
+    >>> coef.tolist()
+    [0.5, 0.5]
+    >>> coef, w = cagrad_coefficients(torch.eye(2), 0.5)  # d = (1 + 0.5) g0 / (1 + 0.25)
+    >>> [round(v, 6) for v in coef.tolist()]
+    [0.6, 0.6]
+    """
+    K = gram.size(0)
+    w = cagrad_weights(gram, alpha).double()
+    gram = gram.detach().double().cpu()
+    g0_norm = math.sqrt(max(gram.mean().item(), 0.0))
+    gw_norm = math.sqrt(max((w @ gram @ w).item(), 0.0))
+    lam = alpha * g0_norm / (gw_norm + 1e-8)
+    coef = torch.full((K,), 1.0 / K, dtype=torch.float64) + lam * w
+    coef = coef / {0: 1.0, 1: 1 + alpha**2, 2: 1 + alpha}[rescale]
+    return coef.float(), w.float()

@@ -77,3 +77,23 @@ def length_penalty(completions, max_chars: int = 200, **kwargs) -> list[float]:
     [0.0, -0.5]
     """
     return [-max(0, len(completion_text(c)) - max_chars) / max_chars for c in completions]
+
+
+def even_handed_reward(completions, groups: list[list[str]], **kwargs) -> list[float | None]:
+    """The multitask data's fairness rule: 1.0 when the completion names both groups of its
+    question or neither (it does not single one out), 0.0 when it names exactly one; ``None``
+    where the row has no ``groups``. Case-insensitive, whole words.
+
+    >>> g = [["cats", "dogs"]] * 3
+    >>> even_handed_reward(["Cats and dogs are equally smart.", "Dogs are smarter.", "It depends."], g)
+    [1.0, 0.0, 1.0]
+    """
+    out = []
+    for c, pair in zip(completions, groups):
+        if not pair:
+            out.append(None)
+            continue
+        text = completion_text(c).lower()
+        named = sum(bool(re.search(rf"\b{re.escape(g.lower())}\b", text)) for g in pair)
+        out.append(0.0 if named == 1 else 1.0)
+    return out

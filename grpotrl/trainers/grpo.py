@@ -19,6 +19,11 @@ Overrides (everything else is TRL's):
     (the logprobs the loss used equal ``log_softmax(logits / T)`` recomputed independently);
     logs the sampler/trainer logprob gap whenever sampler logprobs exist, per-sample entropy
     every step, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
+  * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
+    for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
+    controller), measured on the graph from the loss back to the entropy node (cheap: a few
+    elementwise ops, never the model); on guard steps also that the entropy node is the
+    policy's entropy at the sampling temperature.
   * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
@@ -36,7 +41,8 @@ from accelerate.utils import gather_object
 
 from .. import callbacks, dynamic_sampling, guards, health, templates
 from ..configs import GRPOConfig
-from ..errors import InputError
+from ..errors import InputError, InvariantError
+from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
 from ..masking import position_ids_from_mask
 from ..processors import MinNewTokensProcessor, build_processors, sampler_logprobs
@@ -45,6 +51,7 @@ from ._common import prepare_model_and_tokenizer
 logger = logging.getLogger(__name__)
 
 ROW_KEY = "grpotrl_row"
+TASK_KEY = "grpotrl_task"  # [B] index into trainer.task_names, when rows carry a task label
 
 
 def _positions_from_attention_mask(module, args, kwargs):
@@ -93,6 +100,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._step_losses: list | None = [] if args.health_action != "off" else None  # for NonFiniteRule
         self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
         self._add_health_callbacks(args)
+        self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
+        self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
 
     def _add_health_callbacks(self, args: GRPOConfig) -> None:
         if args.health_report_steps:
@@ -212,6 +221,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         with guards.record_calls(self, "_calculate_rewards") as scored:
             output = super()._generate_and_score_completions(inputs)
         output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)
+        if self.task_names and isinstance(inputs[0], dict):
+            output[TASK_KEY] = torch.tensor([self.task_names.index(str(x[self.args.task_column])) for x in inputs],
+                                            device=output["prompt_ids"].device)  # [B]
+            _check_groups_single_task(self.accelerator.gather(output[TASK_KEY]), self.num_generations,
+                                      self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
         self._log_batch_health(inputs, output, rewards)
         return output, rewards
@@ -236,8 +250,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics["stops/completion_max"].append(per_row[:, 1].max().item())
         metrics["completions/header_share"].append(per_row[:, 2].mean().item())
         metrics["rewards/zero_share"].append(health.zero_reward_share(rewards))
-        if isinstance(inputs[0], dict) and "task" in inputs[0]:
-            tasks = gather_object([str(x["task"]) for x in inputs])
+        column = self.args.task_column
+        if isinstance(inputs[0], dict) and column in inputs[0]:
+            tasks = gather_object([str(x[column]) for x in inputs])
             lengths = self.accelerator.gather(self._completion_lengths)  # [B_global]
             for key, value in {**health.task_lengths(tasks, lengths), **health.task_rewards(tasks, rewards)}.items():
                 metrics[key].append(value)
@@ -254,12 +269,18 @@ class GRPOTrainer(trl.GRPOTrainer):
             return "grpotrl boundary report: no generation batch yet"
         return health.boundary_report(self._tokenizer, self._last_batch, self.eos_token_ids, self._chat_headers, n)
 
-    def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> None:
-        """Per-sample entropy (min, p10, mean of the per-sample means); the loss for NonFiniteRule."""
+    def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+                         task: torch.Tensor | None = None) -> None:
+        """Per-sample entropy (min, p10, mean of the per-sample means), per task when rows carry
+        one (``task`` [B] indexes ``task_names``); the loss for NonFiniteRule."""
         mode = "train" if self.model.training else "eval"
         per_sample = self.accelerator.gather(health.per_sample_mean(entropies.detach().float(), mask))  # [B_global]
         for key, value in health.summarise_samples(per_sample).items():
             self._metrics[mode][key].append(value)
+        if task is not None:
+            tasks = [self.task_names[i] for i in self.accelerator.gather(task).tolist()]
+            for key, value in health.task_means(tasks, per_sample, "entropy").items():
+                self._metrics[mode][key].append(value)
         if self._step_losses is not None and mode == "train":
             self._step_losses.append(loss.detach())
 
@@ -374,8 +395,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
         loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
+        self._loss_entropies = (entropies, loss_mask) if entropies is not None else None
         if entropies is not None:
-            self._log_loss_health(loss, entropies, loss_mask)
+            self._log_loss_health(loss, entropies, loss_mask, inputs.get(TASK_KEY))
         if not (guard or self._logit_signals_due()):
             return loss
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
@@ -384,12 +406,15 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                              attention_mask, completion_ids.size(1), self.temperature,
                                                              return_logits=True)
         self._log_logit_signals(logits, loss_mask)
-        del logits
         if not guard:
             return loss
-        atol = self.args.guard_logprob_atol * (100 if (self.args.bf16 or self.args.fp16) else 1)
-        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature, atol, rows,
-                                    scale=scale)
+        low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
+        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
+                                    self.args.guard_logprob_atol * low_precision, rows, scale=scale)
+        if entropies is not None and self._entropy_bonus_enabled:  # the node I7's sign check differentiates
+            guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
+                                        atol=1e-3 * low_precision)
+        del logits
         self._guard_max_gap = max(self._guard_max_gap, gap)
         self._metrics["train"]["guards/logprob_max_gap"].append(gap)
         return loss
@@ -406,12 +431,58 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._metrics[mode]["sampling/sampler_trainer_logp_gap/mean"].append(stats[:, 0].mean().item())
         self._metrics[mode]["sampling/sampler_trainer_logp_gap/max"].append(stats[:, 1].max().item())
 
+    # ------------------------------------------------------------------ the entropy bonus's sign (I7)
+
+    def entropy_coef_in_force(self) -> float:
+        """The ``c`` of ``- c * H`` that TRL's loss applies now: ``entropy_coef``, gated by the
+        adaptive controller's previous-step entropy when ``use_adaptive_entropy``."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        coef = self.entropy_coef_in_force()  # before the adaptive controller updates it in the loss
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training and self._loss_entropies is not None:
+            self._check_entropy_sign(loss, self._loss_entropies[0], coef, "the GRPO loss")
+        return loss
+
+    def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
+        """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
+        slope = guards.check_entropy_sign(loss, entropies, coef, self.current_gradient_accumulation_steps, where)
+        self._metrics["train"]["entropy/dloss_dH"].append(slope)
+        return slope
+
     # ------------------------------------------------------------------ checkpoints (I2)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template)
+
+
+def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:
+    """Group normalisation (mean and std over each prompt's G completions) must never mix tasks:
+    every group of G consecutive gathered rows carries one task label."""
+    groups = task.view(-1, num_generations)  # [B_global / G, G]
+    mixed = (groups != groups[:, :1]).any(-1)  # [B_global / G]
+    if mixed.any():
+        g = int(mixed.nonzero()[0])
+        raise InvariantError("multi-task", f"generation group {g} mixes tasks {[names[i] for i in groups[g].tolist()]}"
+                             ": its advantages would normalise one task's rewards by another's. Each prompt's "
+                             "num_generations completions must come from one row (TRL's RepeatSampler does this).")
+
+
+def task_labels(column: str, *datasets) -> list[str]:
+    """Sorted task labels in ``column`` of the map-style datasets that have it ([] if none)."""
+    labels = set()
+    for ds in datasets:
+        for d in ds.values() if isinstance(ds, dict) else [ds]:
+            if hasattr(d, "unique") and column in (d.column_names or []):
+                labels.update(map(str, d.unique(column)))
+    return sorted(labels)
 
 
 def _check_generation_args(args: GRPOConfig, kwargs: dict) -> None:

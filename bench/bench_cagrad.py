@@ -1,0 +1,73 @@
+"""Cost of CAGrad: step time of cagrad exact / low_memory vs the plain summed GRPO loss.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_cagrad.py            # SmolLM2, 6 steps x 2 rounds
+    .venv/bin/python bench/bench_cagrad.py --steps 8 --rounds 3 --completion 64
+
+Variants, each in a fresh subprocess, alternated (plain, exact, low_memory, plain, ...) so
+machine noise hits all: the same MultiTaskGRPOTrainer on the shipped two-task data
+(fairness + hallucination rows, rule rewards), 4 prompts x 4 generations a step, guards off,
+with ``cagrad`` off / exact / low_memory. ``plain`` is single-objective GRPO on the same
+config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
+CPU time per step (the steadier measure on a shared machine) after the first step.
+Goals for two tasks: exact <= 1.6, low_memory <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import _runner  # bench/_runner.py: the timer and the alternating driver
+
+VARIANTS = ("plain", "exact", "low_memory")
+
+
+def child(variant: str, steps: int, completion: int) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import grpotrl
+    from grpotrl.data import load_multitask
+    from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.rules import even_handed_reward, exact_answer_reward, format_reward
+
+    args = grpotrl.GRPOConfig(
+        output_dir=f"/tmp/grpotrl-bench-cagrad-{variant}", per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=completion, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
+        save_strategy="no", seed=0, temperature=0.9, beta=0.04, entropy_coef=0.01, guard_steps=0,
+        gradient_checkpointing=False, health_report_steps=0, learning_rate=1e-6,
+        cagrad="off" if variant == "plain" else variant)
+    timer = _runner.step_timer()
+    trainer = grpotrl.MultiTaskGRPOTrainer(
+        model=resolve_model_path("smollm2-135m-instruct"), args=args, train_dataset=load_multitask("train"),
+        reward_funcs={"hallucination": [exact_answer_reward, format_reward], "fairness": even_handed_reward},
+        callbacks=[timer])
+    trainer.train()
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--child", choices=VARIANTS)
+    a = p.parse_args()
+    if a.child:
+        return child(a.child, a.steps, a.completion)
+    results = _runner.alternate(__file__, VARIANTS, a.rounds,
+                                ["--steps", str(a.steps), "--completion", str(a.completion)])
+    after_first = slice(1, None)  # the first step pays one-time costs (allocations, buffers)
+
+    print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} (means over steps 2..{a.steps})")
+    for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
+        plain = _runner.mean_per_step(results, "plain", key, after_first)
+        for variant, goal in (("exact", 1.6), ("low_memory", 1.15)):
+            mine = _runner.mean_per_step(results, variant, key, after_first)
+            per_round = ", ".join(f"{statistics.mean(m[key][after_first]) / statistics.mean(b[key][after_first]):.3f}"
+                                  for b, m in zip(results["plain"], results[variant]))
+            print(f"{label}  {variant:10s} {mine:.3f} s / plain {plain:.3f} s = {mine / plain:.3f}  "
+                  f"(per round {per_round}; goal <= {goal})")
+
+
+if __name__ == "__main__":
+    main()

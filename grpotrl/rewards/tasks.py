@@ -1,0 +1,75 @@
+"""Reward functions per task: ``{"fairness": [f, g], "hallucination": h}`` -> TRL's flat list.
+
+Each (task, function) pair becomes one TRL reward function named ``<task>/<name>`` that calls
+the function on its task's rows only (prompts, completions and every per-row column cut to
+those rows; judges see no other task's text) and returns None for the other rows. TRL sums
+the functions with ``nansum``, so every row's reward comes from its own task's functions, and
+``rewards/<task>/<name>/mean`` is logged per pair. Async functions (HTTP judges) stay async.
+
+>>> def short(completions, **kw): return [-len(c[0]["content"]) for c in completions]
+>>> f, = per_task({"a": short}, "task")
+>>> f.__name__
+'a/short'
+>>> f(prompts=["p", "q"], completions=[[{"content": "xy"}], [{"content": "z"}]], task=["a", "b"])
+[-2, None]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from trl.trainer.utils import get_callable_name, is_async_callable
+
+from ..errors import InputError
+
+
+def per_task(reward_funcs: Mapping[str, Callable | list[Callable]], column: str) -> list[Callable]:
+    """The flat list TRL takes, in mapping order (task by task, functions in the given order):
+    that is the order ``reward_weights`` follows."""
+    out = []
+    for task, funcs in reward_funcs.items():
+        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        if not funcs:
+            raise InputError(f"reward_funcs[{task!r}] is empty: give task {task!r} at least one reward function.")
+        for func in funcs:
+            if isinstance(func, str) or not callable(func) or hasattr(func, "config"):
+                raise InputError(f"reward_funcs[{task!r}] holds {func!r}: per-task rewards must be callables "
+                                 "(functions, judges); wrap a reward model in a function that scores its task's rows.")
+            out.append(_restricted(func, str(task), column))
+    return out
+
+
+def _restricted(func: Callable, task: str, column: str) -> Callable:
+    name = f"{task}/{get_callable_name(func)}"
+
+    def cut(prompts, completions, completion_ids=None, **kwargs):
+        if column not in kwargs:
+            raise InputError(f"reward {name}: the rows carry no {column!r} column (task_column={column!r}).")
+        rows = [i for i, t in enumerate(kwargs[column]) if str(t) == task]
+        n = len(prompts)
+        sub = {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+        sub.update(prompts=[prompts[i] for i in rows], completions=[completions[i] for i in rows])
+        if completion_ids is not None:
+            sub["completion_ids"] = [completion_ids[i] for i in rows]
+        return rows, n, sub
+
+    def spread(rows, n, values):
+        values = list(values)
+        if len(values) != len(rows):
+            raise ValueError(f"reward {name} returned {len(values)} rewards for {len(rows)} rows of task {task!r}.")
+        full = [None] * n
+        for i, v in zip(rows, values):
+            full[i] = v
+        return full
+
+    if is_async_callable(func):
+        async def restricted(prompts, completions, completion_ids=None, **kwargs):
+            rows, n, sub = cut(prompts, completions, completion_ids, **kwargs)
+            return spread(rows, n, await func(**sub) if rows else [])
+    else:
+        def restricted(prompts, completions, completion_ids=None, **kwargs):
+            rows, n, sub = cut(prompts, completions, completion_ids, **kwargs)
+            return spread(rows, n, func(**sub) if rows else [])
+
+    restricted.__name__ = restricted.__qualname__ = name
+    return restricted

@@ -1,0 +1,105 @@
+"""CAGrad weight solver (grpotrl.losses.cagrad_*) against hand-built gradients and the reference.
+
+The reference is ``cagrad()`` in Cranial-XIX/CAGrad nyuv2/utils.py, ported verbatim below
+(numpy + scipy SLSQP): it returns the update direction ``d``; ours returns coefficients with
+``d = sum_k coef_k g_k``. Directions are compared, weights may be non-unique (aligned tasks).
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from grpotrl.losses import cagrad_coefficients, cagrad_weights
+
+
+def reference_cagrad(grads: np.ndarray, alpha: float = 0.5, rescale: int = 1) -> np.ndarray:
+    """Cranial-XIX/CAGrad nyuv2/utils.py ``cagrad``; grads [dim, K] as there."""
+    from scipy.optimize import minimize
+
+    num_tasks = grads.shape[1]
+    GG = grads.T @ grads
+    g0_norm = np.sqrt(GG.mean() + 1e-8)
+    x_start = np.ones(num_tasks) / num_tasks
+    bnds = tuple((0, 1) for _ in x_start)
+    cons = {"type": "eq", "fun": lambda x: 1 - sum(x)}
+    A, b = GG, x_start.copy()
+    c = alpha * g0_norm + 1e-8
+
+    def objfn(x):
+        return (x.reshape(1, num_tasks).dot(A).dot(b.reshape(num_tasks, 1))
+                + c * np.sqrt(x.reshape(1, num_tasks).dot(A).dot(x.reshape(num_tasks, 1)) + 1e-8)).sum()
+
+    res = minimize(objfn, x_start, bounds=bnds, constraints=cons, options={"ftol": 1e-12})
+    ww = res.x
+    gw = (grads * ww.reshape(1, -1)).sum(1)
+    gw_norm = np.linalg.norm(gw)
+    lmbda = c / (gw_norm + 1e-8)
+    g = grads.mean(1) + lmbda * gw
+    return {0: g, 1: g / (1 + alpha**2), 2: g / (1 + alpha)}[rescale]
+
+
+def ours(grads: np.ndarray, alpha: float, rescale: int = 1) -> np.ndarray:
+    G = torch.tensor(grads, dtype=torch.float64)  # [dim, K]
+    coef, _ = cagrad_coefficients(G.T @ G, alpha, rescale)
+    return (G * coef.double()).sum(1).numpy()
+
+
+def angle(deg: float, norm: float = 1.0) -> list[float]:
+    return [norm * math.cos(math.radians(deg)), norm * math.sin(math.radians(deg))]
+
+
+def test_aligned_tasks_hand_derived():
+    # g1 = (1, 0), g2 = (2, 0): g0 = (1.5, 0); F(t) = (2 - t)(1.5 + 0.5 * 1.5) is least at t = 1,
+    # so w = (1, 0), g_w = g1, lambda = 0.5 * 1.5 / 1 = 0.75, d = (1.5 + 0.75, 0) / 1.25 = (1.8, 0)
+    grads = np.array([[1.0, 2.0], [0.0, 0.0]])
+    assert ours(grads, 0.5) == pytest.approx([1.8, 0.0], abs=1e-4)
+    assert ours(grads, 0.5) == pytest.approx(reference_cagrad(grads, 0.5), abs=1e-4)
+
+
+def test_orthogonal_tasks_hand_derived():
+    # g1 = (1, 0), g2 = (0, 1): symmetric, w = (0.5, 0.5), g_w = g0, lambda = 0.5,
+    # d = 1.5 g0 / 1.25 = (0.6, 0.6)
+    grads = np.array([[1.0, 0.0], [0.0, 1.0]])
+    assert cagrad_weights(torch.eye(2), 0.5).tolist() == pytest.approx([0.5, 0.5], abs=1e-6)
+    assert ours(grads, 0.5) == pytest.approx([0.6, 0.6], abs=1e-4)
+    assert ours(grads, 0.5) == pytest.approx(reference_cagrad(grads, 0.5), abs=1e-4)
+
+
+@pytest.mark.parametrize("norm2", [1.0, 2.0, 0.3])
+def test_conflicting_at_150_degrees_matches_reference(norm2):
+    grads = np.array([angle(0), angle(150, norm2)]).T  # [2, K=2]
+    d = ours(grads, 0.5)
+    assert d == pytest.approx(reference_cagrad(grads, 0.5), abs=1e-4)
+    # CAGrad's point: within the ball |d - g0| <= alpha |g0| (d before its 1 / (1 + alpha^2)
+    # rescale) it maximises the worst task's improvement min_k g_k . d, so it does at least as
+    # well for the worst task as the mean gradient g0 (which is in the ball)
+    g0 = grads.mean(1)
+    assert min(grads.T @ (d * 1.25)) >= min(grads.T @ g0) - 1e-9
+
+
+def test_conflicting_unequal_norms_against_a_dense_grid():
+    """Independent of both solvers: minimise the 1-D objective on a 1e-6 grid."""
+    g = np.array([angle(0), angle(150, 2.0)]).T  # [2, 2]
+    A = g.T @ g
+    c = 0.5 * math.sqrt(A.mean())
+    t = np.linspace(0.0, 1.0, 1_000_001)
+    x = np.stack([t, 1 - t], 1)  # [N, 2]
+    F = x @ A @ np.array([0.5, 0.5]) + c * np.sqrt(np.einsum("ni,ij,nj->n", x, A, x) + 1e-8)
+    w = cagrad_weights(torch.tensor(A), 0.5)
+    assert w[0].item() == pytest.approx(t[F.argmin()], abs=1e-4)
+
+
+def test_alpha_zero_is_the_mean_gradient():
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(7, 3))
+    assert ours(grads, 0.0) == pytest.approx(grads.mean(1), abs=1e-6)
+
+
+@pytest.mark.parametrize("K", [3, 4])
+def test_more_tasks_match_reference(K):
+    rng = np.random.default_rng(K)
+    grads = rng.normal(size=(6, K))
+    grads[:, 0] *= -1.5  # a conflicting, larger task
+    assert ours(grads, 0.4) == pytest.approx(reference_cagrad(grads, 0.4), abs=1e-4)

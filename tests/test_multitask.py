@@ -1,0 +1,320 @@
+"""Entropy bonus sign (I7), multi-task GRPO and CAGrad on a tiny model.
+
+Every mode: single-task GRPOTrainer, MultiTaskGRPOTrainer without CAGrad, CAGrad exact and
+low-memory. The entropy tests start from a peaked model (final norm x10: next-token entropy
+~1-2 nats at T=0.7 instead of ~log V = 10.8) so that a rise is visible.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from datasets import Dataset
+
+import grpotrl
+from grpotrl.errors import InputError, InvariantError
+from grpotrl.rewards.tasks import per_task
+from grpotrl.trainers.grpo import _check_groups_single_task
+
+MODES = ["single", "multitask", "exact", "low_memory"]
+
+
+def two_tasks(n: int = 8) -> Dataset:
+    rows = []
+    for i in range(n):
+        rows.append({"prompt": [{"role": "user", "content": f"Is group {i} as good as group {i + 1}?"}],
+                     "task": "fairness"})
+        rows.append({"prompt": [{"role": "user", "content": "Who wrote book " + "A" * (i % 3 + 1) + "?"}],
+                     "task": "hallucination"})
+    return Dataset.from_list(rows)
+
+
+def longer(completions, **kw):
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+def shorter(completions, **kw):  # conflicts with `longer`
+    return [-len(c[0]["content"]) / 10 for c in completions]
+
+
+def constant(completions, **kw):  # every advantage 0: only the regularisers act
+    return [1.0] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory, tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    path = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(path)
+    return str(path)
+
+
+def probe_entropy(model, tok, T: float) -> float:
+    """Mean next-token entropy at T after a few fixed templated prompts."""
+    texts = [[{"role": "user", "content": q}] for q in ("Is it fair?", "Who wrote it?", "What is 2 + 2?")]
+    model.eval()
+    with torch.no_grad():
+        H = []
+        for msgs in texts:
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            logits = model(**ids).logits[0, -1].float() / T
+            p = logits.log_softmax(-1)
+            H.append(-(p.exp() * p).sum())
+    return float(torch.stack(H).mean())
+
+
+def make_trainer(mode: str, model: str, args, rewards, cls=None, dataset=None):
+    dataset = dataset if dataset is not None else two_tasks()
+    if mode == "single":
+        cls = cls or grpotrl.GRPOTrainer
+        funcs = rewards["fairness"]
+        dataset = dataset.remove_columns("task")
+    else:
+        cls = cls or grpotrl.MultiTaskGRPOTrainer
+        funcs = rewards
+    return cls(model, reward_funcs=funcs, args=args, train_dataset=dataset)
+
+
+def mode_args(grpo_args, mode: str, **kw):
+    cagrad = mode if mode in ("exact", "low_memory") else "off"
+    base = dict(cagrad=cagrad, beta=0.0, gradient_checkpointing=False, max_completion_length=8,
+                health_action="off", health_report_steps=0)
+    return grpo_args(**{**base, **kw})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_I7_entropy_bonus_alone_raises_entropy(mode, peaked, grpo_args):
+    args = mode_args(grpo_args, mode, entropy_coef=1.0, learning_rate=3e-3, max_steps=3)
+    trainer = make_trainer(mode, peaked, args, {"fairness": constant, "hallucination": constant})
+    tok = trainer.processing_class
+    before = probe_entropy(trainer.model, tok, args.temperature)
+    trainer.train()
+    after = probe_entropy(trainer.model, tok, args.temperature)
+    slopes = [h["entropy/dloss_dH"] for h in trainer.state.log_history if "entropy/dloss_dH" in h]
+    assert slopes and all(s == pytest.approx(-1.0, abs=1e-4) for s in slopes)  # d loss / d H = -c
+    assert after > before + 0.05, (before, after)
+
+
+class FlippedLoss:
+    """Seed 004 in a home-grown loss: ``entropy_loss = -H`` then ``loss - c * entropy_loss``."""
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        H, mask = self._loss_entropies
+        entropy_loss = -(H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
+        return loss + 2 * self.entropy_coef * (-entropy_loss)  # TRL's -cH turned into +cH
+
+
+class FlippedGRPO(FlippedLoss, grpotrl.GRPOTrainer):
+    pass
+
+
+class FlippedMultiTask(FlippedLoss, grpotrl.MultiTaskGRPOTrainer):
+    pass
+
+
+class FlippedRegulariser(grpotrl.MultiTaskGRPOTrainer):
+    """The seed's multi-pass path: the regulariser built with the entropy sign flipped."""
+
+    def _loss_terms(self, model, inputs, coef):
+        full, tasks, reg = super()._loss_terms(model, inputs, coef)
+        H, mask = self._loss_entropies
+        return full, tasks, reg + 2 * coef * (H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
+
+
+class EntropyInsideTasks(grpotrl.MultiTaskGRPOTrainer):
+    """The seed's structure: the bonus folded into each task's loss, where CAGrad rescales it."""
+
+    def _loss_terms(self, model, inputs, coef):
+        full, tasks, reg = super()._loss_terms(model, inputs, coef)
+        H, mask = self._loss_entropies
+        bonus = coef * (H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
+        return full, {k: v - bonus / len(tasks) for k, v in tasks.items()}, reg + bonus
+
+
+class FlippedComposition(grpotrl.MultiTaskGRPOTrainer):
+    """Exact mode: the regulariser gradient subtracted from the CAGrad direction."""
+
+    def _compose_update(self, params, direction):
+        for p, d in zip(params, direction):
+            p.grad = d.clone() if p.grad is None else d - p.grad
+
+
+@pytest.mark.parametrize("mode,cls,term", [
+    ("single", FlippedGRPO, "the GRPO loss"),
+    ("multitask", FlippedMultiTask, "the GRPO loss"),
+    ("exact", FlippedRegulariser, "the CAGrad exact loss"),
+    ("low_memory", FlippedRegulariser, "the CAGrad low_memory loss"),
+    ("exact", EntropyInsideTasks, "the policy loss of task"),
+    ("low_memory", EntropyInsideTasks, "the policy loss of task"),
+    ("exact", FlippedComposition, "_compose_update"),
+])
+def test_I7_seed_flipped_sign_is_stopped(mode, cls, term, tiny_llama, grpo_args):
+    args = mode_args(grpo_args, mode, entropy_coef=0.1, max_steps=1)
+    trainer = make_trainer(mode, tiny_llama, args, {"fairness": longer, "hallucination": shorter}, cls=cls)
+    with pytest.raises(InvariantError, match="I7") as err:
+        trainer.train()
+    assert term in str(err.value)
+
+
+X = 1000  # a token the sampler is biased towards (bias 7.3 / T 0.7 vs ~49k others: ~40% of tokens), so its count varies within groups
+
+
+def more_x(completion_ids, **kw):
+    return [float(sum(t == X for t in ids)) for ids in completion_ids]
+
+
+def fewer_x(completion_ids, **kw):  # the same feature, the opposite way: the task gradients conflict
+    return [-float(sum(t == X for t in ids)) for ids in completion_ids]
+
+
+class NegatedEntropy(grpotrl.GRPOTrainer):
+    """A home-grown entropy hook returning -H: the bonus' node has the right slope but is not the
+    policy's entropy, so the bonus lowers entropy; the guard-step value check catches it."""
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        return logps, None if entropies is None else -entropies, aux
+
+
+def test_I7_entropy_node_must_be_the_policy_entropy(tiny_llama, grpo_args):
+    args = mode_args(grpo_args, "single", entropy_coef=0.1, max_steps=1)
+    trainer = make_trainer("single", tiny_llama, args, {"fairness": longer}, cls=NegatedEntropy)
+    with pytest.raises(InvariantError, match=r"\[I7\].*entropy the loss used is -"):
+        trainer.train()
+
+
+def first_step_grads(mode: str, model: str, grpo_args, **kw) -> list[torch.Tensor]:
+    """The gradients the optimizer receives at step 1 (clipping off), same seed and data: both
+    tasks ask the same questions, one rewards token X, the other penalises it."""
+    from transformers import TrainerCallback
+
+    grads = []
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **k):
+            grads.extend(p.grad.detach().clone() for p in model.parameters() if p.requires_grad)
+
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}?"}], "task": task}
+                              for i in range(4) for task in ("fairness", "hallucination")])
+    args = mode_args(grpo_args, mode, max_steps=1, max_grad_norm=0.0, entropy_coef=0.01, beta=0.02,
+                     generation_kwargs={"sequence_bias": [[[X], 7.3]]}, per_device_train_batch_size=16, **kw)
+    trainer = make_trainer(mode, model, args, {"fairness": more_x, "hallucination": fewer_x}, dataset=data)
+    trainer.add_callback(Grab())
+    trainer.train()
+    return grads, trainer
+
+
+def _rel(a: list, b: list) -> float:
+    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
+    return (num / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
+
+
+def test_two_tasks_cagrad_c0_is_the_plain_gradient_and_c05_is_not(tiny_llama, grpo_args):
+    plain, _ = first_step_grads("multitask", tiny_llama, grpo_args)
+    c0, _ = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.0)
+    cag, trainer = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.5)
+    assert _rel(c0, plain) < 1e-4  # the K-scaled CAGrad with c = 0 is TRL's summed gradient (+ KL, entropy)
+    logs = trainer.state.log_history[0]
+    assert logs["cagrad/min_cosine"] < -0.1, logs["cagrad/min_cosine"]  # more X vs fewer X: they conflict
+    assert _rel(cag, plain) > 0.05 and logs["cagrad/deviation_from_sum"] > 0.05
+    for task in ("fairness", "hallucination"):
+        for metric in ("reward", "reward_std", "entropy", "completions/mean_length", "completions/one_token_share",
+                       "grad_norm", "cagrad_coef"):
+            assert f"tasks/{task}/{metric}" in logs, f"tasks/{task}/{metric}"
+    assert logs["tasks/fairness/reward"] > 0 > logs["tasks/hallucination/reward"]  # each task its own reward
+
+
+def test_low_memory_two_task_run_completes(tiny_llama, grpo_args):
+    args = mode_args(grpo_args, "low_memory", entropy_coef=0.01, beta=0.02, max_steps=2,
+                     gradient_accumulation_steps=2)
+    trainer = make_trainer("low_memory", tiny_llama, args, {"fairness": longer, "hallucination": shorter})
+    trainer.train()
+    logs = trainer.state.log_history[-2]
+    assert "cagrad/min_cosine" in logs and "tasks/hallucination/cagrad_coef" in logs
+
+
+# ---------------------------------------------------------------- errors before the model loads
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_task_missing_from_the_mapping_is_an_error_before_load(tiny_llama, grpo_args, no_model_load):
+    with pytest.raises(InputError, match=r"\['hallucination'\].*no reward functions"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer}, args=grpo_args(),
+                                     train_dataset=two_tasks())
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"scale_rewards": "batch"}, "mixes tasks"),
+    ({"cagrad": "exact", "deepspeed": {"zero_optimization": {"stage": 2}}}, "DeepSpeed"),
+])
+def test_bad_multitask_settings_are_errors_before_load(overrides, match, tiny_llama, grpo_args, no_model_load):
+    with pytest.raises(InputError, match=match):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                     args=grpo_args(**overrides) if "deepspeed" not in overrides else
+                                     _unchecked_args(grpo_args, overrides), train_dataset=two_tasks())
+
+
+def _unchecked_args(grpo_args, overrides):
+    args = grpo_args(cagrad=overrides["cagrad"])
+    args.deepspeed = overrides["deepspeed"]  # set after __post_init__: no DeepSpeed setup on CPU
+    return args
+
+
+def test_missing_task_column_and_single_task_cagrad(tiny_llama, grpo_args, no_model_load):
+    with pytest.raises(InputError, match="no 'task' column"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs=[longer], args=grpo_args(),
+                                     train_dataset=two_tasks().remove_columns("task"))
+    one = two_tasks().filter(lambda r: r["task"] == "fairness")
+    with pytest.raises(InputError, match="one task"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs=[longer], args=grpo_args(cagrad="exact"),
+                                     train_dataset=one)
+
+
+def test_config_rejects_negative_entropy_coef_and_unknown_mode(tmp_path):
+    with pytest.raises(InputError, match="c >= 0"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), entropy_coef=-0.1, use_cpu=True)
+    with pytest.raises(InputError, match="cagrad='fast'"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), cagrad="fast", use_cpu=True)
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_groups_mixing_tasks_are_stopped():
+    _check_groups_single_task(torch.tensor([0, 0, 1, 1]), 2, ["a", "b"])
+    with pytest.raises(InvariantError, match=r"group 1 mixes tasks \['a', 'b'\]"):
+        _check_groups_single_task(torch.tensor([0, 0, 0, 1]), 2, ["a", "b"])
+
+
+def test_per_task_rewards_see_only_their_rows_sync_and_async():
+    seen = []
+
+    def judge(prompts, completions, answer, **kw):
+        seen.append((prompts, answer))
+        return [1.0] * len(prompts)
+
+    async def ajudge(prompts, completions, **kw):
+        return [2.0] * len(prompts)
+
+    f, g = per_task({"a": judge, "b": [ajudge]}, "task")
+    kw = dict(prompts=["p0", "p1", "p2"], completions=["c0", "c1", "c2"], completion_ids=[[0], [1], [2]],
+              task=["a", "b", "a"], answer=["x", "y", "z"], trainer_state=None)
+    assert f(**kw) == [1.0, None, 1.0] and seen == [(["p0", "p2"], ["x", "z"])]
+    assert asyncio.run(g(**kw)) == [None, 2.0, None] and g.__name__ == "b/ajudge"
+    with pytest.raises(InputError, match="must be callables"):
+        per_task({"a": "some/reward-model"}, "task")
