@@ -63,3 +63,21 @@ def test_our_overrides_keep_the_signatures():
     for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "save_model"):
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
     assert _params(grpotrl.SFTTrainer, "compute_loss") == SFT_HOOKS["compute_loss"]
+
+
+def test_entropy_bonus_state_grpotrl_reads_and_toggles():
+    """I7 (grpotrl.GRPOTrainer.entropy_coef_in_force) and MultiTaskGRPOTrainer's per-term losses
+    read and temporarily set these attributes of TRL's loss; the bonus must still be ``- c * H``."""
+    src = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    for needle in ("self._entropy_bonus_enabled", "self.use_adaptive_entropy", "self._last_world_entropy",
+                   "self.entropy_coef", "self.beta", "loss = loss - apply_coef * entropy_loss",
+                   "self._get_per_token_logps_and_entropies(", "advantages = inputs[\"advantages\"]"):
+        assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
+    init = inspect.getsource(trl.GRPOTrainer.__init__)
+    assert "self._entropy_bonus_enabled = " in init and "self._last_world_entropy = " in init
+
+
+def test_returned_loss_is_backpropagated_unscaled():
+    """CAGrad exact adds its direction to .grad on the scale of the returned loss: the Trainer
+    must not divide GRPO's loss by the accumulation steps again."""
+    assert trl.GRPOTrainer.loss_is_scaled_for_ga is True
