@@ -7,8 +7,9 @@ Python. The kernel imports the grpotrl of this checkout (``PYTHONPATH``), runs w
 notebook's directory as cwd, writes under a temporary ``GRPOTRL_NB_OUT`` and never reaches the
 network (``HF_HUB_OFFLINE=1``). A failing cell fails the test with the cell's traceback.
 
-Times on 2 CPU cores: 00, 01 and 03 train SmolLM2-135M for a few steps (about a minute or more
-each, marked slow; 03 also starts ``transformers serve`` as its judge); 02 runs tiny random
+Times on 2 CPU cores: 00, 01, 03, 04 and 05 train SmolLM2-135M for a few steps (about a minute or
+more each, marked slow; 03 also starts ``transformers serve`` as its judge; 04 runs 3 CAGrad steps
+on two tasks; 05 runs SFT, then GAD with its discriminator, 2-4 minutes); 02 runs tiny random
 models (well under a minute).
 """
 
@@ -23,7 +24,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 REPO = NOTEBOOKS.parent
-SLOW = {"00_quickstart", "01_sft_then_grpo", "03_judges"}  # > 60 s on 2 cores
+SLOW = {"00_quickstart", "01_sft_then_grpo", "03_judges", "04_multitask_cagrad", "05_gad"}  # > 60 s on 2 cores
 CELL_TIMEOUT_S = 600
 
 
@@ -41,7 +42,8 @@ def _params():
 
 
 def test_notebooks_exist():
-    assert [p.stem for p in _notebooks()][:4] == ["00_quickstart", "01_sft_then_grpo", "02_guards", "03_judges"]
+    names = [p.stem for p in _notebooks()]
+    assert names == ["00_quickstart", "01_sft_then_grpo", "02_guards", "03_judges", "04_multitask_cagrad", "05_gad"]
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
