@@ -13,9 +13,14 @@ itself and reads the hidden state at the last position whose attention mask is 1
 position ids from the mask, so a sequence scores the same alone, left-padded or
 right-padded (tests/test_gad.py shows both the trap and the fix).
 
-Teacher and student text take one path (I9): ``sequence_ids(prompt, text)`` is the SFT
-tokenization on the RL template (``templates.tokenize_sft_example``): the RL prompt ids, the
-response, and its end-of-turn token.
+Teacher and student text take one path (I9): ``sequence_ids(prompt, text)`` is the RL prompt
+ids (chat template + generation prompt), the response text tokenized on its own, and the
+template's end-of-turn token when the response finished (a student cut at
+``max_completion_length`` gets none, so D can tell it from a finished answer). Tokenizing the
+response apart from the template keeps a response that starts with whitespace from merging
+with the generation prompt's newline (re-rendering the whole turn did, and broke the prompt
+prefix mid-training); teacher and student text are both tokenized canonically, so D cannot
+tell them apart by how the sampler happened to split words.
 """
 
 from __future__ import annotations
@@ -59,12 +64,24 @@ def bradley_terry_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Te
     return -F.logsigmoid(teacher - student).mean()
 
 
-def sequence_ids(tokenizer, prompt: list[dict], text: str, stop_ids: list[int],
-                 chat_template: str | None = None) -> list[int]:
-    """The scored sequence: RL prompt ids + the assistant message ``text`` + its end-of-turn
-    token, exactly as SFT tokenizes it (I2). Teacher and student text both go through here (I9)."""
-    completion = [{"role": "assistant", "content": text}]
-    return templates.tokenize_sft_example(tokenizer, prompt, completion, stop_ids, chat_template)["input_ids"]
+def sequence_ids(tokenizer, prompt: list[dict], text: str, stop_ids: list[int], chat_template: str | None = None,
+                 finished: bool = True, end_id: int | None = None) -> list[int]:
+    """The scored sequence: RL prompt ids + ``text`` tokenized alone + the end-of-turn token if
+    ``finished`` (``end_id``, default the template's). Teacher and student text both go through
+    here (I9)."""
+    response = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if finished:
+        response = [*response, end_of_turn_id(tokenizer, stop_ids, chat_template) if end_id is None else end_id]
+    return templates.prompt_ids(tokenizer, prompt, chat_template) + response
+
+
+def end_of_turn_id(tokenizer, stop_ids: list[int], chat_template: str | None = None) -> int:
+    """The stop token the chat template closes an assistant turn with (``<|im_end|>`` for
+    ChatML), read from a rendered turn; eos when the template closes turns with no stop id."""
+    example = templates.tokenize_sft_example(tokenizer, [{"role": "user", "content": "x"}],
+                                             [{"role": "assistant", "content": "y"}], stop_ids, chat_template)
+    last = example["input_ids"][-1]
+    return last if last in stop_ids else tokenizer.eos_token_id
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "right",
@@ -153,9 +170,19 @@ class DiscriminatorReward:
         self.stop_ids = list(stop_ids)
         self.chat_template = chat_template
         self.batch_size = batch_size
+        self._end_id: int | None = None  # the template's end-of-turn id, read at first use
 
-    def sequences(self, prompts: list[list[dict]], texts: list[str]) -> list[list[int]]:
-        return [sequence_ids(self.tokenizer, p, t, self.stop_ids, self.chat_template) for p, t in zip(prompts, texts)]
+    def sequences(self, prompts: list[list[dict]], texts: list[str],
+                  finished: list[bool] | None = None) -> list[list[int]]:
+        finished = [True] * len(texts) if finished is None else finished
+        if self._end_id is None:
+            self._end_id = end_of_turn_id(self.tokenizer, self.stop_ids, self.chat_template)
+        return [sequence_ids(self.tokenizer, p, t, self.stop_ids, self.chat_template, f, self._end_id)
+                for p, t, f in zip(prompts, texts, finished)]
+
+    def finished(self, completion_ids: list[list[int]]) -> list[bool]:
+        """Whether each generated response ended with a stop token (TRL keeps it in the ids)."""
+        return [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids]
 
     @torch.no_grad()
     def score(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -167,8 +194,9 @@ class DiscriminatorReward:
             out.append(self.discriminator(ids, mask))
         return torch.cat(out)
 
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        return self.score(self.sequences(prompts, completion_texts(completions))).tolist()
+    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
+        finished = self.finished(completion_ids) if completion_ids is not None else None
+        return self.score(self.sequences(prompts, completion_texts(completions), finished)).tolist()
 
 
 def completion_texts(completions: list) -> list[str]:

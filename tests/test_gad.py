@@ -120,9 +120,11 @@ def test_discriminator_reward_is_a_trl_reward_function(tiny_llama, smollm2_token
     d = gd.load_discriminator(tiny_llama, tok.pad_token_id)
     reward = gd.DiscriminatorReward(d, tok, templates.stop_token_ids(tok))
     completions = [[{"role": "assistant", "content": "27"}], [{"role": "assistant", "content": "26"}]]
-    scores = reward(prompts=[PROMPT, PROMPT], completions=completions, completion_ids=[[1], [2]])
-    with torch.no_grad():
-        direct = d(*gd.pad_sequences(reward.sequences([PROMPT, PROMPT], ["27", "26"]), tok.pad_token_id))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    scores = reward(prompts=[PROMPT, PROMPT], completions=completions, completion_ids=[[1], [2, im_end]])
+    with torch.no_grad():  # the first response was cut (no stop id): scored without an end-of-turn
+        seqs = reward.sequences([PROMPT, PROMPT], ["27", "26"], finished=[False, True])
+        direct = d(*gd.pad_sequences(seqs, tok.pad_token_id))
     assert scores == pytest.approx(direct.tolist(), abs=1e-6)
     assert trl.trainer.utils.get_callable_name(reward) == "discriminator"
 
@@ -222,7 +224,7 @@ def test_warmup_trains_only_the_discriminator_then_the_students_reward_rises(tin
     assert not all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())
 
     fixed = gd.DiscriminatorReward(seen["d"], tok, trainer.stop_token_ids)
-    score = [sum(fixed(p, c)) / len(c) for p, c, _ in trainer.batches]  # per step, under D at end of warmup
+    score = [sum(fixed(p, c, completion_ids=i)) / len(c) for p, c, i in trainer.batches]  # per step, D of warmup end
     assert sum(score[-4:]) / 4 > sum(score[:W]) / W + 0.3, score
 
 
@@ -463,3 +465,24 @@ def test_trl_hooks_gad_overrides_are_unchanged():
     src = inspect.getsource(trl.GRPOTrainer.training_step)
     assert "self._step += 1" in src and "_current_train_step_time" in src
     assert "self.beta != 0.0" in inspect.getsource(trl.GRPOTrainer._compute_loss)  # beta=0 turns TRL's KL off
+
+
+@pytest.mark.parametrize("text", ["\n\n2", "  \n2", " 27", "27"])
+def test_I9_sequence_starts_with_the_rl_prompt_whatever_the_response_starts_with(text, smollm2_tokenizer):
+    """Re-rendering the whole turn merged a leading '\\n\\n' with the generation prompt's newline
+    and raised I2 mid-training; the response is now tokenized on its own after the RL prompt."""
+    tok = smollm2_tokenizer
+    stop = templates.stop_token_ids(tok)
+    p = templates.prompt_ids(tok, PROMPT)
+    seq = gd.sequence_ids(tok, PROMPT, text, stop)
+    assert seq[:len(p)] == p and seq[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.decode(seq[len(p):-1]) == text
+
+
+def test_I9_a_truncated_student_response_gets_no_end_of_turn(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    reward = gd.DiscriminatorReward(None, tok, templates.stop_token_ids(tok))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert reward.finished([[5, 6, im_end], [5, 6], []]) == [True, False, False]
+    done, cut = reward.sequences([PROMPT, PROMPT], ["27 is", "27 is"], finished=[True, False])
+    assert done[-1] == im_end and cut == done[:-1]

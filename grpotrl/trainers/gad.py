@@ -186,19 +186,21 @@ class GADTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         mode = "train" if self.model.training else "eval"
-        scores = self._discriminator_step(inputs, prompts, completions, update=mode == "train")  # [N]
+        scores = self._discriminator_step(inputs, prompts, completions, completion_ids_list,
+                                          update=mode == "train")  # [N]
         columns = [scores]
         if self.args.use_kl_in_reward:
             columns.append(torch.tensor(self.kl_penalty(prompts, completions, completion_ids_list),
                                         dtype=torch.float32, device=scores.device))
         return self.accelerator.gather(torch.stack(columns, dim=1))  # [N_global, n_funcs]
 
-    def _discriminator_step(self, inputs: list[dict], prompts: list, completions: list, update: bool) -> torch.Tensor:
+    def _discriminator_step(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
+                            update: bool) -> torch.Tensor:
         """Score each student response and its row's teacher response with D; with ``update``,
         step D on the Bradley-Terry loss. Returns the student scores [N] of D before the step."""
         mode = "train" if update else "eval"
         reward = self._d_reward
-        student_seqs = reward.sequences(prompts, completion_texts(completions))
+        student_seqs = reward.sequences(prompts, completion_texts(completions), reward.finished(completion_ids))
         # one teacher sequence per distinct (prompt, teacher_response): a group shares it
         keys = [json.dumps(p, sort_keys=True) + "\x00" + x["teacher_response"] for p, x in zip(prompts, inputs)]
         first: dict[str, int] = {}
