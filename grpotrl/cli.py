@@ -13,10 +13,11 @@ A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArgument
 ``--key value`` on the command line overrides the recipe. A key that no dataclass knows is an
 error, with the closest known names.
 
-Order: parse -> model path (alias, local dir) -> tokenizer (chat template, stop tokens) ->
-dataset (+ reward columns) -> resume checkpoint; only then is the model loaded, so bad input
-costs seconds, not a model load. Simplified on purpose: datasets are ``quickstart`` or local
-JSON files (grpotrl never downloads), rewards come from ``grpotrl.rewards.rules`` by name.
+Order: parse -> model path (alias, local dir) and quantization/LoRA settings -> tokenizer (chat
+template, stop tokens) -> dataset (+ reward columns) -> resume checkpoint (every file present and
+whole); only then is the model loaded, so bad input costs seconds, not a model load. Simplified
+on purpose: datasets are ``quickstart`` or local JSON files (grpotrl never downloads), rewards
+come from ``grpotrl.rewards.rules`` by name.
 """
 
 from __future__ import annotations
@@ -78,9 +79,15 @@ def parse_args(command: str, argv: list[str]):
             given = argv[i + 1] if i + 1 < len(argv) else "nothing"
             raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
     parser = make_parser(command)
-    *dataclasses, from_config, from_argv = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
+    try:
+        *dataclasses, from_config, from_argv = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except InputError:
+        raise
+    except ValueError as err:  # a config's own check (e.g. ModelConfig: load_in_4bit and load_in_8bit)
+        raise InputError(f"Invalid settings: {err} Fix the recipe or the command line; `grpotrl {command} "
+                         "--help` describes every key.") from None
     known = {action.dest for action in parser._actions}
     if from_config:
         recipe = argv[argv.index("--config") + 1]
@@ -137,12 +144,14 @@ def run(command: str, argv: list[str]) -> None:
     from trl import get_peft_config, get_quantization_config
 
     from grpotrl.models import resolve_model_path
+    from grpotrl.trainers._common import check_model_args, resume_checkpoint
 
     ################
     # Model path and tokenizer: checked before any weights are read
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)
     validation.check_model_dir(model_path)
+    check_model_args(model_args, model_path)  # quantization needs LoRA; LoRA targets exist
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
@@ -176,11 +185,9 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Resume checkpoint
     ################
-    checkpoint = training_args.resume_from_checkpoint
-    if checkpoint in (True, "true", "True", "last"):
-        checkpoint = validation.find_last_checkpoint(training_args.output_dir)
-    if checkpoint:
-        validation.check_resume_checkpoint(checkpoint)
+    checkpoint = resume_checkpoint(training_args.resume_from_checkpoint, training_args, command, model_args.use_peft)
+    if checkpoint and training_args.check_template:
+        templates.check_fingerprint(checkpoint, tokenizer)  # I2: the checkpoint's template is this run's
 
     ################
     # Model and trainer

@@ -6,8 +6,9 @@ saying what was wrong, with the value, and what to do.
 * ``check_model_dir``: a local checkpoint with ``config.json`` and complete weights (every
   shard of a sharded one; safetensors files not truncated), or a PEFT adapter dir whose base
   model passes the same check. grpotrl never downloads: a Hub id is an error.
-* ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir with
-  ``trainer_state.json`` and weights.
+* ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir that a SIGKILL
+  during the save did not cut short: trainer state, weights, optimizer, scheduler, RNG and the
+  files the trainer adds (``checkpoint_problems``), each present and not truncated.
 * ``resolve_reward_funcs`` / ``check_reward_columns``: reward names from a recipe to the
   functions of ``grpotrl.rewards.rules``, and the dataset columns those functions need.
 """
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import struct
+import zipfile
 
 from .errors import InputError
 from .rewards import rules
@@ -246,53 +248,126 @@ def check_model_dir(path: str | None) -> None:
     )
 
 
-def check_resume_checkpoint(path: str) -> None:
-    """Raise ``InputError`` unless ``path`` is a checkpoint dir with trainer_state.json and weights."""
+def _torch_file_problem(path: str) -> str | None:
+    """Why the ``torch.save`` file at ``path`` is cut short, or None. ``torch.save`` writes a zip
+    whose directory sits at the end, so a file killed mid-write has none; reads the directory only."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return f"{os.path.basename(path)} is {os.path.getsize(path)} bytes and not a complete torch.save file " \
+               "(cut short while being written)"
+    return None
+
+
+def _file_problem(directory: str, name: str) -> str | None:
+    """Why ``directory/name`` is missing or cut short (by its kind: safetensors, torch.save, JSON), or None."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"no {name}"
+    if name.endswith(".safetensors"):
+        return _safetensors_problem(path)
+    if name.endswith((".pt", ".pth")):
+        return _torch_file_problem(path)
+    if name.endswith(".json"):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except ValueError:
+            return f"{name} is not valid JSON (cut short while being written)"
+    return None
+
+
+def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
+    """What keeps ``path`` from being resumed exactly, as a list of reasons (empty: complete).
+
+    The Trainer saves a checkpoint in this order: weights (+ ``required`` files a trainer writes
+    beside them: template fingerprint, GAD discriminator), optimizer and scheduler, RNG state,
+    and ``trainer_state.json`` last; TRL writes ``entropy_ctrl_state.json`` after that. A SIGKILL
+    during the save leaves a prefix of that list, possibly with the last file cut short. The
+    Trainer itself would resume from such a directory with a fresh optimizer or RNG without a
+    word, so every file is checked: present, and not truncated (headers / zip directories only).
+    A DeepSpeed checkpoint (``latest`` + ``global_stepN/``) keeps weights and optimizer there.
+    """
+    directory = os.path.expanduser(path)
+    problems = [p for p in [_file_problem(directory, "trainer_state.json")] if p]
+    if os.path.isfile(os.path.join(directory, "latest")):  # DeepSpeed: weights and optimizer in global_stepN/
+        with open(os.path.join(directory, "latest")) as f:
+            tag = f.read().strip()
+        if not tag or not os.path.isdir(os.path.join(directory, tag)):
+            problems.append(f"'latest' names DeepSpeed state {tag!r}, which is not there")
+    else:
+        is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
+        if weights := _weights_problem(directory, "adapter" if is_adapter else "model"):
+            problems.append(weights)
+        fsdp_optimizer = any(os.path.isdir(os.path.join(directory, n)) and "optimizer" in n
+                             for n in os.listdir(directory))
+        if not fsdp_optimizer:
+            problems += [p for name in ("optimizer.pt", "scheduler.pt") if (p := _file_problem(directory, name))]
+    rng = sorted(n for n in os.listdir(directory) if re.fullmatch(r"rng_state(_\d+)?\.pth", n))
+    if not rng:
+        problems.append("no rng_state.pth")
+    problems += [p for name in rng if (p := _file_problem(directory, name))]
+    problems += [p for name in required if (p := _file_problem(directory, name))]
+    if {"no trainer_state.json", "no optimizer.pt"} & set(problems) == {"no optimizer.pt"} and not rng:
+        # trainer_state.json is written last: a kill cannot leave it without the optimizer
+        problems.append("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: "
+                        "it cannot resume a run, only start a new one with model_name_or_path")
+    return problems
+
+
+def _checkpoints(directory: str) -> list[str]:
+    """``checkpoint-N`` names in ``directory``, by step."""
+    if not os.path.isdir(directory):
+        return []
+    names = [n for n in os.listdir(directory) if re.fullmatch(r"checkpoint-\d+", n)
+             and os.path.isdir(os.path.join(directory, n))]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def _complete_checkpoints(directory: str, required: tuple[str, ...] = ()) -> list[str]:
+    return [n for n in _checkpoints(directory) if not checkpoint_problems(os.path.join(directory, n), required)]
+
+
+def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
+    """Raise ``InputError`` unless ``path`` is a complete checkpoint dir (``checkpoint_problems``);
+    the message names what is missing and the complete checkpoints beside it. Deletes nothing."""
     directory = os.path.expanduser(path)
     parent = os.path.dirname(os.path.abspath(directory))
     if not os.path.isdir(directory):
         raise InputError(
-            f"resume_from_checkpoint {path!r} is not a directory. Checkpoints in {parent}: "
-            f"{_complete_checkpoints(parent) or 'none'}. Pick one, or drop resume_from_checkpoint to start fresh."
+            f"resume_from_checkpoint {path!r} is not a directory. Complete checkpoints in {parent}: "
+            f"{_complete_checkpoints(parent, required) or 'none'}. Pick one, or drop resume_from_checkpoint to "
+            "start fresh."
         )
-    problems = []
-    if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
-        problems.append("no trainer_state.json")
-    is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
-    weights_problem = _weights_problem(directory, "adapter" if is_adapter else "model")
-    if weights_problem:
-        problems.append(weights_problem)
+    problems = checkpoint_problems(directory, required)
     if problems:
-        others = [c for c in _complete_checkpoints(parent) if os.path.join(parent, c) != os.path.abspath(directory)]
+        others = [c for c in _complete_checkpoints(parent, required)
+                  if os.path.join(parent, c) != os.path.abspath(directory)]
+        hint = (f"Resume from the newest complete one (--resume_from_checkpoint {os.path.join(parent, others[-1])})"
+                if others else "Drop resume_from_checkpoint to start fresh")
         raise InputError(
             f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
-            f"wrote it was probably killed while saving. Complete checkpoints beside it: {others or 'none'}. "
-            "Resume from one of those, or drop resume_from_checkpoint to start fresh."
+            f"wrote it was probably killed while saving, and resuming from it would load part of the state. "
+            f"Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left as it "
+            "is (delete it yourself once you no longer need it)."
         )
 
 
-def _complete_checkpoints(directory: str) -> list[str]:
-    if not os.path.isdir(directory):
-        return []
-    names = [n for n in os.listdir(directory) if re.fullmatch(r"checkpoint-\d+", n)]
-    complete = []
-    for name in sorted(names, key=lambda n: int(n.split("-")[1])):
-        full = os.path.join(directory, name)
-        if os.path.isfile(os.path.join(full, "trainer_state.json")) and not (
-                _weights_problem(full, "model") and _weights_problem(full, "adapter")):
-            complete.append(name)
-    return complete
-
-
-def find_last_checkpoint(output_dir: str) -> str:
-    """The newest complete ``checkpoint-N`` in ``output_dir`` (for ``resume_from_checkpoint: true``)."""
-    complete = _complete_checkpoints(output_dir)
-    if not complete:
+def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str:
+    """The newest ``checkpoint-N`` in ``output_dir`` (for ``resume_from_checkpoint: true``), checked
+    by ``check_resume_checkpoint``: when the newest is incomplete that is an error naming it and the
+    newest complete one, never a silent step back to an older checkpoint."""
+    names = _checkpoints(output_dir)
+    if not names:
         raise InputError(
-            f"resume_from_checkpoint is true but output_dir {output_dir!r} holds no complete checkpoint-N dir. "
-            "Set resume_from_checkpoint to a checkpoint path, or drop it to start fresh."
+            f"resume_from_checkpoint is true but output_dir {output_dir!r} holds no checkpoint-N dir "
+            f"(found: {_files(output_dir) if os.path.isdir(output_dir) else 'no such directory'}). Set "
+            "resume_from_checkpoint to a checkpoint path, or drop it to start fresh."
         )
-    return os.path.join(output_dir, complete[-1])
+    last = os.path.join(output_dir, names[-1])
+    check_resume_checkpoint(last, required)
+    return last
 
 
 # ---------------------------------------------------------------------------------------------

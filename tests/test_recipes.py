@@ -1,5 +1,8 @@
-"""Every recipe under recipes/ parses, and opens with the exact command that launches it."""
+"""Every recipe under recipes/ parses, and opens with the exact command that launches it; every
+DeepSpeed JSON parses, is named by an accelerate config (JSON has no comments: the launch command
+is that config's), and its "auto" values are all ones transformers fills from a recipe."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 METHOD_RECIPES = [p for p in RECIPES if "accelerate" not in p.relative_to(ROOT / "recipes").parts]
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+DEEPSPEED_CONFIGS = sorted((ROOT / "recipes" / "accelerate" / "deepspeed").glob("*.json"))
 
 
 def rel(path: Path) -> str:
@@ -35,7 +39,9 @@ def header(path: Path) -> str:
 def test_recipes_exist():
     assert {rel(p) for p in METHOD_RECIPES} >= {"recipes/smollm2/sft_quickstart.yaml",
                                                 "recipes/smollm2/grpo_quickstart.yaml"}
-    assert "recipes/accelerate/single.yaml" in {rel(p) for p in ACCELERATE_CONFIGS}
+    assert {rel(p) for p in ACCELERATE_CONFIGS} >= {
+        f"recipes/accelerate/{n}.yaml" for n in ("single", "ddp", "zero2", "zero3", "zero3_offload", "multinode_zero3")}
+    assert {p.stem for p in DEEPSPEED_CONFIGS} >= {"zero2", "zero3", "zero3_offload"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=rel)
@@ -54,6 +60,57 @@ def test_accelerate_config_opens_with_its_launch_command_and_loads(path):
 
     assert f"accelerate launch --config_file {rel(path)} -m grpotrl.cli" in header(path)
     ClusterConfig.from_yaml_file(str(path))  # raises on keys accelerate does not know
+
+
+def deepspeed_file(accelerate_config: Path) -> str | None:
+    return (yaml.safe_load(accelerate_config.read_text()).get("deepspeed_config") or {}).get("deepspeed_config_file")
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=rel)
+def test_accelerate_config_names_an_existing_deepspeed_json(path):
+    """Paths are relative to the repo root, where every launch command runs."""
+    cfg = yaml.safe_load(path.read_text())
+    if cfg["distributed_type"] == "DEEPSPEED":
+        assert (ROOT / deepspeed_file(path)).is_file(), deepspeed_file(path)
+    assert "use_cpu" not in cfg or path.stem == "single", "CPU or GPU comes from the method recipe (use_cpu)"
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=rel)
+def test_deepspeed_json_parses_and_is_launched_by_an_accelerate_config(path):
+    ds = json.loads(path.read_text())
+    assert ds["zero_optimization"]["stage"] in (2, 3)
+    users = [c for c in ACCELERATE_CONFIGS if deepspeed_file(c) == rel(path)]
+    assert users, f"no recipes/accelerate/*.yaml names {rel(path)} as its deepspeed_config_file"
+    for config in users:  # the launch command of the JSON is its accelerate config's
+        assert f"accelerate launch --config_file {rel(config)} -m grpotrl.cli" in header(config)
+
+
+def _autos(d: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is "auto"."""
+    found = []
+    for key, value in d.items():
+        if isinstance(value, dict):
+            found += _autos(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(prefix + key)
+    return found
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=rel)
+def test_deepspeed_auto_values_are_filled_from_a_recipe(path):
+    """transformers fills "auto" from the trainer config and the model (hidden size, steps); one
+    it cannot fill would reach DeepSpeed as the string "auto"."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    _, args, _ = cli.parse_args("grpo", ["--config", str(ROOT / "recipes/smollm2/grpo_quickstart.yaml")])
+    ds = HfTrainerDeepSpeedConfig(str(path))
+    assert _autos(ds.config), "a recipe JSON takes batch sizes, clipping and precision from the trainer config"
+    ds.trainer_config_process(args)
+    ds.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=576)), args.max_steps)
+    assert _autos(ds.config) == []
+    assert ds.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
 
 
 @pytest.mark.parametrize("path", METHOD_RECIPES, ids=rel)

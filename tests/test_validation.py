@@ -184,19 +184,106 @@ def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
         validation.check_model_dir(str(adapter))
 
 
+def write_checkpoint(directory, weights="model.safetensors"):
+    """Every file the Trainer writes into checkpoint-N (tiny stand-ins)."""
+    write_weights(directory, weights)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"state": torch.zeros(2)}, str(directory / name))
+    (directory / "trainer_state.json").write_text(json.dumps({"global_step": 1, "log_history": []}))
+    return directory
+
+
 def test_partial_resume_checkpoint_names_complete_ones_beside_it(tmp_path):
-    good, partial = tmp_path / "checkpoint-10", tmp_path / "checkpoint-20"
-    write_weights(good)
-    (good / "trainer_state.json").write_text("{}")
+    good, partial = write_checkpoint(tmp_path / "checkpoint-10"), tmp_path / "checkpoint-20"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
     validation.check_resume_checkpoint(str(good))
     with pytest.raises(InputError, match=r"checkpoint-20' is incomplete: no trainer_state.json; no model.*"
-                                         r"\['checkpoint-10'\]"):
+                                         r"\['checkpoint-10'\].*--resume_from_checkpoint .*checkpoint-10"):
         validation.check_resume_checkpoint(str(partial))
-    assert validation.find_last_checkpoint(str(tmp_path)) == str(good)
-    with pytest.raises(InputError, match="holds no complete checkpoint"):
+    with pytest.raises(InputError, match="holds no checkpoint-N dir"):
         validation.find_last_checkpoint(str(tmp_path / "checkpoint-20"))
+
+
+def test_resume_true_with_an_incomplete_newest_checkpoint_is_an_error_not_a_silent_step_back(tmp_path):
+    write_checkpoint(tmp_path / "checkpoint-9")  # numeric order: checkpoint-10 is the newest
+    newest = write_checkpoint(tmp_path / "checkpoint-10")
+    assert validation.find_last_checkpoint(str(tmp_path)) == str(newest)
+    (newest / "rng_state.pth").unlink()  # killed after the optimizer, before the RNG state
+    with pytest.raises(InputError, match=r"checkpoint-10' is incomplete: no rng_state.pth.*"
+                                         r"--resume_from_checkpoint .*checkpoint-9\b.*left as it is"):
+        validation.find_last_checkpoint(str(tmp_path))
+    assert newest.is_dir() and (newest / "optimizer.pt").is_file()  # nothing deleted
+
+
+def test_checkpoint_files_cut_short_are_incomplete(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "checkpoint-1")
+    optimizer = ckpt / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-30])  # the zip directory at the end is gone
+    (ckpt / "trainer_state.json").write_text('{"global_step": 1, "log_hi')
+    with pytest.raises(InputError, match=r"trainer_state.json is not valid JSON.*optimizer.pt is \d+ bytes and not a "
+                                         r"complete torch.save file"):
+        validation.check_resume_checkpoint(str(ckpt))
+
+
+def test_model_only_checkpoint_is_named_as_such(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "checkpoint-1")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (ckpt / name).unlink()
+    with pytest.raises(InputError, match=r"no optimizer.pt.*save_only_model=True.*model_name_or_path"):
+        validation.check_resume_checkpoint(str(ckpt))
+
+
+def test_checkpoint_needs_the_files_its_trainer_adds(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "checkpoint-1")
+    required = ("grpotrl_template.json", "discriminator/model.safetensors", "discriminator/optimizer.pt")
+    with pytest.raises(InputError, match=r"no grpotrl_template.json; no discriminator/model.safetensors; "
+                                         r"no discriminator/optimizer.pt"):
+        validation.check_resume_checkpoint(str(ckpt), required)
+    (ckpt / "grpotrl_template.json").write_text("{}")
+    write_weights(ckpt / "discriminator")
+    torch.save({}, str(ckpt / "discriminator" / "optimizer.pt"))
+    validation.check_resume_checkpoint(str(ckpt), required)
+
+
+def test_resume_files_follow_the_trainer_and_its_settings():
+    from types import SimpleNamespace
+
+    from grpotrl.trainers._common import resume_files
+
+    assert resume_files(SimpleNamespace(check_template=True, use_adaptive_entropy=False), "grpo") == (
+        "grpotrl_template.json",)
+    assert resume_files(SimpleNamespace(check_template=False, use_adaptive_entropy=True), "gad") == (
+        "entropy_ctrl_state.json", "discriminator/model.safetensors", "discriminator/optimizer.pt")
+
+
+def test_lora_checkpoint_needs_a_lora_run_and_full_one_a_full_run(tmp_path):
+    from types import SimpleNamespace
+
+    from grpotrl.trainers._common import resume_checkpoint
+
+    args = SimpleNamespace(check_template=False, use_adaptive_entropy=False, output_dir=str(tmp_path),
+                           steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1)
+    lora = write_checkpoint(tmp_path / "checkpoint-1", "adapter_model.safetensors")
+    (lora / "adapter_config.json").write_text("{}")
+    assert resume_checkpoint(True, args, "grpo", use_peft=True) == str(lora)
+    with pytest.raises(InputError, match=r"holds a LoRA adapter but this run has use_peft: false"):
+        resume_checkpoint(str(lora), args, "grpo", use_peft=False)
+
+
+def test_peft_and_deepspeed_checkpoints_are_complete_in_their_own_layout(tmp_path):
+    lora = write_checkpoint(tmp_path / "lora" / "checkpoint-1", "adapter_model.safetensors")
+    (lora / "adapter_config.json").write_text("{}")
+    validation.check_resume_checkpoint(str(lora))
+    ds = tmp_path / "ds" / "checkpoint-1"
+    (ds / "global_step1").mkdir(parents=True)  # DeepSpeed: weights and optimizer live in global_stepN/
+    torch.save({}, str(ds / "rng_state_0.pth"))
+    (ds / "trainer_state.json").write_text("{}")
+    (ds / "latest").write_text("global_step1")
+    validation.check_resume_checkpoint(str(ds))
+    (ds / "latest").write_text("global_step2")
+    with pytest.raises(InputError, match="'latest' names DeepSpeed state 'global_step2', which is not there"):
+        validation.check_resume_checkpoint(str(ds))
 
 
 # ---------------------------------------------------------------------------------------------
