@@ -16,8 +16,9 @@ error, with the closest known names.
 Order: parse -> model path (alias, local dir) and quantization/LoRA settings -> tokenizer (chat
 template, stop tokens) -> dataset (+ reward columns) -> resume checkpoint (every file present and
 whole); only then is the model loaded, so bad input costs seconds, not a model load. Simplified
-on purpose: datasets are ``quickstart`` or local JSON files (grpotrl never downloads), rewards
-come from ``grpotrl.rewards.rules`` by name.
+on purpose: datasets are shipped (``quickstart``, ``multitask``) or local JSON files (grpotrl
+never downloads), rewards come from ``grpotrl.rewards.rules`` by name (``task:name`` per task,
+which trains with ``MultiTaskGRPOTrainer``, as does ``cagrad``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n 
 class ScriptArguments:
     dataset_name: str = field(
         default="quickstart",
-        metadata={"help": "`quickstart` (shipped with grpotrl), a local .json/.jsonl file (its rows are the train "
+        metadata={"help": "`quickstart` or `multitask` (shipped with grpotrl), a local .json/.jsonl file (its rows are the train "
                   "split) or a local directory of them named by split (train.jsonl, test.jsonl)."},
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -53,7 +54,9 @@ class ScriptArguments:
 class GRPOScriptArguments(ScriptArguments):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["exact_answer", "format"],
-        metadata={"help": f"Reward functions by name, from grpotrl.rewards.rules: {list(validation.REWARD_FUNCS)}."},
+        metadata={"help": f"Reward functions by name, from grpotrl.rewards.rules: {list(validation.REWARD_FUNCS)}; "
+                  "as task:name (every entry) for rewards per task, e.g. hallucination:exact_answer "
+                  "fairness:even_handed (MultiTaskGRPOTrainer, rows labelled in task_column)."},
     )
 
 
@@ -111,13 +114,13 @@ def _with_hints(keys: list[str], known: set[str]) -> str:
 
 
 def load_split(dataset_name: str, split: str):
-    """A split of ``quickstart`` or of a local JSON file / directory; never a download."""
+    """A split of a shipped dataset or of a local JSON file / directory; never a download."""
     from datasets import load_dataset
 
-    from grpotrl.data import load_quickstart
+    from grpotrl.data import SHIPPED, load_shipped
 
-    if dataset_name == "quickstart":
-        return load_quickstart(split)
+    if dataset_name in SHIPPED:
+        return load_shipped(dataset_name, split)
     if os.path.isfile(dataset_name):
         if split != "train":
             raise InputError(f"dataset_name {dataset_name!r} is one file, which is the 'train' split only; "
@@ -130,7 +133,7 @@ def load_split(dataset_name: str, split: str):
                              "dataset_train_split / dataset_test_split to one of those.")
         return splits[split]
     raise InputError(
-        f"dataset_name {dataset_name!r} is neither 'quickstart' nor a local file or directory. grpotrl never "
+        f"dataset_name {dataset_name!r} is neither a shipped dataset {list(SHIPPED)} nor a local file or directory. grpotrl never "
         "downloads datasets (no network here): save the data as JSONL locally and point dataset_name at it."
     )
 
@@ -202,6 +205,8 @@ def run(command: str, argv: list[str]) -> None:
         quantization_config=get_quantization_config(model_args),
     )
     trainer_cls = {"sft": grpotrl.SFTTrainer, "grpo": grpotrl.GRPOTrainer, "gad": grpotrl.GADTrainer}[command]
+    if command == "grpo" and (isinstance(reward_funcs, dict) or training_args.cagrad != "off"):
+        trainer_cls = grpotrl.MultiTaskGRPOTrainer  # rewards per task, CAGrad
     # GAD's reward is its discriminator, loaded by the trainer; SFT has none
     rewards = {"reward_funcs": reward_funcs} if command == "grpo" else {}
     trainer = trainer_cls(

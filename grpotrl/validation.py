@@ -31,6 +31,7 @@ REWARD_FUNCS = {
     "exact_answer": rules.exact_answer_reward,
     "format": rules.format_reward,
     "length": rules.length_penalty,
+    "even_handed": rules.even_handed_reward,
 }
 
 # Keyword arguments TRL's GRPOTrainer passes to every reward function besides the dataset columns.
@@ -374,26 +375,40 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
 # Reward functions
 # ---------------------------------------------------------------------------------------------
 
-def resolve_reward_funcs(names: list[str] | str) -> list:
-    """Map reward names from a recipe (``["exact_answer", "format"]``) to functions."""
+def resolve_reward_funcs(names: list[str] | str) -> list | dict:
+    """Map reward names from a recipe to functions: ``["exact_answer", "format"]`` -> a list;
+    ``["hallucination:exact_answer", "fairness:even_handed"]`` (``task:name``, every entry) -> a
+    mapping task -> functions, for MultiTaskGRPOTrainer (rows carry the task in ``task_column``)."""
     names = [names] if isinstance(names, str) else list(names or [])
     if not names:
         raise InputError(
             f"GRPO needs at least one reward function; set `reward_funcs` to some of {list(REWARD_FUNCS)}."
         )
-    unknown = [n for n in names if n not in REWARD_FUNCS]
+    tagged = [":" in n for n in names]
+    if any(tagged) and not all(tagged):
+        raise InputError(f"`reward_funcs` {names} mixes per-task entries (task:name) with plain names: give every "
+                         "entry a task (e.g. hallucination:exact_answer), or none.")
+    unknown = [n for n in names if n.rpartition(":")[2] not in REWARD_FUNCS]
     if unknown:
         raise InputError(
             f"Unknown reward function(s) {unknown} in `reward_funcs`. Known: {list(REWARD_FUNCS)} (defined in "
-            "grpotrl/rewards/rules.py). For your own reward, build the trainer in Python and pass the function "
-            "in `reward_funcs`."
+            "grpotrl/rewards/rules.py), optionally as task:name. For your own reward, build the trainer in Python "
+            "and pass the function in `reward_funcs`."
         )
-    return [REWARD_FUNCS[n] for n in names]
+    if not all(tagged):
+        return [REWARD_FUNCS[n] for n in names]
+    per_task: dict[str, list] = {}
+    for n in names:
+        task, _, name = n.rpartition(":")
+        per_task.setdefault(task, []).append(REWARD_FUNCS[name])
+    return per_task
 
 
-def check_reward_columns(reward_funcs: list, dataset, split_name: str) -> None:
+def check_reward_columns(reward_funcs: list | dict, dataset, split_name: str) -> None:
     """Every required argument of every reward function must be a column of ``dataset``
     (TRL passes the columns as keyword arguments; a missing one fails only after generation)."""
+    if isinstance(reward_funcs, dict):  # per task: every task's functions
+        reward_funcs = [f for funcs in reward_funcs.values() for f in funcs]
     for func in reward_funcs:
         if not inspect.isfunction(func):  # reward models and callable objects: TRL checks them
             continue

@@ -318,3 +318,34 @@ def test_per_task_rewards_see_only_their_rows_sync_and_async():
     assert asyncio.run(g(**kw)) == [None, 2.0, None] and g.__name__ == "b/ajudge"
     with pytest.raises(InputError, match="must be callables"):
         per_task({"a": "some/reward-model"}, "task")
+
+
+# ---------------------------------------------------------------- the CLI and its recipe
+
+
+def test_recipe_runs_multitask_cagrad_through_the_cli(tiny_llama, tmp_path):
+    """`task:name` rewards select MultiTaskGRPOTrainer; the shipped two-task data; one CAGrad step."""
+    import json
+    from pathlib import Path
+
+    from grpotrl import cli
+
+    out, recipe = tmp_path / "mt", Path(__file__).resolve().parents[1] / "recipes/smollm2/grpo_multitask_cagrad.yaml"
+    cli.main(["grpo", "--config", str(recipe), "--model_name_or_path", tiny_llama,
+              "--output_dir", str(out), "--max_steps", "1", "--max_completion_length", "6"])
+    logs = json.loads((out / "trainer_state.json").read_text())["log_history"][0]
+    assert logs["entropy/dloss_dH"] == pytest.approx(-0.01, abs=1e-6)
+    assert {"rewards/hallucination/exact_answer_reward/mean", "rewards/fairness/even_handed_reward/mean",
+            "tasks/fairness/reward", "tasks/hallucination/entropy"} <= set(logs)
+
+
+def test_per_task_reward_names_in_a_recipe():
+    from grpotrl import validation
+    from grpotrl.rewards import rules
+
+    assert validation.resolve_reward_funcs(["a:exact_answer", "a:format", "b:even_handed"]) == {
+        "a": [rules.exact_answer_reward, rules.format_reward], "b": [rules.even_handed_reward]}
+    with pytest.raises(InputError, match="mixes per-task entries"):
+        validation.resolve_reward_funcs(["a:exact_answer", "format"])
+    with pytest.raises(InputError, match=r"Unknown reward function\(s\) \['a:exact'\]"):
+        validation.resolve_reward_funcs(["a:exact"])

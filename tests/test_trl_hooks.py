@@ -27,10 +27,14 @@ GRPO_HOOKS = {
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_save_checkpoint": ["self", "model", "trial"],
     "save_model": ["self", "output_dir", "_internal_call"],
+    "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
 }
 SFT_HOOKS = {
     "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
     "save_model": ["self", "output_dir", "_internal_call"],
+    "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
 }
 
 

@@ -292,7 +292,8 @@ def test_peft_and_deepspeed_checkpoints_are_complete_in_their_own_layout(tmp_pat
 
 def test_unknown_reward_name_lists_the_known_ones():
     assert validation.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
-    with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length'\]"):
+    with pytest.raises(InputError,
+                       match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length', 'even_handed'\]"):
         validation.resolve_reward_funcs(["exact_anwser", "format"])
 
 
@@ -360,7 +361,7 @@ def test_dataset_name_must_be_quickstart_or_local(tmp_path):
         cli.load_split(str(data), "validation")
     with pytest.raises(InputError, match=r"is one file, which is the 'train' split only"):
         cli.load_split(str(data / "train.jsonl"), "test")
-    with pytest.raises(InputError, match=r"'openai/gsm8k' is neither 'quickstart' nor a local file.*never downloads"):
+    with pytest.raises(InputError, match=r"'openai/gsm8k' is neither a shipped dataset.*nor a local file.*never downloads"):
         cli.load_split("openai/gsm8k", "train")
 
 

@@ -256,3 +256,25 @@ def _warn_mid_generation(checkpoint: str, args, kind: str) -> None:
             "steps_per_generation x num_iterations); the resumed run samples that batch afresh, so it will not "
             "match an uninterrupted run. Checkpoints at multiples of %d optimizer steps resume exactly.",
             checkpoint, every, every // math.gcd(every, args.gradient_accumulation_steps))
+
+
+class CheckedResume:
+    """Mixin of grpotrl's trainers (before the TRL class): ``train(resume_from_checkpoint=...)``
+    from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
+    LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
+    dtype TRL gave it. Overrides ``train`` and ``_load_from_checkpoint``."""
+
+    _resume_kind = "grpo"
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        if resume_from_checkpoint not in (None, False):
+            use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+            resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args, self._resume_kind, use_peft)
+            if resume_from_checkpoint and getattr(self.args, "check_template", True):
+                templates.check_fingerprint(resume_from_checkpoint, getattr(self, "_tokenizer", None)
+                                            or self.processing_class)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with trainable_dtypes_kept(model if model is not None else self.model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -118,6 +118,7 @@ def _capture_backbone_output(causal_lm):
 
 class GADTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "gad", "grpotrl"]
+    _resume_kind = "gad"
 
     def __init__(self, model, args: GADConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):

@@ -25,6 +25,8 @@ Overrides (everything else is TRL's):
     elementwise ops, never the model); on guard steps also that the entropy node is the
     policy's entropy at the sampling temperature.
   * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
+  * ``train`` / ``_load_from_checkpoint`` (``_common.CheckedResume``): a resume checkpoint is
+    checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
 Health rules and the boundary report are callbacks (``grpotrl.callbacks``) added at init;
@@ -46,7 +48,7 @@ from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
 from ..masking import position_ids_from_mask
 from ..processors import MinNewTokensProcessor, build_processors, sampler_logprobs
-from ._common import prepare_model_and_tokenizer
+from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def _positions_from_attention_mask(module, args, kwargs):
     return args, kwargs
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     _tag_names = ["trl", "grpo", "grpotrl"]
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
@@ -70,7 +72,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if args is None:
             args = GRPOConfig(output_dir="grpotrl-output")
         model, processing_class, self.stop_token_ids, model_dir = prepare_model_and_tokenizer(
-            model, processing_class, args, train_dataset, kind="grpo"
+            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config")
         )
         if getattr(args, "check_template", True):
             templates.check_fingerprint(model_dir, processing_class)
@@ -80,6 +82,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
+        pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
 
         # Stop on every stop id (TRL stops on eos and generation_config's ids only)
         self.eos_token_ids = list(dict.fromkeys([*self.eos_token_ids, *self.stop_token_ids]))

@@ -10,6 +10,8 @@ Overrides (everything else is TRL's):
     row's loss span is contiguous, ends at the last real token, and holds exactly one stop
     token, its last (I2).
   * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
+  * ``train`` / ``_load_from_checkpoint`` (``_common.CheckedResume``): a resume checkpoint is
+    checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import trl
 from .. import templates
 from ..configs import SFTConfig
 from ..errors import InvariantError
-from ._common import prepare_model_and_tokenizer
+from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +53,16 @@ def tokenize_dataset(dataset, tokenizer, stop_ids, chat_template=None):
     return dataset.map(tok, remove_columns=dataset.column_names, desc="Tokenizing on the RL chat template")
 
 
-class SFTTrainer(trl.SFTTrainer):
+class SFTTrainer(CheckedResume, trl.SFTTrainer):
     _tag_names = ["trl", "sft", "grpotrl"]
+    _resume_kind = "sft"
 
     def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
         if args is None:
             args = SFTConfig(output_dir="grpotrl-sft-output")
         model, processing_class, self.stop_token_ids, _ = prepare_model_and_tokenizer(
-            model, processing_class, args, train_dataset, kind="sft"
+            model, processing_class, args, train_dataset, kind="sft", peft_config=kwargs.get("peft_config")
         )
         if args.completion_only_loss is False:
             logger.warning("completion_only_loss=False trains on prompt tokens too, which I2 rules out.")
@@ -72,6 +75,7 @@ class SFTTrainer(trl.SFTTrainer):
             eval_dataset = tokenize_dataset(eval_dataset, processing_class, self.stop_token_ids)
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
+        pin_quantized_kernels(self.model)
         self._gen_prompt_ids: list[int] | None = None
 
     def _guard_now(self) -> bool:

@@ -1,0 +1,170 @@
+"""QLoRA: SmolLM2 loaded in 4-bit / 8-bit through bitsandbytes, LoRA adapters trained by
+grpotrl's GRPOTrainer with every guard on, and the recipe mistakes that must stop before a
+model is loaded (``grpotrl.trainers._common``)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+import grpotrl
+from grpotrl import cli
+from grpotrl.errors import InputError
+from grpotrl.trainers._common import pin_quantized_kernels
+
+from conftest import arithmetic_prompts, length_reward
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+QLORA_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "grpo_qlora.yaml")
+
+
+def load_quantized(path, bits: int):
+    if bits == 4:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32)
+
+
+def prompt_logprobs(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits  # [1, L, V]
+    return torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe mistakes: an InputError before any weights are read
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was validated")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_full_finetuning_is_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load, bits):
+    with pytest.raises(InputError, match=rf"load_in_{bits}bit: true without use_peft: true .* Add `use_peft: true`"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--use_peft", "false", "--output_dir", str(tmp_path),
+                         "--load_in_4bit", str(bits == 4), "--load_in_8bit", str(bits == 8)])
+
+
+def test_4bit_and_8bit_together_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="8 bit and 4 bit"):
+        cli.parse_args("grpo", ["--config", QLORA_RECIPE, "--load_in_8bit", "true", "--output_dir", str(tmp_path)])
+
+
+def test_4bit_needs_a_compute_dtype(tmp_path, smollm2_path, no_model_load):
+    with pytest.raises(InputError, match=r"load_in_4bit computes in `dtype`, which is 'auto'.*float32"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--dtype", "auto", "--output_dir", str(tmp_path)])
+
+
+def test_misspelled_lora_target_module_is_named_with_a_hint(tmp_path, smollm2_path, no_model_load):
+    # PEFT would adapt q_proj alone and ignore the typo without a word
+    with pytest.raises(InputError, match=r"'gate_prj' \(did you mean 'gate_proj'\?\).*'q_proj'"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--lora_target_modules", "q_proj", "gate_prj",
+                         "--output_dir", str(tmp_path)])
+
+
+def test_trainer_refuses_a_quantized_model_without_peft_config(tiny_llama, smollm2_tokenizer, grpo_args):
+    from grpotrl.trainers._common import prepare_model_and_tokenizer
+
+    model = load_quantized(tiny_llama, 4)
+    with pytest.raises(InputError, match="4-bit.*no peft_config.*LoraConfig"):
+        prepare_model_and_tokenizer(model, smollm2_tokenizer, grpo_args(), arithmetic_prompts(4), "grpo",
+                                    peft_config=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# One kernel per layer: what sampled is what the loss and the I5 guard score
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_I5_quantized_layers_compute_the_same_function_in_train_and_eval(smollm2_path, smollm2_tokenizer, bits):
+    """bitsandbytes picks CPU kernels by mode: unpinned, an eval forward of a 4-bit layer repacks it
+    for a bf16 kernel without autograd (0.34 nats off, and no LoRA weight gets a gradient after);
+    an 8-bit layer runs int8 matmuls in eval, 1.2 nats off the training kernel."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_quantized(smollm2_path, bits)
+    assert model.get_memory_footprint() < (180 if bits == 4 else 260) * 2**20  # fp32: 540 MB
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    assert pin_quantized_kernels(model) == 30 * 7  # every quantized linear layer (lm_head stays fp32)
+    ids = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+    model.train()
+    train = prompt_logprobs(model, ids)
+    model.eval()
+    with torch.no_grad():
+        evaluated = prompt_logprobs(model, ids)
+    model.train()
+    assert (train.detach() - evaluated).abs().max() < 1e-5
+    prompt_logprobs(model, ids).sum().backward()  # after the eval forward: gradients still flow
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+# ---------------------------------------------------------------------------------------------
+# QLoRA GRPO steps on SmolLM2 in 4-bit
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_qlora_grpo_steps_on_smollm2_4bit_train_lora_only_with_guards_on(smollm2_path, smollm2_tokenizer,
+                                                                         grpo_args):
+    from peft import LoraConfig
+
+    model = load_quantized(smollm2_path, 4)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}  # 4-bit codes [N*K/2, 1] uint8, fp32 rest
+    trainer = grpotrl.GRPOTrainer(
+        model=model, reward_funcs=[length_reward], processing_class=smollm2_tokenizer,
+        args=grpo_args(max_steps=2, per_device_train_batch_size=4, max_completion_length=6, learning_rate=1e-3,
+                       logging_steps=1, guard_steps=-1),
+        train_dataset=arithmetic_prompts(8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert lora_before and all("lora_" in n for n in lora_before)
+    trainer.train()
+
+    gaps = [e["guards/logprob_max_gap"] for e in trainer.state.log_history if "guards/logprob_max_gap" in e]
+    assert len(gaps) == 2 and max(gaps) < trainer.args.guard_logprob_atol  # I1-I5 ran on both steps, I5 held
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(lora_before[n], after[n]) for n in lora_before)  # the adapters moved
+    frozen = dict(trainer.model.get_base_model().named_parameters())
+    assert all(torch.equal(p, frozen[_base_name(n, frozen)]) for n, p in base.items())  # the base stayed put
+
+
+def _base_name(name: str, names) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> its name once PEFT wrapped the layer."""
+    if name in names:
+        return name
+    module, leaf = name.rsplit(".", 1)
+    return f"{module}.base_layer.{leaf}"
+
+
+@pytest.mark.slow
+def test_qlora_resume_matches_an_uninterrupted_run(smollm2_path, smollm2_tokenizer, grpo_args, tmp_path):
+    from peft import LoraConfig
+
+    def trainer(out):
+        return grpotrl.GRPOTrainer(
+            model=load_quantized(smollm2_path, 4), reward_funcs=[length_reward], processing_class=smollm2_tokenizer,
+            args=grpo_args(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=2, guard_steps=0,
+                           per_device_train_batch_size=4, max_completion_length=6, learning_rate=1e-3),
+            train_dataset=arithmetic_prompts(8),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        )
+
+    straight = trainer(tmp_path / "straight")
+    straight.train()
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    want = {n: p for n, p in straight.model.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys()
+    assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want)
