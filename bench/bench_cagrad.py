@@ -9,7 +9,8 @@ machine noise hits all: the same MultiTaskGRPOTrainer on the shipped two-task da
 with ``cagrad`` off / exact / low_memory. ``plain`` is single-objective GRPO on the same
 config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
 CPU time per step (the steadier measure on a shared machine) after the first step.
-Goals for two tasks: exact <= 1.6, low_memory <= 1.15.
+Goals for two tasks: exact <= 1.6, low_memory <= 1.15. Every variant also times the I7 sign
+check from the inside (``guards.check_entropy_sign``, run every step), as a share of step CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +26,22 @@ VARIANTS = ("plain", "exact", "low_memory")
 
 def child(variant: str, steps: int, completion: int) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import time
+
     import grpotrl
+    from grpotrl import guards
+
+    inside = [0.0]  # CPU seconds in the I7 sign check
+    check = guards.check_entropy_sign
+
+    def timed_check(*a, **k):
+        t = time.process_time()
+        try:
+            return check(*a, **k)
+        finally:
+            inside[0] += time.process_time() - t
+
+    guards.check_entropy_sign = timed_check
     from grpotrl.data import load_multitask
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import even_handed_reward, exact_answer_reward, format_reward
@@ -42,7 +58,7 @@ def child(variant: str, steps: int, completion: int) -> None:
         reward_funcs={"hallucination": [exact_answer_reward, format_reward], "fairness": even_handed_reward},
         callbacks=[timer])
     trainer.train()
-    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu)
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, inside=inside[0])
 
 
 def main() -> None:
@@ -54,8 +70,11 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a.child, a.steps, a.completion)
+    def i7(variant, res):
+        return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu"
+
     results = _runner.alternate(__file__, VARIANTS, a.rounds,
-                                ["--steps", str(a.steps), "--completion", str(a.completion)])
+                                ["--steps", str(a.steps), "--completion", str(a.completion)], describe=i7)
     after_first = slice(1, None)  # the first step pays one-time costs (allocations, buffers)
 
     print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} (means over steps 2..{a.steps})")

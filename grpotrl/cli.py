@@ -41,8 +41,8 @@ USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n 
 class ScriptArguments:
     dataset_name: str = field(
         default="quickstart",
-        metadata={"help": "`quickstart` or `multitask` (shipped with grpotrl), a local .json/.jsonl file (its rows are the train "
-                  "split) or a local directory of them named by split (train.jsonl, test.jsonl)."},
+        metadata={"help": "`quickstart` or `multitask` (shipped with grpotrl), a local .json/.jsonl file (its "
+                  "rows are the train split) or a local directory of them named by split (train.jsonl, test.jsonl)."},
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(
@@ -133,8 +133,9 @@ def load_split(dataset_name: str, split: str):
                              "dataset_train_split / dataset_test_split to one of those.")
         return splits[split]
     raise InputError(
-        f"dataset_name {dataset_name!r} is neither a shipped dataset {list(SHIPPED)} nor a local file or directory. grpotrl never "
-        "downloads datasets (no network here): save the data as JSONL locally and point dataset_name at it."
+        f"dataset_name {dataset_name!r} is neither a shipped dataset {list(SHIPPED)} nor a local file or directory. "
+        "grpotrl never downloads datasets (no network here): save the data as JSONL locally and point "
+        "dataset_name at it."
     )
 
 

@@ -162,7 +162,9 @@ def test_I7_seed_flipped_sign_is_stopped(mode, cls, term, tiny_llama, grpo_args)
     assert term in str(err.value)
 
 
-X = 1000  # a token the sampler is biased towards (bias 7.3 / T 0.7 vs ~49k others: ~40% of tokens), so its count varies within groups
+# a token the sampler is biased towards (bias 7.3 / T 0.7 against ~49k others: ~40% of tokens),
+# so its count varies within groups
+X = 1000
 
 
 def more_x(completion_ids, **kw):

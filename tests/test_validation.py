@@ -361,7 +361,8 @@ def test_dataset_name_must_be_quickstart_or_local(tmp_path):
         cli.load_split(str(data), "validation")
     with pytest.raises(InputError, match=r"is one file, which is the 'train' split only"):
         cli.load_split(str(data / "train.jsonl"), "test")
-    with pytest.raises(InputError, match=r"'openai/gsm8k' is neither a shipped dataset.*nor a local file.*never downloads"):
+    with pytest.raises(InputError,
+                       match=r"'openai/gsm8k' is neither a shipped dataset.*nor a local file.*never downloads"):
         cli.load_split("openai/gsm8k", "train")
 
 

@@ -239,7 +239,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             metrics["cagrad/min_cosine"].append(cos[~torch.eye(len(tasks), dtype=torch.bool)].min().item())
         ones, w = torch.ones(len(tasks), dtype=torch.float64), weights.double()
         plain = (ones @ gram @ ones).clamp(min=1e-30)
-        metrics["cagrad/deviation_from_sum"].append(((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt().item())
+        deviation = ((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt()
+        metrics["cagrad/deviation_from_sum"].append(deviation.item())
 
 
 _DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
