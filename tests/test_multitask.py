@@ -204,8 +204,9 @@ def first_step_grads(mode: str, model: str, grpo_args, **kw) -> list[torch.Tenso
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}?"}], "task": task}
                               for i in range(4) for task in ("fairness", "hallucination")])
-    args = mode_args(grpo_args, mode, max_steps=1, max_grad_norm=0.0, entropy_coef=0.01, beta=0.02,
-                     generation_kwargs={"sequence_bias": [[[X], 7.3]]}, per_device_train_batch_size=16, **kw)
+    kw = {"entropy_coef": 0.01, "beta": 0.02, **kw}
+    args = mode_args(grpo_args, mode, max_steps=1, max_grad_norm=0.0, generation_kwargs={"sequence_bias": [[[X], 7.3]]},
+                     per_device_train_batch_size=16, **kw)
     trainer = make_trainer(mode, model, args, {"fairness": more_x, "hallucination": fewer_x}, dataset=data)
     trainer.add_callback(Grab())
     trainer.train()
@@ -217,10 +218,15 @@ def _rel(a: list, b: list) -> float:
     return (num / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
 
 
-def test_two_tasks_cagrad_c0_is_the_plain_gradient_and_c05_is_not(tiny_llama, grpo_args):
-    plain, _ = first_step_grads("multitask", tiny_llama, grpo_args)
-    c0, _ = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.0)
-    cag, trainer = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.5)
+@pytest.mark.parametrize("regularised", [True, False], ids=["kl+entropy", "no-regulariser"])
+def test_two_tasks_cagrad_c0_is_the_plain_gradient_and_c05_is_not(regularised, tiny_llama, grpo_args):
+    """With KL and an entropy bonus the Trainer's backward carries the regulariser (K + 1 passes);
+    without, it carries the last task's gradient (K passes): both must give the same update."""
+    reg = {} if regularised else {"entropy_coef": 0.0, "beta": 0.0}
+    plain, _ = first_step_grads("multitask", tiny_llama, grpo_args, **reg)
+    c0, _ = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.0, **reg)
+    cag, trainer = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.5, **reg)
+    assert (trainer._carrier is None) == regularised
     assert _rel(c0, plain) < 1e-4  # the K-scaled CAGrad with c = 0 is TRL's summed gradient (+ KL, entropy)
     logs = trainer.state.log_history[0]
     assert logs["cagrad/min_cosine"] < -0.1, logs["cagrad/min_cosine"]  # more X vs fewer X: they conflict

@@ -6,15 +6,18 @@ Overrides (everything else is ``grpotrl.GRPOTrainer``'s, hence TRL's):
     mapping, a missing column, ``scale_rewards='batch'`` (a std over every task) and CAGrad
     under DeepSpeed/FSDP are errors before the model loads. Groups never mix tasks (checked
     on every batch by ``grpotrl.GRPOTrainer``), and metrics come per task.
+  * ``training_step``: in exact mode, combines the window's task gradients after its last
+    backward.
   * ``compute_loss``: with ``cagrad`` on, one forward; TRL's own ``_compute_loss`` is evaluated
     on the cached logprobs once as is (metrics, guards, the adaptive entropy controller) and
     then once per term: each task's policy loss (advantages of the other tasks' rows zeroed,
     no KL, no entropy bonus) and the regulariser (zero advantages, ``beta * KL - c * H``).
     The terms must add up to the full loss (checked). CAGrad combines the task terms only:
-      - ``exact``: per-task gradients of all trainable parameters (K backward passes),
-        accumulated over the gradient-accumulation window, combined at its last microbatch and
-        added to ``.grad``, where the Trainer's own backward of the regulariser puts KL and
-        entropy (1 more pass);
+      - ``exact``: per-task gradients of all trainable parameters, accumulated over the
+        gradient-accumulation window, combined after its last backward and added to ``.grad``,
+        where the Trainer's own backward of the regulariser puts KL and entropy: K + 1 backward
+        passes, K when there is no regulariser (``beta = 0``, no entropy bonus: the Trainer's
+        backward then carries the last task's gradient);
       - ``low_memory``: CAGrad weights from the per-task gradients of the last transformer
         block's trainable parameters only (K backward passes that stop at that block), then
         one backward of ``sum_k coef_k L_k + regulariser``. The approximation: the weights see
@@ -64,6 +67,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
+        self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
         self._proxy = _last_block_params(self.model) if args.cagrad == "low_memory" else None
 
     # ------------------------------------------------------------------ the loss
@@ -135,28 +139,47 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ CAGrad exact
 
     def _exact_step(self, model, task_losses: dict, reg: torch.Tensor, coef: float) -> torch.Tensor:
-        """Accumulate each task's gradient; at the window's last microbatch add the CAGrad
-        direction to ``.grad``. Returns the regulariser, for the Trainer's backward."""
+        """Accumulate each task's gradient over the window; returns what the Trainer's backward
+        carries into ``.grad``: the regulariser, or, when it has no gradient (``beta = 0``, no
+        entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
+        ``training_step`` combines the window after its last backward."""
         params = [p for p in model.parameters() if p.requires_grad]
+        self._carrier = None if (self.beta or coef or self.aux_loss_enabled) else len(self.task_names) - 1
         if not self._task_grads:  # every task, present or not, so processes reduce the same tensors
-            self._task_grads = {k: [torch.zeros_like(p) for p in params] for k in range(len(self.task_names))}
+            self._task_grads = {k: [torch.zeros_like(p) for p in params]
+                                for k in range(len(self.task_names)) if k != self._carrier}
         for k, loss in task_losses.items():
+            if k == self._carrier:
+                continue
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             for b, g in zip(self._task_grads[k], grads):
                 if g is not None:
                     b.add_(g)
         if self._guard_now() and coef:
             self._check_composed_update(params, coef)
-        if self.accelerator.sync_gradients:
-            tasks = sorted(self._task_grads)
-            bufs = [[self._reduced(b) for b in self._task_grads[k]] for k in tasks]
-            gram = torch.stack([torch.stack([sum(map(_dot, a, b)) for b in bufs]) for a in bufs])  # [K, K]
-            weights = self._cagrad_weights(tasks, gram)  # [K]
-            direction = [sum(w * b[i] for w, b in zip(weights.tolist(), bufs)) for i in range(len(params))]
-            self._log_cagrad(tasks, gram, weights)
-            self._compose_update(params, direction)
-            self._task_grads = {}
-        return reg
+        return task_losses.get(self._carrier, reg)  # reg has no gradient when it carries nothing
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.cagrad == "exact" and self.accelerator.sync_gradients and self._task_grads:
+            self._combine_window(model)
+        return loss
+
+    def _combine_window(self, model) -> None:
+        """After the window's last backward: CAGrad over the summed task gradients (averaged over
+        processes), its direction added to ``.grad`` (which holds the regularisers' gradient, or
+        the carrier task's: then its share is swapped for its CAGrad coefficient)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        tasks = list(range(len(self.task_names)))
+        carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+        bufs = [carried if k == self._carrier else [self._reduced(b) for b in self._task_grads[k]] for k in tasks]
+        gram = torch.stack([torch.stack([sum(map(_dot, a, b)) for b in bufs]) for a in bufs])  # [K, K]
+        weights = self._cagrad_weights(tasks, gram)  # [K]
+        shares = [w - (k == self._carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
+        direction = [sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
+        self._log_cagrad(tasks, gram, weights)
+        self._compose_update(params, direction)
+        self._task_grads = {}
 
     def _compose_update(self, params: list, direction: list) -> None:
         """The applied update: the CAGrad direction plus what the regularisers' backward puts in
