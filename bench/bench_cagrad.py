@@ -6,8 +6,9 @@
 Variants, each in a fresh subprocess, alternated (plain, exact, low_memory, plain, ...) so
 machine noise hits all: the same MultiTaskGRPOTrainer on the shipped two-task data
 (fairness + hallucination rows, rule rewards), 4 prompts x 4 generations a step, guards off,
-with ``cagrad`` off / exact / low_memory. ``plain`` is single-objective GRPO on the same
-config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
+with ``cagrad`` off / exact / low_memory, KL (beta 0.04) and an entropy bonus (0.01) on, or
+both off with ``--no-reg`` (then exact needs K backward passes, not K + 1). ``plain`` is
+single-objective GRPO on the same config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
 CPU time per step (the steadier measure on a shared machine) after the first step.
 Goals for two tasks: exact <= 1.6, low_memory <= 1.15. Every variant also times the I7 sign
 check from the inside (``guards.check_entropy_sign``, run every step), as a share of step CPU.
@@ -24,7 +25,7 @@ import _runner  # bench/_runner.py: the timer and the alternating driver
 VARIANTS = ("plain", "exact", "low_memory")
 
 
-def child(variant: str, steps: int, completion: int) -> None:
+def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import time
 
@@ -49,7 +50,8 @@ def child(variant: str, steps: int, completion: int) -> None:
     args = grpotrl.GRPOConfig(
         output_dir=f"/tmp/grpotrl-bench-cagrad-{variant}", per_device_train_batch_size=16, num_generations=4,
         max_completion_length=completion, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
-        save_strategy="no", seed=0, temperature=0.9, beta=0.04, entropy_coef=0.01, guard_steps=0,
+        save_strategy="no", seed=0, temperature=0.9, beta=0.0 if no_reg else 0.04,
+        entropy_coef=0.0 if no_reg else 0.01, guard_steps=0,
         gradient_checkpointing=False, health_report_steps=0, learning_rate=1e-6,
         cagrad="off" if variant == "plain" else variant)
     timer = _runner.step_timer()
@@ -66,18 +68,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--no-reg", action="store_true", help="beta=0 and no entropy bonus (exact: K backward passes)")
     p.add_argument("--child", choices=VARIANTS)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.completion)
+        return child(a.child, a.steps, a.completion, a.no_reg)
     def i7(variant, res):
         return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu"
 
     results = _runner.alternate(__file__, VARIANTS, a.rounds,
-                                ["--steps", str(a.steps), "--completion", str(a.completion)], describe=i7)
+                                ["--steps", str(a.steps), "--completion", str(a.completion)]
+                                + (["--no-reg"] if a.no_reg else []), describe=i7)
     after_first = slice(1, None)  # the first step pays one-time costs (allocations, buffers)
 
-    print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} (means over steps 2..{a.steps})")
+    print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} no_reg={a.no_reg} "
+          f"(means over steps 2..{a.steps})")
     for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
         plain = _runner.mean_per_step(results, "plain", key, after_first)
         for variant, goal in (("exact", 1.6), ("low_memory", 1.15)):
