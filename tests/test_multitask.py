@@ -357,3 +357,11 @@ def test_per_task_reward_names_in_a_recipe():
         validation.resolve_reward_funcs(["a:exact_answer", "format"])
     with pytest.raises(InputError, match=r"Unknown reward function\(s\) \['a:exact'\]"):
         validation.resolve_reward_funcs(["a:exact"])
+
+
+def test_cagrad_under_an_accelerate_deepspeed_launch_is_refused_before_load(tiny_llama, grpo_args, no_model_load,
+                                                                            monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with zero2.yaml sets
+    with pytest.raises(InputError, match="DeepSpeed"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                     args=grpo_args(cagrad="low_memory"), train_dataset=two_tasks())

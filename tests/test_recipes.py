@@ -3,6 +3,7 @@ DeepSpeed JSON parses, is named by an accelerate config (JSON has no comments: t
 is that config's), and its "auto" values are all ones transformers fills from a recipe."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,18 @@ def test_method_recipe_opens_with_its_launch_command(path):
     assert f"grpotrl {method_of(path)} --config {rel(path)}" in header(path)
 
 
+RAN_WITH = "# Accelerate configs it was run with"
+
+
+@pytest.mark.parametrize("path", METHOD_RECIPES, ids=rel)
+def test_method_recipe_states_the_accelerate_configs_it_was_run_with(path):
+    head = header(path)
+    assert RAN_WITH in head, (f"{rel(path)}: add a header line '{RAN_WITH} (recipes/accelerate/, ...): single, ...' "
+                              "naming only the configs it was really run with")
+    statement = " ".join(head[head.index(RAN_WITH):].split(":", 1)[1].split("\n")[:2])  # "single, ddp, ..."
+    assert any(re.search(rf"\b{c.stem}\b", statement) for c in ACCELERATE_CONFIGS), statement
+
+
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=rel)
 def test_accelerate_config_opens_with_its_launch_command_and_loads(path):
     from accelerate.commands.config.config_args import ClusterConfig
@@ -102,15 +115,18 @@ def test_deepspeed_auto_values_are_filled_from_a_recipe(path):
     it cannot fill would reach DeepSpeed as the string "auto"."""
     from types import SimpleNamespace
 
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
     _, args, _ = cli.parse_args("grpo", ["--config", str(ROOT / "recipes/smollm2/grpo_quickstart.yaml")])
-    ds = HfTrainerDeepSpeedConfig(str(path))
-    assert _autos(ds.config), "a recipe JSON takes batch sizes, clipping and precision from the trainer config"
-    ds.trainer_config_process(args)
-    ds.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=576)), args.max_steps)
-    assert _autos(ds.config) == []
-    assert ds.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
+    ds = HfTrainerDeepSpeedConfig(str(path))  # registers itself globally: a ZeRO-3 one would switch on zero.Init
+    try:
+        assert _autos(ds.config), "a recipe JSON takes batch sizes, clipping and precision from the trainer config"
+        ds.trainer_config_process(args)
+        ds.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=576)), args.max_steps)
+        assert _autos(ds.config) == []
+        assert ds.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
+    finally:
+        unset_hf_deepspeed_config()
 
 
 @pytest.mark.parametrize("path", METHOD_RECIPES, ids=rel)

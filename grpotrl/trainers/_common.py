@@ -278,3 +278,15 @@ class CheckedResume:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         with trainable_dtypes_kept(model if model is not None else self.model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def sharded_launch(args) -> str | None:
+    """"DeepSpeed" or "FSDP" when this run is set up for it, by the training arguments or by
+    ``accelerate launch`` (its environment), known before anything loads; else None."""
+    from accelerate.utils import parse_flag_from_env
+
+    if args.deepspeed or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    if args.fsdp or parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return None

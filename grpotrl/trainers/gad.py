@@ -54,6 +54,7 @@ from ..discriminator import DiscriminatorReward, bradley_terry_loss, completion_
 from ..errors import InputError, InvariantError
 from ..losses import kl_full, kl_penalty
 from ..masking import position_ids_from_mask
+from ._common import sharded_launch
 from .grpo import GRPOTrainer
 
 D_DIR = "discriminator"
@@ -130,10 +131,10 @@ class GADTrainer(GRPOTrainer):
             raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
         if kwargs.get("tools") or kwargs.get("environment_factory"):
             raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
-        if args.deepspeed or args.fsdp:
-            raise InputError("GADTrainer with DeepSpeed or FSDP is not supported yet (the discriminator and its "
-                             "optimizer are prepared as a plain DDP model). Use DDP "
-                             "(recipes/accelerate/single.yaml or a multi-GPU DDP config).")
+        if sharded_launch(args):  # the config's or `accelerate launch`'s: before anything loads
+            raise InputError(f"GADTrainer with DeepSpeed or FSDP is not supported yet ({sharded_launch(args)} is "
+                             "set up; the discriminator and its optimizer are prepared as a plain DDP model). Use DDP "
+                             "(recipes/accelerate/ddp.yaml or single.yaml).")
         check_teacher_responses(train_dataset, "train")
         for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_teacher_responses(ds, name)

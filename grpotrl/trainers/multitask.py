@@ -51,6 +51,7 @@ from ..configs import GRPOConfig
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
 from ..rewards.tasks import per_task
+from ._common import sharded_launch
 from .grpo import TASK_KEY, GRPOTrainer, task_labels
 
 
@@ -294,7 +295,7 @@ def _check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
         if len(labels) < 2:
             raise InputError(f"cagrad={args.cagrad!r} combines per-task gradients, but the data has one task "
                              f"({labels}); use cagrad: off.")
-        if args.deepspeed or args.fsdp:
+        if sharded_launch(args):  # the config's or `accelerate launch`'s
             raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         if args.use_liger_kernel:
             raise InputError("cagrad needs TRL's _compute_loss (use_liger_kernel=True bypasses it); turn one off.")

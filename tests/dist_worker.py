@@ -1,0 +1,224 @@
+"""Two-step SFT, GRPO and/or GAD runs of grpotrl that write per-rank evidence as JSON; launched by
+tests/test_distributed.py and bench/bench_distributed.py through the repo's accelerate recipes:
+
+    OMP_NUM_THREADS=1 accelerate launch --config_file recipes/accelerate/zero3.yaml tests/dist_worker.py \
+        --model TINY_MODEL_DIR --out OUT_DIR --methods sft,grpo
+
+Writes ``OUT_DIR/{method}_rank{r}.json`` per method and rank: distributed type and ZeRO stage,
+how often each guard ran on this rank and the largest logprob gap it saw, whether the weights
+on this rank changed (ZeRO-3 shards are gathered first) with a checksum to compare across
+ranks, step times and peak RSS; for GRPO also how generation saw the weights (under ZeRO-3:
+through TRL's ``unwrap_model_for_generation`` with ``ds3_gather_for_generation``, full
+parameters inside, partitioned ones outside). Each method saves to ``OUT_DIR/{method}`` and the
+next starts from there (GRPO after SFT checks the template fingerprint written under ZeRO).
+``gad`` records the InputError GAD raises under DeepSpeed (``"error"``), or trains like GRPO.
+All trainers use the same per-device batch size and accumulation, because DeepSpeed's "auto"
+values are filled once per process.
+
+Instrumentation only: guard functions and TRL's unwrap context are wrapped to count calls;
+nothing grpotrl or TRL computes is changed.
+"""
+
+from __future__ import annotations
+
+import grpotrl  # noqa: I001  first: sets OMP_WAIT_POLICY before torch is imported
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import resource
+import time
+from collections import Counter
+
+import torch
+from accelerate import PartialState
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+BATCH = 8  # per device, every method (see the module docstring)
+GUARD_CALLS: Counter = Counter()
+GENERATIONS: list[dict] = []
+
+
+# ---------------------------------------------------------------- instrumentation
+
+
+def count_guards() -> None:
+    """Count every call of grpotrl's guard functions (looked up by module attribute at call time)."""
+    from grpotrl import guards
+    from grpotrl.trainers import sft
+
+    def counted(module, name):
+        fn = getattr(module, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            GUARD_CALLS[name] += 1
+            return fn(*args, **kwargs)
+
+        setattr(module, name, wrapper)
+
+    for name in [n for n in vars(guards) if n.startswith("check_")]:
+        counted(guards, name)
+    counted(sft, "check_sft_labels")
+
+
+def watch_generation_unwrap() -> None:
+    """Record, for each generation, the gather flag TRL passed and whether the parameters were
+    full inside the unwrap context (ZeRO-3 keeps empty shards outside it)."""
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    original = trl_grpo.unwrap_model_for_generation
+
+    @contextlib.contextmanager
+    def watched(model, accelerator, gather_deepspeed3_params=True, **kwargs):
+        with original(model, accelerator, gather_deepspeed3_params=gather_deepspeed3_params, **kwargs) as unwrapped:
+            GENERATIONS.append({"gather_deepspeed3_params": gather_deepspeed3_params,
+                                "empty_params_inside": n_empty(unwrapped)})
+            yield unwrapped
+
+    trl_grpo.unwrap_model_for_generation = watched
+
+
+def n_empty(model) -> int:
+    """Parameters whose local tensor is empty: ZeRO-3 partitions outside a gather."""
+    return sum(p.numel() == 0 for p in model.parameters())
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.times, self.t = [], 0.0
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.times.append(time.perf_counter() - self.t)
+
+
+@torch.no_grad()
+def weight_change(model, start_dir: str) -> dict:
+    """Max |w - w0| over the parameters saved in ``start_dir``, and a checksum of the full weights;
+    under ZeRO-3 each parameter is gathered first (a collective: every rank calls this)."""
+    start = load_file(os.path.join(start_dir, "model.safetensors"))
+    gather = contextlib.nullcontext
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        import deepspeed
+
+        gather = functools.partial(deepspeed.zero.GatheredParameters, list(model.parameters()))
+    with gather():
+        params = dict(model.named_parameters())
+        delta = max(float((params[k].float() - v.float()).abs().max()) for k, v in start.items() if k in params)
+        checksum = float(sum(p.double().sum() for p in params.values()))
+        compared = sum(k in params for k in start)
+    return {"max_abs_weight_change": delta, "weight_checksum": checksum, "params_compared": compared}
+
+
+# ---------------------------------------------------------------- data and rewards
+
+
+def sft_rows(n: int = 64) -> Dataset:
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                               "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)])
+
+
+def grpo_prompts(n: int = 64) -> Dataset:
+    """Prompts of different lengths, so batches are really left-padded (as tests/conftest.py)."""
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": "What is " + "1 + " * (i % 5) + "2?"}]}
+                              for i in range(n)])
+
+
+def gad_rows(n: int = 64) -> Dataset:
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                               "teacher_response": f"It is {i + 1}. Hope this helps!"} for i in range(n)])
+
+
+def length_reward(completions, **kwargs):
+    """Varies with the completion length, so advantages are non-zero and the weights move."""
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+# ---------------------------------------------------------------- runs
+
+
+def common(out: str, steps: int) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=steps,
+                logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", guard_steps=-1,
+                seed=0, learning_rate=1e-4)
+
+
+def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
+    clock = StepClock()
+    rl = dict(num_generations=4, max_completion_length=8, temperature=0.7,
+              generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})  # rows stop at different lengths
+    if method == "sft":
+        args = grpotrl.SFTConfig(**common(os.path.join(out, "sft"), steps), max_length=64)
+        trainer = grpotrl.SFTTrainer(model=model_dir, args=args, train_dataset=sft_rows(), callbacks=[clock])
+    elif method == "grpo":
+        args = grpotrl.GRPOConfig(**common(os.path.join(out, "grpo"), steps), beta=0.04, **rl)
+        trainer = grpotrl.GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
+                                      train_dataset=grpo_prompts(), callbacks=[clock])
+    else:  # gad: refused under DeepSpeed and FSDP (an InputError, caught by main)
+        args = grpotrl.GADConfig(**common(os.path.join(out, "gad"), steps), beta=0.0, **rl)
+        trainer = grpotrl.GADTrainer(model=model_dir, args=args, train_dataset=gad_rows(), callbacks=[clock])
+    trainer.train()
+    return trainer, clock
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a local model dir with model.safetensors")
+    p.add_argument("--out", required=True)
+    p.add_argument("--methods", default="sft,grpo", help="comma-separated, run in order: sft, grpo, gad")
+    p.add_argument("--steps", type=int, default=2)
+    a = p.parse_args()
+    count_guards()
+    watch_generation_unwrap()
+
+    start_dir = a.model
+    for method in a.methods.split(","):
+        GUARD_CALLS.clear()
+        GENERATIONS.clear()
+        try:
+            trainer, clock = run(method, start_dir, a.out, a.steps)
+        except grpotrl.InputError as err:  # GAD under DeepSpeed: record the message the user would see
+            rank = PartialState().process_index
+            with open(os.path.join(a.out, f"{method}_rank{rank}.json"), "w") as f:
+                json.dump({"method": method, "rank": rank, "error": str(err)}, f, indent=1)
+            continue
+        acc = trainer.accelerator
+        unwrapped = acc.unwrap_model(trainer.model_wrapped)
+        plugin = acc.state.deepspeed_plugin
+        evidence = {
+            "method": method,
+            "error": None,
+            "rank": acc.process_index,
+            "world_size": acc.num_processes,
+            "distributed_type": str(acc.distributed_type),
+            "zero_stage": plugin.zero_stage if plugin is not None else None,
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+            "global_step": trainer.state.global_step,
+            "guard_calls": dict(GUARD_CALLS),
+            "guard_max_gap": getattr(trainer, "_guard_max_gap", None),
+            "logged_gaps": [e["guards/logprob_max_gap"] for e in trainer.state.log_history
+                            if "guards/logprob_max_gap" in e],
+            "generations": list(GENERATIONS),
+            "empty_params_outside_generation": n_empty(unwrapped),
+            "step_times": clock.times,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "start_dir": start_dir,
+            **weight_change(unwrapped, start_dir),
+        }
+        save_dir = os.path.join(a.out, method)
+        trainer.save_model(save_dir)  # ZeRO-3: gathers the 16-bit weights on rank 0 (a collective)
+        acc.wait_for_everyone()  # the next method loads what rank 0 wrote
+        with open(os.path.join(a.out, f"{method}_rank{acc.process_index}.json"), "w") as f:
+            json.dump(evidence, f, indent=1)
+        start_dir = save_dir
+
+
+if __name__ == "__main__":
+    main()
