@@ -184,3 +184,28 @@ def test_multinode_recipe_as_two_local_machines(tiny_llama, tmp_path):
         assert ev["grpo", rank]["guard_calls"]["check_logprobs"] >= STEPS
         assert ev["grpo", rank]["max_abs_weight_change"] > 1e-6
     assert ev["grpo", 0]["weight_checksum"] == pytest.approx(ev["grpo", 1]["weight_checksum"], rel=1e-9)
+
+
+@pytest.mark.parametrize("cagrad", ["exact", "low_memory"])
+def test_multitask_cagrad_recipe_under_ddp(cagrad, tiny_llama, tmp_path):
+    """Two processes, the CAGrad recipe through the CLI. Ranks hold different tasks in a
+    microbatch; every collective (TRL's metric reductions, the task-gradient averages) must
+    still be called the same number of times on each, or the run hangs (it did: the timeout
+    below turns a hang into a failure)."""
+    out = tmp_path / cagrad
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+           "recipes/accelerate/ddp.yaml", "--main_process_port", str(free_port()), "-m", "grpotrl.cli", "grpo",
+           "--config", "recipes/smollm2/grpo_multitask_cagrad.yaml", "--model_name_or_path", tiny_llama,
+           "--output_dir", str(out), "--max_steps", "2", "--max_completion_length", "6", "--cagrad", cagrad,
+           "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
+    out.mkdir(parents=True)
+    log = out / "launch.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **WORKER_ENV}, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    proc.log = log
+    finish(proc)
+    logs = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    steps = [h for h in logs if "entropy/dloss_dH" in h]
+    assert len(steps) == 2 and all(h["entropy/dloss_dH"] == pytest.approx(-0.01, abs=1e-6) for h in steps)
+    assert any("tasks/fairness/cagrad_coef" in h for h in steps)

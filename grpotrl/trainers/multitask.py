@@ -69,6 +69,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
         self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
+        self._present: set[int] = set()  # tasks with rows in the current microbatch
         self._proxy = _last_block_params(self.model) if args.cagrad == "low_memory" else None
 
     # ------------------------------------------------------------------ the loss
@@ -91,7 +92,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def _loss_terms(self, model, inputs: dict, coef: float):
         """(full loss, {task: its policy loss}, regulariser) from one forward; the terms are
-        TRL's ``_compute_loss`` on the cached logprobs, their metrics dropped."""
+        TRL's ``_compute_loss`` on the cached logprobs, their metrics dropped. Every task gets a
+        term on every process, present in this microbatch or not: TRL's loss reduces its metrics
+        across processes, so all must make the same calls (``self._present`` says which tasks
+        have rows here)."""
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             full = GRPOTrainer._compute_loss(self, model, inputs)  # guards, health, metrics, entropy controller
         cached = calls[0]
@@ -102,9 +106,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             with self._terms(beta=0.0, coef=0.0):
                 task_losses = {k: trl.GRPOTrainer._compute_loss(self, model, {**inputs,
                                                                               "advantages": advantages * (task == k)})
-                               for k in inputs[TASK_KEY].unique().tolist()}
+                               for k in range(len(self.task_names))}
             with self._terms(beta=self.beta, coef=coef):
                 reg = trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": torch.zeros_like(advantages)})
+        self._present = set(inputs[TASK_KEY].unique().tolist())
         total = sum(task_losses.values()) + reg
         if not torch.allclose(total.detach(), full.detach(), rtol=1e-4, atol=1e-6):
             raise InvariantError("I7", f"the loss terms add up to {float(total):.6g}, not the full loss "
@@ -150,7 +155,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             self._task_grads = {k: [torch.zeros_like(p) for p in params]
                                 for k in range(len(self.task_names)) if k != self._carrier}
         for k, loss in task_losses.items():
-            if k == self._carrier:
+            if k == self._carrier or k not in self._present:  # an absent task's gradient is 0
                 continue
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             for b, g in zip(self._task_grads[k], grads):
@@ -223,14 +228,14 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         flat = []
         for k in tasks:
             grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
-                     if k in task_losses else [None] * len(self._proxy))
+                     if k in self._present else [None] * len(self._proxy))
             flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
                                                  for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
         gram = G @ G.T  # [K, K]
         weights = self._cagrad_weights(tasks, gram)
         self._log_cagrad(tasks, gram, weights)
-        return sum(w * task_losses[k] for w, k in zip(weights.tolist(), tasks) if k in task_losses) + reg
+        return sum(w * task_losses[k] for w, k in zip(weights.tolist(), tasks)) + reg
 
     # ------------------------------------------------------------------ shared
 
