@@ -34,7 +34,8 @@ def test_report_on_a_real_run_writes_every_panel(run_dir, tmp_path):
     paths = report.write_report(run_dir, str(tmp_path))
     assert set(paths) == {"reward", "entropy", "kl", "completion_length", "clip_ratio", "health", "logits",
                           "task_completions_mean_length", "task_completions_min_length",
-                          "task_completions_max_length", "task_reward", "report"}
+                          "task_completions_max_length", "task_completions_one_token_share", "task_reward",
+                          "task_reward_std", "task_entropy", "report"}
     for name, path in paths.items():
         with open(path, "rb") as f:
             head = f.read(8)
@@ -56,7 +57,7 @@ def test_panels_have_the_titles_and_curves_of_the_run(run_dir):
 
 def test_cli_report_command(run_dir, capsys):
     cli.main(["report", run_dir])
-    assert "grpotrl report: 11 panels" in capsys.readouterr().out
+    assert "grpotrl report: 14 panels" in capsys.readouterr().out
     assert os.path.getsize(os.path.join(run_dir, "report", "report.png")) > 50_000
 
 
