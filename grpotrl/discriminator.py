@@ -71,17 +71,15 @@ def sequence_ids(tokenizer, prompt: list[dict], text: str, stop_ids: list[int], 
     here (I9)."""
     response = tokenizer(text, add_special_tokens=False)["input_ids"]
     if finished:
-        response = [*response, end_of_turn_id(tokenizer, stop_ids, chat_template) if end_id is None else end_id]
+        response = [*response, end_of_turn_id(tokenizer, chat_template) if end_id is None else end_id]
     return templates.prompt_ids(tokenizer, prompt, chat_template) + response
 
 
-def end_of_turn_id(tokenizer, stop_ids: list[int], chat_template: str | None = None) -> int:
-    """The stop token the chat template closes an assistant turn with (``<|im_end|>`` for
-    ChatML), read from a rendered turn; eos when the template closes turns with no stop id."""
-    example = templates.tokenize_sft_example(tokenizer, [{"role": "user", "content": "x"}],
-                                             [{"role": "assistant", "content": "y"}], stop_ids, chat_template)
-    last = example["input_ids"][-1]
-    return last if last in stop_ids else tokenizer.eos_token_id
+def end_of_turn_id(tokenizer, chat_template: str | None = None) -> int:
+    """The token the chat template closes an assistant turn with (``<|im_end|>`` for ChatML,
+    ``templates.end_of_turn_token_id``); eos when the template writes none."""
+    eot = templates.end_of_turn_token_id(tokenizer, chat_template)
+    return tokenizer.eos_token_id if eot is None else eot
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "right",
@@ -176,7 +174,7 @@ class DiscriminatorReward:
                   finished: list[bool] | None = None) -> list[list[int]]:
         finished = [True] * len(texts) if finished is None else finished
         if self._end_id is None:
-            self._end_id = end_of_turn_id(self.tokenizer, self.stop_ids, self.chat_template)
+            self._end_id = end_of_turn_id(self.tokenizer, self.chat_template)
         return [sequence_ids(self.tokenizer, p, t, self.stop_ids, self.chat_template, f, self._end_id)
                 for p, t, f in zip(prompts, texts, finished)]
 

@@ -131,8 +131,8 @@ class GADTrainer(GRPOTrainer):
             raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
         if kwargs.get("tools") or kwargs.get("environment_factory"):
             raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
-        if sharded_launch(args):  # the config's or `accelerate launch`'s: before anything loads
-            raise InputError(f"GADTrainer with DeepSpeed or FSDP is not supported yet ({sharded_launch(args)} is "
+        if sharded := sharded_launch(args):  # the config's or `accelerate launch`'s: before anything loads
+            raise InputError(f"GADTrainer with DeepSpeed or FSDP is not supported yet ({sharded} is "
                              "set up; the discriminator and its optimizer are prepared as a plain DDP model). Use DDP "
                              "(recipes/accelerate/ddp.yaml or single.yaml).")
         check_teacher_responses(train_dataset, "train")

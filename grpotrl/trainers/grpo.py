@@ -478,14 +478,16 @@ def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: l
                              "num_generations completions must come from one row (TRL's RepeatSampler does this).")
 
 
+def datasets_of(*datasets):
+    """Each dataset given, a dict of datasets (``eval_dataset``) opened up, None left out."""
+    for ds in datasets:
+        yield from (d for d in (ds.values() if isinstance(ds, dict) else [ds]) if d is not None)
+
+
 def task_labels(column: str, *datasets) -> list[str]:
     """Sorted task labels in ``column`` of the map-style datasets that have it ([] if none)."""
-    labels = set()
-    for ds in datasets:
-        for d in ds.values() if isinstance(ds, dict) else [ds]:
-            if hasattr(d, "unique") and column in (d.column_names or []):
-                labels.update(map(str, d.unique(column)))
-    return sorted(labels)
+    return sorted({str(t) for d in datasets_of(*datasets)
+                   if hasattr(d, "unique") and column in (d.column_names or []) for t in d.unique(column)})
 
 
 def _check_generation_args(args: GRPOConfig, kwargs: dict) -> None:

@@ -52,7 +52,7 @@ from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
 from ..rewards.tasks import per_task
 from ._common import sharded_launch
-from .grpo import TASK_KEY, GRPOTrainer, task_labels
+from .grpo import TASK_KEY, GRPOTrainer, datasets_of, task_labels
 
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
@@ -149,7 +149,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         carries into ``.grad``: the regulariser, or, when it has no gradient (``beta = 0``, no
         entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
         ``training_step`` combines the window after its last backward."""
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = _trainable(model)
         self._carrier = None if (self.beta or coef or self.aux_loss_enabled) else len(self.task_names) - 1
         if not self._task_grads:  # every task, present or not, so processes reduce the same tensors
             self._task_grads = {k: [torch.zeros_like(p) for p in params]
@@ -175,7 +175,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         """After the window's last backward: CAGrad over the summed task gradients (averaged over
         processes), its direction added to ``.grad`` (which holds the regularisers' gradient, or
         the carrier task's: then its share is swapped for its CAGrad coefficient)."""
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = _trainable(model)
         tasks = list(range(len(self.task_names)))
         carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         bufs = [carried if k == self._carrier else [self._reduced(b) for b in self._task_grads[k]] for k in tasks]
@@ -277,6 +277,10 @@ _DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (acceler
                       "recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
 
 
+def _trainable(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
 
@@ -285,8 +289,8 @@ def _check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
     """Everything about tasks that can be wrong, before TRL loads anything."""
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        for d in (ds.values() if isinstance(ds, dict) else [ds]):
-            if d is not None and column not in (getattr(d, "column_names", None) or []):
+        for d in datasets_of(ds):
+            if column not in (getattr(d, "column_names", None) or []):
                 raise InputError(f"{name} has no {column!r} column (columns: {getattr(d, 'column_names', None)}): "
                                  f"MultiTaskGRPOTrainer needs a task label per row; set task_column to the column "
                                  "that holds it.")
