@@ -11,7 +11,11 @@ ranks, step times and peak RSS; for GRPO also how generation saw the weights (un
 through TRL's ``unwrap_model_for_generation`` with ``ds3_gather_for_generation``, full
 parameters inside, partitioned ones outside). Each method saves to ``OUT_DIR/{method}`` and the
 next starts from there (GRPO after SFT checks the template fingerprint written under ZeRO).
-``gad`` records the InputError GAD raises under DeepSpeed (``"error"``), or trains like GRPO.
+``gad`` also records its discriminator D: full-weight checksums at the start and the end (ZeRO-3
+shards gathered), a checksum of this rank's optimizer shard, the logged D metrics, and the same
+checksums after resuming a second trainer from the step-1 checkpoint and training to step 2
+(D's weights and optimizer state saved and restored by DeepSpeed or torch).
+A method that stops with ``grpotrl.InputError`` records the message (``"error"``).
 All trainers use the same per-device batch size and accumulation, because DeepSpeed's "auto"
 values are filled once per process.
 
@@ -161,11 +165,44 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
         args = grpotrl.GRPOConfig(**common(os.path.join(out, "grpo"), steps), beta=0.04, **rl)
         trainer = grpotrl.GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
                                       train_dataset=grpo_prompts(), callbacks=[clock])
-    else:  # gad: refused under DeepSpeed and FSDP (an InputError, caught by main)
-        args = grpotrl.GADConfig(**common(os.path.join(out, "gad"), steps), beta=0.0, **rl)
-        trainer = grpotrl.GADTrainer(model=model_dir, args=args, train_dataset=gad_rows(), callbacks=[clock])
+    else:
+        trainer = gad_trainer(model_dir, out, steps, clock)
+        trainer.d_start = discriminator_state(trainer)
     trainer.train()
     return trainer, clock
+
+
+def gad_trainer(model_dir: str, out: str, steps: int, clock=None):
+    """GAD with a KL loss (k3, TRL's reference model prepared under the same launch) and a
+    checkpoint every step."""
+    rl = dict(num_generations=4, max_completion_length=8, temperature=0.7,
+              generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})
+    args = grpotrl.GADConfig(**{**common(os.path.join(out, "gad"), steps), "save_strategy": "steps", "save_steps": 1},
+                             beta=0.04, discriminator_learning_rate=1e-4, **rl)
+    return grpotrl.GADTrainer(model=model_dir, args=args, train_dataset=gad_rows(),
+                              callbacks=[clock] if clock else None)
+
+
+def discriminator_state(trainer) -> dict:
+    """D's full-weight checksum (every rank calls this: ZeRO-3 gathers) and this rank's optimizer
+    state checksum (the inner optimizer's parameters, i.e. fp32 master shards under ZeRO, and its
+    moments)."""
+    weights = trainer._d.full_state_dict()
+    inner = getattr(trainer.discriminator_optimizer, "optimizer", trainer.discriminator_optimizer)
+    tensors = [p for g in inner.param_groups for p in g["params"]]
+    tensors += [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.is_floating_point()]
+    return {"weights": float(sum(t.double().sum() for t in weights.values())), "n_weights": len(weights),
+            "optimizer": float(sum(t.double().sum() for t in tensors)), "optimizer_tensors": len(tensors)}
+
+
+def gad_evidence(trainer, model_dir: str, out: str, steps: int) -> dict:
+    end = discriminator_state(trainer)
+    resumed = gad_trainer(model_dir, out + "-resumed", steps)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "gad", "checkpoint-1"))
+    return {"d_start": trainer.d_start, "d_end": end, "d_resumed": discriminator_state(resumed),
+            "d_logs": [{k: v for k, v in e.items() if k.startswith("gad/")} for e in trainer.state.log_history
+                       if "gad/d_loss" in e],
+            "d_checkpoint_files": sorted(os.listdir(os.path.join(out, "gad", "checkpoint-1", "discriminator")))}
 
 
 def main() -> None:
@@ -184,7 +221,7 @@ def main() -> None:
         GENERATIONS.clear()
         try:
             trainer, clock = run(method, start_dir, a.out, a.steps)
-        except grpotrl.InputError as err:  # GAD under DeepSpeed: record the message the user would see
+        except grpotrl.InputError as err:  # record the message the user would see
             rank = PartialState().process_index
             with open(os.path.join(a.out, f"{method}_rank{rank}.json"), "w") as f:
                 json.dump({"method": method, "rank": rank, "error": str(err)}, f, indent=1)
@@ -212,6 +249,8 @@ def main() -> None:
             "start_dir": start_dir,
             **weight_change(unwrapped, start_dir),
         }
+        if method == "gad":
+            evidence.update(gad_evidence(trainer, start_dir, a.out, a.steps))
         save_dir = os.path.join(a.out, method)
         trainer.save_model(save_dir)  # ZeRO-3: gathers the 16-bit weights on rank 0 (a collective)
         acc.wait_for_everyone()  # the next method loads what rank 0 wrote

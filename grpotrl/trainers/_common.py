@@ -209,9 +209,9 @@ def resume_files(args, kind: str) -> tuple[str, ...]:
     if getattr(args, "use_adaptive_entropy", False):
         files.append("entropy_ctrl_state.json")  # TRL writes it after trainer_state.json, and skips it if absent
     if kind == "gad":
-        from .gad import D_DIR, D_OPTIMIZER, D_WEIGHTS
+        from .gad_engine import checkpoint_files
 
-        files += [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/{D_OPTIMIZER}"]
+        files += checkpoint_files(deepspeed=sharded_launch(args) == "DeepSpeed")
     return tuple(files)
 
 

@@ -22,15 +22,17 @@ models per microbatch (the policy's from the loss's own forward, plus one refere
 
 Overrides (everything else is grpotrl.GRPOTrainer's, hence TRL's):
   * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
-    after TRL (DDP-wrapped by accelerate; DeepSpeed and FSDP are refused).
+    after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
+    ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused).
   * ``_calculate_rewards``: the D step above; returns rewards gathered across processes, one
     column per reward function: ``discriminator`` (and ``kl_penalty`` with ``use_kl_in_reward``).
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
   * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used.
   * ``training_step``: during warmup, generates and updates D only; the student gets no grad.
   * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
-    checkpoints hold D's weights (``discriminator/model.safetensors``) and its optimizer state
-    (``discriminator/optimizer.pt``); resume restores both.
+    checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
+    state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
+    restores both.
 
 Student SFT warmup on teacher responses (the paper's first stage) is a separate run on the
 same template (I2): ``grpotrl sft --config recipes/smollm2/sft_gad_warmup.yaml``, then GAD
@@ -45,7 +47,6 @@ import os
 import time
 
 import torch
-from safetensors.torch import load_file, save_file
 from trl.trainer.utils import use_adapter
 
 from .. import guards, templates
@@ -55,11 +56,8 @@ from ..errors import InputError, InvariantError
 from ..losses import kl_full, kl_penalty
 from ..masking import position_ids_from_mask
 from ._common import sharded_launch
+from .gad_engine import D_DIR, checkpoint_files, prepare_discriminator
 from .grpo import GRPOTrainer
-
-D_DIR = "discriminator"
-D_WEIGHTS = "model.safetensors"
-D_OPTIMIZER = "optimizer.pt"
 
 
 def check_teacher_responses(dataset, split_name: str = "train") -> None:
@@ -131,10 +129,9 @@ class GADTrainer(GRPOTrainer):
             raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
         if kwargs.get("tools") or kwargs.get("environment_factory"):
             raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
-        if sharded := sharded_launch(args):  # the config's or `accelerate launch`'s: before anything loads
-            raise InputError(f"GADTrainer with DeepSpeed or FSDP is not supported yet ({sharded} is "
-                             "set up; the discriminator and its optimizer are prepared as a plain DDP model). Use DDP "
-                             "(recipes/accelerate/ddp.yaml or single.yaml).")
+        if sharded_launch(args) == "FSDP":  # the config's or `accelerate launch`'s: before anything loads
+            raise InputError("GADTrainer with FSDP is not supported (the discriminator is prepared for DDP or "
+                             "DeepSpeed). Use DeepSpeed ZeRO (recipes/accelerate/zero2.yaml, zero3.yaml) or DDP.")
         check_teacher_responses(train_dataset, "train")
         for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_teacher_responses(ds, name)
@@ -151,9 +148,8 @@ class GADTrainer(GRPOTrainer):
         reward_funcs = [self._d_reward] + ([self.kl_penalty] if args.use_kl_in_reward else [])
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise InputError("GADTrainer with DeepSpeed or FSDP is not supported yet: the discriminator and its "
-                             "optimizer are prepared as a plain DDP model. Launch with a DDP accelerate config.")
+        if self.is_fsdp_enabled:
+            raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 
         # KL: computed here for every estimator; TRL's own in-loss k3 is off (it kept the ref model).
         self.kl_coef = args.beta
@@ -172,13 +168,8 @@ class GADTrainer(GRPOTrainer):
             for module in disc.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
-        # A plain optimizer, not accelerate's: an AcceleratedOptimizer skips step() while the
-        # student accumulates gradients, and D steps once per generation batch, mid-window.
-        # Fused like the student's default (adamw_torch_fused): 4x faster steps on CPU.
-        self.discriminator = self.accelerator.prepare_model(disc)
-        self.discriminator_optimizer = torch.optim.AdamW(
-            [p for p in self.discriminator.parameters() if p.requires_grad], lr=args.discriminator_learning_rate,
-            fused=str(getattr(args.optim, "value", args.optim)).endswith("fused"))
+        self._d = prepare_discriminator(self, disc, args.discriminator_learning_rate)  # DDP or DeepSpeed
+        self.discriminator, self.discriminator_optimizer = self._d.model, self._d.optimizer
         self._d_reward.discriminator = self.discriminator
         self._d_reward.tokenizer = self._tokenizer
         self._d_reward.stop_ids = list(self.stop_token_ids)
@@ -227,7 +218,7 @@ class GADTrainer(GRPOTrainer):
             seqs = [student_seqs[r] for r in rows] + [teacher_seqs[t] for t in needed]
             ids, mask = pad_sequences(seqs, self._tokenizer.pad_token_id, device=device)
             last = j == len(starts) - 1
-            sync = contextlib.nullcontext() if (last or not update) else self.accelerator.no_sync(d)
+            sync = self._d.accumulate(last) if update else contextlib.nullcontext()
             grad = torch.enable_grad() if update else torch.no_grad()
             with sync, grad, self.accelerator.autocast():
                 scores = d(ids, mask)  # [rows + teachers]
@@ -235,17 +226,14 @@ class GADTrainer(GRPOTrainer):
                 t = scores[len(rows):][[needed.index(teacher_of[r]) for r in rows]]  # [rows] each row's teacher
                 loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
                 if update:
-                    loss.backward()
+                    self._d.backward(loss)
             if j == 0 and self._guard_now() and self.args.disable_dropout:
                 self._check_score_alone(seqs, scores.detach())
             student_scores[rows] = s.detach()
             teacher_scores[needed] = scores[len(rows):].detach()
             sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
         if update:
-            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(d.parameters(), self.args.max_grad_norm)
-            self.discriminator_optimizer.step()
-            self.discriminator_optimizer.zero_grad(set_to_none=True)
+            self._d.step()
 
         stats = torch.cat([sums, torch.stack([teacher_scores.sum(), torch.tensor(float(len(teacher_scores)),
                                                                                   device=device),
@@ -412,30 +400,19 @@ class GADTrainer(GRPOTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            out = os.path.join(output_dir or self.args.output_dir, D_DIR)
-            os.makedirs(out, exist_ok=True)
-            state = self.accelerator.unwrap_model(self.discriminator).state_dict()
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(out, D_WEIGHTS),
-                      metadata={"format": "pt"})
+        self._d.save_weights(os.path.join(output_dir or self.args.output_dir, D_DIR))  # every process: ZeRO-3 gathers
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            os.makedirs(os.path.join(output_dir, D_DIR), exist_ok=True)
-            torch.save(self.discriminator_optimizer.state_dict(), os.path.join(output_dir, D_DIR, D_OPTIMIZER))
+        self._d.save_optimizer(os.path.join(output_dir, D_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        weights, optim = (os.path.join(checkpoint, D_DIR, name) for name in (D_WEIGHTS, D_OPTIMIZER))
-        if not (os.path.isfile(weights) and os.path.isfile(optim)):
-            raise InputError(f"The checkpoint {checkpoint!r} has no discriminator state ({D_DIR}/{D_WEIGHTS} and "
-                             f"{D_DIR}/{D_OPTIMIZER}); it was not written by GADTrainer.")
-        d = self.accelerator.unwrap_model(self.discriminator)
-        d.load_state_dict(load_file(weights, device=str(self.accelerator.device)))
-        self.discriminator_optimizer.load_state_dict(
-            torch.load(optim, map_location=self.accelerator.device, weights_only=True))
-        for group in self.discriminator_optimizer.param_groups:  # the recipe's lr holds, as for the student
-            group["lr"] = self.args.discriminator_learning_rate
+        files = checkpoint_files(self.is_deepspeed_enabled)
+        if missing := [f for f in files if not os.path.exists(os.path.join(checkpoint, f))]:
+            raise InputError(f"The checkpoint {checkpoint!r} has no discriminator state ({', '.join(missing)} "
+                             "missing): it was not written by GADTrainer, or by one under another launch (DeepSpeed "
+                             "or not).")
+        self._d.load(os.path.join(checkpoint, D_DIR))
