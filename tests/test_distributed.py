@@ -1,8 +1,10 @@
 """Two-process CPU runs through ``accelerate launch`` with the repo's own recipes/accelerate files:
-SFT then GRPO (2 steps each, tiny llama over the real SmolLM2 tokenizer) under DeepSpeed ZeRO-2
-and ZeRO-3, GRPO under DDP, over gloo. tests/dist_worker.py trains and writes per-rank evidence; these
-tests read it: the guards ran on every rank, the weights moved and agree across ranks, the
-saved checkpoint holds them, and under ZeRO-3 generation ran on TRL's gathered parameters.
+SFT, GRPO then GAD (2 steps each, tiny llama over the real SmolLM2 tokenizer) under DeepSpeed
+ZeRO-2 and ZeRO-3, GRPO then GAD under DDP, over gloo. tests/dist_worker.py trains and writes
+per-rank evidence; these tests read it: the guards ran on every rank, the weights moved and agree
+across ranks, the saved checkpoint holds them, under ZeRO-3 generation ran on TRL's gathered
+parameters, and GAD's discriminator trained under the same launch, agrees across ranks and is
+restored exactly (weights and this rank's optimizer shard) by a resume.
 
 The multi-node recipe runs as two launches on localhost, one process per "machine". One launch
 per config, 13-22 s each on 2 lightly loaded cores; the first DeepSpeed launch on a machine also
@@ -185,11 +187,19 @@ def test_gad_refuses_fsdp_before_loading_a_model(tmp_path, monkeypatch):
 
 @needs_all
 def test_zero3_with_cpu_offload_trains_and_guards(tiny_llama, tmp_path):
-    accelerate_launch("zero3_offload", tmp_path, tiny_llama, "grpo")
-    ev = read_evidence(tmp_path, "grpo")
+    """GRPO, then GAD, whose discriminator gets DeepSpeed's CPU Adam (offload_optimizer)."""
+    accelerate_launch("zero3_offload", tmp_path, tiny_llama, "grpo,gad")
+    ev = read_evidence(tmp_path, "grpo,gad")
+    for method in ("grpo", "gad"):
+        for rank in (0, 1):
+            assert ev[method, rank]["error"] is None, ev[method, rank]["error"]
+            assert ev[method, rank]["zero_stage"] == 3 and ev[method, rank]["guard_calls"]["check_logprobs"] >= STEPS
+            assert ev[method, rank]["max_abs_weight_change"] > 1e-6
     for rank in (0, 1):
-        assert ev["grpo", rank]["zero_stage"] == 3 and ev["grpo", rank]["guard_calls"]["check_logprobs"] >= STEPS
-        assert ev["grpo", rank]["max_abs_weight_change"] > 1e-6
+        gad = ev["gad", rank]
+        assert gad["d_start"]["weights"] != gad["d_end"]["weights"]
+        assert gad["d_resumed"]["weights"] == pytest.approx(gad["d_end"]["weights"], rel=1e-12)
+        assert gad["d_resumed"]["optimizer"] == pytest.approx(gad["d_end"]["optimizer"], rel=1e-12)
 
 
 def test_multinode_recipe_as_two_local_machines(tiny_llama, tmp_path):
