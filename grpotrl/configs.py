@@ -207,6 +207,14 @@ class GADConfig(GRPOConfig):
         metadata={"help": "Train the discriminator as a LoRA adapter of this rank on every linear layer (alpha = 2r; "
                   "the score head stays fully trainable); 0 trains all its weights."},
     )
+    discriminator_freeze_embeddings: bool = field(
+        default=False,
+        metadata={"help": "Keep the discriminator's input token embeddings as initialised: no gradient (a dense "
+                  "vocab x hidden tensor each step, however few tokens a batch holds) and no AdamW state for them, "
+                  "a fifth of SmolLM2-135M's weights. Mostly a memory saving: ~0.1 s of D's ~3 s CPU per step in "
+                  "bench/bench_gad.py. Off by default: the GAD paper trains all of D. A LoRA discriminator's "
+                  "embeddings are frozen anyway."},
+    )
     discriminator_warmup_steps: int = field(
         default=0,
         metadata={"help": "For the first N optimizer steps only the discriminator learns: responses are generated "

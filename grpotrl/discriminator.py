@@ -21,9 +21,21 @@ response apart from the template keeps a response that starts with whitespace fr
 with the generation prompt's newline (re-rendering the whole turn did, and broke the prompt
 prefix mid-training); teacher and student text are both tokenized canonically, so D cannot
 tell them apart by how the sampler happened to split words.
+
+Cost: a group's students and its teacher share their prompt, which in GAD's short answers is
+most of each sequence (SmolLM2's template alone is ~45 tokens). ``scoring_batch`` packs a batch:
+each prompt once, then the responses to it, in rows of at most 1024 tokens and no padding
+between sequences, with an attention mask under which every token sees only its own prompt and
+its own response (``packed_attention``) and position ids of the whole sequence. One forward and
+backward, scores equal to the whole sequences' up to float rounding; the I9 guard compares one
+with the same sequence scored alone on guard steps. In bench/bench_gad.py (8 students + 2
+teachers, 2 prompts of ~45 tokens) D reads 220-310 tokens instead of 10 rows padded to ~78, and
+its forward and backward take ~40% of the CPU time they took.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -64,15 +76,22 @@ def bradley_terry_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Te
     return -F.logsigmoid(teacher - student).mean()
 
 
-def sequence_ids(tokenizer, prompt: list[dict], text: str, stop_ids: list[int], chat_template: str | None = None,
-                 finished: bool = True, end_id: int | None = None) -> list[int]:
-    """The scored sequence: RL prompt ids + ``text`` tokenized alone + the end-of-turn token if
-    ``finished`` (``end_id``, default the template's). Teacher and student text both go through
-    here (I9)."""
+def sequence_parts(tokenizer, prompt: list[dict], text: str, chat_template: str | None = None,
+                   finished: bool = True, end_id: int | None = None) -> tuple[list[int], list[int]]:
+    """``(prompt ids, response ids)`` of the scored sequence: the RL prompt ids (chat template +
+    generation prompt), then ``text`` tokenized alone + the end-of-turn token if ``finished``
+    (``end_id``, default the template's). Teacher and student text both go through here (I9)."""
     response = tokenizer(text, add_special_tokens=False)["input_ids"]
     if finished:
         response = [*response, end_of_turn_id(tokenizer, chat_template) if end_id is None else end_id]
-    return templates.prompt_ids(tokenizer, prompt, chat_template) + response
+    return templates.prompt_ids(tokenizer, prompt, chat_template), response
+
+
+def sequence_ids(tokenizer, prompt: list[dict], text: str, chat_template: str | None = None,
+                 finished: bool = True, end_id: int | None = None) -> list[int]:
+    """The scored sequence: ``sequence_parts`` joined, RL prompt ids + response ids."""
+    prompt_ids, response = sequence_parts(tokenizer, prompt, text, chat_template, finished, end_id)
+    return prompt_ids + response
 
 
 def end_of_turn_id(tokenizer, chat_template: str | None = None) -> int:
@@ -100,9 +119,91 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "right",
     return ids.to(device), mask.to(device)
 
 
+MAX_ROW_TOKENS = 1024  # a packed row's attention is [W, W]: bounded, as padded rows' [L, L] are
+
+
+def scoring_batch(parts: list[tuple[list[int], list[int]]], pad_id: int, device=None, pack: bool = True,
+                  max_row_tokens: int = MAX_ROW_TOKENS) -> dict[str, torch.Tensor]:
+    """Keyword arguments of ``Discriminator.forward`` that score ``prompt + response`` for each of
+    ``parts`` (``sequence_parts``), N of them.
+
+    Plain (``pack=False``, or no prompt shared): ``input_ids``/``attention_mask`` [N, L], right-padded.
+    Packed: each prompt is written once, followed by the responses to it, in rows of at most
+    ``max_row_tokens`` tokens (a prompt shared by more responses than fit is written again in the
+    next row; one prompt + one response longer than that gets a row of its own). ``input_ids``,
+    ``position_ids`` (each token's position in its own whole sequence), ``block`` (which prompt
+    copy a token belongs to, -1 for padding) and ``member`` (0 for prompt tokens, ``1 + i`` for
+    the tokens of response ``i``, -1 for padding), all [R, W] right-padded; ``score_index`` [N]:
+    where in the flattened [R * W] each sequence's last token is (its prompt's last token when the
+    response is empty). Attention follows ``packed_attention``: a token sees its prompt and the
+    earlier tokens of its own response, nothing else, so each sequence scores as if alone.
+
+    >>> b = scoring_batch([([1, 2], [7]), ([1, 2], [8, 9]), ([4], [])], pad_id=0)
+    >>> b["input_ids"].tolist(), b["position_ids"].tolist()
+    ([[1, 2, 7, 8, 9, 4]], [[0, 1, 2, 2, 3, 0]])
+    >>> b["block"].tolist(), b["member"].tolist(), b["score_index"].tolist()
+    ([[0, 0, 0, 0, 0, 1]], [[0, 0, 1, 2, 2, 0]], [2, 4, 5])
+    """
+    groups: dict[tuple, list[int]] = {}  # prompt ids -> the sequences that share it
+    for i, (prompt, _) in enumerate(parts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    if not pack or len(groups) == len(parts) or any(not prompt for prompt in groups):
+        ids, mask = pad_sequences([prompt + response for prompt, response in parts], pad_id, device=device)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    rows: list[dict[str, list[int]]] = []
+    score_index = [0] * len(parts)
+    blocks = 0
+    for prompt, members in groups.items():
+        row = None
+        for i in members:
+            response = parts[i][1]
+            if row is None or len(row["ids"]) + len(response) > max_row_tokens:
+                if not rows or len(rows[-1]["ids"]) + len(prompt) + len(response) > max_row_tokens:
+                    rows.append({"ids": [], "pos": [], "block": [], "member": []})
+                row = rows[-1]
+                start = len(row["ids"])  # this copy of the prompt
+                row["ids"] += prompt
+                row["pos"] += range(len(prompt))
+                row["block"] += [blocks] * len(prompt)
+                row["member"] += [0] * len(prompt)
+                blocks += 1
+            row["ids"] += response
+            row["pos"] += range(len(prompt), len(prompt) + len(response))
+            row["block"] += [blocks - 1] * len(response)
+            row["member"] += [1 + i] * len(response)
+            last = len(row["ids"]) - 1 if response else start + len(prompt) - 1
+            score_index[i] = (len(rows) - 1, last)
+    width = max(len(r["ids"]) for r in rows)
+
+    def pad(key, value):
+        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in rows], dtype=torch.long, device=device)
+
+    return {"input_ids": pad("ids", pad_id), "position_ids": pad("pos", 0), "block": pad("block", -1),
+            "member": pad("member", -1),
+            "score_index": torch.tensor([r * width + c for r, c in score_index], dtype=torch.long, device=device)}
+
+
+def packed_attention(block: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    """Which key each query of a packed row attends to: [R, W] -> [R, 1, W, W] bool. A token sees
+    the earlier tokens of its prompt copy and of its own response; padding sees only itself (a
+    query with no key at all would give NaN; its output is never read).
+
+    >>> packed_attention(torch.tensor([[0, 0, 0, 0, -1]]), torch.tensor([[0, 1, 2, 2, -1]]))[0, 0].int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    """
+    width = block.size(1)
+    position = torch.arange(width, device=block.device)
+    causal = position[None, :] <= position[:, None]  # [W(query), W(key)]
+    same_block = (block[:, :, None] == block[:, None, :]) & (block[:, None, :] >= 0)  # [R, W, W]
+    visible = (member[:, None, :] == 0) | (member[:, None, :] == member[:, :, None])  # prompt, or own response
+    return ((causal & same_block & visible) | torch.eye(width, dtype=torch.bool, device=block.device))[:, None]
+
+
 class Discriminator(nn.Module):
     """A ``*ForSequenceClassification`` model with one output (plain or PEFT), scored at the
-    last real token of each row: ``forward(input_ids, attention_mask) -> scores [B]`` (fp32).
+    last real token of each row: ``forward(input_ids, attention_mask) -> scores [B]`` (fp32), or
+    ``forward(**scoring_batch(parts))``, each shared prompt run once.
 
     Runs the backbone (``model.base_model``) and the ``score`` head itself rather than the
     model's forward, whose pooling keys on ``pad_token_id`` (module docstring). Being one
@@ -121,28 +222,77 @@ class Discriminator(nn.Module):
             )
         if getattr(inner.config, "num_labels", 1) != 1:
             raise InputError(f"The discriminator must have one output (num_labels=1), got {inner.config.num_labels}.")
+        self._packable: bool | None = None  # can_pack()'s parts that never change; read at first use
 
     @property
     def hf_model(self) -> nn.Module:
         """The ``*ForSequenceClassification`` model under any PEFT wrapper."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, block: torch.Tensor | None = None,
+                member: torch.Tensor | None = None, score_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores [N] of the rows of ``input_ids`` [N, L] and their ``attention_mask``; or of a
+        packed batch (``scoring_batch``: ``input_ids``, ``position_ids``, ``block``, ``member``,
+        ``score_index``), in which each shared prompt runs once. Same scores up to float rounding."""
         inner = self.hf_model
-        out = inner.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        pooled = pool_last(out.last_hidden_state, attention_mask)  # [B, H]
-        return inner.score(pooled).squeeze(-1).float()  # [B]
+        if block is None:
+            out = inner.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+            return inner.score(pool_last(out.last_hidden_state, attention_mask)).squeeze(-1).float()  # [N]
+        if not self.can_pack():
+            raise InputError("This discriminator cannot score a packed batch now (dropout active in training, or "
+                             "an attention it cannot pass a mask to); build the batch with scoring_batch(..., "
+                             "pack=discriminator.can_pack()).")
+        allowed = packed_attention(block, member)  # [R, 1, W, W]
+        if inner.config._attn_implementation == "eager":  # eager adds the mask to the scores
+            dtype = inner.dtype
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)
+        out = inner.base_model(input_ids=input_ids, attention_mask=allowed, position_ids=position_ids,
+                               use_cache=False)  # a 4D mask goes to the attention as it is
+        hidden = out.last_hidden_state.flatten(0, 1)[score_index]  # [N, H]
+        return inner.score(hidden).squeeze(-1).float()  # [N]
+
+    def can_pack(self) -> bool:
+        """Whether a packed batch (``scoring_batch``) scores as the whole sequences do: an attention
+        that takes a 4D mask as given (sdpa, eager), position ids, no sliding window, and no dropout
+        active (in a packed row, sequences would share the prompt's dropout mask)."""
+        inner = self.hf_model
+        cfg = inner.config
+        if self._packable is None:
+            layer_types = getattr(cfg, "layer_types", None)
+            if layer_types is not None:
+                full_attention = all(t == "full_attention" for t in layer_types)
+            else:  # a sliding window the packed mask would not apply
+                full_attention = not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True))
+            self._packable = (full_attention and not getattr(cfg, "is_encoder_decoder", False)
+                              and "position_ids" in inspect.signature(inner.base_model.forward).parameters)
+        return (self._packable and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
+                and not (self.training and any(_dropout_active(m) for m in self.modules())))
 
 
-def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0) -> Discriminator:
+def _dropout_active(module: nn.Module) -> bool:
+    """A dropout layer, or a Llama-style attention module's ``attention_dropout`` float, above 0."""
+    if isinstance(module, nn.Dropout):
+        return module.p > 0
+    p = getattr(module, "attention_dropout", None)
+    return isinstance(p, float) and p > 0
+
+
+def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0,
+                       freeze_embeddings: bool = False) -> Discriminator:
     """``AutoModelForSequenceClassification`` with one output from ``path`` (a causal LM checkpoint
     works: the backbone is reused, the ``score`` head is new), optionally with a LoRA adapter of
-    rank ``lora_r`` on every linear layer (the head stays fully trainable)."""
+    rank ``lora_r`` on every linear layer (the head stays fully trainable). ``freeze_embeddings``
+    keeps the input token embeddings as loaded (``requires_grad=False``: no gradient, no optimizer
+    state; GADConfig.discriminator_freeze_embeddings)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     model.config.pad_token_id = pad_token_id  # only for HF's own pooling; ours reads the mask
+    if freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
     if lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -155,8 +305,8 @@ class DiscriminatorReward:
     """D's score of each completion, as a TRL reward function (``rewards/discriminator/mean``).
 
     Scores without updating D; usable on its own, e.g. to score a finished model. GADTrainer
-    builds its sequences with ``sequences`` and scores them itself, so that the forward that
-    gives the reward also gives the discriminator's loss.
+    builds its sequences with ``parts`` and ``batch`` and scores them itself, so that the forward
+    that gives the reward also gives the discriminator's loss.
     """
 
     __name__ = "discriminator"
@@ -170,13 +320,26 @@ class DiscriminatorReward:
         self.batch_size = batch_size
         self._end_id: int | None = None  # the template's end-of-turn id, read at first use
 
-    def sequences(self, prompts: list[list[dict]], texts: list[str],
-                  finished: list[bool] | None = None) -> list[list[int]]:
+    def parts(self, prompts: list[list[dict]], texts: list[str],
+              finished: list[bool] | None = None) -> list[tuple[list[int], list[int]]]:
+        """``(prompt ids, response ids)`` of each scored sequence (``sequence_parts``)."""
         finished = [True] * len(texts) if finished is None else finished
         if self._end_id is None:
             self._end_id = end_of_turn_id(self.tokenizer, self.chat_template)
-        return [sequence_ids(self.tokenizer, p, t, self.stop_ids, self.chat_template, f, self._end_id)
+        return [sequence_parts(self.tokenizer, p, t, self.chat_template, f, self._end_id)
                 for p, t, f in zip(prompts, texts, finished)]
+
+    def sequences(self, prompts: list[list[dict]], texts: list[str],
+                  finished: list[bool] | None = None) -> list[list[int]]:
+        return [prompt + response for prompt, response in self.parts(prompts, texts, finished)]
+
+    def batch(self, parts: list[tuple[list[int], list[int]]], device=None) -> dict[str, torch.Tensor]:
+        """The discriminator's keyword arguments for ``parts``: ``scoring_batch``, packed when the
+        discriminator (under any DDP or DeepSpeed wrapper) can take it in its current mode."""
+        d = self.discriminator
+        d = d.module if isinstance(getattr(d, "module", None), Discriminator) else d
+        return scoring_batch(parts, self.tokenizer.pad_token_id, device=device,
+                             pack=isinstance(d, Discriminator) and d.can_pack())
 
     def finished(self, completion_ids: list[list[int]]) -> list[bool]:
         """Whether each generated response ended with a stop token (TRL keeps it in the ids)."""

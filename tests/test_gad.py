@@ -52,8 +52,7 @@ def test_I9_score_is_the_same_alone_left_padded_and_right_padded(arch, request, 
     """GPT-2 has absolute positions: without position ids from the mask, left padding would move it."""
     tok = smollm2_tokenizer
     d = gd.load_discriminator(request.getfixturevalue(arch), tok.pad_token_id)
-    stop = templates.stop_token_ids(tok)
-    seqs = [gd.sequence_ids(tok, PROMPT, text, stop) for text in ("27", "27. Hope this helps!", "I think 26?")]
+    seqs = [gd.sequence_ids(tok, PROMPT, text) for text in ("27", "27. Hope this helps!", "I think 26?")]
     with torch.no_grad():
         alone = torch.cat([d(*gd.pad_sequences([s], tok.pad_token_id)) for s in seqs])  # [3]
         for side in ("left", "right"):
@@ -67,7 +66,7 @@ def test_I9_hf_pooling_reads_the_wrong_token_when_pad_is_eos(tiny_llama, smollm2
     with <|im_end|> == pad, so HF reads one token early (the response's last content token)."""
     tok = smollm2_tokenizer
     d = gd.load_discriminator(tiny_llama, tok.pad_token_id)
-    seq = gd.sequence_ids(tok, PROMPT, "27. Hope this helps!", templates.stop_token_ids(tok))
+    seq = gd.sequence_ids(tok, PROMPT, "27. Hope this helps!")
     assert seq[-1] == tok.pad_token_id == tok.eos_token_id  # ends with <|im_end|>
     ids, mask = gd.pad_sequences([seq], tok.pad_token_id)
     with torch.no_grad():
@@ -102,6 +101,7 @@ def test_I9_runtime_guard_stops_a_discriminator_that_reads_the_last_position(tin
         return d.hf_model.score(hidden[:, -1]).squeeze(-1).float()
 
     d.forward = last_position
+    d.can_pack = lambda: False  # this scorer takes plain padded rows
     with pytest.raises(grpotrl.InvariantError, match=r"\[I9\]"):
         trainer.train()
 
@@ -127,6 +127,133 @@ def test_discriminator_reward_is_a_trl_reward_function(tiny_llama, smollm2_token
         direct = d(*gd.pad_sequences(seqs, tok.pad_token_id))
     assert scores == pytest.approx(direct.tolist(), abs=1e-6)
     assert trl.trainer.utils.get_callable_name(reward) == "discriminator"
+
+
+# ---------------------------------------------------------------- D's cost: shared prompts, frozen embeddings
+
+OTHER = [{"role": "user", "content": "Hi"}]
+
+
+def _scores_and_grads(d, fn):
+    d.zero_grad()
+    scores = fn()  # [N]
+    scores.pow(2).sum().backward()
+    return scores.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("max_row_tokens", [1024, 40])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_packed_batch_gives_the_scores_and_gradients_of_whole_sequences(arch, attention, max_row_tokens, request,
+                                                                        smollm2_tokenizer):
+    """D scores a batch packed with each shared prompt once (one row, or with a 40-token cap four
+    rows, a prompt written again where its responses overflow a row): scores and gradients are
+    those of the whole sequences, for prompts of two lengths, a cut response and an empty one
+    (scored at its prompt's last token); eager attention gets the mask as added scores."""
+    tok = smollm2_tokenizer
+    d = gd.load_discriminator(request.getfixturevalue(arch), tok.pad_token_id)
+    d.hf_model.set_attn_implementation(attention)
+    for m in d.modules():  # GPT-2 has dropout 0.1; GADTrainer's disable_dropout sets it to 0
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    d.train()
+    reward = gd.DiscriminatorReward(d, tok, templates.stop_token_ids(tok))
+    parts = reward.parts([PROMPT, PROMPT, OTHER, OTHER, PROMPT, OTHER],
+                         ["27", "27. Hope this helps!", "Hello there", "x", "26", ""],
+                         finished=[True, False, True, True, True, False])
+    assert d.can_pack()
+    batch = gd.scoring_batch(parts, tok.pad_token_id, max_row_tokens=max_row_tokens)
+    prompt_tokens = len(templates.prompt_ids(tok, PROMPT)) + len(templates.prompt_ids(tok, OTHER))
+    real = int((batch["block"] >= 0).sum())
+    if max_row_tokens == 1024:
+        assert batch["input_ids"].size(0) == 1 and real == prompt_tokens + sum(len(r) for _, r in parts)
+    else:
+        assert batch["input_ids"].size(0) > 2 and real > prompt_tokens + sum(len(r) for _, r in parts)  # repeated
+    packed, packed_grads = _scores_and_grads(d, lambda: d(**batch))
+    whole, whole_grads = _scores_and_grads(d, lambda: d(*gd.pad_sequences([p + r for p, r in parts],
+                                                                         tok.pad_token_id)))
+    torch.testing.assert_close(packed, whole, atol=1e-5, rtol=0)
+    assert len(set(whole.tolist())) == 6
+    assert packed_grads.keys() == whole_grads.keys() and len(whole_grads) == len(list(d.parameters()))
+    for name, g in whole_grads.items():
+        assert (packed_grads[name] - g).abs().max() <= 1e-4 * g.abs().max() + 1e-9, name
+
+
+def test_no_packing_while_dropout_is_active(tiny_gpt2, smollm2_tokenizer):
+    """In a packed row the sequences would share their prompt's dropout mask: with dropout on in
+    training (GPT-2's default 0.1), the batch is plain rows and a packed one is refused."""
+    tok = smollm2_tokenizer
+    d = gd.load_discriminator(tiny_gpt2, tok.pad_token_id).train()
+    reward = gd.DiscriminatorReward(d, tok, templates.stop_token_ids(tok))
+    parts = reward.parts([PROMPT, PROMPT, OTHER], ["27", "I think 26?", "Hello"])
+    assert not d.can_pack() and "block" not in reward.batch(parts)
+    with pytest.raises(InputError, match="cannot score a packed batch"):
+        d(**gd.scoring_batch(parts, tok.pad_token_id))
+    assert d.eval().can_pack() and "block" in reward.batch(parts)
+
+
+def test_gad_step_packs_each_prompt_once_into_the_discriminator(tiny_llama, gad_args):
+    """One generation batch (2 prompts x 4 students, 2 teachers): D's one forward reads both prompts
+    once, in one row with the 10 responses; the I9 guard (every step here) scores two of them alone
+    and agrees."""
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=gad_args(max_steps=1, guard_steps=-1),
+                                 train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    calls = []
+    d.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    trainer.train()
+    packed = [kw for kw in calls if "block" in kw]
+    assert len(packed) == 1 and packed[0]["input_ids"].size(0) == 1 and packed[0]["score_index"].numel() == 10
+    assert packed[0]["block"].max().item() == 1  # two prompts, each once
+    assert len(calls) == 3  # and two sequences alone (the guard)
+    assert "gad/d_loss" in trainer.state.log_history[0]
+
+
+def test_I9_runtime_guard_stops_a_wrong_packing_mask(tiny_llama, gad_args, monkeypatch):
+    """A packed row under a plain causal mask lets a sequence see the ones before it: the guard,
+    which scores the batch's last sequence alone, stops training."""
+    monkeypatch.setattr(gd, "packed_attention", lambda block, member: torch.ones(
+        block.size(1), block.size(1), dtype=torch.bool).tril()[None, None].expand(block.size(0), 1, -1, -1))
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=gad_args(max_steps=1, guard_steps=-1),
+                                 train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    with torch.no_grad():
+        d.hf_model.score.weight.mul_(100)  # the random head's scores are ~0.03: make any misread visible
+    with pytest.raises(grpotrl.InvariantError, match=r"\[I9\]"):
+        trainer.train()
+
+
+def test_frozen_discriminator_embeddings_stay_as_loaded_while_the_rest_trains(tiny_llama, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    for freeze in (False, True):
+        d = gd.load_discriminator(tiny_llama, tok.pad_token_id, freeze_embeddings=freeze).train()
+        embedding = d.hf_model.get_input_embeddings().weight
+        start = {n: p.detach().clone() for n, p in d.named_parameters()}
+        optimizer = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+        reward = gd.DiscriminatorReward(d, tok, templates.stop_token_ids(tok))
+        batch = reward.batch(reward.parts([PROMPT, PROMPT], ["27", "I think 26?"]))
+        for _ in range(2):
+            scores = d(**batch)  # [teacher, student]
+            gd.bradley_terry_loss(scores[:1], scores[1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        moved = {n for n, p in d.named_parameters() if not torch.equal(p, start[n])}
+        name = next(n for n, p in d.named_parameters() if p is embedding)
+        assert moved == {n for n, p in d.named_parameters() if p.requires_grad}  # every trainable weight
+        assert (name in moved) is not freeze and embedding.requires_grad is not freeze
+        assert all(p is not embedding for group in optimizer.param_groups for p in group["params"]) is freeze
+
+
+def test_trainer_freezes_the_discriminator_embeddings_when_asked(tiny_llama, gad_args):
+    assert grpotrl.GADConfig(output_dir="x").discriminator_freeze_embeddings is False  # the paper trains all of D
+    args = gad_args(max_steps=1, guard_steps=0, discriminator_freeze_embeddings=True, discriminator_learning_rate=1e-3)
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    embedding = d.hf_model.get_input_embeddings().weight
+    start, head = embedding.detach().clone(), d.hf_model.score.weight.detach().clone()
+    assert not embedding.requires_grad
+    trainer.train()
+    assert torch.equal(embedding, start) and not torch.equal(d.hf_model.score.weight, head)
 
 
 # ---------------------------------------------------------------- bad input
@@ -472,9 +599,8 @@ def test_I9_sequence_starts_with_the_rl_prompt_whatever_the_response_starts_with
     """Re-rendering the whole turn merged a leading '\\n\\n' with the generation prompt's newline
     and raised I2 mid-training; the response is now tokenized on its own after the RL prompt."""
     tok = smollm2_tokenizer
-    stop = templates.stop_token_ids(tok)
     p = templates.prompt_ids(tok, PROMPT)
-    seq = gd.sequence_ids(tok, PROMPT, text, stop)
+    seq = gd.sequence_ids(tok, PROMPT, text)
     assert seq[:len(p)] == p and seq[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.decode(seq[len(p):-1]) == text
 
