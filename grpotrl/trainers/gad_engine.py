@@ -42,7 +42,21 @@ def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
     return (DeepSpeedDiscriminator if trainer.is_deepspeed_enabled else TorchDiscriminator)(trainer, disc, lr)
 
 
-class TorchDiscriminator:
+class _Engine:
+    """What both engines share: the full weights written once, by the main process."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def save_weights(self, directory: str) -> None:
+        """Called on every process (ZeRO-3 gathers); the main one writes ``directory/model.safetensors``."""
+        state = self.full_state_dict()
+        if self.args.should_save:
+            os.makedirs(directory, exist_ok=True)
+            save_file(state, os.path.join(directory, D_WEIGHTS), metadata={"format": "pt"})
+
+
+class TorchDiscriminator(_Engine):
     def __init__(self, trainer, disc: torch.nn.Module, lr: float):
         self.accelerator, self.args, self.lr = trainer.accelerator, trainer.args, lr
         self.model = self.accelerator.prepare_model(disc)
@@ -65,16 +79,9 @@ class TorchDiscriminator:
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every process calls this (ZeRO-3 gathers); the weights on CPU."""
+        """The weights on CPU."""
         state = self.accelerator.unwrap_model(self.model).state_dict()
         return {k: v.detach().contiguous().cpu() for k, v in state.items()}
-
-    def save_weights(self, directory: str) -> None:
-        """Called on every process; the main one writes ``directory/model.safetensors``."""
-        state = self.full_state_dict()
-        if self.args.should_save:
-            os.makedirs(directory, exist_ok=True)
-            save_file(state, os.path.join(directory, D_WEIGHTS), metadata={"format": "pt"})
 
     def save_optimizer(self, directory: str) -> None:
         if self.args.should_save:
@@ -120,7 +127,7 @@ def deepspeed_config(student_config: dict, micro_batch: int, world_size: int, ma
     return cfg
 
 
-class DeepSpeedDiscriminator:
+class DeepSpeedDiscriminator(_Engine):
     def __init__(self, trainer, disc: torch.nn.Module, lr: float):
         import deepspeed
 
@@ -159,12 +166,6 @@ class DeepSpeedDiscriminator:
                   if self.stage == 3 else contextlib.nullcontext())
         with gather:
             return {k: v.detach().contiguous().cpu().clone() for k, v in module.state_dict().items()}
-
-    def save_weights(self, directory: str) -> None:
-        state = self.full_state_dict()
-        if self.args.should_save:
-            os.makedirs(directory, exist_ok=True)
-            save_file(state, os.path.join(directory, D_WEIGHTS), metadata={"format": "pt"})
 
     def save_optimizer(self, directory: str) -> None:
         """DeepSpeed's checkpoint (every process writes its shard): ``latest`` and ``ds/``."""
