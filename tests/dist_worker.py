@@ -148,6 +148,10 @@ def length_reward(completions, **kwargs):
 # ---------------------------------------------------------------- runs
 
 
+RL = dict(num_generations=4, max_completion_length=8, temperature=0.7,
+          generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})  # rows stop at different lengths
+
+
 def common(out: str, steps: int) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=steps,
                 logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", guard_steps=-1,
@@ -156,13 +160,11 @@ def common(out: str, steps: int) -> dict:
 
 def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
     clock = StepClock()
-    rl = dict(num_generations=4, max_completion_length=8, temperature=0.7,
-              generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})  # rows stop at different lengths
     if method == "sft":
         args = grpotrl.SFTConfig(**common(os.path.join(out, "sft"), steps), max_length=64)
         trainer = grpotrl.SFTTrainer(model=model_dir, args=args, train_dataset=sft_rows(), callbacks=[clock])
     elif method == "grpo":
-        args = grpotrl.GRPOConfig(**common(os.path.join(out, "grpo"), steps), beta=0.04, **rl)
+        args = grpotrl.GRPOConfig(**common(os.path.join(out, "grpo"), steps), beta=0.04, **RL)
         trainer = grpotrl.GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
                                       train_dataset=grpo_prompts(), callbacks=[clock])
     else:
@@ -175,10 +177,8 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
 def gad_trainer(model_dir: str, out: str, steps: int, clock=None):
     """GAD with a KL loss (k3, TRL's reference model prepared under the same launch) and a
     checkpoint every step."""
-    rl = dict(num_generations=4, max_completion_length=8, temperature=0.7,
-              generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})
     args = grpotrl.GADConfig(**{**common(os.path.join(out, "gad"), steps), "save_strategy": "steps", "save_steps": 1},
-                             beta=0.04, discriminator_learning_rate=1e-4, **rl)
+                             beta=0.04, discriminator_learning_rate=1e-4, **RL)
     return grpotrl.GADTrainer(model=model_dir, args=args, train_dataset=gad_rows(),
                               callbacks=[clock] if clock else None)
 

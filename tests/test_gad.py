@@ -425,6 +425,12 @@ def test_checkpoint_holds_the_discriminator_and_resume_restores_it(tiny_llama, g
     _assert_same_state(states["restored"], states["saved"])
     _assert_same_state(_d_state(resumed), states["end"], exact=False)
 
+    # a checkpoint without D's optimizer state: refused by train() before anything is loaded
+    (ckpt / "discriminator" / "optimizer.pt").unlink()
+    again = grpotrl.GADTrainer(model=tiny_llama, args=gad_args(**args), train_dataset=rows)
+    with pytest.raises(InputError, match="no discriminator/optimizer.pt"):
+        again.train(resume_from_checkpoint=str(ckpt))
+
 
 # ---------------------------------------------------------------- KL to the reference policy
 

@@ -58,7 +58,7 @@ from ..errors import InputError, InvariantError
 from ..losses import kl_full, kl_penalty
 from ..masking import position_ids_from_mask
 from ._common import sharded_launch
-from .gad_engine import D_DIR, checkpoint_files, prepare_discriminator
+from .gad_engine import D_DIR, prepare_discriminator
 from .grpo import GRPOTrainer
 
 
@@ -417,9 +417,5 @@ class GADTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        files = checkpoint_files(self.is_deepspeed_enabled)
-        if missing := [f for f in files if not os.path.exists(os.path.join(checkpoint, f))]:
-            raise InputError(f"The checkpoint {checkpoint!r} has no discriminator state ({', '.join(missing)} "
-                             "missing): it was not written by GADTrainer, or by one under another launch (DeepSpeed "
-                             "or not).")
+        # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
