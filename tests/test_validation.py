@@ -128,12 +128,6 @@ def test_missing_local_model_dir_names_the_path(tmp_path):
         validation.check_model_dir(str(missing))
 
 
-def test_hub_id_is_an_error_saying_there_is_no_download(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # so 'HuggingFaceTB/...' is not a local dir by accident
-    with pytest.raises(InputError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct'.*never downloads.*smollm2-135m"):
-        validation.check_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
-
-
 def test_model_dir_with_config_only_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InputError, match=r"incomplete weights: no model.safetensors.*found: config.json"):

@@ -137,12 +137,19 @@ class GADTrainer(GRPOTrainer):
         check_teacher_responses(train_dataset, "train")
         for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_teacher_responses(ds, name)
-        if args.discriminator_model_name_or_path:
-            from ..models import resolve_model_path
-            from ..validation import check_model_dir
+        from ..hub import check_model_source
+        from ..models import resolve_model_path
 
+        if args.discriminator_model_name_or_path:
             args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
-            check_model_dir(args.discriminator_model_name_or_path)
+            check_model_source(args.discriminator_model_name_or_path, what="Discriminator model")
+        else:  # D starts from the student's checkpoint: it must be loadable by name
+            student_source = resolve_model_path(model) if isinstance(model, str) else \
+                getattr(getattr(model, "config", None), "_name_or_path", None)
+            if not student_source:
+                raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
+                                 "discriminator_model_name_or_path (a local directory or a Hub id).")
+            check_model_source(student_source, what="Discriminator model (the student's own checkpoint)")
 
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
@@ -161,9 +168,6 @@ class GADTrainer(GRPOTrainer):
         student = self.accelerator.unwrap_model(self.model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
         path = args.discriminator_model_name_or_path or getattr(student.config, "_name_or_path", None)
-        if not path or not os.path.isdir(path):
-            raise InputError(f"Cannot initialise the discriminator from the student's path {path!r} (not a local "
-                             "directory). Set discriminator_model_name_or_path.")
         disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=student.dtype,
                                   lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings)
