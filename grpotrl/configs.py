@@ -21,22 +21,41 @@ def _has_accelerator() -> bool:
 
 
 @dataclass
-class GuardFields:
+class TemplateGuardFields:
     guard_steps: int = field(
         default=2,
         metadata={"help": "Check INVARIANTS I1-I5 on the trainer's real tensors for the first N optimizer "
                   "steps; -1 checks every step, 0 turns the guards off."},
     )
+    check_template: bool = field(
+        default=True,
+        metadata={"help": "I2: stop when the checkpoint was trained with another chat template "
+                  "(grpotrl_template.json). Set False only for a deliberate template change."},
+    )
+
+
+@dataclass
+class GuardFields(TemplateGuardFields):
     guard_logprob_atol: float = field(
         default=1e-5,
         metadata={"help": "I5 tolerance between the loss's per-token logprobs and an independent "
                   "log_softmax(logits / T) recomputation, in nats per nat of logit scale max|logits / T| "
                   "(fp32 rounding grows with it). Raised 100x automatically under bf16/fp16."},
     )
-    check_template: bool = field(
-        default=True,
-        metadata={"help": "I2: stop when the checkpoint was trained with another chat template "
-                  "(grpotrl_template.json). Set False only for a deliberate template change."},
+
+
+@dataclass
+class SFTFields:
+    """SFT has no sampled logprobs, so no I5 tolerance (``guard_logprob_atol``)."""
+
+    _VALID_DICT_FIELDS = [*trl.SFTConfig._VALID_DICT_FIELDS, "chat_template_kwargs"]
+
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments of `apply_chat_template` for every conversational row (e.g. Qwen3's "
+                  "{'enable_thinking': false}), like GRPOConfig.chat_template_kwargs; a row's own "
+                  "`chat_template_kwargs` column (trl's per-row way) wins key by key. Recorded in the checkpoint's "
+                  "grpotrl_template.json, so GRPO with other kwargs stops (I2)."},
     )
 
 
@@ -176,7 +195,7 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
 
 
 @dataclass
-class SFTConfig(GuardFields, trl.SFTConfig):
+class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False

@@ -3,22 +3,31 @@
 * ``stop_token_ids``: the tokenizer's eos, the template's end-of-turn token and every id of
   ``generation_config.eos_token_id``.
 * ``template_fingerprint``: a hash of what decides prompt tokenization, stored beside every
-  checkpoint (``grpotrl_template.json``) and compared when RL starts from it.
-* ``tokenize_sft_example``: SFT tokenization whose prefix is exactly the RL prompt ids and
-  whose loss covers the response plus its end-of-turn token, nothing after.
+  checkpoint (``grpotrl_template.json``, ``save_fingerprint``) and compared when RL starts from it
+  (``check_fingerprint``), together with the ``chat_template_kwargs`` the prompts were rendered with.
+* ``tokenize_sft_example``: SFT tokenization of a conversational prompt-completion row whose prefix
+  is exactly the RL prompt ids and whose loss covers the response up to its end-of-turn token,
+  nothing after.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from typing import Any
 
 from .errors import InputError, InvariantError
 
+logger = logging.getLogger(__name__)
+
 FINGERPRINT_FILE = "grpotrl_template.json"
 _PROBE = "grpotrl-probe-7f3a"
+# Conversations whose generation-prompt rendering shows what chat_template_kwargs change (the first
+# one the template accepts: some templates refuse a system message)
+_KWARGS_PROBES = ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                  [{"role": "user", "content": "u"}])
 
 
 def _tok(processing_class):
@@ -28,9 +37,12 @@ def _tok(processing_class):
 def require_chat_template(tokenizer, chat_template: str | None = None) -> None:
     if (chat_template or getattr(_tok(tokenizer), "chat_template", None)) is None:
         raise InputError(
-            f"The tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template. "
-            "grpotrl trains SFT and RL on the same chat template (INVARIANT I2). Use an instruct/chat "
-            "checkpoint, or set `tokenizer.chat_template` (or `chat_template_path` in the recipe)."
+            f"The tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template, "
+            "and the data is conversational. grpotrl trains SFT and RL on the same chat template (INVARIANT I2). "
+            "Use an instruct/chat checkpoint, or give SFT one: `chat_template_path` in the SFT recipe or SFTConfig "
+            "(a .jinja file, or a tokenizer directory / Hub id whose template is cloned, as trl does); GRPO then "
+            "starts from the SFT checkpoint, whose tokenizer carries it. In Python, `tokenizer.chat_template = ...` "
+            "before building the trainer works for both."
         )
 
 
@@ -94,32 +106,74 @@ def generation_prompt_ids(tokenizer, chat_template: str | None = None, **templat
 
 
 def tokenize_sft_example(
-    tokenizer, prompt: list[dict], completion: list[dict], stop_ids: list[int], chat_template: str | None = None
+    tokenizer, prompt: list[dict], completion: list[dict], stop_ids: list[int], chat_template: str | None = None,
+    *, training_template: str | None = None, tools: list | None = None, assistant_masks: bool = False,
+    **template_kwargs,
 ) -> dict[str, list[int]]:
-    """I2: ``input_ids`` start with exactly the RL prompt ids; the loss covers the response and
-    its first stop token, and the sequence ends there (the template's trailing newline is cut)."""
+    """I2 tokenization of one conversational prompt-completion row.
+
+    What ``trl.SFTTrainer`` (1.16) does for such a row -- the prompt with the generation prompt,
+    prompt + completion rendered whole, the same ``tools`` and ``template_kwargs`` -- with two
+    differences: the RL prompt ids (``chat_template``, the template RL renders prompts with) must be
+    a prefix of the sequence (TRL warns and trains on the divergent rendering), and the sequence ends
+    at its last stop token (TRL also trains on what the template writes after the end-of-turn token,
+    e.g. ChatML's newline, which RL never generates). ``training_template`` renders prompt +
+    completion when it differs from ``chat_template`` (TRL's ``{% generation %}`` variant for
+    ``assistant_masks``). Returns ``input_ids`` and ``completion_mask`` (and ``assistant_masks``).
+    """
     tok = _tok(tokenizer)
-    p_ids = prompt_ids(tok, prompt, chat_template)
-    full = tok.apply_chat_template(
-        prompt + completion, tokenize=True, return_dict=True, chat_template=chat_template
-    )["input_ids"]
-    full = list(full)
+    kw = {"tools": tools, **template_kwargs}
+    p_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         chat_template=chat_template, **kw)["input_ids"])
+    out = tok.apply_chat_template(prompt + completion, tokenize=True, return_dict=True,
+                                  chat_template=training_template or chat_template,
+                                  return_assistant_tokens_mask=assistant_masks, **kw)
+    full = list(out["input_ids"])
     if full[: len(p_ids)] != p_ids:
-        n = next(i for i, (a, b) in enumerate(zip(p_ids, full)) if a != b) if any(
-            a != b for a, b in zip(p_ids, full)) else min(len(p_ids), len(full))
-        raise InvariantError(
-            "I2",
-            "SFT tokenization of (prompt, response) does not start with the RL prompt ids, so SFT would "
-            "train on a context RL never shows the model.\n"
-            f"  RL prompt from token {n}:  {tok.decode(p_ids[n:n + 12])!r}\n"
-            f"  SFT sequence from token {n}: {tok.decode(full[n:n + 12])!r}\n"
-            "Use a chat template that renders the prompt identically with and without the assistant turn.",
-        )
-    response = full[len(p_ids):]
-    stops = [i for i, t in enumerate(response) if t in set(stop_ids)]
-    if stops:
-        response = response[: stops[0] + 1]
-    return {"input_ids": p_ids + response, "completion_mask": [0] * len(p_ids) + [1] * len(response)}
+        p_text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                         chat_template=chat_template, **kw)
+        f_text = tok.apply_chat_template(prompt + completion, tokenize=False,
+                                         chat_template=training_template or chat_template, **kw)
+        merged = f_text.startswith(p_text)  # same text: tokens merge across the prompt/response boundary
+        if merged and not assistant_masks:  # RL's prompt ids, then the response as RL would generate it
+            full = p_ids + list(tok(f_text[len(p_text):], add_special_tokens=False)["input_ids"])
+        else:
+            n = next((i for i, (a, b) in enumerate(zip(p_ids, full)) if a != b), min(len(p_ids), len(full)))
+            raise InvariantError(
+                "I2",
+                "SFT tokenization of (prompt, response) does not start with the RL prompt ids, so SFT would "
+                "train on a context RL never shows the model.\n"
+                f"  RL prompt from token {n}:  {tok.decode(p_ids[n:n + 12])!r}\n"
+                f"  SFT sequence from token {n}: {tok.decode(full[n:n + 12])!r}\n"
+                + ("The text is the same but the tokenizer merges tokens across the prompt/response boundary, "
+                   "which grpotrl re-tokenizes only without assistant_only_loss." if merged else
+                   "Use a chat template that renders the prompt identically with and without the assistant turn."),
+            )
+    stop = set(stop_ids)
+    ends = [i + 1 for i in range(len(p_ids), len(full)) if full[i] in stop]
+    end = ends[-1] if ends else len(full)  # after the last stop token: the template's trailer is cut
+    row = {"input_ids": full[:end], "completion_mask": [0] * len(p_ids) + [1] * (end - len(p_ids))}
+    if assistant_masks:
+        mask = list(out["assistant_masks"])
+        if 1 not in mask:  # trl's own check, same words
+            raise RuntimeError(
+                "You're using `assistant_only_loss=True`, but at least one example has no assistant tokens. This "
+                "usually means the tokenizer's chat template doesn't generate assistant masks — it may be missing "
+                "the `{% generation %}` keyword. Please check the template and ensure it's correctly configured to "
+                "support assistant masking."
+            )
+        row["assistant_masks"] = mask[:end]
+    return row
+
+
+def writes_stop_after_turn(tokenizer, stop_ids: list[int], chat_template: str | None = None) -> bool:
+    """Whether the template ends an assistant message with one of ``stop_ids`` (a template that writes
+    no end-of-turn token cannot teach the model to stop, and I2's last loss token cannot be one)."""
+    tok = _tok(tokenizer)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    text = tok.apply_chat_template(msgs, tokenize=False, chat_template=chat_template)
+    tail = text.split(_PROBE, 1)[-1] if _PROBE in text else ""
+    return any(i in set(stop_ids) for i in tok(tail, add_special_tokens=False)["input_ids"])
 
 
 def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[str, Any]:
@@ -131,20 +185,42 @@ def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[st
     return {"sha256": hashlib.sha256(blob.encode()).hexdigest(), "specials": specials}
 
 
-def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None) -> None:
+def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None,
+                     chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True) -> None:
+    """Write ``grpotrl_template.json``: the template's ``sha256``, ``specials`` and ``template``, plus
+    two keys older files lack, which readers then treat as "not recorded": ``chat_template_kwargs``
+    (every distinct set of kwargs the prompts were rendered with; written only when known) and
+    ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows, which no
+    template rendered)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, FINGERPRINT_FILE + ".tmp")
     record = {**template_fingerprint(tokenizer, chat_template),
-              "template": chat_template or _tok(tokenizer).chat_template or ""}
+              "template": chat_template or _tok(tokenizer).chat_template or "",
+              "trained_on_template": trained_on_template}
+    if chat_template_kwargs is not None:
+        record["chat_template_kwargs"] = chat_template_kwargs
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
     os.replace(tmp, os.path.join(output_dir, FINGERPRINT_FILE))
 
 
+def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> list[int] | None:
+    """The probe prompt's ids under ``kwargs``, or None when the template accepts no probe."""
+    for probe in _KWARGS_PROBES:
+        try:
+            return prompt_ids(tokenizer, probe, chat_template, **kwargs)
+        except Exception:  # noqa: BLE001 -- a template may raise on any message it does not support
+            continue
+    return None
+
+
 def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
-                      revision: str | None = None) -> bool:
+                      revision: str | None = None, chat_template_kwargs: dict | None = None) -> bool:
     """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
-    an error. Returns whether a fingerprint was found (a base model without one passes)."""
+    an error, and so are ``chat_template_kwargs`` (given: this run's; None: not compared) that render
+    prompts differently from every set the checkpoint recorded. Returns whether a fingerprint was found
+    (a base model without one passes). A checkpoint whose SFT trained on no template (plain text,
+    pre-tokenized rows) has nothing to compare: a warning says so."""
     from .hub import model_file
 
     path = model_file(model_dir, FINGERPRINT_FILE, revision)
@@ -152,6 +228,10 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         return False
     with open(path) as f:
         saved = json.load(f)
+    if saved.get("trained_on_template") is False:
+        logger.warning("%s was fine-tuned on plain text or pre-tokenized rows, not on a chat template: I2 cannot "
+                       "tell whether this run's chat template is the one the model learned.", model_dir)
+        return True
     now = template_fingerprint(tokenizer, chat_template)
     if saved.get("sha256") != now["sha256"]:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
@@ -165,4 +245,18 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
             f"would use ({where}). RL on it would train on prompts the model never saw in SFT. Load the "
             "tokenizer saved with the checkpoint, or set `check_template=False` if the change is deliberate.",
         )
+    recorded = saved.get("chat_template_kwargs")
+    if chat_template_kwargs is not None and recorded:
+        mine = _kwargs_rendering(tokenizer, chat_template, chat_template_kwargs)
+        theirs = [_kwargs_rendering(tokenizer, chat_template, kw) for kw in recorded]
+        if mine is not None and mine not in theirs:
+            tok = _tok(tokenizer)
+            raise InvariantError(
+                "I2",
+                f"The checkpoint {model_dir!r} was trained on prompts rendered with chat_template_kwargs "
+                f"{' or '.join(json.dumps(k) for k in recorded)}; this run's {json.dumps(chat_template_kwargs)} "
+                f"renders them differently:\n  checkpoint: {tok.decode(theirs[0] or [])!r}\n  now:        "
+                f"{tok.decode(mine)!r}\nSet `chat_template_kwargs` to what SFT used (e.g. Qwen3's enable_thinking), "
+                "or `check_template=False` if the change is deliberate.",
+            )
     return True

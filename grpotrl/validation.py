@@ -1,8 +1,8 @@
 """Checks on user input that run before any model is loaded; each raises ``InputError``
 saying what was wrong, with the value, and what to do.
 
-* ``check_dataset``: GRPO needs a ``prompt`` column; SFT needs ``prompt`` + ``completion``
-  or ``messages``; the first bad row is named by its index.
+* ``check_dataset``: GRPO needs a ``prompt`` column; SFT takes what ``trl.SFTTrainer`` takes
+  (``check_sft_dataset``); the first bad row is named by its index.
 * ``check_model_dir``: a local checkpoint with ``config.json`` and complete weights (every
   shard of a sharded one; safetensors files not truncated), or a PEFT adapter dir whose base
   model passes the same check (Hub ids: ``grpotrl.hub.check_model_source``).
@@ -75,17 +75,16 @@ def _first_bad_row(dataset, column: str, problem) -> tuple[int, str] | None:
     return None
 
 
-def check_dataset(dataset, split_name: str, kind: str = "grpo") -> None:
+def check_dataset(dataset, split_name: str, kind: str = "grpo", **sft_options) -> None:
     """Raise ``InputError`` unless ``dataset`` has the columns and row shapes ``kind`` needs.
 
     GRPO: ``prompt``, each row a non-empty list of chat messages (or a non-empty string).
-    SFT: ``prompt`` + ``completion`` (both messages lists, the completion ending with an
-    assistant message, or both strings), or ``messages`` (at least one turn before a final
-    assistant message), or already tokenized ``input_ids`` (the I2 label guard checks those at run
-    time). Plain ``text`` is refused: it bypasses the chat template RL will use (seed bug #1).
+    SFT: see ``check_sft_dataset`` (``sft_options`` go there).
     """
     if kind not in ("grpo", "sft"):
         raise ValueError(f"kind must be 'grpo' or 'sft', got {kind!r}")
+    if kind == "sft":
+        return check_sft_dataset(dataset, split_name, **sft_options)
     columns = getattr(dataset, "column_names", None)
     if columns is None or not hasattr(dataset, "__len__"):
         raise InputError(
@@ -96,41 +95,93 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo") -> None:
         raise InputError(
             f"The {split_name!r} split is empty (columns {columns}). Point the recipe at a split with rows."
         )
-    example = (
-        '{"prompt": [{"role": "user", "content": "What is 7 + 5?"}], '
-        '"completion": [{"role": "assistant", "content": "12"}]}'
-    )
-    if kind == "grpo":
-        if "prompt" not in columns:
-            raise InputError(
-                f"GRPO needs a 'prompt' column, but the {split_name!r} split has columns {columns}. Each prompt "
-                'is a list of chat messages such as [{"role": "user", "content": "What is 7 + 5?"}]. Rename your '
-                "question column (`dataset.rename_column(old, 'prompt')`) or map your rows into that shape."
-            )
-        bad = _first_bad_row(dataset, "prompt", lambda v: _text_or_messages_problem(v, "prompt"))
-    elif "prompt" in columns and "completion" in columns:
-        prompt, completion = dataset[0]["prompt"], dataset[0]["completion"]
-        bad = (
-            _first_bad_row(dataset, "prompt", lambda v: _text_or_messages_problem(v, "prompt"))
-            or _first_bad_row(dataset, "completion", lambda v: _text_or_messages_problem(v, "completion", "assistant"))
-            or (None if isinstance(prompt, str) == isinstance(completion, str) else (
-                0, "prompt and completion must both be message lists or both strings, got a "
-                   f"{type(prompt).__name__} and a {type(completion).__name__}"))
+    if "prompt" not in columns:
+        raise InputError(
+            f"GRPO needs a 'prompt' column, but the {split_name!r} split has columns {columns}. Each prompt "
+            'is a list of chat messages such as [{"role": "user", "content": "What is 7 + 5?"}]. Rename your '
+            "question column (`dataset.rename_column(old, 'prompt')`) or map your rows into that shape."
         )
-    elif "messages" in columns:
-        bad = _first_bad_row(dataset, "messages", lambda v: _messages_problem(v, "messages", "assistant", min_len=2))
-    elif "input_ids" in columns:  # tokenized by the user: the I2 label guard checks it at run time
-        bad = _first_bad_row(dataset, "input_ids", lambda v: None if len(v) else "input_ids is empty")
+    bad = _first_bad_row(dataset, "prompt", lambda v: _text_or_messages_problem(v, "prompt"))
+    if bad is not None:
+        index, why = bad
+        example = ('{"prompt": [{"role": "user", "content": "What is 7 + 5?"}], '
+                   '"completion": [{"role": "assistant", "content": "12"}]}')
+        raise InputError(
+            f"Row {index} of the {split_name!r} split (GRPO): {why}. A valid row looks like {example} "
+            f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
+        )
+
+
+def _sft_messages_problem(value, what: str) -> str | None:
+    """Why ``value`` cannot be rendered by a chat template, or None: a list of dicts with a role
+    (any role and content the template takes: tool calls with content None, multimodal parts)."""
+    if not isinstance(value, list):
+        return f"{what} is a {type(value).__name__}, not a list of messages"
+    for j, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role", message.get("from")), str):
+            return f"{what}[{j}] is {message!r}, not a dict with a 'role'"
+    return None
+
+
+def _sft_column(dataset, first: dict, column: str) -> list:
+    """A map-style dataset's whole column; a stream's first value (a stream is read lazily)."""
+    return dataset[column] if hasattr(dataset, "__len__") else [first[column]]
+
+
+def check_sft_dataset(dataset, split_name: str, text_field: str = "text", formatting_func=None,
+                      skip_prepare: bool = False) -> None:
+    """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly; accept what it accepts.
+
+    A ``Dataset`` or ``IterableDataset`` (streams: their first row), not empty, in one of TRL's layouts:
+    ``text_field`` (language modelling), ``messages`` or ``conversations`` (conversational language
+    modelling), ``prompt`` + ``completion`` (both strings or both message lists), or ``input_ids``
+    (pre-tokenized). With a ``formatting_func`` or ``skip_prepare`` (``dataset_kwargs``), the columns
+    are the function's or the collator's business and only emptiness is checked.
+    """
+    if not hasattr(dataset, "column_names") or getattr(dataset, "format", {}).get("type") == "custom":
+        return  # not a datasets object, or a with_transform one: trl.SFTTrainer says what it needs
+    try:
+        first = next(iter(dataset))
+    except StopIteration:
+        raise InputError(
+            f"The {split_name!r} split is empty (columns {dataset.column_names}). Point the recipe at a split with rows."
+        ) from None
+    columns = dataset.column_names or list(first)
+    if formatting_func is not None or skip_prepare or "input_ids" in columns:
+        return
+    example = ('{"prompt": [{"role": "user", "content": "What is 7 + 5?"}], '
+               '"completion": [{"role": "assistant", "content": "12"}]}')
+    bad = None
+    if "prompt" in columns and "completion" in columns:
+        pairs = zip(_sft_column(dataset, first, "prompt"), _sft_column(dataset, first, "completion"))
+        for i, (prompt, completion) in enumerate(pairs):
+            if isinstance(prompt, str) != isinstance(completion, str):
+                bad = (i, "prompt and completion must both be message lists or both strings, got a "
+                          f"{type(prompt).__name__} and a {type(completion).__name__}")
+            elif not isinstance(prompt, str):
+                why = _sft_messages_problem(prompt, "prompt") or _sft_messages_problem(completion, "completion")
+                bad = (i, why) if why else None
+            if bad:
+                break
+    elif "messages" in columns or "conversations" in columns:
+        column = "messages" if "messages" in columns else "conversations"
+        values = _sft_column(dataset, first, column)
+        bad = next(((i, why) for i, v in enumerate(values) if (why := _sft_messages_problem(v, column))), None)
+    elif text_field in columns:
+        if not isinstance(first[text_field], str):
+            bad = (0, f"{text_field!r} is a {type(first[text_field]).__name__}, not a string")
     else:
         raise InputError(
-            f"SFT needs 'prompt' + 'completion' columns or a 'messages' column, but the {split_name!r} split has "
-            f"columns {columns}. A row looks like {example}. Rename or map your columns into that shape."
+            f"SFT takes a {text_field!r} column (plain text; `dataset_text_field` names another), 'messages', "
+            f"'prompt' + 'completion', or tokenized 'input_ids', but the {split_name!r} split has columns "
+            f"{columns}. For SFT followed by RL, a row looks like {example}. Rename or map your columns, or pass "
+            "a `formatting_func`."
         )
     if bad is not None:
         index, why = bad
         raise InputError(
-            f"Row {index} of the {split_name!r} split ({kind.upper()}): {why}. A valid row looks like {example} "
-            f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
+            f"Row {index} of the {split_name!r} split (SFT): {why}. A conversational row looks like {example}. "
+            "Fix or drop that row."
         )
 
 

@@ -1,25 +1,98 @@
-"""I2: SFT and RL share one chat template, on the real SmolLM2 tokenizer (pad == eos)."""
+"""grpotrl.SFTTrainer as a drop-in trl.SFTTrainer, and I2 where it applies, on tiny models over the
+real SmolLM2 tokenizer (pad == eos == <|im_end|>, id 2).
+
+Every input type trl.SFTTrainer takes is built side by side with trl.SFTTrainer on the same data and
+settings: the same input ids and labels, then one training step with the guards on every step. The
+one deliberate difference, on conversational prompt-completion rows (I2): the sequence ends at the
+end-of-turn token (TRL also trains on the template's newline after it), and a prompt the template
+renders differently in the full conversation is an error (TRL warns)."""
 
 import json
+import logging
 import os
 
 import pytest
 import torch
+import trl
 from conftest import arithmetic_prompts, length_reward
 from datasets import Dataset
 
 import grpotrl
 from grpotrl import InvariantError, templates
+from grpotrl.trainers.sft import check_sft_labels
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 ANSWER = [{"role": "assistant", "content": "5"}]
+NL = 198  # "\n", what ChatML writes after <|im_end|>
+
+# ChatML like SmolLM2's, plus tools, tool calls, `{% generation %}` markers (assistant_only_loss) and a
+# Qwen3-like `enable_thinking` kwarg that changes the generation prompt
+TOY_TEMPLATE = (
+    "{%- if tools -%}{{ '<|im_start|>system\nTools: ' + (tools | map(attribute='function.name') | join(', ')) "
+    "+ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- set think = '<think>\n\n</think>\n\n' if (enable_thinking is defined and not enable_thinking) else '' -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{ '<|im_start|>assistant\n' + think }}"
+    "{% generation %}{{ m.content or '' }}{%- for c in m.tool_calls or [] -%}"
+    "{{ '<tool_call>' + c.function.name + '</tool_call>' }}{%- endfor -%}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}{%- else -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' + think }}{%- endif -%}"
+)
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 
 
-def _trl_rl_prompt_ids(tok, messages):
+def _trl_rl_prompt_ids(tok, messages, **kwargs):
     """What trl.GRPOTrainer._tokenize_prompts feeds generation (same call, same arguments)."""
     return tok.apply_chat_template(conversation=[messages], tools=None, chat_template=None,
-                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+                                   add_generation_prompt=True, tokenize=True, return_dict=True,
+                                   **kwargs)["input_ids"][0]
 
+
+def _sft_rows(n=8):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
+
+
+def _settings(**kw):
+    base = dict(per_device_train_batch_size=4, max_steps=1, logging_steps=1, report_to="none", use_cpu=True,
+                save_strategy="no", bf16=False, learning_rate=1e-3)
+    base.update(kw)
+    return base
+
+
+def _sft_args(tmp_path, **kw):
+    return grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), guard_steps=-1, **_settings(**{"max_steps": 2, **kw}))
+
+
+def _side_by_side(model, rows, tmp_path, dataset=Dataset.from_list, tokenizer=None, trainer_kwargs=None, **cfg):
+    """trl.SFTTrainer and grpotrl.SFTTrainer on the same data and settings (guards on every step)."""
+    from transformers import AutoTokenizer
+
+    built = []
+    for name, trainer_cls, config_cls, extra in [("trl", trl.SFTTrainer, trl.SFTConfig, {}),
+                                                 ("ours", grpotrl.SFTTrainer, grpotrl.SFTConfig, {"guard_steps": -1})]:
+        tok = AutoTokenizer.from_pretrained(model)
+        if tokenizer is not None:
+            tok.chat_template = tokenizer
+        args = config_cls(output_dir=str(tmp_path / name), **_settings(**cfg), **extra)
+        built.append(trainer_cls(model=model, args=args, train_dataset=dataset(rows), processing_class=tok,
+                                 **(trainer_kwargs or {})))
+    return built
+
+
+def _rows_of(trainer, n=4):
+    ds = trainer.train_dataset
+    rows = [r for _, r in zip(range(n), iter(ds))]
+    return [(r["input_ids"], r["labels"]) for r in rows]
+
+
+def _loss_text(tok, row):
+    return tok.decode([t for t in row["labels"] if t != -100])
+
+
+# ---------------------------------------------------------------------------------------------
+# I2 tokenization (pure)
+# ---------------------------------------------------------------------------------------------
 
 def test_I2_sft_sequence_starts_with_rl_prompt_ids(smollm2_tokenizer):
     ex = templates.tokenize_sft_example(smollm2_tokenizer, PROMPT, ANSWER, [2])
@@ -43,49 +116,377 @@ def test_I2_template_that_renders_prompt_differently_is_an_error(smollm2_tokeniz
         templates.tokenize_sft_example(smollm2_tokenizer, PROMPT, ANSWER, [2], chat_template=drifting)
 
 
-def _sft_rows(n=16):
-    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
-             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
+def test_I2_tokens_merged_across_the_boundary_start_from_the_rl_prompt_ids(smollm2_tokenizer):
+    """The generation prompt ends with a space the response's first token absorbs (" five"): same
+    text, other ids. TRL trains on the merged ids; grpotrl on RL's prompt ids, then the response's own."""
+    answer = [{"role": "assistant", "content": "five"}]
+    spaced = smollm2_tokenizer.chat_template.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant: '")
+    spaced = spaced.replace("'<|im_start|>' + message['role'] + '\n'",
+                            "'<|im_start|>' + message['role'] + (': ' if message['role'] == 'assistant' else '\n')")
+    full = smollm2_tokenizer.apply_chat_template(PROMPT + answer, chat_template=spaced, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+    rl = smollm2_tokenizer.apply_chat_template(PROMPT, chat_template=spaced, add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]
+    assert list(full[: len(rl)]) != list(rl)  # the merge this test is about
+    ex = templates.tokenize_sft_example(smollm2_tokenizer, PROMPT, answer, [2], chat_template=spaced)
+    assert ex["input_ids"][: len(rl)] == list(rl)
+    assert smollm2_tokenizer.decode(ex["input_ids"][len(rl):]) == "five<|im_end|>"
 
 
-def _sft_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
-                report_to="none", use_cpu=True, save_strategy="no", guard_steps=-1, learning_rate=1e-3)
-    base.update(kw)
-    return grpotrl.SFTConfig(**base)
+# ---------------------------------------------------------------------------------------------
+# Every input trl.SFTTrainer takes, side by side with it
+# ---------------------------------------------------------------------------------------------
 
+def test_I2_chat_prompt_completion_is_trls_tokenization_minus_the_template_trailer(tiny_llama, tmp_path):
+    theirs, ours = _side_by_side(tiny_llama, _sft_rows(), tmp_path)
+    for (t_ids, t_labels), (o_ids, o_labels) in zip(_rows_of(theirs), _rows_of(ours)):
+        assert t_ids == o_ids + [NL] and t_labels == o_labels + [NL]  # TRL also trains on "\n" after <|im_end|>
+    row = ours.train_dataset[0]
+    assert row["input_ids"][-1] == 2 and _loss_text(ours.processing_class, row) == "1<|im_end|>"
+    ours.train()
+
+
+def _text_rows():
+    return [{"text": f"The number after {i} is {i + 1}."} for i in range(8)]
+
+
+def _plain_prompt_completion_rows():
+    return [{"prompt": f"The number after {i} is", "completion": f" {i + 1}."} for i in range(8)]
+
+
+def _messages_rows():
+    return [{"messages": r["prompt"] + r["completion"]} for r in _sft_rows()]
+
+
+def _tool_call_rows():
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    return [{"messages": [{"role": "user", "content": f"Add 1 and {i}"},
+                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "content": str(i + 1)},
+                          {"role": "assistant", "content": f"It is {i + 1}."}],
+             "tools": json.dumps(TOOLS)} for i in range(8)]
+
+
+def _pretokenized_rows(mask):
+    return [{"input_ids": [1, 504, 314 + i, 2, 1, 9531, 198, 33 + i, 2], mask: [0, 0, 0, 0, 0, 0, 0, 1, 1]}
+            for i in range(8)]
+
+
+TRL_INPUTS = {  # id: (rows, chat_template, config, trainer kwargs)
+    "text": (_text_rows, None, {}, {}),
+    "text_field": (lambda: [{"body": r["text"]} for r in _text_rows()], None, {"dataset_text_field": "body"}, {}),
+    "plain_prompt_completion": (_plain_prompt_completion_rows, None, {}, {}),
+    "plain_prompt_completion_full_loss": (_plain_prompt_completion_rows, None, {"completion_only_loss": False}, {}),
+    "messages": (_messages_rows, None, {}, {}),
+    "messages_assistant_only": (_messages_rows, TOY_TEMPLATE, {"assistant_only_loss": True}, {}),
+    "tool_calls_with_tools_column": (_tool_call_rows, TOY_TEMPLATE, {}, {}),
+    "chat_prompt_completion_full_loss": (_sft_rows, None, {"completion_only_loss": False}, {}),
+    "pretokenized": (lambda: [{"input_ids": r["input_ids"]} for r in _pretokenized_rows("m")], None, {}, {}),
+    "pretokenized_completion_mask": (lambda: _pretokenized_rows("completion_mask"), None, {}, {}),
+    "pretokenized_assistant_masks": (lambda: _pretokenized_rows("assistant_masks"), None, {}, {}),
+    "formatting_func": (lambda: [{"q": str(i), "a": str(i + 1)} for i in range(8)], None, {},
+                        {"formatting_func": lambda row: f"Q: {row['q']} A: {row['a']}"}),
+    "packing": (_text_rows, None, {"packing": True, "max_length": 16}, {}),
+    "padding_free": (_text_rows, None, {"padding_free": True, "max_length": None}, {}),
+}
+
+
+@pytest.mark.parametrize("kind", list(TRL_INPUTS))
+def test_trains_like_trl(kind, tiny_llama, tmp_path):
+    """What I2 does not apply to reaches TRL unchanged: the same ids and labels, and the guards (on
+    every step) stay silent."""
+    rows, template, cfg, trainer_kwargs = TRL_INPUTS[kind]
+    theirs, ours = _side_by_side(tiny_llama, rows(), tmp_path, tokenizer=template, trainer_kwargs=trainer_kwargs,
+                                 **cfg)
+    assert _rows_of(ours) == _rows_of(theirs)
+    ours.train()
+    assert torch.isfinite(torch.tensor(ours.state.log_history[-1]["train_loss"]))
+
+
+def test_iterable_dataset_trains_like_a_map_style_one(tiny_llama, tmp_path):
+    """Streaming rows are tokenized on the RL template lazily, row by row, the same way (I2 included)."""
+    stream = lambda rows: Dataset.from_list(rows).to_iterable_dataset()  # noqa: E731
+    theirs, ours = _side_by_side(tiny_llama, _sft_rows(), tmp_path, dataset=stream)
+    _, mapped = _side_by_side(tiny_llama, _sft_rows(), tmp_path / "map")
+    assert _rows_of(ours) == _rows_of(mapped)
+    assert [(i + [NL], lab + [NL]) for i, lab in _rows_of(ours)] == _rows_of(theirs)
+    ours.train()
+
+
+def test_I2_assistant_only_loss_on_prompt_completion_with_several_turns(tiny_llama, tmp_path):
+    """TRL's own case: a completion holding a user turn between two assistant turns; the user turn
+    is masked (a hole in the loss), each assistant turn ends with its <|im_end|>."""
+    rows = [{"prompt": r["prompt"], "completion": r["completion"] + r["prompt"] + r["completion"]}
+            for r in _sft_rows()]
+    theirs, ours = _side_by_side(tiny_llama, rows, tmp_path, tokenizer=TOY_TEMPLATE, assistant_only_loss=True)
+    for (t_ids, t_labels), (o_ids, o_labels) in zip(_rows_of(theirs), _rows_of(ours)):
+        assert t_ids == o_ids + [NL] and t_labels == o_labels + [-100]  # the "\n" was masked anyway
+    assert _loss_text(ours.processing_class, ours.train_dataset[0]) == "1<|im_end|>1<|im_end|>"
+    ours.train()
+
+
+def test_skip_prepare_dataset_hands_rows_to_the_collator(tiny_llama, tmp_path):
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}] * 8
+    theirs, ours = _side_by_side(tiny_llama, rows, tmp_path, dataset_kwargs={"skip_prepare_dataset": True})
+    assert ours.train_dataset[:] == theirs.train_dataset[:] == Dataset.from_list(rows)[:]
+    ours.train()
+
+
+def test_plain_trl_config_and_a_user_subclass_get_grpotrls_defaults(tiny_llama, tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class MyConfig(trl.SFTConfig):
+        my_field: int = 3
+
+    seen = []
+    monkeypatch.setattr(grpotrl.trainers.sft, "check_sft_labels", lambda *a, **k: seen.append(1))
+    for args in (trl.SFTConfig(output_dir=str(tmp_path / "a"), **_settings(max_steps=3)),
+                 MyConfig(output_dir=str(tmp_path / "b"), **_settings(max_steps=3))):
+        trainer = grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_sft_rows()))
+        trainer.train()
+        assert trainer.args is args
+    assert len(seen) == 2 * 2  # guard_steps' default, 2, on each run
+
+
+def test_training_arguments_and_no_args_are_taken_like_trl(tiny_llama, tmp_path, monkeypatch):
+    from transformers import TrainingArguments
+
+    monkeypatch.chdir(tmp_path)
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=TrainingArguments(output_dir="ta", use_cpu=True),
+                                 train_dataset=Dataset.from_list(_text_rows()))
+    assert isinstance(trainer.args, grpotrl.SFTConfig) and trainer.args.output_dir == "ta"
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, train_dataset=Dataset.from_list(_text_rows()))
+    assert trainer.args.output_dir == os.path.basename(tiny_llama) + "-SFT"
+
+
+def test_model_by_hub_id(hub_tiny_llama, tmp_path):
+    trainer = grpotrl.SFTTrainer(model=hub_tiny_llama, args=_sft_args(tmp_path, max_steps=1),
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    trainer.train()
+
+
+def test_peft_prompt_tuning(tiny_llama, tmp_path):
+    from peft import PromptTuningConfig, TaskType
+
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, max_steps=1),
+                                 train_dataset=Dataset.from_list(_sft_rows()),
+                                 peft_config=PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    before = trainer.model.prompt_encoder.default.embedding.weight.clone()
+    trainer.train()
+    assert not torch.equal(before, trainer.model.prompt_encoder.default.embedding.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# I2 still caught where it applies
+# ---------------------------------------------------------------------------------------------
 
 def test_I2_sft_run_guards_labels_and_saves_fingerprint(tiny_llama, tmp_path):
     trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path),
                                  train_dataset=Dataset.from_list(_sft_rows()))
-    row = trainer.train_dataset[0]
-    in_loss = [t for t in row["labels"] if t != -100]
-    assert row["input_ids"][-1] == 2 and trainer.processing_class.decode(in_loss) == "1<|im_end|>"
     trainer.train()
     trainer.save_model()
     with open(os.path.join(tmp_path / "sft", templates.FINGERPRINT_FILE)) as f:
         saved = json.load(f)
     assert saved["sha256"] == templates.template_fingerprint(trainer.processing_class)["sha256"]
+    assert saved["trained_on_template"] is True and saved["chat_template_kwargs"] == [{}]
 
 
-def test_I2_messages_rows_become_prompt_completion(tiny_llama, tmp_path):
-    rows = [{"messages": r["prompt"] + r["completion"]} for r in _sft_rows()]
-    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, max_steps=1),
+def test_I2_drift_in_the_data_stops_before_the_model_loads(tiny_llama, tmp_path, monkeypatch):
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = "{% if messages[-1]['role'] == 'assistant' %}[train]{% endif %}" + tok.chat_template
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before I2 was checked"))
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*does not start with the RL prompt ids"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), processing_class=tok,
+                           train_dataset=Dataset.from_list(_sft_rows()))
+
+
+def test_I2_guard_catches_a_collator_that_drops_the_stop_token(tiny_llama, tmp_path):
+    """Seed 002's mask (``mask[first_eos:] = 0``) applied by a custom collator after grpotrl
+    tokenized the rows: the loss no longer ends with <|im_end|>."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    base = DataCollatorForLanguageModeling(pad_token_id=2)
+
+    def seed_002(examples):
+        batch = base(examples)
+        batch["labels"][batch["labels"] == 2] = -100
+        return batch
+
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), data_collator=seed_002,
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*not a stop token"):
+        trainer.train()
+
+
+def test_I2_check_sft_labels_names_each_broken_claim(smollm2_tokenizer):
+    ex = templates.tokenize_sft_example(smollm2_tokenizer, PROMPT, [{"role": "assistant", "content": "5 5"}], [2])
+    ids = torch.tensor([ex["input_ids"]])  # [1, L]
+    good = torch.where(torch.tensor([ex["completion_mask"]]) == 1, ids, -100)
+    gen = [templates.generation_prompt_ids(smollm2_tokenizer)]
+    check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": good}, [2], gen)
+    late = good.clone()
+    late[0, (good[0] != -100).nonzero()[0]] = -100  # the response's first token left out
+    with pytest.raises(InvariantError, match="not after the generation prompt"):
+        check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": late}, [2], gen)
+    holes = good.clone()
+    holes[0, (good[0] != -100).nonzero()[1]] = -100
+    with pytest.raises(InvariantError, match="the loss span has holes"):
+        check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": holes}, [2], gen)
+    check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": holes}, [2], gen, holes=True)
+    # cut by max_length (keep_start): the end is not the response's end, nothing is claimed about it
+    cut = {"input_ids": ids[:, :-1], "labels": good[:, :-1]}
+    with pytest.raises(InvariantError, match="not a stop token"):
+        check_sft_labels(smollm2_tokenizer, cut, [2], gen)
+    check_sft_labels(smollm2_tokenizer, cut, [2], gen, max_length=ids.size(1) - 1)
+
+
+def test_I2_guard_is_silent_on_rows_truncated_by_max_length(tiny_llama, tmp_path):
+    rows = [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": "one two three " * 20}]}
+            for r in _sft_rows()]
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, max_length=40),
                                  train_dataset=Dataset.from_list(rows))
-    assert [t for t in trainer.train_dataset[0]["labels"] if t != -100] == [33, 2]  # "1<|im_end|>"
+    assert len(trainer.train_dataset[0]["input_ids"]) == 40
     trainer.train()
 
 
-def test_I2_guard_stops_seed_bug1_plain_concatenation(tiny_llama, smollm2_tokenizer, tmp_path):
-    """Seed 000 bug #1: SFT on prompt + "\\n\\n" + answer, not on the chat template."""
-    rows = []
-    for r in _sft_rows():
-        p = smollm2_tokenizer(r["prompt"][0]["content"] + "\n\n")["input_ids"]
-        a = smollm2_tokenizer(r["completion"][0]["content"])["input_ids"] + [2]
-        rows.append({"input_ids": p + a, "completion_mask": [0] * len(p) + [1] * len(a)})
-    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), train_dataset=Dataset.from_list(rows))
-    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*not after the generation prompt"):
-        trainer.train()
+def test_I2_packed_chat_rows_train(tiny_llama, tmp_path):
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, packing=True, max_length=64),
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    packed = trainer.train_dataset[0]
+    assert NL not in [t for t in packed["labels"] if t != -100]  # the I2 rows were packed, trailer-free
+    trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------
+# The template SFT trained on (issue 15): chat_template_path, chat_template_kwargs, check_template
+# ---------------------------------------------------------------------------------------------
+
+def _bot_template(tok):
+    return tok.chat_template.replace("message['role']", "('bot' if message['role'] == 'assistant' else "
+                                     "message['role'])").replace("'<|im_start|>assistant\n'", "'<|im_start|>bot\n'")
+
+
+def test_I2_chat_template_path_file_is_what_sft_trains_on_and_fingerprints(tiny_llama, tmp_path, smollm2_tokenizer):
+    path = tmp_path / "bot.jinja"
+    path.write_text(_bot_template(smollm2_tokenizer))
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, chat_template_path=str(path)),
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    tok = trainer.processing_class
+    row = trainer.train_dataset[0]
+    assert "<|im_start|>bot\n" in tok.decode(row["input_ids"])
+    assert row["input_ids"][: len(_trl_rl_prompt_ids(tok, _sft_rows()[0]["prompt"]))] == list(
+        _trl_rl_prompt_ids(tok, _sft_rows()[0]["prompt"]))
+    trainer.train()
+    trainer.save_model()
+    with open(tmp_path / "sft" / templates.FINGERPRINT_FILE) as f:
+        assert json.load(f)["template"] == path.read_text()
+    assert templates.check_fingerprint(str(tmp_path / "sft"), tok) is True
+    with pytest.raises(InvariantError, match="another chat template"):
+        templates.check_fingerprint(str(tmp_path / "sft"), smollm2_tokenizer)
+
+
+def test_I2_chat_template_path_tokenizer_dir_is_cloned_as_trl_does(tiny_llama, tmp_path, smollm2_tokenizer):
+    """The template of a tokenizer directory (or Hub id): trl.clone_chat_template semantics."""
+    source = tmp_path / "source-tokenizer"
+    smollm2_tokenizer.save_pretrained(source)
+    tok_json = source / "tokenizer_config.json"
+    cfg = json.loads(tok_json.read_text())
+    cfg["chat_template"] = _bot_template(smollm2_tokenizer)
+    tok_json.write_text(json.dumps(cfg))
+    (source / "chat_template.jinja").unlink(missing_ok=True)
+    theirs, ours = _side_by_side(tiny_llama, _sft_rows(), tmp_path, chat_template_path=str(source))
+    assert ours.processing_class.chat_template == theirs.processing_class.chat_template == _bot_template(
+        smollm2_tokenizer)
+    assert [(i + [NL], lab + [NL]) for i, lab in _rows_of(ours)] == _rows_of(theirs)
+    ours.train()
+
+
+def test_I2_chat_template_kwargs_are_applied_and_recorded(tiny_llama, tmp_path):
+    """SFTConfig.chat_template_kwargs (grpotrl's, like GRPOConfig's) and trl's per-row column both
+    reach the tokenization; the fingerprint records them, and GRPO with kwargs that render the
+    prompt otherwise is an I2 error."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = TOY_TEMPLATE
+    no_think = {"enable_thinking": False}
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, chat_template_kwargs=no_think),
+                                 processing_class=tok, train_dataset=Dataset.from_list(_sft_rows()))
+    rl = _trl_rl_prompt_ids(tok, _sft_rows()[0]["prompt"], **no_think)
+    assert tok.decode(rl).endswith("<think>\n\n</think>\n\n")
+    assert trainer.train_dataset[0]["input_ids"][: len(rl)] == list(rl)
+    trainer.train()
+    trainer.save_model()
+    ckpt = str(tmp_path / "sft")
+    with open(os.path.join(ckpt, templates.FINGERPRINT_FILE)) as f:
+        assert json.load(f)["chat_template_kwargs"] == [no_think]
+    assert templates.check_fingerprint(ckpt, tok, chat_template_kwargs=no_think)
+    assert templates.check_fingerprint(ckpt, tok, chat_template_kwargs=None)  # a caller that does not say
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*chat_template_kwargs.*enable_thinking"):
+        templates.check_fingerprint(ckpt, tok, chat_template_kwargs={})
+    # trl's per-row column, over the config's: rows rendered both ways are both recorded. SmolLM2 splits
+    # "\n\n1" into "\n", "\n", "1" but ends the RL prompt with the one token "\n\n": TRL trains on the
+    # former, grpotrl on RL's prompt ids and then the response's own ids (I2).
+    rows = [{**r, "chat_template_kwargs": {"enable_thinking": bool(i % 2)}} for i, r in enumerate(_sft_rows())]
+    theirs, ours = _side_by_side(tiny_llama, rows, tmp_path / "rows", tokenizer=TOY_TEMPLATE)
+    for i, ((t_ids, _), (o_ids, o_labels)) in enumerate(zip(_rows_of(theirs), _rows_of(ours))):
+        rl = list(_trl_rl_prompt_ids(tok, rows[i]["prompt"], **rows[i]["chat_template_kwargs"]))
+        assert o_ids[: len(rl)] == rl and tok.decode(o_ids[len(rl):]) == f"{i + 1}<|im_end|>"
+        assert o_labels == [-100] * len(rl) + o_ids[len(rl):]
+        assert (t_ids == o_ids + [NL]) == (i % 2 == 1)  # thinking rows: TRL's ids but the trailer
+    assert ours._template_kwargs == [{"enable_thinking": False}, {"enable_thinking": True}]
+    templates.save_fingerprint(str(tmp_path / "fp"), tok, chat_template_kwargs=ours._template_kwargs)
+    assert templates.check_fingerprint(str(tmp_path / "fp"), tok, chat_template_kwargs={})  # renders as True
+
+
+def test_I2_sft_from_a_checkpoint_with_another_template_stops_before_loading(tiny_llama, tmp_path, monkeypatch):
+    import transformers
+    from transformers import AutoTokenizer
+
+    first = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, max_steps=1),
+                               train_dataset=Dataset.from_list(_sft_rows()))
+    first.train()
+    first.save_model()
+    ckpt = str(tmp_path / "sft")
+    other = AutoTokenizer.from_pretrained(ckpt)
+    other.chat_template = _bot_template(other)
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                  lambda *a, **k: pytest.fail("the model was loaded before the template check"))
+        with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another chat template"):
+            grpotrl.SFTTrainer(model=ckpt, args=_sft_args(tmp_path / "2"), processing_class=other,
+                               train_dataset=Dataset.from_list(_sft_rows()))
+    grpotrl.SFTTrainer(model=ckpt, args=_sft_args(tmp_path / "3", check_template=False), processing_class=other,
+                       train_dataset=Dataset.from_list(_sft_rows()))
+
+
+def test_guard_logprob_atol_is_not_an_sft_setting():
+    """I5's tolerance has no meaning in SFT (nothing is sampled): SFTConfig has no such field."""
+    assert "guard_logprob_atol" in grpotrl.GRPOConfig.__dataclass_fields__
+    assert "guard_logprob_atol" not in grpotrl.SFTConfig.__dataclass_fields__
+    with pytest.raises(TypeError, match="guard_logprob_atol"):
+        grpotrl.SFTConfig(output_dir="x", guard_logprob_atol=1e-3)
+
+
+def test_plain_text_sft_fingerprint_says_no_template_and_grpo_only_warns(tiny_llama, tmp_path, caplog):
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, max_steps=1),
+                                 train_dataset=Dataset.from_list(_text_rows()))
+    trainer.train()
+    trainer.save_model()
+    ckpt = str(tmp_path / "sft")
+    with open(os.path.join(ckpt, templates.FINGERPRINT_FILE)) as f:
+        saved = json.load(f)
+    assert saved["trained_on_template"] is False and "chat_template_kwargs" not in saved
+    other = trainer.processing_class
+    other.chat_template = _bot_template(other)
+    with caplog.at_level(logging.WARNING, logger="grpotrl.templates"):
+        assert templates.check_fingerprint(ckpt, other) is True
+    assert "not on a chat template" in caplog.text
 
 
 def test_I2_grpo_on_checkpoint_with_other_template_stops_before_loading(tiny_llama, tmp_path, grpo_args,

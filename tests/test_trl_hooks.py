@@ -32,6 +32,7 @@ GRPO_HOOKS = {
 }
 SFT_HOOKS = {
     "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    "_prepare_dataset": ["self", "dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"],
     "save_model": ["self", "output_dir", "_internal_call"],
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
@@ -66,7 +67,20 @@ def test_fused_head_still_used_for_logprobs():
 def test_our_overrides_keep_the_signatures():
     for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "save_model"):
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
-    assert _params(grpotrl.SFTTrainer, "compute_loss") == SFT_HOOKS["compute_loss"]
+    for name in ("compute_loss", "_prepare_dataset", "save_model"):
+        assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name]
+
+
+def test_sft_preparation_state_grpotrl_reads():
+    """grpotrl.SFTTrainer._prepare_dataset runs inside trl's __init__ and reads what trl set before
+    it: the resolved completion_only_loss, the {% generation %} template, the tokenizer, _is_vlm; and
+    trl's own preparation must still take rows with input_ids as tokenized (labels from the masks)."""
+    init = inspect.getsource(trl.SFTTrainer.__init__)
+    order = [init.index(n) for n in ("self._tokenizer = processing_class", "self.chat_template = ",
+                                     "self.completion_only_loss = ", "train_dataset = self._prepare_dataset(")]
+    assert order == sorted(order)
+    prep = inspect.getsource(trl.SFTTrainer._prepare_dataset)
+    assert 'is_processed = "input_ids" in column_names' in prep and '"completion_mask"' in prep
 
 
 def test_entropy_bonus_state_grpotrl_reads_and_toggles():

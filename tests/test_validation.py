@@ -63,22 +63,38 @@ def test_empty_split_is_an_error():
         validation.check_dataset(ds, "test", kind="grpo")
 
 
-def test_sft_dataset_needs_prompt_completion_or_messages():
-    ds = Dataset.from_list([{"text": "What is 7 + 5? 12"}])
-    with pytest.raises(InputError, match=r"'prompt' \+ 'completion' .*\['text'\]"):
+def test_sft_dataset_without_a_layout_trl_takes_names_the_columns_and_the_layouts():
+    ds = Dataset.from_list([{"question": "What is 7 + 5?", "answer": "12"}])
+    with pytest.raises(InputError, match=r"'text' column .*'messages', 'prompt' \+ 'completion'.*\['question', 'answer'\]"):
         validation.check_dataset(ds, "train", kind="sft")
+    validation.check_dataset(ds, "train", kind="sft", formatting_func=lambda row: row["question"])
+    validation.check_dataset(ds.rename_column("question", "body"), "train", kind="sft", text_field="body")
 
 
-def test_sft_completion_must_end_with_an_assistant_message():
-    ds = Dataset.from_list([{"prompt": USER, "completion": ASSISTANT}, {"prompt": USER, "completion": USER}])
-    with pytest.raises(InputError, match=r"Row 1 .*completion ends with a 'user' message"):
+def test_sft_takes_what_trl_takes():
+    """Plain text, plain and conversational prompt-completion, messages (tool calls with content
+    None, a lone assistant turn, a completion ending on a user turn), ShareGPT conversations,
+    pre-tokenized rows and streams: none of them is refused."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    for rows in ([{"text": "7 + 5 = 12"}], [{"prompt": "7 + 5 =", "completion": " 12"}],
+                 [{"prompt": USER, "completion": ASSISTANT + USER}], [{"messages": ASSISTANT}],
+                 [{"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [call]}]}],
+                 [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}],
+                 [{"input_ids": [1, 2, 3]}]):
+        validation.check_dataset(Dataset.from_list(rows), "train", kind="sft")
+        validation.check_dataset(Dataset.from_list(rows).to_iterable_dataset(), "train", kind="sft")
+
+
+def test_sft_bad_row_is_named_by_index():
+    ds = Dataset.from_list([{"prompt": USER, "completion": ASSISTANT}, {"prompt": [{"content": "hi"}],
+                                                                        "completion": ASSISTANT}])
+    with pytest.raises(InputError, match=r"Row 1 .*prompt\[0\] .*not a dict with a 'role'"):
         validation.check_dataset(ds, "train", kind="sft")
-
-
-def test_sft_messages_need_a_turn_before_the_answer():
-    ds = Dataset.from_list([{"messages": USER + ASSISTANT}, {"messages": ASSISTANT}])
-    with pytest.raises(InputError, match=r"Row 1 .*messages has 1 messages, needs at least 2"):
-        validation.check_dataset(ds, "train", kind="sft")
+    mixed = Dataset.from_list([{"prompt": USER, "completion": "12"}])
+    with pytest.raises(InputError, match=r"Row 0 .*must both be message lists or both strings"):
+        validation.check_dataset(mixed, "train", kind="sft")
+    with pytest.raises(InputError, match=r"'eval' split is empty"):
+        validation.check_dataset(ds.select([]), "eval", kind="sft")
 
 
 def test_quickstart_data_passes_both_checks():

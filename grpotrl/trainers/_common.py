@@ -88,7 +88,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
         processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
                                                          trust_remote_code=args.trust_remote_code, **sides)
-    if _is_conversational(train_dataset):
+    if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, gen_config)
     return model, processing_class, stop_ids, model_id
