@@ -144,7 +144,8 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
         first = next(iter(dataset))
     except StopIteration:
         raise InputError(
-            f"The {split_name!r} split is empty (columns {dataset.column_names}). Point the recipe at a split with rows."
+            f"The {split_name!r} split is empty (columns {dataset.column_names}). Point the recipe at a split "
+            "with rows."
         ) from None
     columns = dataset.column_names or list(first)
     if formatting_func is not None or skip_prepare or "input_ids" in columns:

@@ -65,7 +65,8 @@ def test_empty_split_is_an_error():
 
 def test_sft_dataset_without_a_layout_trl_takes_names_the_columns_and_the_layouts():
     ds = Dataset.from_list([{"question": "What is 7 + 5?", "answer": "12"}])
-    with pytest.raises(InputError, match=r"'text' column .*'messages', 'prompt' \+ 'completion'.*\['question', 'answer'\]"):
+    layouts = r"'text' column .*'messages', 'prompt' \+ 'completion'.*\['question', 'answer'\]"
+    with pytest.raises(InputError, match=layouts):
         validation.check_dataset(ds, "train", kind="sft")
     validation.check_dataset(ds, "train", kind="sft", formatting_func=lambda row: row["question"])
     validation.check_dataset(ds.rename_column("question", "body"), "train", kind="sft", text_field="body")

@@ -109,6 +109,18 @@ def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> lis
     return [json.loads(s) for s in sorted(seen)]
 
 
+def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: dict | None,
+                    training_template: str | None = None, assistant_masks: bool = False) -> dict:
+    """One conversational prompt-completion row on the RL template, with what TRL renders it with:
+    the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's."""
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
+    return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
+                                          training_template=training_template, tools=tools,
+                                          assistant_masks=assistant_masks, **kw)
+
+
 class SFTTrainer(CheckedResume, trl.SFTTrainer):
     _tag_names = ["trl", "sft", "grpotrl"]
     _resume_kind = "sft"
@@ -134,8 +146,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                 templates.check_fingerprint(model_id, processing_class,
                                             revision=(args.model_init_kwargs or {}).get("revision"))
             if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
-                self._tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids,
-                                      option(args, "chat_template_kwargs"), None)
+                tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids,
+                                option(args, "chat_template_kwargs"))
         if fmt == "chat_prompt_completion" and args.completion_only_loss is False:
             logger.warning("completion_only_loss=False trains on the prompt tokens too: I2 (SFT loss = response + "
                            "end-of-turn) is not what this run trains, and grpotrl does not check it.")
@@ -154,15 +166,6 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
 
     # --- dataset preparation -----------------------------------------------------------------
 
-    @staticmethod
-    def _tokenize_i2_row(row, tokenizer, stop_ids, config_kwargs, training_template, assistant_masks=False):
-        tools = row.get("tools")
-        tools = json.loads(tools) if isinstance(tools, str) else tools
-        kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
-        return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
-                                              training_template=training_template, tools=tools,
-                                              assistant_masks=assistant_masks, **kw)
-
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
         fmt = None if formatting_func is not None or custom or self._is_vlm else data_format(dataset)
@@ -175,7 +178,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
             assistant = args.assistant_only_loss
 
             def tokenize(row):
-                return SFTTrainer._tokenize_i2_row(row, tok, stops, config_kwargs, training_template, assistant)
+                return tokenize_i2_row(row, tok, stops, config_kwargs, training_template, assistant)
 
             map_kwargs = ({"num_proc": args.dataset_num_proc,
                            "desc": f"Tokenizing {dataset_name} dataset on the RL chat template (I2)"}
