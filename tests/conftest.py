@@ -71,6 +71,18 @@ def hub_tiny_llama(tiny_llama) -> str:
     return "grpotrl-test/tiny-llama"
 
 
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def hub_smollm2(smollm2_path) -> str:
+    """SmolLM2-135M-Instruct under its real Hub id in the session's HF cache (weights linked, not copied)."""
+    from hub_cache import add_to_cache
+
+    add_to_cache(HUB_CACHE, SMOLLM2_HUB_ID, smollm2_path)
+    return SMOLLM2_HUB_ID
+
+
 @pytest.fixture(scope="session")
 def tiny_multistop(tmp_path_factory, smollm2_path):
     """SmolLM2's tokenizer with eos = <|endoftext|> (id 0) while the template still ends turns
