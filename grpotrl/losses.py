@@ -73,12 +73,14 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
     """``r - log r - 1`` with ``r = pi_ref / pi`` [low_var_kl]: unbiased, never negative.
-    Clamped to [-clamp, clamp] as verl does (the exp overflows for far-off tokens).
+    As verl does, the log-ratio is clamped to [-20, 20] BEFORE the exp and the value to
+    [-clamp, clamp] after: clamping only the value leaves ``inf - inf`` in the backward pass, a NaN
+    gradient for far-off tokens (logp = -100, ref = 0).
 
     >>> round(kl_k3(torch.tensor([0.0]), torch.tensor([-1.0])).item(), 6)  # e^-1 + 1 - 1
     0.367879
     """
-    log_r = ref_logp - logp
+    log_r = (ref_logp - logp).clamp(min=-20.0, max=20.0)
     return (torch.exp(log_r) - log_r - 1).clamp(min=-clamp, max=clamp)
 
 

@@ -70,3 +70,13 @@ def test_importance_sampling_ratio_modes():
     assert importance_sampling_ratio(t, s, m, "sequence_mask", clip_max=3.0).tolist() == [[0.0]]
     with pytest.raises(ValueError, match="mode"):
         importance_sampling_ratio(t, s, m, "bogus")
+
+
+def test_k3_gradient_is_finite_at_extreme_log_ratios():
+    """Issue 15: logp = -100, ref = 0 gave a NaN gradient (exp(100) = inf, then inf - inf in backward)."""
+    logp = torch.tensor([-100.0, 100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, 0.0])
+    kl_k3(logp, ref).sum().backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    # in range the gradient is the analytic one: d/dlogp (e^(ref-logp) - (ref-logp) - 1) = 1 - e^(ref-logp)
+    assert logp.grad[2].item() == pytest.approx(1 - math.e, abs=1e-5)
