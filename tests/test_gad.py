@@ -370,6 +370,23 @@ def test_warmup_with_gradient_accumulation_steps_D_once_per_generation_batch(tin
     assert not all(torch.equal(v, d_start[k]) for k, v in trainer.discriminator.state_dict().items())
 
 
+def test_discriminator_of_a_bf16_student_keeps_fp32_weights_and_learns_at_a_small_lr(tiny_llama, gad_args):
+    """Issue 15: D in bf16 with a plain AdamW at lr 1e-6 changed 18 of 1,000 weights in 10 steps (updates
+    below bf16's resolution round away). D now keeps fp32 master weights: every trained weight moves."""
+    student = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    args = gad_args(max_steps=2, discriminator_warmup_steps=2, discriminator_learning_rate=1e-6, guard_steps=0)
+    trainer = grpotrl.GADTrainer(model=student, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    assert {p.dtype for p in d.parameters()} == {torch.float32}
+    start = {n: p.detach().clone() for n, p in d.named_parameters()}
+    trainer.train()
+    moved = sum(int((p != start[n]).sum()) for n, p in d.named_parameters())
+    total = sum(p.numel() for p in d.parameters())
+    # embeddings of tokens never seen get no gradient: most, not all, of the weights move
+    trained = sum(p.numel() for n, p in d.named_parameters() if "embed" not in n)
+    assert moved >= 0.9 * trained, f"{moved} of {total} discriminator weights moved"
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _d_state(trainer):

@@ -168,7 +168,11 @@ class GADTrainer(GRPOTrainer):
         student = self.accelerator.unwrap_model(self.model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
         path = args.discriminator_model_name_or_path or getattr(student.config, "_name_or_path", None)
-        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=student.dtype,
+        # fp32 master weights for D under torch/DDP: a bf16 D with a plain AdamW at lr 1e-6 barely moves (an
+        # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
+        # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
+        d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
+        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=d_dtype,
                                   lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings)
         if args.disable_dropout:
