@@ -161,7 +161,8 @@ class GADTrainer(GRPOTrainer):
             raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 
         # KL: computed here for every estimator; TRL's own in-loss k3 is off (it kept the ref model).
-        self.kl_coef = args.beta
+        self.kl_coef = args.beta  # in the loss (verl: actor.kl_loss_coef); in the reward (kl_ctrl.kl_coef):
+        self.kl_reward_coef = args.beta if args.kl_in_reward_coef is None else args.kl_in_reward_coef
         self.beta = 0.0
         self._kl_in_loss = bool(args.beta and args.use_kl_loss)
 
@@ -295,15 +296,15 @@ class GADTrainer(GRPOTrainer):
         return out.logits[:, :-1]
 
     @torch.no_grad()
-    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:
+    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int, estimator: str) -> torch.Tensor:
         """KL(pi || pi_ref) per completion token of the current policy, no grad: [B, C]."""
         bs = self.args.per_device_train_batch_size
         ref, ctx = self._ref_context()
-        if self.args.kl_estimator != "full":
+        if estimator != "full":
             logp = self._get_per_token_logps_and_entropies(self.model, ids, attn, width, batch_size=bs)[0]
             with ctx:
                 ref_logp = self._get_per_token_logps_and_entropies(ref, ids, attn, width, batch_size=bs)[0]
-            return kl_penalty(logp, ref_logp, self.args.kl_estimator)
+            return kl_penalty(logp, ref_logp, estimator)
         out = []
         for i in range(0, ids.size(0), bs):
             part = slice(i, i + bs)
@@ -314,16 +315,18 @@ class GADTrainer(GRPOTrainer):
         return torch.cat(out)
 
     def kl_penalty(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        """Reward column ``kl_penalty``: ``-beta * sum_t KL_t`` of each response under the current
-        policy (``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
+        """Reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
+        current policy (``kl_in_reward_estimator``; both default to the loss's ``beta`` and
+        ``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
         tok = self._tokenizer
         prompt_ids = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs) for p in prompts]
         device = self.accelerator.device
         p_ids, p_mask = pad_sequences(prompt_ids, tok.pad_token_id, side="left", device=device)  # [N, P]
         c_ids, c_mask = pad_sequences([list(c) for c in completion_ids], tok.pad_token_id, device=device)  # [N, C]
         ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)  # [N, P+C]
-        per_token = self._per_token_kl(ids, attn, c_ids.size(1))  # [N, C]
-        return (-self.kl_coef * (per_token * c_mask).sum(-1)).tolist()
+        estimator = self.args.kl_in_reward_estimator or self.args.kl_estimator
+        per_token = self._per_token_kl(ids, attn, c_ids.size(1), estimator)  # [N, C]
+        return (-self.kl_reward_coef * (per_token * c_mask).sum(-1)).tolist()
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
