@@ -387,6 +387,17 @@ def test_discriminator_of_a_bf16_student_keeps_fp32_weights_and_learns_at_a_smal
     assert moved >= 0.9 * trained, f"{moved} of {total} discriminator weights moved"
 
 
+def test_student_lr_schedule_starts_after_discriminator_warmup(tiny_llama, gad_args):
+    """Linear decay over the 2 steps after a 2-step warmup: the student trains at lr, lr/2 (the
+    schedule spans the student's steps only); during warmup it stands at its step 0."""
+    args = gad_args(max_steps=4, discriminator_warmup_steps=2, learning_rate=1e-3, lr_scheduler_type="linear",
+                    guard_steps=0)
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs == pytest.approx([1e-3, 1e-3, 1e-3, 5e-4]), lrs
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _d_state(trainer):
@@ -624,6 +635,7 @@ GAD_HOOKS = {
     "save_model": ["self", "output_dir", "_internal_call"],
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "create_scheduler": ["self", "num_training_steps", "optimizer"],
 }
 
 

@@ -31,6 +31,7 @@ Overrides (everything else is grpotrl.GRPOTrainer's, hence TRL's):
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
   * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used.
   * ``training_step``: during warmup, generates and updates D only; the student gets no grad.
+  * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
   * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
     checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
     state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
@@ -44,6 +45,7 @@ from its output (``--model_name_or_path outputs/smollm2-sft-gad-warmup``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -414,6 +416,20 @@ class GADTrainer(GRPOTrainer):
             self._current_train_step_time = 0.0
         return torch.zeros((), device=self.args.device)
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The student's LR schedule starts with the student: it spans the steps after discriminator
+        warmup (its warmup_ratio / decay over those) and stands at its step 0 during warmup. A
+        scheduler the user passed is left as it is."""
+        W = self.args.discriminator_warmup_steps
+        ours = self.lr_scheduler is None
+        scheduler = super().create_scheduler(max(1, num_training_steps - W), optimizer)
+        if ours and W:
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                raise InputError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} cannot be held still during "
+                                 "discriminator warmup; use a schedule such as linear, cosine or constant.")
+            scheduler.lr_lambdas = [functools.partial(_after, W, f) for f in scheduler.lr_lambdas]
+        return scheduler
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -430,3 +446,8 @@ class GADTrainer(GRPOTrainer):
             return
         # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
+
+
+def _after(delay: int, lr_lambda, step: int) -> float:
+    """``lr_lambda`` started ``delay`` steps late (held at its step 0 until then)."""
+    return lr_lambda(max(0, step - delay))
