@@ -362,6 +362,37 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     return last
 
 
+def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
+    (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
+    README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
+    saying so. A file where a directory should be is always an error. Reads names only."""
+    directory = os.path.expanduser(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
+    if resume or overwrite or not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    names = set(os.listdir(directory))
+    checkpoints = _checkpoints(directory)
+    finished = [n for n in ("trainer_state.json", *WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"]) if n in names]
+    if finished or checkpoints:
+        steps = ""
+        if "trainer_state.json" in names:
+            try:
+                with open(os.path.join(directory, "trainer_state.json")) as f:
+                    steps = f" of {json.load(f).get('global_step')} steps"
+            except (OSError, ValueError):
+                pass
+        what = (f"a finished run{steps} ({', '.join(finished)})" if finished else "no final model") + \
+            (f" and checkpoints {checkpoints}" if checkpoints else "")
+    else:
+        what = f"files grpotrl did not write ({_files(directory)})"
+    raise InputError(
+        f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
+        "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Reward functions
 # ---------------------------------------------------------------------------------------------
