@@ -172,6 +172,10 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
             raise InputError(f"entropy_coef={self.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
                              "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
                              "entropy; use 0 for no bonus.")
+        if self.use_adaptive_entropy and not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
+            raise InputError(f"entropy_coef_min={self.entropy_coef_min}, entropy_coef_max={self.entropy_coef_max}: "
+                             "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
+                             "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
         super().__post_init__()
 
 
