@@ -160,6 +160,9 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
     )
 
     def __post_init__(self):
+        from .validation import check_ranges
+
+        check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         if self.health_action not in ("stop", "warn", "off"):
@@ -182,6 +185,9 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
 @dataclass
 class SFTConfig(GuardFields, trl.SFTConfig):
     def __post_init__(self):
+        from .validation import check_ranges
+
+        check_ranges(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         super().__post_init__()
@@ -265,7 +271,9 @@ class GADConfig(GRPOConfig):
 
     def __post_init__(self):
         from .losses import kl_estimator_name
+        from .validation import check_ranges
 
+        check_ranges(self)
         for name in ("kl_estimator", "kl_in_reward_estimator"):
             if getattr(self, name) is not None:
                 try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import re
 import struct
@@ -132,6 +133,68 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo") -> None:
             f"Row {index} of the {split_name!r} split ({kind.upper()}): {why}. A valid row looks like {example} "
             f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric settings
+# ---------------------------------------------------------------------------------------------
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (test of a value that is set, what it must be); None always passes (TRL's "not set")
+RANGES = {
+    "learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "beta": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (a negative KL coefficient rewards leaving the "
+             "reference)"),
+    "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
+    "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
+    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0 (the logprobs are log_softmax(logits / T); "
+                    "for nearly greedy sampling use a small T such as 0.1)"),
+    "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
+    "repetition_penalty": (lambda v: _real(v) and v > 0, "a finite number > 0 (1.0: off)"),
+    "presence_penalty": (_real, "a finite number"),
+    "frequency_penalty": (_real, "a finite number"),
+    "entropy_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0: the loss is policy + beta*KL - c*H with "
+                     "c >= 0 encouraging exploration (INVARIANT I7); 0 for no bonus"),
+    "weight_decay": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "max_grad_norm": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0: no clipping)"),
+    "warmup_ratio": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "num_train_epochs": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "num_generations": (lambda v: _int(v) and v >= 2, "an integer >= 2 (GRPO normalises rewards within a group)"),
+    "num_iterations": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "steps_per_generation": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_train_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_steps": (lambda v: _int(v) and (v > 0 or v == -1), "an integer > 0 (or -1: by num_train_epochs)"),
+    "max_completion_length": (lambda v: _int(v) and v >= 1, "an integer >= 1 (new tokens per completion)"),
+    "max_prompt_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "min_new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "guard_steps": (lambda v: _int(v) and v >= -1, "an integer: -1 every step, 0 off, N the first N steps"),
+    "guard_logprob_atol": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "discriminator_learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "kl_in_reward_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_ranges(args) -> None:
+    """Raise ``InputError`` for the first numeric setting of ``args`` (any TRL or grpotrl config) that is
+    set to something its field cannot mean: a wrong sign, a zero, a NaN, a list. Runs on the config,
+    before any weights load, and before TRL's own __post_init__ divides by any of them."""
+    for name, (ok, what) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}. Fix it in the recipe, "
+                             "on the command line or in the config.")
 
 
 # ---------------------------------------------------------------------------------------------

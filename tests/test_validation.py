@@ -3,6 +3,7 @@ the bad value, raised before any model is loaded (fast: no weights are read here
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,25 @@ def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_si
     validation.check_output_dir(str(tmp_path / "empty"))
     validation.check_output_dir(str(tmp_path / "new"))
     assert (run / "model.safetensors").is_file()  # nothing was touched
+
+
+@pytest.mark.parametrize("field, value", [
+    ("beta", -1.0), ("num_generations", 0), ("temperature", 0.0), ("temperature", -0.5), ("learning_rate", [1]),
+    ("learning_rate", float("nan")), ("max_completion_length", 0), ("max_steps", 1.5), ("epsilon", -0.2),
+    ("per_device_train_batch_size", 0), ("top_p", 1.5), ("entropy_coef", float("inf"))])
+def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, value, tmp_path):
+    """Issue 16: beta -1 trained and saved; num_generations 0 was a ZeroDivisionError inside TRL; temperature 0
+    and a NaN learning rate were caught only after the model loaded."""
+    import trl
+
+    import grpotrl
+
+    with pytest.raises(InputError, match=rf"^{field}={re.escape(repr(value))} \(\w+\): it must be"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), **{field: value})
+    ok = {"max_steps": 1, "learning_rate": 1e-6, "beta": 0.0, "num_generations": 8, "temperature": 1.0,
+          "max_completion_length": 8, "epsilon": 0.2, "per_device_train_batch_size": 8, "top_p": 1.0,
+          "entropy_coef": 0.0}
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **ok)
+    setattr(args, field, value)  # TRL's own config, set after its checks: the trainer checks it before loading
+    with pytest.raises(InputError, match=rf"^{field}="):
+        validation.check_ranges(args)
