@@ -258,12 +258,14 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
+    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}])  # a step whose judges scored no row
+    'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
     for key in keys:
-        values = [entry[key] for entry in log_history if key in entry]
+        values = [entry[key] for entry in log_history if entry.get(key) is not None]  # None: no row scored
         if values:
             first, last = values[:window], values[-window:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
