@@ -153,10 +153,12 @@ def run(command: str, argv: list[str]) -> None:
 
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
     from grpotrl.data import load_splits, pick_split
+    from grpotrl.hub import check_model_source
+    from grpotrl.hub import generation_config as hub_generation_config
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.recipe import load_local_judges, parse_judges
     from grpotrl.trainers._common import check_model_args, resume_checkpoint
@@ -164,19 +166,17 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Model path and tokenizer: checked before any weights are read
     ################
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    validation.check_model_dir(model_path)
+    model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
+    revision = model_args.model_revision
+    check_model_source(model_path, revision)  # Hub ids: config and tokenizer files only, no weights yet
     check_model_args(model_args, model_path)  # quantization needs LoRA; LoRA targets exist
     tokenizer = AutoTokenizer.from_pretrained(
-        model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+        model_path, revision=revision, trust_remote_code=training_args.trust_remote_code
     )
     templates.require_chat_template(tokenizer)
-    generation_config = None
-    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        generation_config = GenerationConfig.from_pretrained(model_path)
-    stop_ids = templates.stop_token_ids(tokenizer, generation_config)
+    stop_ids = templates.stop_token_ids(tokenizer, hub_generation_config(model_path, revision))
     if command in ("grpo", "gad") and training_args.check_template:
-        templates.check_fingerprint(model_path, tokenizer)  # I2: before the weights are read
+        templates.check_fingerprint(model_path, tokenizer, revision=revision)  # I2: before the weights are read
 
     ################
     # Dataset, rewards and judges
@@ -199,7 +199,7 @@ def run(command: str, argv: list[str]) -> None:
         reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs, judges,
                                                        script_args.reward_model_name_or_path)
         if script_args.reward_model_name_or_path:
-            validation.check_model_dir(script_args.reward_model_name_or_path)
+            check_model_source(script_args.reward_model_name_or_path, what="Reward model")
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
 
     ################

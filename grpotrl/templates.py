@@ -141,12 +141,16 @@ def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = Non
     os.replace(tmp, os.path.join(output_dir, FINGERPRINT_FILE))
 
 
-def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None) -> bool:
-    """I2 at RL start: a checkpoint trained with another template is an error. Returns whether a
-    fingerprint was found (a base model without one passes)."""
-    if not model_dir or not os.path.isfile(os.path.join(model_dir, FINGERPRINT_FILE)):
+def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
+                      revision: str | None = None) -> bool:
+    """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
+    an error. Returns whether a fingerprint was found (a base model without one passes)."""
+    from .hub import model_file
+
+    path = model_file(model_dir, FINGERPRINT_FILE, revision)
+    if path is None:
         return False
-    with open(os.path.join(model_dir, FINGERPRINT_FILE)) as f:
+    with open(path) as f:
         saved = json.load(f)
     now = template_fingerprint(tokenizer, chat_template)
     if saved.get("sha256") != now["sha256"]:

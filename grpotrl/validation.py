@@ -5,7 +5,7 @@ saying what was wrong, with the value, and what to do.
   or ``messages``; the first bad row is named by its index.
 * ``check_model_dir``: a local checkpoint with ``config.json`` and complete weights (every
   shard of a sharded one; safetensors files not truncated), or a PEFT adapter dir whose base
-  model passes the same check. grpotrl never downloads: a Hub id is an error.
+  model passes the same check (Hub ids: ``grpotrl.hub.check_model_source``).
 * ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir that a SIGKILL
   during the save did not cut short: trainer state, weights, optimizer, scheduler, RNG and the
   files the trainer adds (``checkpoint_problems``), each present and not truncated.
@@ -37,8 +37,6 @@ REWARD_FUNCS = {
 
 # Keyword arguments TRL's GRPOTrainer passes to every reward function besides the dataset columns.
 _TRAINER_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,10 +206,11 @@ def check_model_dir(path: str | None) -> None:
                                  f"{_files(directory)}). Copy the adapter again or pick another checkpoint.")
             with open(os.path.join(directory, "adapter_config.json")) as f:
                 base = json.load(f).get("base_model_name_or_path")
+            from .hub import check_model_source
             from .models import resolve_model_path
 
             try:
-                check_model_dir(resolve_model_path(base) if base else base)
+                check_model_source(resolve_model_path(base) if base else base)
             except InputError as err:
                 raise InputError(f"The base model of PEFT adapter {path!r} is not usable: {err}") from None
             return
@@ -230,23 +229,15 @@ def check_model_dir(path: str | None) -> None:
         return
     if os.path.exists(directory):
         raise InputError(f"Model path {path!r} is a file; `model_name_or_path` must be a directory holding "
-                         "config.json and the weights.")
+                         "config.json and the weights, or a Hugging Face Hub id.")
     from .models import ALIASES
 
     aliases = ", ".join(repr(a) for a in ALIASES)
-    looks_local = path.startswith(("/", ".", "~")) or not _HUB_ID.match(path) or os.path.isdir(path.split("/")[0])
-    if looks_local:
-        raise InputError(
-            f"Model dir {path!r} does not exist (absolute: {os.path.abspath(directory)}). If it is the output of "
-            "an earlier run (the GRPO quickstart starts from the SFT quickstart's output), run that first; "
-            f"otherwise fix the path. Known aliases: {aliases}."
-        )
     raise InputError(
-        f"Model {path!r} is not a local directory (relative to {os.getcwd()}). If it is the output of an earlier "
-        "run (the GRPO quickstart starts from the SFT quickstart's output), run that first, from the directory "
-        "the path is relative to. If it is a Hugging Face Hub id: grpotrl never downloads (the machines it runs "
-        f"on have no network); download the checkpoint elsewhere and pass its local directory, or use an alias: "
-        f"{aliases}."
+        f"Model dir {path!r} does not exist (absolute: {os.path.abspath(directory)}). If it is the output of "
+        "an earlier run (the GRPO quickstart starts from the SFT quickstart's output), run that first, from the "
+        f"directory the path is relative to; otherwise fix the path. Known aliases: {aliases}; a Hugging Face "
+        "Hub id (org/name) is loaded from the Hub."
     )
 
 
@@ -370,6 +361,37 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     last = os.path.join(output_dir, names[-1])
     check_resume_checkpoint(last, required)
     return last
+
+
+def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
+    (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
+    README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
+    saying so. A file where a directory should be is always an error. Reads names only."""
+    directory = os.path.expanduser(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
+    if resume or overwrite or not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    names = set(os.listdir(directory))
+    checkpoints = _checkpoints(directory)
+    finished = [n for n in ("trainer_state.json", *WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"]) if n in names]
+    if finished or checkpoints:
+        steps = ""
+        if "trainer_state.json" in names:
+            try:
+                with open(os.path.join(directory, "trainer_state.json")) as f:
+                    steps = f" of {json.load(f).get('global_step')} steps"
+            except (OSError, ValueError):
+                pass
+        what = (f"a finished run{steps} ({', '.join(finished)})" if finished else "no final model") + \
+            (f" and checkpoints {checkpoints}" if checkpoints else "")
+    else:
+        what = f"files grpotrl did not write ({_files(directory)})"
+    raise InputError(
+        f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
+        "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+    )
 
 
 # ---------------------------------------------------------------------------------------------

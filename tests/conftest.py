@@ -1,14 +1,18 @@
 """Shared test setup. Thread and offline settings are set before anything imports torch:
 OpenMP reads ``OMP_WAIT_POLICY`` once, and a busy neighbour process slows an active-wait
-torch 30-100x on 2 cores (see grpotrl/_threads.py). ``serve`` is the real judge server of
+torch 30-100x on 2 cores (see grpotrl/_threads.py). The whole session is offline against a Hugging
+Face cache of its own (``HF_HUB_CACHE``, filled by ``tests/hub_cache.py``): Hub ids resolve through
+the real loading code, and nothing a user has cached leaks in. ``serve`` is the real judge server of
 tests/test_judges.py and tests/test_cli_pipeline.py (one per module)."""
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ["HF_HUB_CACHE"] = HUB_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-hub-")
 
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -62,6 +66,27 @@ def tiny_llama(tmp_path_factory, smollm2_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory, smollm2_tokenizer):
     return _save_tiny(tmp_path_factory.mktemp("tiny-gpt2"), smollm2_tokenizer, "gpt2")
+
+
+@pytest.fixture(scope="session")
+def hub_tiny_llama(tiny_llama) -> str:
+    """``tiny_llama`` as the Hub id ``grpotrl-test/tiny-llama`` in the session's HF cache."""
+    from hub_cache import add_to_cache
+
+    add_to_cache(HUB_CACHE, "grpotrl-test/tiny-llama", tiny_llama)
+    return "grpotrl-test/tiny-llama"
+
+
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def hub_smollm2(smollm2_path) -> str:
+    """SmolLM2-135M-Instruct under its real Hub id in the session's HF cache (weights linked, not copied)."""
+    from hub_cache import add_to_cache
+
+    add_to_cache(HUB_CACHE, SMOLLM2_HUB_ID, smollm2_path)
+    return SMOLLM2_HUB_ID
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ SmolLM2 tokenizer, 1-2 steps, 6-token completions):
 * a user's recipe: a local JSONL file, a dotted-path reward from a module on PYTHONPATH
   (tests/my_rewards.py) and an HTTP judge whose API key comes from a named variable and never
   shows in any output;
-* a local (in-process) judge for one task beside a rule reward for the other.
+* a local (in-process) judge shared by two tasks beside a rule reward, policy and judge given as
+  a Hub id served from the session's offline Hub cache.
 
 The judge server only ever sees 127.0.0.1 (tests/judge_server.py proxies count its requests).
 """
@@ -135,12 +136,13 @@ def test_user_recipe_local_file_dotted_reward_and_keyed_judge(tiny_llama, tmp_pa
     assert not [s for s in shown if SECRET in s]
 
 
-def test_local_judge_shared_by_two_tasks_beside_a_rule_reward(tiny_llama, tmp_path):
-    """In-process: the judge's weights load once, after every check passed, beside the policy."""
+def test_local_judge_shared_by_two_tasks_beside_a_rule_reward(hub_tiny_llama, tmp_path):
+    """In-process: the judge's weights load once, after every check passed, beside the policy.
+    Policy and judge are a Hub id, read from the session's offline Hub cache (tests/hub_cache.py)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "model_name_or_path": tiny_llama, "dtype": "float32", "dataset_name": "multitask", "task_column": "task",
-        "judges": {"fair_local": {"model_path": tiny_llama, "rubric": "fairness", "batch_size": 4}},
+        "model_name_or_path": hub_tiny_llama, "dtype": "float32", "dataset_name": "multitask", "task_column": "task",
+        "judges": {"fair_local": {"model_path": hub_tiny_llama, "rubric": "fairness", "batch_size": 4}},
         "reward_funcs": ["fairness:fair_local", "hallucination:fair_local", "hallucination:exact_answer"],
         "cagrad": "low_memory", "output_dir": str(tmp_path / "out"), "max_steps": 1, "logging_steps": 1,
         "save_strategy": "no", "report_to": "none", "use_cpu": True, "bf16": False, "beta": 0.0}))

@@ -128,12 +128,6 @@ def test_missing_local_model_dir_names_the_path(tmp_path):
         validation.check_model_dir(str(missing))
 
 
-def test_hub_id_is_an_error_saying_there_is_no_download(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # so 'HuggingFaceTB/...' is not a local dir by accident
-    with pytest.raises(InputError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct'.*never downloads.*smollm2-135m"):
-        validation.check_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
-
-
 def test_model_dir_with_config_only_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InputError, match=r"incomplete weights: no model.safetensors.*found: config.json"):
@@ -366,3 +360,27 @@ def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
     from transformers import GenerationConfig
 
     assert stop_token_ids(tok, GenerationConfig(eos_token_id=[5, 7])) == [5, 7]
+
+
+def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_silently(tmp_path):
+    """Issue 16: re-running a recipe into a finished run's output_dir replaced its model and log."""
+    run = tmp_path / "run"
+    write_weights(run)
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 25}))
+    (run / "checkpoint-20").mkdir()
+    with pytest.raises(InputError, match=r"a finished run of 25 steps \(trainer_state.json, model.safetensors\) "
+                                         r"and checkpoints \['checkpoint-20'\].*resume_from_checkpoint.*overwrite"):
+        validation.check_output_dir(str(run))
+    validation.check_output_dir(str(run), resume=True)
+    validation.check_output_dir(str(run), overwrite=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    with pytest.raises(InputError, match=r"files grpotrl did not write \(README.md\)"):
+        validation.check_output_dir(str(tmp_path / "notes"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match=r"is a file"):
+        validation.check_output_dir(str(tmp_path / "afile"), overwrite=True)
+    (tmp_path / "empty").mkdir()
+    validation.check_output_dir(str(tmp_path / "empty"))
+    validation.check_output_dir(str(tmp_path / "new"))
+    assert (run / "model.safetensors").is_file()  # nothing was touched

@@ -122,11 +122,11 @@ def _judge(name, settings):
         raise InputError(f"{where} has no `rubric`: give {list(RUBRICS)}, a rubric file or your criterion as text.")
     rubric = _rubric(settings["rubric"], settings.get("rubric_columns"), name, where)
     if "model_path" in settings:
+        from ..hub import check_model_source
         from ..models import resolve_model_path
-        from ..validation import check_model_dir
 
-        path = resolve_model_path(str(settings["model_path"]))
-        check_model_dir(path)
+        path = resolve_model_path(str(settings["model_path"]))  # an alias, a local dir or a Hub id
+        check_model_source(path, what=f"{where}.model_path")
         return LocalJudgeSpec(name, rubric, path, batch_size=_number(settings, "batch_size", 4, int, where))
     if "model" not in settings:
         raise InputError(f"{where} has no `model`: the model name the server at base_url serves (the `model` "

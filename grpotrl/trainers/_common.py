@@ -22,8 +22,6 @@ import re
 import sys
 from contextlib import contextmanager
 
-from transformers import AutoTokenizer, GenerationConfig
-
 from .. import templates
 from ..errors import InputError
 
@@ -45,29 +43,36 @@ _NOT_GIVEN = object()
 
 
 def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN):
-    """Resolve aliases and validate model path, tokenizer, stop tokens and dataset.
+    """Resolve aliases and validate model, tokenizer, stop tokens and dataset before any weights load.
 
-    Returns ``(model, processing_class, stop_token_ids, model_dir)``; ``model`` is a resolved
-    path when it was given as a string, ``model_dir`` the local directory it came from (or None).
-    When the trainer passes its ``peft_config`` (None included), a loaded quantized model must come
-    with one or be a PEFT model already. Bitsandbytes layers are pinned to one kernel
-    (``pin_quantized_kernels``).
+    ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
+    honoured, as TRL does) or a loaded model. Returns ``(model, processing_class, stop_token_ids,
+    model_id)``: ``model`` is the resolved name when it was given as a string (an alias becomes its
+    cached directory), ``model_id`` the directory or Hub id its files come from (or None). A tokenizer
+    not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
+    truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
+    quantized model must come with one or be a PEFT model already. Bitsandbytes layers are pinned to
+    one kernel (``pin_quantized_kernels``).
     """
+    from transformers import AutoProcessor
+    from trl.trainer.utils import get_config_model_id
+
+    from ..hub import check_model_source, generation_config
     from ..models import resolve_model_path
-    from ..validation import check_dataset, check_model_dir
+    from ..validation import check_dataset
 
     if train_dataset is not None:
         check_dataset(train_dataset, "train", kind=kind)
+    revision = None
     if isinstance(model, str):
         model = resolve_model_path(model)
-        check_model_dir(model)
-        model_dir = model
-        generation_config = None
-        if os.path.isfile(os.path.join(model, "generation_config.json")):
-            generation_config = GenerationConfig.from_pretrained(model)
+        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        check_model_source(model, revision)
+        model_id = model
+        gen_config = generation_config(model, revision)
     else:
-        model_dir = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
-        generation_config = getattr(model, "generation_config", None)
+        model_id = get_config_model_id(model.config) or None
+        gen_config = getattr(model, "generation_config", None)
         bits = quantized_bits(model)
         if bits and peft_config is None and not hasattr(model, "peft_config"):  # _NOT_GIVEN: not checked
             raise InputError(
@@ -77,16 +82,16 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                 "recipe: `use_peft: true`), or load the model without quantization_config."
             )
         pin_quantized_kernels(model)
-    if model_dir is not None and not os.path.isdir(model_dir):
-        model_dir = None
     if processing_class is None:
-        if model_dir is None:
-            raise ValueError("Pass `processing_class` (the tokenizer) when the model is not loaded from a local dir.")
-        processing_class = AutoTokenizer.from_pretrained(model_dir)
+        if model_id is None:
+            raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
+        sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
+        processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
+                                                         trust_remote_code=args.trust_remote_code, **sides)
     if _is_conversational(train_dataset):
         templates.require_chat_template(processing_class)
-    stop_ids = templates.stop_token_ids(processing_class, generation_config)
-    return model, processing_class, stop_ids, model_dir
+    stop_ids = templates.stop_token_ids(processing_class, gen_config)
+    return model, processing_class, stop_ids, model_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,10 +173,10 @@ def check_model_args(model_args, model_path: str) -> None:
                 "I5 guard's 1e-5 tolerance holds) or bfloat16 (GPU)."
             )
     if model_args.use_peft and model_args.lora_target_modules:
-        _check_lora_targets(model_args.lora_target_modules, model_path)
+        _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
 
 
-def _check_lora_targets(targets: list[str] | str, model_path: str) -> None:
+def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None) -> None:
     """Every name in ``lora_target_modules`` must name modules of the model (PEFT ignores a
     misspelled one as long as another matches). Builds the model on the meta device: no weights."""
     if isinstance(targets, str) or targets == ["all-linear"]:  # a regex, or PEFT's keyword
@@ -180,7 +185,7 @@ def _check_lora_targets(targets: list[str] | str, model_path: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:  # an adapter dir or a remote-code model: PEFT checks at load time instead
-        config = AutoConfig.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path, revision=revision)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError):

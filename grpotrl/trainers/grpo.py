@@ -71,11 +71,13 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                  eval_dataset=None, processing_class=None, **kwargs):
         if args is None:
             args = GRPOConfig(output_dir="grpotrl-output")
-        model, processing_class, self.stop_token_ids, model_dir = prepare_model_and_tokenizer(
+        model, processing_class, self.stop_token_ids, model_id = prepare_model_and_tokenizer(
             model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config")
         )
         if getattr(args, "check_template", True):
-            templates.check_fingerprint(model_dir, processing_class)
+            templates.check_fingerprint(model_id, processing_class,
+                                        revision=(args.model_init_kwargs or {}).get("revision"))
+        _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
         if args.dynamic_sampling and not hasattr(train_dataset, "__getitem__"):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
@@ -488,6 +490,18 @@ def task_labels(column: str, *datasets) -> list[str]:
     """Sorted task labels in ``column`` of the map-style datasets that have it ([] if none)."""
     return sorted({str(t) for d in datasets_of(*datasets)
                    if hasattr(d, "unique") and column in (d.column_names or []) for t in d.unique(column)})
+
+
+def _check_reward_models(reward_funcs, args) -> None:
+    """Reward models named by path or Hub id (TRL loads them with ``AutoModelForSequenceClassification``)
+    are checked like the policy, before anything loads."""
+    from ..hub import check_model_source
+
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    revision = (args.model_init_kwargs or {}).get("revision")
+    for func in funcs:
+        if isinstance(func, str):
+            check_model_source(func, revision, what="Reward model")
 
 
 def _check_generation_args(args: GRPOConfig, kwargs: dict) -> None:

@@ -1,0 +1,135 @@
+"""Models by Hugging Face Hub id, as TRL takes them, resolved offline from the session's own HF cache
+(tests/hub_cache.py, ``HF_HUB_OFFLINE=1``): the real loading code, nothing patched. Pre-load checks read
+config, tokenizer, generation config and template fingerprint before any weights; offline and not
+cached is one clear error."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+from conftest import HUB_CACHE, arithmetic_prompts, length_reward
+from datasets import Dataset
+from hub_cache import add_to_cache
+
+import grpotrl
+from grpotrl import hub, templates
+from grpotrl.errors import InputError, InvariantError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """Loading weights fails the test: the checks must stop the run before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the input was validated")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", refuse)
+
+
+def test_grpo_trainer_takes_a_hub_id_like_trl(hub_tiny_llama, grpo_args):
+    """TRL's first example, offline: model by Hub id, no processing_class; the tokenizer is loaded as
+    TRL loads it (left padding and truncation) and the run trains with every guard on."""
+    trainer = grpotrl.GRPOTrainer(model=hub_tiny_llama, reward_funcs=length_reward, args=grpo_args(max_steps=1),
+                                  train_dataset=arithmetic_prompts(8))
+    assert trainer.model.config._name_or_path == hub_tiny_llama
+    assert trainer.processing_class.padding_side == "left" and trainer.processing_class.truncation_side == "left"
+    assert trainer.stop_token_ids == [2]
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer._guard_max_gap < 1e-5
+
+
+def test_sft_trainer_and_peft_take_a_hub_id(hub_tiny_llama, grpo_args, tmp_path):
+    from peft import LoraConfig
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(4)]
+    sft = grpotrl.SFTTrainer(model=hub_tiny_llama, train_dataset=Dataset.from_list(rows),
+                             args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, use_cpu=True,
+                                                    report_to="none", per_device_train_batch_size=4))
+    sft.train()
+    assert sft.state.global_step == 1
+    grpo = grpotrl.GRPOTrainer(model=hub_tiny_llama, reward_funcs=length_reward, args=grpo_args(max_steps=1),
+                               train_dataset=arithmetic_prompts(8), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    assert hasattr(grpo.model, "peft_config")
+
+
+def test_offline_and_not_cached_is_one_clear_error_before_any_weights(grpo_args, no_weights_read):
+    with pytest.raises(InputError) as err:
+        grpotrl.GRPOTrainer(model="Qwen/Qwen2-0.5B-Instruct", reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(8))
+    text = str(err.value)
+    assert "'Qwen/Qwen2-0.5B-Instruct'" in text and HUB_CACHE in text and "HF_HUB_OFFLINE" in text
+
+
+def test_cached_without_weights_is_incomplete_offline(tiny_llama, grpo_args, no_weights_read):
+    add_to_cache(HUB_CACHE, "grpotrl-test/no-weights", tiny_llama, skip=("model.safetensors",))
+    with pytest.raises(InputError, match=r"'grpotrl-test/no-weights' is in the local Hugging Face cache.*but not "
+                                         r"completely.*no model.safetensors"):
+        grpotrl.GRPOTrainer(model="grpotrl-test/no-weights", reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(8))
+
+
+def test_revision_is_honoured_by_the_template_check(tiny_llama, grpo_args, smollm2_tokenizer, no_weights_read):
+    """model_init_kwargs={'revision': ...} selects the snapshot whose fingerprint I2 reads, before weights."""
+    other = {**templates.template_fingerprint(smollm2_tokenizer, "{{ messages }}"), "template": "{{ messages }}"}
+    add_to_cache(HUB_CACHE, "grpotrl-test/two-revisions", tiny_llama)  # main: no fingerprint, a base model
+    add_to_cache(HUB_CACHE, "grpotrl-test/two-revisions", tiny_llama, revision="other-template",
+                 extra={templates.FINGERPRINT_FILE: json.dumps(other)})
+    assert templates.check_fingerprint("grpotrl-test/two-revisions", smollm2_tokenizer) is False
+    with pytest.raises(InvariantError, match=r"\[I2\].*another chat template"):
+        grpotrl.GRPOTrainer(model="grpotrl-test/two-revisions", reward_funcs=length_reward,
+                            args=grpo_args(model_init_kwargs={"revision": "other-template"}),
+                            train_dataset=arithmetic_prompts(8))
+
+
+def test_unknown_revision_and_reward_model_are_errors_before_weights(hub_tiny_llama, grpo_args, no_weights_read):
+    with pytest.raises(InputError, match=r"'grpotrl-test/tiny-llama' \(revision 'nope'\) is not in the local"):
+        hub.check_model_source(hub_tiny_llama, "nope")
+    with pytest.raises(InputError, match=r"Reward model 'org/missing-reward-model' is not in the local"):
+        grpotrl.GRPOTrainer(model=hub_tiny_llama, reward_funcs=[length_reward, "org/missing-reward-model"],
+                            args=grpo_args(), train_dataset=arithmetic_prompts(8))
+
+
+def test_local_paths_are_never_taken_for_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert not hub.looks_like_hub_id("./outputs/run") and not hub.looks_like_hub_id("/abs/run")
+    assert hub.looks_like_hub_id("outputs/run") and hub.looks_like_hub_id("gpt2")
+    (tmp_path / "outputs" / "run").mkdir(parents=True)
+    assert not hub.looks_like_hub_id("outputs/run")  # it exists: a local directory
+    with pytest.raises(InputError, match=r"'outputs/run' has no config.json"):
+        hub.check_model_source("outputs/run")
+
+
+def test_gad_discriminator_by_hub_id(hub_tiny_llama, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + 1?"}], "teacher_response": str(i + 1)} for i in range(4)]
+    args = grpotrl.GADConfig(output_dir=str(tmp_path / "gad"), per_device_train_batch_size=4, num_generations=2,
+                             max_completion_length=4, max_steps=1, use_cpu=True, report_to="none",
+                             discriminator_model_name_or_path=hub_tiny_llama)
+    trainer = grpotrl.GADTrainer(model=hub_tiny_llama, args=args, train_dataset=Dataset.from_list(rows))
+    assert trainer.discriminator is not None
+    with pytest.raises(InputError, match=r"Discriminator model 'org/no-such-d' is not in the local"):
+        grpotrl.GADTrainer(model=hub_tiny_llama, args=grpotrl.GADConfig(
+            output_dir=str(tmp_path / "gad2"), use_cpu=True, discriminator_model_name_or_path="org/no-such-d"),
+            train_dataset=Dataset.from_list(rows))
+
+
+def test_cli_trains_a_hub_id_offline(hub_tiny_llama, tmp_path):
+    """``grpotrl grpo --model_name_or_path org/name`` as a user types it, offline from the cache."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpotrl.cli", "grpo", "--config", str(ROOT / "recipes/smollm2/grpo_quickstart.yaml"),
+         "--model_name_or_path", hub_tiny_llama, "--output_dir", str(out), "--max_steps", "1",
+         "--max_completion_length", "8", "--per_device_train_batch_size", "4", "--num_generations", "4",
+         "--save_strategy", "no", "--report_to", "none"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / templates.FINGERPRINT_FILE).is_file()
+    missing = subprocess.run([sys.executable, "-m", "grpotrl.cli", "grpo", "--model_name_or_path", "org/not-cached",
+                              "--output_dir", str(tmp_path / "o2")], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)
+    assert missing.returncode == 2 and "'org/not-cached' is not in the local Hugging Face cache" in missing.stderr
