@@ -59,6 +59,11 @@ class ScriptArguments:
     dataset_config: str | None = field(
         default=None, metadata={"help": "Dataset configuration name (the `name` argument of `datasets.load_dataset`)."}
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace what output_dir holds (a finished run, checkpoints, other files). Without it, a "
+                  "non-empty output_dir is an error before anything loads, unless the run resumes from it."},
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(
         default="test", metadata={"help": "Split to evaluate on when eval_strategy != 'no'."}
@@ -203,9 +208,11 @@ def run(command: str, argv: list[str]) -> None:
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
 
     ################
-    # Resume checkpoint
+    # Output dir and resume checkpoint: nothing of an earlier run is replaced unless asked
     ################
     checkpoint = resume_checkpoint(training_args.resume_from_checkpoint, training_args, command, model_args.use_peft)
+    validation.check_output_dir(training_args.output_dir, resume=bool(checkpoint),
+                                overwrite=script_args.overwrite_output_dir)
     if checkpoint and training_args.check_template:
         templates.check_fingerprint(checkpoint, tokenizer)  # I2: the checkpoint's template is this run's
 

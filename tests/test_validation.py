@@ -407,3 +407,19 @@ def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, v
     setattr(args, field, value)  # TRL's own config, set after its checks: the trainer checks it before loading
     with pytest.raises(InputError, match=rf"^{field}="):
         validation.check_ranges(args)
+
+
+def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path, smollm2_path, no_model_load,
+                                                                         capsys):
+    """Issue 16: re-running a recipe into a finished run's output_dir replaced a 25-step model and its log."""
+    out = tmp_path / "run"
+    weights = write_weights(out)
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": 25, "log_history": [{"loss": 1.0}]}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["grpo", "--config", str(GRPO_RECIPE), "--model_name_or_path", smollm2_path,
+                  "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("grpotrl grpo: error: output_dir")
+    assert "a finished run of 25 steps" in err and "overwrite_output_dir" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()
