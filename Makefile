@@ -28,9 +28,11 @@ test: $(VENV_STAMP)
 	    exit $$status; }
 
 # SFT then GRPO on SmolLM2-135M-Instruct, exactly the two commands a user would type; the
-# log goes to outputs/quickstart.log as well as the terminal.
+# log goes to outputs/quickstart.log as well as the terminal. A second `make quickstart` replaces
+# the quickstart's own outputs (the CLI refuses a non-empty output_dir unless told so).
+QUICKSTART_ARGS ?= --overwrite_output_dir true
 quickstart: SHELL := /bin/bash
 quickstart: $(VENV_STAMP)
 	mkdir -p outputs
-	set -o pipefail; { .venv/bin/grpotrl sft --config recipes/smollm2/sft_quickstart.yaml && \
-	  .venv/bin/grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml; } 2>&1 | tee outputs/quickstart.log
+	set -o pipefail; { .venv/bin/grpotrl sft --config recipes/smollm2/sft_quickstart.yaml $(QUICKSTART_ARGS) && \
+	  .venv/bin/grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml $(QUICKSTART_ARGS); } 2>&1 | tee outputs/quickstart.log

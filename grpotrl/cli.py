@@ -8,17 +8,23 @@
     accelerate launch --config_file recipes/accelerate/single.yaml -m grpotrl.cli grpo --config ...
 
 A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArguments`` /
-``GRPOScriptArguments`` below (dataset, reward names), ``trl.ModelConfig`` (model, PEFT) and
-``grpotrl.SFTConfig`` / ``GRPOConfig`` / ``GADConfig`` (everything ``TrainingArguments`` and TRL know).
-``--key value`` on the command line overrides the recipe. A key that no dataclass knows is an
-error, with the closest known names.
+``GRPOScriptArguments`` below (dataset, rewards, judges: the field names of TRL's own scripts
+plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / ``GRPOConfig`` /
+``GADConfig`` (everything ``TrainingArguments`` and TRL know). ``--key value`` on the command
+line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
+with the closest known names.
 
-Order: parse -> model path (alias, local dir) and quantization/LoRA settings -> tokenizer (chat
-template, stop tokens) -> dataset (+ reward columns) -> resume checkpoint (every file present and
-whole); only then is the model loaded, so bad input costs seconds, not a model load. Simplified
-on purpose: datasets are shipped (``quickstart``, ``multitask``) or local JSON files (grpotrl
-never downloads), rewards come from ``grpotrl.rewards.rules`` by name (``task:name`` per task,
-which trains with ``MultiTaskGRPOTrainer``, as does ``cagrad``).
+Order: parse -> model path and quantization/LoRA settings -> tokenizer (chat template, stop
+tokens) -> dataset (+ rewards, judges and the columns they read) -> resume checkpoint (every
+file present and whole); only then are the model and any local judge loaded, so bad input costs
+seconds, not a model load. Datasets and models are what ``trl grpo`` takes: a Hub id goes to
+``datasets`` / ``transformers`` unchanged and is downloaded and cached by them (offline, read from
+their cache), so grpotrl downloads what TRL would, nothing more; shipped datasets (``quickstart``,
+``multitask``, ``gad_toy``) and local files need no network. Rewards are named
+(``validation.resolve_reward_funcs``: the recipe's judges, grpotrl's and TRL's built-ins, dotted
+import paths, ``task:name`` per task, which trains with ``MultiTaskGRPOTrainer``, as does
+``cagrad``) or a ``reward_model_name_or_path``; judges are declared in the recipe
+(``grpotrl.rewards.recipe``).
 """
 
 from __future__ import annotations
@@ -39,10 +45,24 @@ USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n 
 
 @dataclass
 class ScriptArguments:
+    """The dataset fields of ``trl.ScriptArguments``, by the same names (its streaming and
+    bias-buffer switches are left out: grpotrl checks every row before training)."""
+
     dataset_name: str = field(
         default="quickstart",
-        metadata={"help": "`quickstart` or `multitask` (shipped with grpotrl), a local .json/.jsonl file (its "
-                  "rows are the train split) or a local directory of them named by split (train.jsonl, test.jsonl)."},
+        metadata={"help": "A dataset shipped with grpotrl (`quickstart`, `multitask`, `gad_toy`), a folder written by "
+                  "`save_to_disk`, or anything `datasets.load_dataset` takes, handed to it unchanged: a local "
+                  ".json/.jsonl/.parquet/.csv file (its rows are the 'train' split) or a folder of them (splits "
+                  "from the file names, e.g. train.jsonl, test.jsonl), or a Hugging Face Hub dataset id "
+                  "(downloaded and cached by `datasets`; offline, from its cache)."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset configuration name (the `name` argument of `datasets.load_dataset`)."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace what output_dir holds (a finished run, checkpoints, other files). Without it, a "
+                  "non-empty output_dir is an error before anything loads, unless the run resumes from it."},
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(
@@ -52,11 +72,31 @@ class ScriptArguments:
 
 @dataclass
 class GRPOScriptArguments(ScriptArguments):
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["exact_answer", "format"],
-        metadata={"help": f"Reward functions by name, from grpotrl.rewards.rules: {list(validation.REWARD_FUNCS)}; "
-                  "as task:name (every entry) for rewards per task, e.g. hallucination:exact_answer "
-                  "fairness:even_handed (MultiTaskGRPOTrainer, rows labelled in task_column)."},
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions, each a name looked up in this order: a judge of `judges`; grpotrl's "
+                  f"{list(validation.REWARD_FUNCS)} (grpotrl/rewards/rules.py); TRL's `trl grpo` names "
+                  "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); a "
+                  "dotted import path to your own function (my_lib.rewards.custom_reward; the working directory "
+                  "and PYTHONPATH are searched). As task:name (every entry) for rewards per task, e.g. "
+                  "hallucination:exact_answer fairness:fair_judge (MultiTaskGRPOTrainer, rows labelled in "
+                  "task_column)."},
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A sequence-classification reward model (local directory or Hub id) scoring every row, "
+                  "before the reward_funcs, as in `trl grpo`. Not with per-task rewards."},
+    )
+    judges: dict | str | None = field(
+        default=None,
+        metadata={"help": "LLM judges by name, for reward_funcs: a mapping name -> settings. An HTTP judge "
+                  "(OpenAI-compatible server) has base_url, model, rubric and optionally api_key_env (the NAME of "
+                  "the environment variable holding the key; a key itself is refused), max_concurrency, timeout, "
+                  "max_retries, backoff, max_tokens, temperature, max_failed_batches, cache_size, rubric_columns. A "
+                  "local judge has model_path, rubric and optionally batch_size, rubric_columns. rubric: fairness, "
+                  "hallucination, a .yaml/.json/.txt rubric file or the criterion as text; rubric_columns maps the "
+                  "rubric's template fields to dataset columns ({reference: answer}). On the command line: JSON. "
+                  "See grpotrl/rewards/recipe.py and recipes/smollm2/grpo_multitask_judges.yaml."},
     )
 
 
@@ -113,32 +153,6 @@ def _with_hints(keys: list[str], known: set[str]) -> str:
     return ", ".join(out)
 
 
-def load_split(dataset_name: str, split: str):
-    """A split of a shipped dataset or of a local JSON file / directory; never a download."""
-    from datasets import load_dataset
-
-    from grpotrl.data import SHIPPED, load_shipped
-
-    if dataset_name in SHIPPED:
-        return load_shipped(dataset_name, split)
-    if os.path.isfile(dataset_name):
-        if split != "train":
-            raise InputError(f"dataset_name {dataset_name!r} is one file, which is the 'train' split only; "
-                             f"split {split!r} needs a directory with {split}.jsonl, or set eval_strategy: 'no'.")
-        return load_dataset("json", data_files=dataset_name, split="train")
-    if os.path.isdir(dataset_name):
-        splits = load_dataset(dataset_name)
-        if split not in splits:
-            raise InputError(f"Dataset dir {dataset_name!r} has splits {list(splits)}, not {split!r}. Set "
-                             "dataset_train_split / dataset_test_split to one of those.")
-        return splits[split]
-    raise InputError(
-        f"dataset_name {dataset_name!r} is neither a shipped dataset {list(SHIPPED)} nor a local file or directory. "
-        "grpotrl never downloads datasets (no network here): save the data as JSONL locally and point "
-        "dataset_name at it."
-    )
-
-
 def run(command: str, argv: list[str]) -> None:
     script_args, training_args, model_args = parse_args(command, argv)
 
@@ -147,9 +161,11 @@ def run(command: str, argv: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
+    from grpotrl.data import load_splits, pick_split
     from grpotrl.hub import check_model_source
     from grpotrl.hub import generation_config as hub_generation_config
     from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.recipe import load_local_judges, parse_judges
     from grpotrl.trainers._common import check_model_args, resume_checkpoint
 
     ################
@@ -168,14 +184,15 @@ def run(command: str, argv: list[str]) -> None:
         templates.check_fingerprint(model_path, tokenizer, revision=revision)  # I2: before the weights are read
 
     ################
-    # Dataset and rewards
+    # Dataset, rewards and judges
     ################
-    train_dataset = load_split(script_args.dataset_name, script_args.dataset_train_split)
+    splits = load_splits(script_args.dataset_name, script_args.dataset_config)
+    train_dataset = pick_split(splits, script_args.dataset_train_split, script_args.dataset_name)
     kind = "sft" if command == "sft" else "grpo"
     validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=kind)
     eval_dataset = None
     if training_args.eval_strategy != "no":
-        eval_dataset = load_split(script_args.dataset_name, script_args.dataset_test_split)
+        eval_dataset = pick_split(splits, script_args.dataset_test_split, script_args.dataset_name)
         validation.check_dataset(eval_dataset, script_args.dataset_test_split, kind=kind)
     if command == "gad":  # rows need the teacher's response
         from grpotrl.trainers.gad import check_teacher_responses
@@ -183,13 +200,19 @@ def run(command: str, argv: list[str]) -> None:
         check_teacher_responses(train_dataset, script_args.dataset_train_split)
         check_teacher_responses(eval_dataset, script_args.dataset_test_split)
     if command == "grpo":
-        reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs)
+        judges = parse_judges(script_args.judges)  # HTTP judges built, local ones checked, none loaded
+        reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs, judges,
+                                                       script_args.reward_model_name_or_path)
+        if script_args.reward_model_name_or_path:
+            check_model_source(script_args.reward_model_name_or_path, what="Reward model")
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
 
     ################
-    # Resume checkpoint
+    # Output dir and resume checkpoint: nothing of an earlier run is replaced unless asked
     ################
     checkpoint = resume_checkpoint(training_args.resume_from_checkpoint, training_args, command, model_args.use_peft)
+    validation.check_output_dir(training_args.output_dir, resume=bool(checkpoint),
+                                overwrite=script_args.overwrite_output_dir)
     if checkpoint and training_args.check_template:
         templates.check_fingerprint(checkpoint, tokenizer)  # I2: the checkpoint's template is this run's
 
@@ -197,6 +220,8 @@ def run(command: str, argv: list[str]) -> None:
     # Model and trainer
     ################
     transformers.set_seed(training_args.seed)
+    if command == "grpo":
+        reward_funcs = load_local_judges(reward_funcs, training_args.device)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         revision=model_args.model_revision,
@@ -240,12 +265,14 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
+    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}])  # a step whose judges scored no row
+    'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
     for key in keys:
-        values = [entry[key] for entry in log_history if key in entry]
+        values = [entry[key] for entry in log_history if entry.get(key) is not None]  # None: no row scored
         if values:
             first, last = values[:window], values[-window:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "

@@ -179,6 +179,9 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
     )
 
     def __post_init__(self):
+        from .validation import check_ranges
+
+        check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         if self.health_action not in ("stop", "warn", "off"):
@@ -191,12 +194,19 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
             raise InputError(f"entropy_coef={self.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
                              "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
                              "entropy; use 0 for no bonus.")
+        if self.use_adaptive_entropy and not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
+            raise InputError(f"entropy_coef_min={self.entropy_coef_min}, entropy_coef_max={self.entropy_coef_max}: "
+                             "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
+                             "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
         super().__post_init__()
 
 
 @dataclass
 class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
     def __post_init__(self):
+        from .validation import check_ranges
+
+        check_ranges(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         super().__post_init__()
@@ -251,8 +261,20 @@ class GADConfig(GRPOConfig):
     )
     use_kl_in_reward: bool = field(
         default=False,
-        metadata={"help": "Subtract beta * sum_t KL_t (kl_estimator) from each response's reward, logged as the "
-                  "reward column `kl_penalty`; costs a no-grad forward of the policy and of the reference."},
+        metadata={"help": "Subtract kl_in_reward_coef * sum_t KL_t (kl_in_reward_estimator) from each response's "
+                  "reward, logged as the reward column `kl_penalty`; costs a no-grad forward of the policy and of the "
+                  "reference."},
+    )
+    kl_in_reward_coef: float | None = field(
+        default=None,
+        metadata={"help": "KL coefficient in the reward (verl's algorithm.kl_ctrl.kl_coef); default: beta, which is "
+                  "the coefficient in the loss (verl's actor.kl_loss_coef)."},
+    )
+    kl_in_reward_estimator: str | None = field(
+        default=None,
+        metadata={"help": "Estimator of the KL in the reward (verl's algorithm.kl_penalty); default: kl_estimator. "
+                  "Both take ours (k1, abs, k2, k3, full) or verl's names (kl, abs, mse, low_var_kl, full), with "
+                  "'+' for verl's straight-through variant (the value of the estimator, the gradient of k2)."},
     )
     importance_sampling_level: str = field(
         default="sequence",
@@ -267,15 +289,32 @@ class GADConfig(GRPOConfig):
                                        metadata={"help": "Upper clip of the sequence-level ratio (GSPO)."})
 
     def __post_init__(self):
-        from .losses import KL_ESTIMATORS
+        from .losses import kl_estimator_name
+        from .validation import check_ranges
 
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise InputError(f"kl_estimator={self.kl_estimator!r}: use one of {list(KL_ESTIMATORS)}.")
+        check_ranges(self)
+        for name in ("kl_estimator", "kl_in_reward_estimator"):
+            if getattr(self, name) is not None:
+                try:
+                    setattr(self, name, kl_estimator_name(getattr(self, name)))
+                except ValueError as err:
+                    raise InputError(f"{name}: {err}") from None
+        reward_coef = self.beta if self.kl_in_reward_coef is None else self.kl_in_reward_coef
+        if self.beta < 0 or reward_coef < 0:
+            raise InputError(f"beta={self.beta} and kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0: a "
+                             "negative KL coefficient rewards leaving the reference policy.")
         if self.beta and not (self.use_kl_loss or self.use_kl_in_reward):
             raise InputError(f"beta={self.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
                              "or beta: 0.0 for no KL.")
-        if not self.beta and self.use_kl_in_reward:
-            raise InputError("use_kl_in_reward is on but beta is 0: set beta (e.g. 0.001) to the KL coefficient.")
+        if self.use_kl_in_reward and not reward_coef:
+            raise InputError("use_kl_in_reward is on but its coefficient is 0: set kl_in_reward_coef (or beta, its "
+                             "default), e.g. 0.001.")
+        if not self.use_kl_in_reward and (self.kl_in_reward_coef is not None or self.kl_in_reward_estimator):
+            raise InputError("kl_in_reward_coef / kl_in_reward_estimator are set but use_kl_in_reward is off: turn it "
+                             "on, or drop them.")
+        if self.beta and not self.use_kl_loss and self.kl_in_reward_coef is not None:
+            raise InputError(f"beta={self.beta} is the KL coefficient in the loss, but use_kl_loss is off and the "
+                             f"reward has its own kl_in_reward_coef: beta would be unused. Set beta: 0.0 or use_kl_loss.")
         if self.discriminator_warmup_steps < 0 or self.discriminator_lora_r < 0:
             raise InputError(f"discriminator_warmup_steps={self.discriminator_warmup_steps} and discriminator_lora_r="
                              f"{self.discriminator_lora_r} must be >= 0.")

@@ -207,10 +207,14 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     a log-softmax over a 49k vocabulary grows with the logits: on SmolLM2 the fused head and a
     plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
     used = used.detach()
-    gap = (used.float() - reference.float()).abs() * mask  # [B, C]
+    on = mask.bool()  # [B, C]
+    _require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
+                    ("the independent log_softmax(logits / T)", reference),
+                    *((("the logit scale max|logits / T|", scale),) if scale is not None else ()))
+    gap = torch.where(on, (used.float() - reference.float()).abs(), 0.0)  # [B, C]; masked -inf cannot poison it
     scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
     worst = float(scaled.max()) if scaled.numel() else 0.0
-    if worst > atol:
+    if not worst <= atol:  # NaN fails too
         i, t = divmod(int(scaled.argmax()), scaled.size(1))
         raise InvariantError(
             "I5",
@@ -223,6 +227,22 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
             "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
         )
     return worst
+
+
+def _require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
+    """A guard cannot verify a comparison with NaN or inf in it: any non-finite value at a
+    masked-in position of the named [B, C] tensors fails, naming the tensor, row and token
+    (masked-out positions are never compared, so they may hold anything)."""
+    for what, values in named:
+        bad = on & ~torch.isfinite(values.detach().float())  # [B, C]
+        if bad.any():
+            i, t = (int(x) for x in bad.nonzero()[0])
+            token = repr(tokenizer.decode([int(completion_ids[i, t])])) if tokenizer is not None else "?"
+            raise InvariantError(
+                invariant, f"row {rows[i] if rows is not None else i}, completion token {t} ({token}): {what} is "
+                f"{float(values[i, t])} ({int(bad.sum())} such values on tokens in the loss). A guard cannot compare "
+                "a non-finite value, and the loss would train on it: look for a NaN/inf in the logits (overflow in "
+                "half precision, a division by a zero temperature, a -inf from a logits processor on a sampled token).")
 
 
 # ---------------------------------------------------------------- I7: the entropy bonus's sign
@@ -254,9 +274,15 @@ def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef:
             raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
                                  "no entropies (compute_entropy=False?), so the bonus cannot act.")
         return 0.0
+    if not coef >= 0:  # NaN fails too
+        raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
+                             "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy (seed 004). Keep "
+                             "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
     slope = entropy_slope(loss, entropies, accumulation)
-    if abs(slope + coef) > 1e-4 * max(abs(coef), 1.0):
-        if coef and slope == 0.0:
+    if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
+        if slope != slope or abs(slope) == float("inf"):
+            problem = "the slope is not finite (a NaN/inf in the loss or the entropies), so it cannot be verified"
+        elif coef and slope == 0.0:
             problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
         elif coef and slope * coef > 0:
             problem = ("the entropy term enters with a FLIPPED sign, so every step lowers entropy "
@@ -277,9 +303,12 @@ def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torc
     """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
     every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
     (so a negated or rescaled "entropy" cannot pass the sign check)."""
-    gap = (used.detach().float() - reference.float()).abs() * mask  # [B, C]
+    on = mask.bool()  # [B, C]
+    _require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
+                    ("the entropy of softmax(logits / T)", reference))
+    gap = torch.where(on, (used.detach().float() - reference.float()).abs(), 0.0)  # [B, C]
     worst = float(gap.max()) if gap.numel() else 0.0
-    if worst > atol:
+    if not worst <= atol:
         i, t = divmod(int(gap.argmax()), gap.size(1))
         raise InvariantError(
             "I7", f"row {i}, completion token {t}: the entropy the loss used is {float(used[i, t]):.6f} but the "

@@ -73,12 +73,14 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
     """``r - log r - 1`` with ``r = pi_ref / pi`` [low_var_kl]: unbiased, never negative.
-    Clamped to [-clamp, clamp] as verl does (the exp overflows for far-off tokens).
+    As verl does, the log-ratio is clamped to [-20, 20] BEFORE the exp and the value to
+    [-clamp, clamp] after: clamping only the value leaves ``inf - inf`` in the backward pass, a NaN
+    gradient for far-off tokens (logp = -100, ref = 0).
 
     >>> round(kl_k3(torch.tensor([0.0]), torch.tensor([-1.0])).item(), 6)  # e^-1 + 1 - 1
     0.367879
     """
-    log_r = ref_logp - logp
+    log_r = (ref_logp - logp).clamp(min=-20.0, max=20.0)
     return (torch.exp(log_r) - log_r - 1).clamp(min=-clamp, max=clamp)
 
 
@@ -95,17 +97,39 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
     return (logp.exp() * (logp - ref)).sum(-1)  # [B, C]
 
 
+# verl's names for the same estimators (``actor.kl_loss_type``, ``algorithm.kl_penalty``)
+VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def kl_estimator_name(name: str) -> str:
+    """grpotrl's name of an estimator given by ours or verl's, with verl's straight-through ``+``
+    suffix kept (``k3+``: k3's value, k2's gradient); ``k2+`` is k2, as in verl.
+
+    >>> [kl_estimator_name(n) for n in ("low_var_kl", "kl", "mse", "low_var_kl+", "k2+", "full")]
+    ['k3', 'k1', 'k2', 'k3+', 'k2', 'full']
+    """
+    base, plus = (name[:-1], "+") if isinstance(name, str) and name.endswith("+") else (name, "")
+    base = VERL_KL_NAMES.get(base, base)
+    if base not in KL_ESTIMATORS or (plus and base == "full"):
+        raise ValueError(f"KL estimator {name!r}: use one of {list(KL_ESTIMATORS)} or verl's {list(VERL_KL_NAMES)}, "
+                         "optionally with '+' (straight-through: the estimator's value, k2's gradient; not 'full').")
+    return base if base == "k2" else base + plus
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """The sample-based estimators by name (``full`` needs logits: call ``kl_full``)."""
-    if estimator == "k1":
-        return kl_k1(logp, ref_logp)
-    if estimator == "abs":
-        return kl_abs(logp, ref_logp)
-    if estimator == "k2":
-        return kl_k2(logp, ref_logp)
-    if estimator == "k3":
-        return kl_k3(logp, ref_logp)
-    raise ValueError(f"KL estimator {estimator!r}: use one of {KL_ESTIMATORS[:4]} (or kl_full with logits)")
+    """The sample-based estimators by name, ours or verl's (``full`` needs logits: call ``kl_full``).
+    With a ``+`` suffix the value is the estimator's and the gradient k2's, whose expectation is the
+    KL's gradient (k1's and k3's are not): verl's straight-through trick."""
+    estimator = kl_estimator_name(estimator)
+    base = estimator.rstrip("+")
+    value = {"k1": kl_k1, "abs": kl_abs, "k2": kl_k2, "k3": kl_k3}.get(base)
+    if value is None:
+        raise ValueError(f"KL estimator {estimator!r} needs logits: call kl_full")
+    kl = value(logp, ref_logp)
+    if not estimator.endswith("+"):
+        return kl
+    grad = kl_k2(logp, ref_logp)
+    return grad - grad.detach() + kl.detach()
 
 
 # ---------------------------------------------------------------- CAGrad (Liu et al., NeurIPS 2021)

@@ -9,14 +9,16 @@ saying what was wrong, with the value, and what to do.
 * ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir that a SIGKILL
   during the save did not cut short: trainer state, weights, optimizer, scheduler, RNG and the
   files the trainer adds (``checkpoint_problems``), each present and not truncated.
-* ``resolve_reward_funcs`` / ``check_reward_columns``: reward names from a recipe to the
-  functions of ``grpotrl.rewards.rules``, and the dataset columns those functions need.
+* ``resolve_reward_funcs`` / ``check_reward_columns``: reward names from a recipe (the recipe's
+  judges, ``grpotrl.rewards.rules``, the names ``trl grpo`` knows, dotted import paths) to
+  functions, and the dataset columns those functions and judges need.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import re
 import struct
@@ -184,6 +186,68 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
             f"Row {index} of the {split_name!r} split (SFT): {why}. A conversational row looks like {example}. "
             "Fix or drop that row."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric settings
+# ---------------------------------------------------------------------------------------------
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (test of a value that is set, what it must be); None always passes (TRL's "not set")
+RANGES = {
+    "learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "beta": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (a negative KL coefficient rewards leaving the "
+             "reference)"),
+    "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
+    "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
+    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0 (the logprobs are log_softmax(logits / T); "
+                    "for nearly greedy sampling use a small T such as 0.1)"),
+    "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
+    "repetition_penalty": (lambda v: _real(v) and v > 0, "a finite number > 0 (1.0: off)"),
+    "presence_penalty": (_real, "a finite number"),
+    "frequency_penalty": (_real, "a finite number"),
+    "entropy_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0: the loss is policy + beta*KL - c*H with "
+                     "c >= 0 encouraging exploration (INVARIANT I7); 0 for no bonus"),
+    "weight_decay": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "max_grad_norm": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0: no clipping)"),
+    "warmup_ratio": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "num_train_epochs": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "num_generations": (lambda v: _int(v) and v >= 2, "an integer >= 2 (GRPO normalises rewards within a group)"),
+    "num_iterations": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "steps_per_generation": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_train_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_steps": (lambda v: _int(v) and (v > 0 or v == -1), "an integer > 0 (or -1: by num_train_epochs)"),
+    "max_completion_length": (lambda v: _int(v) and v >= 1, "an integer >= 1 (new tokens per completion)"),
+    "max_prompt_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "min_new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "guard_steps": (lambda v: _int(v) and v >= -1, "an integer: -1 every step, 0 off, N the first N steps"),
+    "guard_logprob_atol": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "discriminator_learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "kl_in_reward_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_ranges(args) -> None:
+    """Raise ``InputError`` for the first numeric setting of ``args`` (any TRL or grpotrl config) that is
+    set to something its field cannot mean: a wrong sign, a zero, a NaN, a list. Runs on the config,
+    before any weights load, and before TRL's own __post_init__ divides by any of them."""
+    for name, (ok, what) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}. Fix it in the recipe, "
+                             "on the command line or in the config.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,36 +478,122 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     return last
 
 
+def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
+    (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
+    README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
+    saying so. A file where a directory should be is always an error. Reads names only."""
+    directory = os.path.expanduser(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
+    if resume or overwrite or not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    names = set(os.listdir(directory))
+    checkpoints = _checkpoints(directory)
+    finished = [n for n in ("trainer_state.json", *WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"]) if n in names]
+    if finished or checkpoints:
+        steps = ""
+        if "trainer_state.json" in names:
+            try:
+                with open(os.path.join(directory, "trainer_state.json")) as f:
+                    steps = f" of {json.load(f).get('global_step')} steps"
+            except (OSError, ValueError):
+                pass
+        what = (f"a finished run{steps} ({', '.join(finished)})" if finished else "no final model") + \
+            (f" and checkpoints {checkpoints}" if checkpoints else "")
+    else:
+        what = f"files grpotrl did not write ({_files(directory)})"
+    raise InputError(
+        f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
+        "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Reward functions
 # ---------------------------------------------------------------------------------------------
 
-def resolve_reward_funcs(names: list[str] | str) -> list | dict:
-    """Map reward names from a recipe to functions: ``["exact_answer", "format"]`` -> a list;
+def trl_reward_funcs() -> dict:
+    """The built-in names of TRL's ``trl grpo`` script (``trl/scripts/grpo.py``), with its settings."""
+    from trl.rewards import (accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward,
+                             think_format_reward)
+
+    return {"accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
+            "think_format_reward": think_format_reward,
+            "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)}
+
+
+def _import_reward(path: str):
+    """``my_lib.rewards.custom_reward`` -> that function, as ``trl grpo`` imports it (the working
+    directory is put first on ``sys.path``)."""
+    import importlib
+    import sys
+
+    module_path, _, attr = path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as err:
+        raise InputError(f"Reward {path!r}: cannot import module {module_path!r} ({err}). Put the directory that "
+                         f"holds it on PYTHONPATH (the working directory {os.getcwd()} is searched), or fix the "
+                         "dotted path.") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise InputError(f"Reward {path!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) has no "
+                         f"callable {attr!r}; its callables: {names}.")
+    return func
+
+
+def resolve_reward_funcs(names: list[str] | str | None, judges: dict | None = None,
+                         reward_model: str | None = None) -> list | dict:
+    """Map a recipe's ``reward_funcs`` to functions, looking each name up in this order: the
+    recipe's ``judges`` (``grpotrl.rewards.recipe.parse_judges``), grpotrl's ``REWARD_FUNCS``,
+    the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path
+    (``my_lib.rewards.custom_reward``). ``["exact_answer", "format"]`` -> a list;
     ``["hallucination:exact_answer", "fairness:even_handed"]`` (``task:name``, every entry) -> a
-    mapping task -> functions, for MultiTaskGRPOTrainer (rows carry the task in ``task_column``)."""
+    mapping task -> functions, for MultiTaskGRPOTrainer (rows carry the task in ``task_column``).
+    ``reward_model`` (``reward_model_name_or_path``) goes first in the list, as ``trl grpo`` puts it;
+    with per-task rewards it is an error (a reward model scores every row)."""
     names = [names] if isinstance(names, str) else list(names or [])
-    if not names:
-        raise InputError(
-            f"GRPO needs at least one reward function; set `reward_funcs` to some of {list(REWARD_FUNCS)}."
-        )
+    judges = judges or {}
+    trl_funcs = trl_reward_funcs()
+    known = [*judges, *REWARD_FUNCS, *trl_funcs]
+    if not names and not reward_model:
+        raise InputError(f"GRPO needs at least one reward: set `reward_funcs` to some of {known} (or a dotted path "
+                         "such as my_lib.rewards.custom_reward), or `reward_model_name_or_path`.")
+    shadowed = [n for n in judges if n in REWARD_FUNCS or n in trl_funcs]
+    if shadowed:
+        raise InputError(f"Judge name(s) {shadowed} in `judges` are also built-in reward names; rename the judge(s).")
     tagged = [":" in n for n in names]
     if any(tagged) and not all(tagged):
         raise InputError(f"`reward_funcs` {names} mixes per-task entries (task:name) with plain names: give every "
                          "entry a task (e.g. hallucination:exact_answer), or none.")
-    unknown = [n for n in names if n.rpartition(":")[2] not in REWARD_FUNCS]
+    unknown = [n for n in names if n.rpartition(":")[2] not in known and "." not in n.rpartition(":")[2]]
     if unknown:
         raise InputError(
-            f"Unknown reward function(s) {unknown} in `reward_funcs`. Known: {list(REWARD_FUNCS)} (defined in "
-            "grpotrl/rewards/rules.py), optionally as task:name. For your own reward, build the trainer in Python "
-            "and pass the function in `reward_funcs`."
+            f"Unknown reward function(s) {unknown} in `reward_funcs`. Known: {known} (the recipe's judges, "
+            "grpotrl/rewards/rules.py, trl.rewards), or a dotted import path to your own function such as "
+            "my_lib.rewards.custom_reward; any of them as task:name for rewards per task."
         )
-    if not all(tagged):
-        return [REWARD_FUNCS[n] for n in names]
+
+    def lookup(name):
+        for table in (judges, REWARD_FUNCS, trl_funcs):
+            if name in table:
+                return table[name]
+        return _import_reward(name)
+
+    if not names or not all(tagged):
+        return ([reward_model] if reward_model else []) + [lookup(n) for n in names]
+    if reward_model:
+        raise InputError(f"reward_model_name_or_path {reward_model!r} scores every row, but `reward_funcs` gives "
+                         "rewards per task (task:name). Drop one of them, or wrap the reward model in a function "
+                         "and name it per task.")
     per_task: dict[str, list] = {}
     for n in names:
         task, _, name = n.rpartition(":")
-        per_task.setdefault(task, []).append(REWARD_FUNCS[name])
+        per_task.setdefault(task, []).append(lookup(name))
     return per_task
 
 
@@ -453,6 +603,13 @@ def check_reward_columns(reward_funcs: list | dict, dataset, split_name: str) ->
     if isinstance(reward_funcs, dict):  # per task: every task's functions
         reward_funcs = [f for funcs in reward_funcs.values() for f in funcs]
     for func in reward_funcs:
+        rubric = getattr(func, "rubric", None)  # a judge reads its rubric's columns
+        if rubric is not None and (missing := [c for c in rubric.columns.values() if c not in dataset.column_names]):
+            raise InputError(
+                f"Judge {func.name!r} (rubric {rubric.name!r}) reads the dataset column(s) {missing}, but the "
+                f"{split_name!r} split has columns {dataset.column_names}. Map the rubric's fields to your columns "
+                "with the judge's rubric_columns (e.g. {reference: answer}) or add the column."
+            )
         if not inspect.isfunction(func):  # reward models and callable objects: TRL checks them
             continue
         needed = [

@@ -2,7 +2,8 @@
 OpenMP reads ``OMP_WAIT_POLICY`` once, and a busy neighbour process slows an active-wait
 torch 30-100x on 2 cores (see grpotrl/_threads.py). The whole session is offline against a Hugging
 Face cache of its own (``HF_HUB_CACHE``, filled by ``tests/hub_cache.py``): Hub ids resolve through
-the real loading code, and nothing a user has cached leaks in."""
+the real loading code, and nothing a user has cached leaks in. ``serve`` is the real judge server of
+tests/test_judges.py and tests/test_cli_pipeline.py (one per module)."""
 
 import os
 import tempfile
@@ -12,6 +13,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["HF_HUB_CACHE"] = HUB_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-hub-")
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -71,6 +77,18 @@ def hub_tiny_llama(tiny_llama) -> str:
     return "grpotrl-test/tiny-llama"
 
 
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def hub_smollm2(smollm2_path) -> str:
+    """SmolLM2-135M-Instruct under its real Hub id in the session's HF cache (weights linked, not copied)."""
+    from hub_cache import add_to_cache
+
+    add_to_cache(HUB_CACHE, SMOLLM2_HUB_ID, smollm2_path)
+    return SMOLLM2_HUB_ID
+
+
 @pytest.fixture(scope="session")
 def tiny_multistop(tmp_path_factory, smollm2_path):
     """SmolLM2's tokenizer with eos = <|endoftext|> (id 0) while the template still ends turns
@@ -110,3 +128,54 @@ def grpo_args(tmp_path):
         return grpotrl.GRPOConfig(**kw)
 
     return make
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve(smollm2_path, tmp_path_factory):
+    """``transformers serve`` on SmolLM2-135M-Instruct at 127.0.0.1:<free port>, offline. Its
+    HTTP(S) proxy variables point at a loopback listener: any outbound request it tried would
+    be recorded there (``outbound``)."""
+    import httpx2 as httpx
+    from judge_server import LoopbackJudge
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.fail("transformers serve needs its serving dependencies: pip install -e '.[judge]'")
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with LoopbackJudge() as outbound:
+        port = free_port()
+        dead = f"http://127.0.0.1:{outbound.port}"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
+                   OMP_WAIT_POLICY="PASSIVE", HTTP_PROXY=dead, HTTPS_PROXY=dead, ALL_PROXY=dead, NO_PROXY="",
+                   http_proxy=dead, https_proxy=dead, all_proxy=dead, no_proxy="")
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", smollm2_path, "--host", "127.0.0.1",
+               "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 180
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"transformers serve not ready after 180 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield {"url": f"http://127.0.0.1:{port}", "model": smollm2_path, "outbound": outbound}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)

@@ -16,25 +16,35 @@ import shutil
 from pathlib import Path
 
 
+_BIG = 16 * 2**20  # larger files are linked, not copied (SmolLM2's 540 MB of weights)
+
+
 def add_to_cache(cache_dir: str, repo_id: str, src_dir: str, revision: str = "main",
                  skip: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> str:
     """Put the files of ``src_dir`` (minus ``skip``, plus ``extra`` name -> text) in the cache as
     ``repo_id`` at ``revision``; returns the snapshot directory."""
     repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
-    files = {name: (Path(src_dir) / name).read_bytes() for name in sorted(os.listdir(src_dir))
-             if (Path(src_dir) / name).is_file() and name not in skip}
-    files.update({name: text.encode() for name, text in (extra or {}).items()})
-    commit = hashlib.sha1(repo_id.encode() + revision.encode()
-                          + b"".join(hashlib.sha256(b).digest() for b in files.values())).hexdigest()
+    sources = {name: Path(src_dir) / name for name in sorted(os.listdir(src_dir))
+               if (Path(src_dir) / name).is_file() and name not in skip}
+    digests = {name: hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()
+               if path.stat().st_size > _BIG else hashlib.sha256(path.read_bytes()).hexdigest()
+               for name, path in sources.items()}
+    digests.update({name: hashlib.sha256(text.encode()).hexdigest() for name, text in (extra or {}).items()})
+    commit = hashlib.sha1(f"{repo_id}@{revision}:{sorted(digests.items())}".encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
     if snapshot.exists():
         shutil.rmtree(snapshot)
     snapshot.mkdir(parents=True)
     (repo / "blobs").mkdir(exist_ok=True)
-    for name, data in files.items():
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+    for name, digest in digests.items():
+        blob = repo / "blobs" / digest
         if not blob.exists():
-            blob.write_bytes(data)
+            if name in (extra or {}):
+                blob.write_text(extra[name])
+            elif sources[name].stat().st_size > _BIG:
+                os.symlink(sources[name].resolve(), blob)
+            else:
+                shutil.copyfile(sources[name], blob)
         os.symlink(os.path.relpath(blob, snapshot), snapshot / name)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / revision).write_text(commit)

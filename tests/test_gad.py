@@ -282,8 +282,8 @@ def test_config_refuses_a_kl_without_a_place_and_unknown_estimators(tmp_path):
     with pytest.raises(InputError, match="use_kl_loss and use_kl_in_reward"):
         grpotrl.GADConfig(output_dir=str(tmp_path), beta=0.1, use_kl_loss=False)
     with pytest.raises(InputError, match="kl_estimator"):
-        grpotrl.GADConfig(output_dir=str(tmp_path), kl_estimator="low_var_kl")
-    with pytest.raises(InputError, match="set beta"):
+        grpotrl.GADConfig(output_dir=str(tmp_path), kl_estimator="k4")
+    with pytest.raises(InputError, match="set kl_in_reward_coef"):
         grpotrl.GADConfig(output_dir=str(tmp_path), use_kl_in_reward=True)
     args = grpotrl.GADConfig(output_dir=str(tmp_path))
     assert (args.importance_sampling_level, args.loss_type) == ("sequence", "grpo")  # GSPO
@@ -368,6 +368,34 @@ def test_warmup_with_gradient_accumulation_steps_D_once_per_generation_batch(tin
     assert steps == {2}
     assert all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())
     assert not all(torch.equal(v, d_start[k]) for k, v in trainer.discriminator.state_dict().items())
+
+
+def test_discriminator_of_a_bf16_student_keeps_fp32_weights_and_learns_at_a_small_lr(tiny_llama, gad_args):
+    """Issue 15: D in bf16 with a plain AdamW at lr 1e-6 changed 18 of 1,000 weights in 10 steps (updates
+    below bf16's resolution round away). D now keeps fp32 master weights: every trained weight moves."""
+    student = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    args = gad_args(max_steps=2, discriminator_warmup_steps=2, discriminator_learning_rate=1e-6, guard_steps=0)
+    trainer = grpotrl.GADTrainer(model=student, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    assert {p.dtype for p in d.parameters()} == {torch.float32}
+    start = {n: p.detach().clone() for n, p in d.named_parameters()}
+    trainer.train()
+    moved = sum(int((p != start[n]).sum()) for n, p in d.named_parameters())
+    total = sum(p.numel() for p in d.parameters())
+    # embeddings of tokens never seen get no gradient: most, not all, of the weights move
+    trained = sum(p.numel() for n, p in d.named_parameters() if "embed" not in n)
+    assert moved >= 0.9 * trained, f"{moved} of {total} discriminator weights moved"
+
+
+def test_student_lr_schedule_starts_after_discriminator_warmup(tiny_llama, gad_args):
+    """Linear decay over the 2 steps after a 2-step warmup: the student trains at lr, lr/2 (the
+    schedule spans the student's steps only); during warmup it stands at its step 0."""
+    args = gad_args(max_steps=4, discriminator_warmup_steps=2, learning_rate=1e-3, lr_scheduler_type="linear",
+                    guard_steps=0)
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs == pytest.approx([1e-3, 1e-3, 1e-3, 5e-4]), lrs
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -517,8 +545,13 @@ def test_every_kl_estimator_in_the_loss_matches_an_independent_recomputation(tin
         assert want.abs().max() > 0
 
 
-def test_kl_in_reward_is_minus_beta_times_the_summed_kl(tiny_llama, gad_args):
-    trainer, inputs = _kl_trainer(tiny_llama, gad_args, use_kl_in_reward=True, use_kl_loss=False)
+@pytest.mark.parametrize("separate", [False, True], ids=["beta", "own-coef-and-estimator"])
+def test_kl_in_reward_is_minus_its_coef_times_the_summed_kl(tiny_llama, gad_args, separate):
+    """By default the reward's KL takes beta and kl_estimator; with kl_in_reward_coef /
+    kl_in_reward_estimator (verl's kl_ctrl.kl_coef / kl_penalty) its own, while the loss keeps beta."""
+    own = dict(kl_in_reward_coef=0.3, kl_estimator="k1") if separate else dict(use_kl_loss=False)
+    trainer, inputs = _kl_trainer(tiny_llama, gad_args, use_kl_in_reward=True, **own)
+    assert trainer.kl_coef == 0.1 and trainer.kl_reward_coef == (0.3 if separate else 0.1)
     tok = trainer._tokenizer
     # the batch was shuffled: recover each row's prompt from its ids
     prompts = {json.dumps(templates.prompt_ids(tok, r["prompt"])): r["prompt"] for r in toy_rows(16)}
@@ -529,12 +562,12 @@ def test_kl_in_reward_is_minus_beta_times_the_summed_kl(tiny_llama, gad_args):
     completions = [[{"role": "assistant", "content": tok.decode(c, skip_special_tokens=True)}]
                    for c in completion_ids]
     for estimator in KL_ESTIMATORS:
-        trainer.args.kl_estimator = estimator
+        setattr(trainer.args, "kl_in_reward_estimator" if separate else "kl_estimator", estimator)
         rewards = trainer.kl_penalty(rows, completions, completion_ids)
         with torch.no_grad():
             kl = _independent_kl(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                  inputs["completion_mask"], estimator)  # [B, C]
-        expected = (-trainer.kl_coef * (kl * inputs["completion_mask"]).sum(-1)).tolist()
+        expected = (-trainer.kl_reward_coef * (kl * inputs["completion_mask"]).sum(-1)).tolist()
         assert rewards == pytest.approx(expected, abs=1e-5), estimator
         if estimator != "k1":  # the others are never negative
             assert all(r <= 0 for r in rewards), estimator
@@ -549,6 +582,20 @@ def test_kl_in_reward_is_its_own_reward_column(tiny_llama, gad_args):
     assert log["rewards/kl_penalty/mean"] == 0.0  # step 1: the policy is its reference
     assert log["reward"] == pytest.approx(log["rewards/discriminator/mean"] + log["rewards/kl_penalty/mean"])
     assert "kl" not in log  # nothing in the loss
+
+
+def test_config_takes_verl_estimator_names_and_refuses_unused_or_negative_kl_settings(tmp_path):
+    make = lambda **kw: grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, **kw)  # noqa: E731
+    args = make(beta=0.1, kl_estimator="low_var_kl+", use_kl_in_reward=True, kl_in_reward_estimator="kl")
+    assert (args.kl_estimator, args.kl_in_reward_estimator) == ("k3+", "k1")
+    for bad, match in ((dict(beta=-0.1), r"must be a finite number >= 0"),
+                       (dict(beta=0.1, use_kl_in_reward=True, kl_in_reward_coef=-1.0), r"must be a finite number >= 0"),
+                       (dict(beta=0.1, kl_in_reward_coef=0.2), r"use_kl_in_reward is off"),
+                       (dict(beta=0.1, use_kl_loss=False, use_kl_in_reward=True, kl_in_reward_coef=0.2),
+                        r"beta would be unused"),
+                       (dict(kl_estimator="full+"), r"KL estimator 'full\+'")):
+        with pytest.raises(InputError, match=match):
+            make(**bad)
 
 
 # ---------------------------------------------------------------- CLI, recipe, hooks
@@ -588,6 +635,7 @@ GAD_HOOKS = {
     "save_model": ["self", "output_dir", "_internal_call"],
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "create_scheduler": ["self", "num_training_steps", "optimizer"],
 }
 
 

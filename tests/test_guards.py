@@ -146,6 +146,27 @@ def test_I5_guard_catches_trl_positions_on_absolute_position_model(tiny_gpt2, gr
         _run(grpotrl.GRPOTrainer, tiny_gpt2, grpo_args())
 
 
+class RecordedNoTemperature(NoTemperature):
+    """NoTemperature that keeps what its loss used, to show afterwards that the bug went through."""
+
+    def _compute_loss(self, model, inputs):
+        self.loss_inputs = {k: inputs[k].detach().clone() for k in
+                            ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        self.loss_logps = self._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            inputs["completion_ids"].size(1))[0].detach()
+        return super()._compute_loss(model, inputs)
+
+
 def test_guards_off_lets_the_bug_through(tiny_llama, grpo_args):
-    """guard_steps=0 really turns the checks off (and so the checks above are what stops the bugs)."""
-    _run(NoTemperature, tiny_llama, grpo_args(guard_steps=0, max_steps=1))
+    """guard_steps=0 really turns the checks off (and so the checks above are what stops the bugs): the
+    run completes and its loss used logprobs far from log_softmax(logits / T), which I5 would have caught."""
+    trainer = _run(RecordedNoTemperature, tiny_llama, grpo_args(guard_steps=0, max_steps=1, temperature=0.7))
+    assert trainer.state.global_step == 1 and "guards/logprob_max_gap" not in trainer.state.log_history[-2]
+    x = trainer.loss_inputs
+    reference = grpotrl.guards.recompute_logprobs(
+        trainer.model, torch.cat([x["prompt_ids"], x["completion_ids"]], 1),
+        torch.cat([x["prompt_mask"], x["completion_mask"]], 1), x["completion_ids"].size(1), 0.7)[0]
+    gap = ((trainer.loss_logps - reference).abs() * x["completion_mask"]).max().item()
+    assert gap > 0.1, f"the temperature bug should move the loss's logprobs by far more than I5's 1e-5: {gap}"

@@ -10,16 +10,11 @@ HF_HUB_OFFLINE=1 and its proxy variables point at a loopback listener that must 
 import asyncio
 import dataclasses
 import logging
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx2 as httpx
 import pytest
 import torch
-from conftest import arithmetic_prompts
+from conftest import arithmetic_prompts  # the `serve` fixture lives in conftest.py
 from judge_server import LoopbackJudge
 
 from grpotrl.errors import InputError
@@ -56,58 +51,6 @@ def judge_call_sync(judge, prompts, completions, **columns):
     metrics, extras = {}, {}
     return judge(prompts, completions, log_metric=metrics.__setitem__, log_extra=extras.__setitem__,
                  **columns), metrics, extras
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def serve(smollm2_path, tmp_path_factory):
-    """``transformers serve`` on SmolLM2-135M-Instruct at 127.0.0.1:<free port>, offline. Its
-    HTTP(S) proxy variables point at a loopback listener: any outbound request it tried would
-    be recorded there (``outbound``)."""
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        pytest.fail("transformers serve needs its serving dependencies: pip install -e '.[judge]'")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with LoopbackJudge() as outbound:
-        port = free_port()
-        dead = f"http://127.0.0.1:{outbound.port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
-                   OMP_WAIT_POLICY="PASSIVE", HTTP_PROXY=dead, HTTPS_PROXY=dead, ALL_PROXY=dead, NO_PROXY="",
-                   http_proxy=dead, https_proxy=dead, all_proxy=dead, no_proxy="")
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", smollm2_path, "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--dtype", "float32"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 180
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"transformers serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.time() > deadline:
-                    pytest.fail(f"transformers serve not ready after 180 s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
-            yield {"url": f"http://127.0.0.1:{port}", "model": smollm2_path, "outbound": outbound}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
 
 
 @pytest.fixture

@@ -70,3 +70,24 @@ def test_importance_sampling_ratio_modes():
     assert importance_sampling_ratio(t, s, m, "sequence_mask", clip_max=3.0).tolist() == [[0.0]]
     with pytest.raises(ValueError, match="mode"):
         importance_sampling_ratio(t, s, m, "bogus")
+
+
+def test_k3_gradient_is_finite_at_extreme_log_ratios():
+    """Issue 15: logp = -100, ref = 0 gave a NaN gradient (exp(100) = inf, then inf - inf in backward)."""
+    logp = torch.tensor([-100.0, 100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, 0.0])
+    kl_k3(logp, ref).sum().backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    # in range the gradient is the analytic one: d/dlogp (e^(ref-logp) - (ref-logp) - 1) = 1 - e^(ref-logp)
+    assert logp.grad[2].item() == pytest.approx(1 - math.e, abs=1e-5)
+
+
+def test_straight_through_estimators_take_the_value_of_theirs_and_the_gradient_of_k2():
+    """verl's ``k3+``: k3's value, k2's gradient (d/dlogp 0.5 (logp - ref)^2 = logp - ref)."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-2.0, -1.0])
+    kl = kl_penalty(logp, ref, "low_var_kl+")
+    assert kl.tolist() == pytest.approx(kl_k3(logp, ref).tolist())
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    assert grad.tolist() == pytest.approx([1.0, -1.0])  # logp - ref
+    assert kl_penalty(logp, ref, "mse").tolist() == pytest.approx(kl_k2(logp, ref).tolist())

@@ -191,7 +191,7 @@ def test_I7_entropy_node_must_be_the_policy_entropy(tiny_llama, grpo_args):
         trainer.train()
 
 
-def first_step_grads(mode: str, model: str, grpo_args, **kw) -> list[torch.Tensor]:
+def first_step_grads(mode: str, model: str, grpo_args, rewards=None, **kw) -> list[torch.Tensor]:
     """The gradients the optimizer receives at step 1 (clipping off), same seed and data: both
     tasks ask the same questions, one rewards token X, the other penalises it."""
     from transformers import TrainerCallback
@@ -207,7 +207,7 @@ def first_step_grads(mode: str, model: str, grpo_args, **kw) -> list[torch.Tenso
     kw = {"entropy_coef": 0.01, "beta": 0.02, **kw}
     args = mode_args(grpo_args, mode, max_steps=1, max_grad_norm=0.0, generation_kwargs={"sequence_bias": [[[X], 7.3]]},
                      per_device_train_batch_size=16, **kw)
-    trainer = make_trainer(mode, model, args, {"fairness": more_x, "hallucination": fewer_x}, dataset=data)
+    trainer = make_trainer(mode, model, args, rewards or {"fairness": more_x, "hallucination": fewer_x}, dataset=data)
     trainer.add_callback(Grab())
     trainer.train()
     return grads, trainer
@@ -236,6 +236,42 @@ def test_two_tasks_cagrad_c0_is_the_plain_gradient_and_c05_is_not(regularised, t
                        "grad_norm", "cagrad_coef"):
             assert f"tasks/{task}/{metric}" in logs, f"tasks/{task}/{metric}"
     assert logs["tasks/fairness/reward"] > 0 > logs["tasks/hallucination/reward"]  # each task its own reward
+
+
+def no_reward(completion_ids, **kw):  # every advantage of the task 0: its loss term has no gradient
+    return [0.0] * len(completion_ids)
+
+
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_cagrad_update_is_the_combination_computed_by_hand(mode, tiny_llama, grpo_args):
+    """Issue 15: the trainer's update at cagrad_c = 0.5 against the CAGrad combination computed here from
+    each task's own gradient (a plain multi-task run in which only that task is rewarded): exact mode weighs
+    them by the Gram matrix of the whole model, low-memory by that of the last block's parameters. Swapping
+    the two tasks' weights gives an update this test tells apart."""
+    from grpotrl.losses import cagrad_coefficients
+    from grpotrl.trainers.multitask import _last_block_params
+
+    reg = {"entropy_coef": 0.0, "beta": 0.0}
+    g_fair, _ = first_step_grads("multitask", tiny_llama, grpo_args, {"fairness": more_x, "hallucination": no_reward},
+                                 **reg)
+    g_hall, _ = first_step_grads("multitask", tiny_llama, grpo_args, {"fairness": no_reward, "hallucination": fewer_x},
+                                 **reg)
+    got, trainer = first_step_grads(mode, tiny_llama, grpo_args, cagrad_c=0.5, **reg)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    proxy = [i for i, p in enumerate(params) if any(p is q for q in _last_block_params(trainer.model))]
+    rows = range(len(params)) if mode == "exact" else proxy
+    assert 0 < len(proxy) < len(params)
+    g = [g_fair, g_hall]
+    gram = torch.tensor([[sum(float((a[i].double() * b[i].double()).sum()) for i in rows) for b in g] for a in g])
+    coef, _ = cagrad_coefficients(gram, 0.5)
+    w = (coef * 2).tolist()  # scaled by K: cagrad_c = 0 is the plain sum
+    expected = [w[0] * a + w[1] * b for a, b in zip(g_fair, g_hall)]
+    swapped = [w[1] * a + w[0] * b for a, b in zip(g_fair, g_hall)]
+    assert abs(w[0] - w[1]) > 0.05, w  # unequal weights, or a swap could not show
+    assert _rel(got, expected) < 1e-4, _rel(got, expected)
+    assert _rel(got, swapped) > 0.05
+    logs = trainer.state.log_history[0]
+    assert [logs["tasks/fairness/cagrad_coef"], logs["tasks/hallucination/cagrad_coef"]] == pytest.approx(w, rel=1e-4)
 
 
 def test_low_memory_two_task_run_completes(tiny_llama, grpo_args):

@@ -139,7 +139,11 @@ def test_method_recipe_parses_into_the_cli_dataclasses(path):
     assert model_args.model_name_or_path and training_args.output_dir
     assert training_args.use_cpu and not training_args.bf16 and training_args.report_to == []
     if method_of(path) == "grpo":
-        assert validation.resolve_reward_funcs(script_args.reward_funcs)
+        from grpotrl.rewards.recipe import parse_judges
+
+        judges = parse_judges(script_args.judges)
+        assert validation.resolve_reward_funcs(script_args.reward_funcs, judges,
+                                               script_args.reward_model_name_or_path)
 
 
 def test_grpo_quickstart_starts_from_the_sft_quickstart_output():

@@ -3,6 +3,7 @@ the bad value, raised before any model is loaded (fast: no weights are read here
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -304,8 +305,8 @@ def test_peft_and_deepspeed_checkpoints_are_complete_in_their_own_layout(tmp_pat
 
 def test_unknown_reward_name_lists_the_known_ones():
     assert validation.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
-    with pytest.raises(InputError,
-                       match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length', 'even_handed'\]"):
+    with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length', "
+                                         r"'even_handed', 'accuracy_reward', "):
         validation.resolve_reward_funcs(["exact_anwser", "format"])
 
 
@@ -362,22 +363,6 @@ def test_valid_recipe_reaches_the_model_load_last(smollm2_path, tmp_path, monkey
                          "--output_dir", str(tmp_path / "out")])
 
 
-def test_dataset_name_must_be_quickstart_or_local(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "test"):
-        (data / f"{split}.jsonl").write_text(json.dumps({"prompt": USER, "answer": split}) + "\n")
-    assert cli.load_split(str(data), "test")["answer"] == ["test"]
-    assert cli.load_split(str(data / "train.jsonl"), "train")["answer"] == ["train"]
-    with pytest.raises(InputError, match=r"has splits \['train', 'test'\], not 'validation'"):
-        cli.load_split(str(data), "validation")
-    with pytest.raises(InputError, match=r"is one file, which is the 'train' split only"):
-        cli.load_split(str(data / "train.jsonl"), "test")
-    with pytest.raises(InputError,
-                       match=r"'openai/gsm8k' is neither a shipped dataset.*nor a local file.*never downloads"):
-        cli.load_split("openai/gsm8k", "train")
-
-
 def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
     from transformers import AutoTokenizer
 
@@ -393,3 +378,65 @@ def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
     from transformers import GenerationConfig
 
     assert stop_token_ids(tok, GenerationConfig(eos_token_id=[5, 7])) == [5, 7]
+
+
+def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_silently(tmp_path):
+    """Issue 16: re-running a recipe into a finished run's output_dir replaced its model and log."""
+    run = tmp_path / "run"
+    write_weights(run)
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 25}))
+    (run / "checkpoint-20").mkdir()
+    with pytest.raises(InputError, match=r"a finished run of 25 steps \(trainer_state.json, model.safetensors\) "
+                                         r"and checkpoints \['checkpoint-20'\].*resume_from_checkpoint.*overwrite"):
+        validation.check_output_dir(str(run))
+    validation.check_output_dir(str(run), resume=True)
+    validation.check_output_dir(str(run), overwrite=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    with pytest.raises(InputError, match=r"files grpotrl did not write \(README.md\)"):
+        validation.check_output_dir(str(tmp_path / "notes"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match=r"is a file"):
+        validation.check_output_dir(str(tmp_path / "afile"), overwrite=True)
+    (tmp_path / "empty").mkdir()
+    validation.check_output_dir(str(tmp_path / "empty"))
+    validation.check_output_dir(str(tmp_path / "new"))
+    assert (run / "model.safetensors").is_file()  # nothing was touched
+
+
+@pytest.mark.parametrize("field, value", [
+    ("beta", -1.0), ("num_generations", 0), ("temperature", 0.0), ("temperature", -0.5), ("learning_rate", [1]),
+    ("learning_rate", float("nan")), ("max_completion_length", 0), ("max_steps", 1.5), ("epsilon", -0.2),
+    ("per_device_train_batch_size", 0), ("top_p", 1.5), ("entropy_coef", float("inf"))])
+def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, value, tmp_path):
+    """Issue 16: beta -1 trained and saved; num_generations 0 was a ZeroDivisionError inside TRL; temperature 0
+    and a NaN learning rate were caught only after the model loaded."""
+    import trl
+
+    import grpotrl
+
+    with pytest.raises(InputError, match=rf"^{field}={re.escape(repr(value))} \(\w+\): it must be"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), **{field: value})
+    ok = {"max_steps": 1, "learning_rate": 1e-6, "beta": 0.0, "num_generations": 8, "temperature": 1.0,
+          "max_completion_length": 8, "epsilon": 0.2, "per_device_train_batch_size": 8, "top_p": 1.0,
+          "entropy_coef": 0.0}
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **ok)
+    setattr(args, field, value)  # TRL's own config, set after its checks: the trainer checks it before loading
+    with pytest.raises(InputError, match=rf"^{field}="):
+        validation.check_ranges(args)
+
+
+def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path, smollm2_path, no_model_load,
+                                                                         capsys):
+    """Issue 16: re-running a recipe into a finished run's output_dir replaced a 25-step model and its log."""
+    out = tmp_path / "run"
+    weights = write_weights(out)
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": 25, "log_history": [{"loss": 1.0}]}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["grpo", "--config", str(GRPO_RECIPE), "--model_name_or_path", smollm2_path,
+                  "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("grpotrl grpo: error: output_dir")
+    assert "a finished run of 25 steps" in err and "overwrite_output_dir" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()

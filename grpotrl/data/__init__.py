@@ -7,19 +7,26 @@ with ``prompt`` (one user message), ``answer`` (a string such as ``"12"``) and `
 ``answer`` to the reward functions; SFT reads ``prompt`` and ``completion``.
 multitask: 144 rows made by ``scripts/make_multitask_data.py`` (120 train, 24 test), with
 ``prompt``, ``task``, ``answer`` (hallucination rows) and ``groups`` (fairness rows).
+gad_toy: 200 rows made by ``scripts/make_gad_toy_data.py`` (train only): the quickstart's train
+questions with ``answer``, a teacher's ``teacher_response`` and the same as ``completion``.
+
+``load_splits`` is what a recipe's ``dataset_name`` goes through: a shipped name, a
+``save_to_disk`` folder, or anything ``datasets.load_dataset`` takes (a local data file or
+folder, a Hub id), handed to it unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..errors import InputError
 
 QUICKSTART_FILE = Path(__file__).resolve().parent / "quickstart.jsonl"
 MULTITASK_FILE = Path(__file__).resolve().parent / "multitask.jsonl"
-SHIPPED = {"quickstart": QUICKSTART_FILE, "multitask": MULTITASK_FILE}
-SPLITS = ("train", "test")
+GAD_TOY_FILE = Path(__file__).resolve().parent / "gad_toy.jsonl"
+SHIPPED = {"quickstart": QUICKSTART_FILE, "multitask": MULTITASK_FILE, "gad_toy": GAD_TOY_FILE}
 
 
 def load_quickstart(split: str = "train"):
@@ -44,14 +51,86 @@ def load_multitask(split: str = "train"):
 
 
 def load_shipped(name: str, split: str = "train"):
-    """A split of a dataset shipped with grpotrl (``quickstart`` or ``multitask``)."""
+    """A split of a dataset shipped with grpotrl (``quickstart``, ``multitask`` or ``gad_toy``).
+
+    >>> len(load_shipped("gad_toy")), load_shipped("gad_toy").column_names
+    (200, ['prompt', 'answer', 'teacher_response', 'completion'])
+    """
+    return pick_split(_shipped_splits(name), split, name)
+
+
+def _shipped_splits(name: str) -> dict:
+    """Split name -> ``datasets.Dataset`` of a shipped file; rows without a ``split`` field are train."""
     from datasets import Dataset
 
     if name not in SHIPPED:
         raise InputError(f"grpotrl ships the datasets {list(SHIPPED)}, not {name!r}.")
-    if split not in SPLITS:
-        raise InputError(f"The {name} dataset has splits {list(SPLITS)}, not {split!r}. Use one of those.")
+    by_split: dict[str, list] = {}
     with open(SHIPPED[name]) as f:
-        rows = [json.loads(line) for line in f]
-    rows = [{k: v for k, v in row.items() if k != "split"} for row in rows if row["split"] == split]
-    return Dataset.from_list(rows)
+        for line in f:
+            row = json.loads(line)
+            by_split.setdefault(row.pop("split", "train"), []).append(row)
+    return {split: Dataset.from_list(rows) for split, rows in by_split.items()}
+
+
+def load_splits(name: str, config: str | None = None):
+    """Every split of a recipe's dataset, as a mapping split -> ``datasets.Dataset``:
+
+    * a shipped name (``SHIPPED``);
+    * a ``save_to_disk`` folder (``datasets.load_from_disk``; a saved single Dataset is the
+      ``train`` split);
+    * anything else goes to ``datasets.load_dataset(name, name=config)`` unchanged, as TRL's
+      scripts do: a local data file or folder (json/jsonl/parquet/csv; a single file is the
+      ``train`` split), or a Hub id (downloaded and cached by ``datasets``; offline, from its cache).
+
+    A dataset that cannot be found or read, or a config it does not have, is one ``InputError``.
+    """
+    import datasets
+
+    if name in SHIPPED:
+        if config:
+            raise InputError(f"dataset_config {config!r} was given, but the shipped dataset {name!r} has no "
+                             "configs. Drop dataset_config.")
+        return _shipped_splits(name)
+    path = os.path.expanduser(name)
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+        try:
+            saved = datasets.load_from_disk(path)
+        except (OSError, ValueError) as err:
+            raise InputError(f"dataset_name {name!r} looks like a save_to_disk folder but cannot be read: "
+                             f"{_first_line(err)}. Save it again with Dataset(Dict).save_to_disk.") from None
+        return dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
+    try:
+        if os.path.isfile(path):  # one data file: load_dataset takes its format's builder, the file as 'train'
+            from datasets.packaged_modules import _EXTENSION_TO_MODULE
+
+            ext = os.path.splitext(path)[1].lower()
+            if ext not in _EXTENSION_TO_MODULE:
+                raise InputError(f"dataset_name {name!r} is a file of unknown format {ext!r}; use one of "
+                                 f"{sorted(_EXTENSION_TO_MODULE)} (json/jsonl/parquet/csv), or a folder of them.")
+            builder, kwargs = _EXTENSION_TO_MODULE[ext]
+            return dict(datasets.load_dataset(builder, data_files=path, name=config, **kwargs))
+        return dict(datasets.load_dataset(name, name=config))
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        where = (f"the local path {os.path.abspath(path)}" if os.path.exists(path)
+                 else "a local path (none exists there) or a dataset on the Hugging Face Hub")
+        raise InputError(
+            f"Cannot load dataset_name {name!r}" + (f" with dataset_config {config!r}" if config else "")
+            + f" as {where}: {_first_line(err)}. Use a shipped dataset {list(SHIPPED)}, a local data file or "
+            "folder (json/jsonl/parquet/csv), a save_to_disk folder, or a Hub dataset id (with network, or "
+            "already in the datasets cache when offline); check dataset_config against the configs it lists."
+        ) from None
+
+
+def pick_split(splits, split: str, name: str):
+    """``splits[split]``, or an ``InputError`` naming the splits there are."""
+    if split not in splits:
+        single = " (a single data file is the 'train' split only)" if os.path.isfile(os.path.expanduser(name)) else ""
+        raise InputError(f"Dataset {name!r} has splits {list(splits)}, not {split!r}{single}. Set "
+                         "dataset_train_split / dataset_test_split to one of those (or eval_strategy: 'no').")
+    return splits[split]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400].rstrip(".")

@@ -59,8 +59,9 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     from ..hub import check_model_source, generation_config
     from ..models import resolve_model_path
-    from ..validation import check_dataset
+    from ..validation import check_dataset, check_ranges
 
+    check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
     if train_dataset is not None:
         check_dataset(train_dataset, "train", kind=kind)
     revision = None

@@ -31,6 +31,7 @@ Overrides (everything else is grpotrl.GRPOTrainer's, hence TRL's):
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
   * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used.
   * ``training_step``: during warmup, generates and updates D only; the student gets no grad.
+  * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
   * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
     checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
     state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
@@ -44,6 +45,7 @@ from its output (``--model_name_or_path outputs/smollm2-sft-gad-warmup``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -161,14 +163,19 @@ class GADTrainer(GRPOTrainer):
             raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 
         # KL: computed here for every estimator; TRL's own in-loss k3 is off (it kept the ref model).
-        self.kl_coef = args.beta
+        self.kl_coef = args.beta  # in the loss (verl: actor.kl_loss_coef); in the reward (kl_ctrl.kl_coef):
+        self.kl_reward_coef = args.beta if args.kl_in_reward_coef is None else args.kl_in_reward_coef
         self.beta = 0.0
         self._kl_in_loss = bool(args.beta and args.use_kl_loss)
 
         student = self.accelerator.unwrap_model(self.model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
         path = args.discriminator_model_name_or_path or getattr(student.config, "_name_or_path", None)
-        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=student.dtype,
+        # fp32 master weights for D under torch/DDP: a bf16 D with a plain AdamW at lr 1e-6 barely moves (an
+        # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
+        # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
+        d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
+        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=d_dtype,
                                   lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings)
         if args.disable_dropout:
@@ -291,15 +298,15 @@ class GADTrainer(GRPOTrainer):
         return out.logits[:, :-1]
 
     @torch.no_grad()
-    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:
+    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int, estimator: str) -> torch.Tensor:
         """KL(pi || pi_ref) per completion token of the current policy, no grad: [B, C]."""
         bs = self.args.per_device_train_batch_size
         ref, ctx = self._ref_context()
-        if self.args.kl_estimator != "full":
+        if estimator != "full":
             logp = self._get_per_token_logps_and_entropies(self.model, ids, attn, width, batch_size=bs)[0]
             with ctx:
                 ref_logp = self._get_per_token_logps_and_entropies(ref, ids, attn, width, batch_size=bs)[0]
-            return kl_penalty(logp, ref_logp, self.args.kl_estimator)
+            return kl_penalty(logp, ref_logp, estimator)
         out = []
         for i in range(0, ids.size(0), bs):
             part = slice(i, i + bs)
@@ -310,16 +317,18 @@ class GADTrainer(GRPOTrainer):
         return torch.cat(out)
 
     def kl_penalty(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        """Reward column ``kl_penalty``: ``-beta * sum_t KL_t`` of each response under the current
-        policy (``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
+        """Reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
+        current policy (``kl_in_reward_estimator``; both default to the loss's ``beta`` and
+        ``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
         tok = self._tokenizer
         prompt_ids = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs) for p in prompts]
         device = self.accelerator.device
         p_ids, p_mask = pad_sequences(prompt_ids, tok.pad_token_id, side="left", device=device)  # [N, P]
         c_ids, c_mask = pad_sequences([list(c) for c in completion_ids], tok.pad_token_id, device=device)  # [N, C]
         ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)  # [N, P+C]
-        per_token = self._per_token_kl(ids, attn, c_ids.size(1))  # [N, C]
-        return (-self.kl_coef * (per_token * c_mask).sum(-1)).tolist()
+        estimator = self.args.kl_in_reward_estimator or self.args.kl_estimator
+        per_token = self._per_token_kl(ids, attn, c_ids.size(1), estimator)  # [N, C]
+        return (-self.kl_reward_coef * (per_token * c_mask).sum(-1)).tolist()
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -407,6 +416,20 @@ class GADTrainer(GRPOTrainer):
             self._current_train_step_time = 0.0
         return torch.zeros((), device=self.args.device)
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The student's LR schedule starts with the student: it spans the steps after discriminator
+        warmup (its warmup_ratio / decay over those) and stands at its step 0 during warmup. A
+        scheduler the user passed is left as it is."""
+        W = self.args.discriminator_warmup_steps
+        ours = self.lr_scheduler is None
+        scheduler = super().create_scheduler(max(1, num_training_steps - W), optimizer)
+        if ours and W:
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                raise InputError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} cannot be held still during "
+                                 "discriminator warmup; use a schedule such as linear, cosine or constant.")
+            scheduler.lr_lambdas = [functools.partial(_after, W, f) for f in scheduler.lr_lambdas]
+        return scheduler
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -423,3 +446,8 @@ class GADTrainer(GRPOTrainer):
             return
         # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
+
+
+def _after(delay: int, lr_lambda, step: int) -> float:
+    """``lr_lambda`` started ``delay`` steps late (held at its step 0 until then)."""
+    return lr_lambda(max(0, step - delay))

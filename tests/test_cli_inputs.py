@@ -1,0 +1,294 @@
+"""What a recipe may name, checked before any model loads: datasets (shipped, local files and
+folders, ``save_to_disk`` folders, Hub ids served by a loopback Hub), rewards (grpotrl's and
+``trl grpo``'s names, dotted paths, ``reward_model_name_or_path``) and judges (HTTP and local,
+rubrics, API keys by variable name only). No model is loaded here except where a test says so."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+import yaml
+from datasets import Dataset, DatasetDict
+
+from grpotrl import cli, validation
+from grpotrl.data import SHIPPED, load_shipped, load_splits, pick_split
+from grpotrl.errors import InputError
+from grpotrl.rewards import rules
+from grpotrl.rewards.judges import HttpJudge
+from grpotrl.rewards.recipe import LocalJudgeSpec, parse_judges
+from grpotrl.rewards.rubrics import FAIRNESS, HALLUCINATION
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+USER = [{"role": "user", "content": "What is 7 + 5?"}]
+SECRET = "sk-test-0123456789-never-shown"
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was validated")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def rows(split: str, n: int = 3) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"{split} question {i}?"}], "answer": f"{split}{i}"}
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------
+
+def test_shipped_names_include_gad_toy_and_ship_in_the_package():
+    assert set(SHIPPED) == {"quickstart", "multitask", "gad_toy"}
+    splits = load_splits("gad_toy")
+    assert list(splits) == ["train"] and len(splits["train"]) == 200
+    assert "teacher_response" in load_shipped("gad_toy").column_names
+    with pytest.raises(InputError, match=r"Dataset 'gad_toy' has splits \['train'\], not 'test'"):
+        load_shipped("gad_toy", "test")
+    assert {len(s) for s in load_splits("multitask").values()} == {120, 24}
+    cfg = (ROOT / "setup.cfg").read_text()
+    assert "grpotrl = data/*.jsonl" in cfg  # package_data: every shipped file, gad_toy.jsonl included
+    assert all(path.suffix == ".jsonl" and path.parent == ROOT / "grpotrl" / "data" for path in SHIPPED.values())
+    for recipe in (ROOT / "recipes").rglob("*.yaml"):  # no recipe depends on the working directory for data
+        name = yaml.safe_load(recipe.read_text()).get("dataset_name")
+        assert name is None or name in SHIPPED, f"{recipe}: dataset_name {name!r}"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
+def test_local_data_file_is_the_train_split(tmp_path, fmt):
+    ds = Dataset.from_list([{"question": r["prompt"][0]["content"], "answer": r["answer"]} for r in rows("train")])
+    path = tmp_path / f"data.{fmt}"
+    {"jsonl": ds.to_json, "json": ds.to_json, "parquet": ds.to_parquet, "csv": ds.to_csv}[fmt](str(path))
+    splits = load_splits(str(path))
+    assert list(splits) == ["train"] and splits["train"]["answer"] == ["train0", "train1", "train2"]
+    with pytest.raises(InputError, match=r"has splits \['train'\], not 'test' \(a single data file is the 'train'"):
+        pick_split(splits, "test", str(path))
+
+
+def test_local_folder_and_save_to_disk_folder(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(split)))
+    splits = load_splits(str(folder))
+    assert pick_split(splits, "test", str(folder))["answer"] == ["test0", "test1", "test2"]
+    with pytest.raises(InputError, match=r"has splits \['train', 'test'\], not 'validation'"):
+        pick_split(splits, "validation", str(folder))
+
+    saved = tmp_path / "saved"
+    DatasetDict({"train": Dataset.from_list(rows("train")), "dev": Dataset.from_list(rows("dev", 2))}).save_to_disk(
+        str(saved))
+    splits = load_splits(str(saved))
+    assert set(splits) == {"train", "dev"} and splits["dev"]["answer"] == ["dev0", "dev1"]
+    one = tmp_path / "one"
+    Dataset.from_list(rows("x")).save_to_disk(str(one))  # a single saved Dataset is the train split
+    assert load_splits(str(one))["train"]["answer"] == ["x0", "x1", "x2"]
+
+
+def test_missing_dataset_or_config_is_one_input_error(tmp_path):
+    with pytest.raises(InputError, match=r"Cannot load dataset_name '\S+nope.jsonl'.*Use a shipped dataset"):
+        load_splits(str(tmp_path / "nope.jsonl"))  # not there: not a file, so it goes to load_dataset as is
+    (tmp_path / "data.xlsx").write_text("x")
+    with pytest.raises(InputError, match=r"file of unknown format '.xlsx'"):
+        load_splits(str(tmp_path / "data.xlsx"))
+    with pytest.raises(InputError, match="shipped dataset 'quickstart' has no configs"):
+        load_splits("quickstart", "main")
+
+
+def _parquet(data: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(data), buf)
+    return buf.getvalue()
+
+
+HUB_LOAD = """
+import json, sys
+from grpotrl.data import load_splits, pick_split
+from grpotrl.errors import InputError
+for case in sys.argv[1:]:  # one process for every case: importing grpotrl (torch) is the slow part
+    name, _, config = case.partition("@")
+    try:
+        splits = load_splits(name, config or None)
+        print(json.dumps({k: list(v["answer"]) for k, v in splits.items()}))
+        pick_split(splits, "validation", name)
+    except InputError as err:
+        print("InputError:", err)
+"""
+
+
+def test_hub_dataset_id_goes_to_load_dataset_unchanged(tmp_path):
+    """A real ``datasets.load_dataset("tester/arith")`` against a loopback Hub (HF_ENDPOINT):
+    repo info, file listing and parquet downloads over HTTP, then the datasets cache."""
+    from hub_server import LoopbackHub
+
+    files = {"data/train-00000-of-00001.parquet": _parquet(rows("train")),
+             "data/test-00000-of-00001.parquet": _parquet(rows("test", 2)),
+             "README.md": b"---\nlicense: mit\n---\n# arith\n"}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+           "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+
+    def load(*cases):
+        out = subprocess.run([sys.executable, "-c", HUB_LOAD, *cases], env=env, capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()
+
+    with LoopbackHub({"tester/arith": files}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        first, error, missing, config = load("tester/arith", "tester/missing", "tester/arith@nope")
+        assert json.loads(first) == {"train": ["train0", "train1", "train2"], "test": ["test0", "test1"]}
+        assert "has splits ['train', 'test'], not 'validation'" in error
+        fetched = [p for m, p in hub.requests if m == "GET" and p.endswith(".parquet")]
+        assert len(fetched) == 2, hub.requests  # really downloaded, over the loopback Hub
+        assert missing.startswith("InputError: Cannot load dataset_name 'tester/missing'")
+        assert "a dataset on the Hugging Face Hub" in missing
+        assert config.startswith("InputError: Cannot load dataset_name 'tester/arith' with dataset_config 'nope'")
+
+    env["HF_HUB_OFFLINE"] = env["HF_DATASETS_OFFLINE"] = "1"  # the server is gone: the cache answers
+    assert json.loads(load("tester/arith")[0])["test"] == ["test0", "test1"]
+
+
+def test_cli_dataset_error_comes_before_the_model_load(tmp_path, smollm2_path, no_model_load):
+    with pytest.raises(InputError, match=r"has splits \['train'\], not 'test'"):
+        cli.run("grpo", ["--model_name_or_path", smollm2_path, "--dataset_name", "gad_toy",
+                         "--eval_strategy", "steps", "--output_dir", str(tmp_path), "--use_cpu", "true",
+                         "--reward_funcs", "exact_answer"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------
+
+def test_rewards_resolve_like_trl_grpo_plus_grpotrl_names(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    import my_rewards
+
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    funcs = validation.resolve_reward_funcs(["exact_answer", "accuracy_reward", "think_format_reward",
+                                             "my_rewards.short_answer"])
+    assert funcs == [rules.exact_answer_reward, accuracy_reward, think_format_reward, my_rewards.short_answer]
+    assert validation.resolve_reward_funcs(["format"], reward_model="some/reward-model") == [
+        "some/reward-model", rules.format_reward]  # the reward model first, as trl grpo puts it
+    assert validation.resolve_reward_funcs(None, reward_model="rm") == ["rm"]
+    per_task = validation.resolve_reward_funcs(["a:my_rewards.short_answer", "b:get_soft_overlong_punishment"])
+    assert per_task["a"] == [my_rewards.short_answer] and callable(per_task["b"][0])
+
+
+def test_reward_errors_list_the_options():
+    with pytest.raises(InputError, match=r"GRPO needs at least one reward.*reward_model_name_or_path"):
+        validation.resolve_reward_funcs(None)
+    with pytest.raises(InputError, match=r"Unknown reward function\(s\) \['exact'\].*Known: \['j', 'exact_answer'"):
+        validation.resolve_reward_funcs(["exact"], judges={"j": lambda **kw: []})
+    with pytest.raises(InputError, match=r"cannot import module 'no_such_lib.rewards'.*PYTHONPATH"):
+        validation.resolve_reward_funcs(["no_such_lib.rewards.f"])
+    with pytest.raises(InputError, match=r"has no callable 'nope'; its callables: \[.*'exact_answer_reward'"):
+        validation.resolve_reward_funcs(["grpotrl.rewards.rules.nope"])
+    with pytest.raises(InputError, match="scores every row, but `reward_funcs` gives rewards per task"):
+        validation.resolve_reward_funcs(["a:format"], reward_model="rm")
+    with pytest.raises(InputError, match=r"Judge name\(s\) \['format'\].*also built-in"):
+        validation.resolve_reward_funcs(["format"], judges={"format": lambda **kw: []})
+
+
+# ---------------------------------------------------------------------------------------------
+# Judges
+# ---------------------------------------------------------------------------------------------
+
+HTTP = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "rubric": "fairness"}
+
+
+def test_judges_parse_into_http_judges_and_local_specs(tmp_path, tiny_llama):
+    (tmp_path / "crit.txt").write_text("Grade whether the answer is polite.")
+    fields = {"name": "kind", "system": "Grade kindness. VERDICT: <1-3>", "low": 1, "high": 3,
+              "template": "Q: {prompt}\nA: <response>{completion}</response>\nRef: {ref}\nVERDICT?",
+              "columns": {"ref": "answer"}, "examples": [{"prompt": "p", "completion": "c", "ref": "r", "verdict": 3}]}
+    (tmp_path / "kind.yaml").write_text(yaml.safe_dump(fields))
+    judges = parse_judges({
+        "fair": {**HTTP, "max_concurrency": 2, "timeout": 5, "max_retries": 0, "max_tokens": 8},
+        "facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "answer"}},
+        "polite": {**HTTP, "rubric": str(tmp_path / "crit.txt")},
+        "inline": {**HTTP, "rubric": "Grade whether the answer is short and correct."},
+        "kind": {**HTTP, "rubric": str(tmp_path / "kind.yaml")},
+        "local": {"model_path": tiny_llama, "rubric": "fairness", "batch_size": 2},
+    })
+    fair = judges["fair"]
+    assert isinstance(fair, HttpJudge) and fair.rubric is FAIRNESS and fair.name == "fair"
+    assert (fair.max_concurrency, fair.timeout, fair.max_retries, fair.max_tokens) == (2, 5.0, 0, 8)
+    assert judges["facts"].rubric.columns == {"reference": "answer"} and judges["facts"].rubric.system == \
+        HALLUCINATION.system
+    assert judges["polite"].rubric.system.startswith("Grade whether the answer is polite. You never answer")
+    assert judges["polite"].rubric.name == "polite" and "VERDICT: <1-5>" in judges["inline"].rubric.template
+    assert judges["kind"].rubric.high == 3 and judges["kind"].rubric.examples[0]["verdict"] == 3
+    assert isinstance(judges["local"], LocalJudgeSpec) and judges["local"].batch_size == 2
+    # the command line gives JSON
+    assert list(parse_judges(json.dumps({"fair": HTTP}))) == ["fair"]
+
+
+@pytest.mark.parametrize("settings, error", [
+    ({"model": "m", "rubric": "fairness"}, "needs exactly one of `base_url`"),
+    ({**HTTP, "model_path": "x"}, "needs exactly one of `base_url`"),
+    ({**HTTP, "timeout_s": 3}, r"Unknown key\(s\) 'timeout_s' \(did you mean 'timeout'\?\)"),
+    ({**HTTP, "rubric": "fairnes"}, r"not a built-in rubric \['fairness', 'hallucination'\] \(did you mean 'fairness'"),
+    ({**HTTP, "rubric": "missing.yaml"}, "file 'missing.yaml' does not exist"),
+    ({**HTTP, "rubric": {"system": "s", "template": "{prompt} {completion} {context}"}},
+     r"template fills \['completion', 'context', 'prompt'\].*rubric_columns"),
+    ({"base_url": "u", "rubric": "fairness"}, "has no `model`"),
+    ({**HTTP, "timeout": "soon"}, r"timeout must be a number, got 'soon'"),
+    ({**HTTP, "api_key_env": "JUDGE_KEY_NOT_SET_ANYWHERE"}, "'JUDGE_KEY_NOT_SET_ANYWHERE', which is not set"),
+    ({"model_path": "/no/such/judge", "rubric": "fairness"}, "does not exist"),
+])
+def test_bad_judge_settings_are_clear_errors(settings, error):
+    with pytest.raises(InputError, match=error):
+        parse_judges({"j": settings})
+
+
+@pytest.mark.parametrize("settings", [
+    {**HTTP, "api_key": SECRET}, {**HTTP, "api_token": SECRET}, {**HTTP, "api_key_env": SECRET},
+    {**HTTP, "headers": {"Authorization": SECRET}},
+])
+def test_an_api_key_in_a_recipe_is_refused_without_being_shown(settings, tmp_path, smollm2_path, no_model_load,
+                                                               capsys):
+    with pytest.raises(InputError) as err:
+        parse_judges({"j": settings})
+    assert SECRET not in str(err.value)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"),
+                                      "use_cpu": True, "judges": {"j": settings}, "reward_funcs": ["j"]}))
+    with pytest.raises(SystemExit):
+        cli.main(["grpo", "--config", str(recipe)])
+    shown = capsys.readouterr()
+    assert "error" in shown.err and SECRET not in shown.out + shown.err
+
+
+def test_judge_columns_are_checked_against_the_dataset():
+    judges = parse_judges({"facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "context"}}})
+    funcs = validation.resolve_reward_funcs(["hallucination:facts", "fairness:format"], judges)
+    assert funcs["hallucination"] == [judges["facts"]]
+    with pytest.raises(InputError, match=r"Judge 'facts' \(rubric 'hallucination'\) reads the dataset column\(s\) "
+                                         r"\['context'\].*rubric_columns"):
+        validation.check_reward_columns(funcs, load_shipped("multitask"), "train")
+    good = parse_judges({"facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "answer"}}})
+    validation.check_reward_columns(validation.resolve_reward_funcs(["facts"], good), load_shipped("multitask"),
+                                    "train")
+
+
+def test_help_describes_datasets_rewards_and_judges():
+    out = subprocess.run([sys.executable, "-m", "grpotrl.cli", "grpo", "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = " ".join(out.stdout.split())
+    for phrase in ("--dataset_config", "save_to_disk", "Hugging Face Hub dataset id", "--reward_model_name_or_path",
+                   "dotted import path", "--judges", "api_key_env", "rubric_columns"):
+        assert phrase in text, phrase
