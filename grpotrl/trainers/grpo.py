@@ -42,7 +42,7 @@ import trl
 from accelerate.utils import gather_object
 
 from .. import callbacks, dynamic_sampling, guards, health, templates
-from ..configs import GRPOConfig
+from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
@@ -69,17 +69,17 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
-        if args is None:
-            args = GRPOConfig(output_dir="grpotrl-output")
+        args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         model, processing_class, self.stop_token_ids, model_id = prepare_model_and_tokenizer(
-            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config")
+            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config"),
+            prompt_optional=kwargs.get("environment_factory") is not None,
         )
         if getattr(args, "check_template", True):
             templates.check_fingerprint(model_id, processing_class,
                                         revision=(args.model_init_kwargs or {}).get("revision"))
         _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
-        if args.dynamic_sampling and not hasattr(train_dataset, "__getitem__"):
+        if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -102,7 +102,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._last_batch: dict | None = None  # for boundary_report()
-        self._step_losses: list | None = [] if args.health_action != "off" else None  # for NonFiniteRule
+        self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
@@ -111,14 +111,16 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _add_health_callbacks(self, args: GRPOConfig) -> None:
         if args.health_report_steps:
             self.add_callback(callbacks.BoundaryReport(self, args.health_report_steps))
-        if args.health_action == "off":
-            return
-        self.add_callback(callbacks.NonFiniteRule(self))
-        self.add_callback(callbacks.HeaderRule(self))
-        self.add_callback(callbacks.OneTokenRule(self, args.health_patience, args.health_max_one_token_share))
-        self.add_callback(callbacks.EntropyRule(self, args.health_patience, args.health_min_entropy))
+        rules = [callbacks.NonFiniteRule(self), callbacks.HeaderRule(self),
+                 callbacks.OneTokenRule(self, args.health_patience, args.health_max_one_token_share),
+                 callbacks.EntropyRule(self, args.health_patience, args.health_min_entropy)]
         if args.health_flat_reward_steps:
-            self.add_callback(callbacks.FlatRewardRule(self, args.health_flat_reward_steps))
+            rules.append(callbacks.FlatRewardRule(self, args.health_flat_reward_steps))
+        for rule in rules:
+            if rule.action != "off":
+                self.add_callback(rule)
+        if rules[0].action != "off":  # NonFiniteRule reads the step's losses
+            self._step_losses = []
 
     # ------------------------------------------------------------------ schedule
 
@@ -413,6 +415,13 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._log_logit_signals(logits, loss_mask)
         if not guard:
             return loss
+        if _dropout_active(model):  # the loss's forward samples dropout masks: no deterministic reference exists
+            if not getattr(self, "_warned_dropout", False):
+                logger.warning("grpotrl guard: I5 (and the I7 entropy values) are not checked while dropout is active "
+                               "in the training forward (disable_dropout=False, TRL's default): the loss then scores "
+                               "another function than the one that sampled. Set disable_dropout=True to check them.")
+                self._warned_dropout = True
+            return loss
         low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
         gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
                                     self.args.guard_logprob_atol * low_precision, rows, scale=scale)
@@ -466,6 +475,16 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template)
+
+
+def _dropout_active(model) -> bool:
+    """Whether a training forward of ``model`` samples dropout masks: an ``nn.Dropout`` with p > 0,
+    or an attention module with a float ``attention_dropout`` > 0 (TRL's ``disable_dropout``
+    zeroes the former only)."""
+    return model.training and any(
+        (isinstance(m, torch.nn.Dropout) and m.p > 0)
+        or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)
+        for m in model.modules())
 
 
 def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:
