@@ -166,30 +166,40 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._log_completion_shape(out[1], calls[-1] if calls else None)
         if not guard:
             return out
-        prompt_ids, completion_ids, _, completions = out[:4]
+        prompt_ids, completion_ids, tool_mask, completions = out[:4]
         tok = self._tokenizer
-
-        if isinstance(prompts[0], list) and self.rollout_func is None:
-            expected = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs)
-                        for p in prompts]
-            guards.check_prompts_templated(tok, prompt_ids, expected)
-        if calls:  # the transformers path: compare against what generate really returned
+        record = {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids]}
+        if isinstance(prompts[0], list) and self.rollout_func is None and not self._is_vlm:
+            guards.check_prompts_templated(tok, prompt_ids, self._template_prompt_ids(prompts))
+        if calls and self.tools:  # the tool loop: one generate call per turn
+            record["loss_mask"] = guards.check_tool_loop(
+                tok, calls, prompt_ids, completion_ids, tool_mask, self.eos_token_ids,
+                templates.generation_prompt_ids(tok, self.chat_template, **self.chat_template_kwargs),
+                self.max_completion_length)
+        elif calls:  # the transformers path: compare against what generate really returned
             call = calls[-1]
             gen_in = call["input_ids"].cpu()
             attn = call["attention_mask"] if call["attention_mask"] is not None else torch.ones_like(gen_in)
             guards.check_same_prompt(tok, guards._unpad(gen_in, attn), prompt_ids, range(len(prompt_ids)))
-            if not self.tools:
-                guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
+            guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
         elif not self.use_vllm and self.rollout_func is None:
             logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
         if not self.tools and getattr(tok, "response_schema", None) is None \
                 and getattr(tok, "response_template", None) is None:
             guards.check_reward_text(tok, completion_ids, completions, self._header_text())
-        self._guard_record = {
-            "prompt_ids": [list(p) for p in prompt_ids],
-            "completion_ids": [list(c) for c in completion_ids],
-        }
+        self._guard_record = record
         return out
+
+    def _template_prompt_ids(self, prompts: list) -> list[list[int]]:
+        """I1's reference: each conversational prompt through the chat template in force, with the
+        generation prompt, ``chat_template_kwargs`` and the tools TRL renders for its row (an
+        environment's own tools with ``environment_factory``)."""
+        if self.environment_factories is not None:
+            tools = [self._env_tools[name] or None for name in self._batch_environments]
+        else:
+            tools = [self.tools or None] * len(prompts)
+        return [templates.prompt_ids(self._tokenizer, p, self.chat_template, tools=t, **self.chat_template_kwargs)
+                for p, t in zip(prompts, tools)]
 
     def _with_sampler_logprobs(self, out: tuple, call: dict) -> tuple:
         """Put the sampler's own per-token logprobs where TRL keeps vLLM's (I5)."""
@@ -247,9 +257,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         completion_ids = output["completion_ids"]  # [B, C]
         heads = self._tokenizer.batch_decode(completion_ids[:, :8], skip_special_tokens=False)
         header = torch.tensor(health.starts_with_header(heads, self._chat_headers), device=completion_ids.device)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
+        stop_mask = health.stop_count_mask(output["completion_mask"] * output.get("tool_mask", 1))  # [B, C]
         per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
-                               health.count_ids(completion_ids, loss_mask, self.eos_token_ids),
+                               health.count_ids(completion_ids, stop_mask, self.eos_token_ids),
                                header.long()], dim=1).float()  # [B, 3]
         per_row = self.accelerator.gather(per_row)  # [B_global, 3]
         metrics["stops/prompt_mean"].append(per_row[:, 0].mean().item())
@@ -266,6 +276,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": completion_ids, "lengths": self._completion_lengths,
+                            "stop_mask": stop_mask,
                             "rewards": rewards[start:start + len(inputs)]}
 
     def boundary_report(self, n: int = 4) -> str:
@@ -392,9 +403,14 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             guards.check_same_prompt(tok, generated_prompts, guards._unpad(prompt_ids, prompt_mask), rows)
             guards.check_same_completions(tok, generated_prompts, [record["completion_ids"][r] for r in rows],
                                           completion_ids, rows)
-            lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
-            guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
-                                         truncated_masked=self.mask_truncated_completions)
+            if "loss_mask" in record:  # a tool loop: the loss covers each generated turn, no tool result
+                guards.check_loss_mask(tok, completion_ids, cmask * inputs["tool_mask"],
+                                       [record["loss_mask"][r] for r in rows], self.eos_token_ids, rows,
+                                       truncated_masked=self.mask_truncated_completions)
+            else:
+                lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
+                guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
+                                             truncated_masked=self.mask_truncated_completions)
 
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             loss = super()._compute_loss(model, inputs)
