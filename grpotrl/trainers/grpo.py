@@ -1,22 +1,29 @@
 """``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5 guarded on its real tensors.
 
 Overrides (everything else is TRL's):
-  * ``__init__``: validates the model path, tokenizer, stop tokens, dataset and the
-    checkpoint's template fingerprint (I2) before TRL loads anything; stops generation on
-    every stop id; gives the logprob forward generate's position ids (I5).
+  * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
+    (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
+    dataset (an ``IterableDataset`` on its first rows) and the checkpoint's template
+    fingerprint (I2) before TRL loads anything; stops generation on every stop id; gives the
+    logprob forward generate's position ids (I5).
   * ``_generate``: on the transformers path, hands ``generate`` the response-only penalty
     and min-new-tokens processors (I6) and keeps the sampler's own logprobs; records what
     ``generate`` saw and returned and checks I1 (prompt ids are the chat template plus
-    generation prompt, no doubled BOS) and I3 (completion is ``output[i, P:]``; the reward
-    text is its decoding, no chat header).
+    generation prompt, with the row's tools and ``chat_template_kwargs``, no doubled BOS) and
+    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header). On
+    TRL's tool loop (``tools``, ``environment_factory``) every turn's ``generate`` call is
+    checked: a later turn's prompt is the previous prompt + completion + tool result, the
+    completion spans the turns, ``tool_mask`` covers the model's turns only.
   * ``_generate_and_score_completions``: tags each row so the loss can be traced back to
     its generation; logs the batch's health signals (stop tokens in prompts and completions,
     chat-header starts, zero rewards, per-task lengths); runs DAPO dynamic sampling when
     asked (``dynamic_sampling``); applies the optional importance-sampling correction on the
     transformers path (``hf_importance_sampling_correction``).
   * ``_compute_loss``: on the microbatch the loss really uses, checks I1 (same prompt ids as
-    generation), I3/I4 (same completion ids, mask up to and including the first stop) and I5
-    (the logprobs the loss used equal ``log_softmax(logits / T)`` recomputed independently);
+    generation), I3/I4 (same completion ids, mask up to and including the first stop; on a
+    tool loop ``completion_mask * tool_mask`` on each generated turn) and I5 (the logprobs the
+    loss used equal ``log_softmax(logits / T)`` recomputed independently; not while dropout
+    is active, where no deterministic reference exists);
     logs the sampler/trainer logprob gap whenever sampler logprobs exist, per-sample entropy
     every step, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
   * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
@@ -29,7 +36,8 @@ Overrides (everything else is TRL's):
     checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
-Health rules and the boundary report are callbacks (``grpotrl.callbacks``) added at init;
+Health rules (stopping only certainly broken runs by default, warning otherwise) and the
+boundary report are callbacks (``grpotrl.callbacks``) added at init;
 ``boundary_report()`` prints the last generation batch's prompt/completion boundary on demand.
 """
 
