@@ -4,9 +4,11 @@ Swap ``from trl import GRPOTrainer, GRPOConfig`` for ``from grpotrl import GRPOT
 GRPOConfig``; nothing else changes.
 """
 
+from ._quiet import silence_known_import_noise
 from ._threads import apply_cpu_thread_defaults
 
 apply_cpu_thread_defaults()
+silence_known_import_noise()  # before TRL imports bitsandbytes (through transformers and PEFT)
 
 from .configs import GADConfig, GRPOConfig, SFTConfig  # noqa: E402
 from .errors import HealthStop, InputError, InvariantError  # noqa: E402

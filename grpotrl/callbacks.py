@@ -6,17 +6,20 @@ read the values of the optimizer step that just ended and act on them:
 
 * ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
   ``health_report_steps`` steps (seed 000's "check the first 2 steps by eye").
-* Fail-fast rules, each a ``HealthRule``: ``NonFiniteRule`` (loss or grad norm NaN/inf),
-  ``HeaderRule`` (a completion starts with the chat header), ``OneTokenRule`` (1-token share
-  above ``health_max_one_token_share``), ``EntropyRule`` (mean entropy below
-  ``health_min_entropy``), ``FlatRewardRule`` (every group's rewards equal).
+* Health rules, each a ``HealthRule``. Two only fire on a broken run and stop it by default:
+  ``NonFiniteRule`` (loss or grad norm NaN/inf), ``HeaderRule`` (a completion starts with the
+  chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
+  yes/no task has 1-token answers; a hard task starts with every reward 0) and warn by default,
+  training on as TRL would: ``OneTokenRule`` (1-token share above
+  ``health_max_one_token_share``), ``EntropyRule`` (mean entropy below ``health_min_entropy``),
+  ``FlatRewardRule`` (every group's rewards equal).
 
 A rule fires when its condition held for ``patience`` consecutive steps that observed the
-signal. Under ``health_action='warn'`` it logs a warning (again after every further ``patience``
-steps while the condition holds); under ``'stop'`` it
-asks the Trainer to save a checkpoint through its own ``_save_checkpoint`` (so
-``resume_from_checkpoint`` works) and to stop, and once that checkpoint is on disk
-(``on_save``) it raises ``grpotrl.HealthStop`` naming the rule, the values and the step.
+signal. Its action (``rule_action``: ``health_rule_actions`` over ``health_action`` over the
+rule's default): ``'warn'`` logs a warning (again after every further ``patience`` steps while
+the condition holds); ``'stop'`` asks the Trainer to save a checkpoint through its own
+``_save_checkpoint`` (so ``resume_from_checkpoint`` works) and to stop, and once that checkpoint
+is on disk (``on_save``) raises ``grpotrl.HealthStop`` naming the rule, the values and the step.
 """
 
 from __future__ import annotations
@@ -45,18 +48,27 @@ class BoundaryReport(TrainerCallback):
             print(f"step {state.global_step}: " + self.trainer.boundary_report())
 
 
-class HealthRule(TrainerCallback):
-    """One fail-fast rule over one signal of ``trainer._metrics['train']``, per optimizer step.
+def rule_action(args, rule: type["HealthRule"]) -> str:
+    """'stop', 'warn' or 'off' for ``rule``: ``health_rule_actions[rule.name]``, else
+    ``health_action`` unless 'auto', else the rule's default."""
+    chosen = (args.health_rule_actions or {}).get(rule.name)
+    return chosen or (args.health_action if args.health_action != "auto" else rule.default_action)
 
-    Subclasses set ``name`` and ``advice`` and implement ``check()``: ``None`` when the step did
-    not observe the signal (no generation this step), else ``(broken, value, condition)``."""
+
+class HealthRule(TrainerCallback):
+    """One health rule over one signal of ``trainer._metrics['train']``, per optimizer step.
+
+    Subclasses set ``name``, ``default_action`` and ``advice`` and implement ``check()``: ``None``
+    when the step did not observe the signal (no generation this step), else
+    ``(broken, value, condition)``."""
 
     name = "rule"
+    default_action = "warn"
     advice = ""
 
     def __init__(self, trainer, patience: int = 1):
         self.trainer, self.patience = trainer, max(int(patience), 1)
-        self.action = trainer.args.health_action
+        self.action = rule_action(trainer.args, type(self))
         self.streak: list[float] = []
         self._start: dict[str, int] = {}
         self._stop: tuple[int, str] | None = None
@@ -105,6 +117,7 @@ class HealthRule(TrainerCallback):
 
 class HeaderRule(HealthRule):
     name = "chat_header"
+    default_action = "stop"
     advice = ("The model writes the chat header itself: the template adds no generation prompt, or SFT trained on "
               "another template (INVARIANTS I1/I2). Compare `trainer.boundary_report()` with the template.")
 
@@ -173,6 +186,7 @@ class NonFiniteRule(HealthRule):
     (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked."""
 
     name = "non_finite"
+    default_action = "stop"
     advice = "Lower the learning rate, look for fp16 overflow and for inf/NaN rewards, keep max_grad_norm > 0."
 
     def __init__(self, trainer):

@@ -8,7 +8,8 @@ sampled the tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 import trl
@@ -84,18 +85,27 @@ class GenerationFields:
     )
 
 
+HEALTH_RULES = ("non_finite", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
+HEALTH_ACTIONS = ("stop", "warn", "off")
+
+
 @dataclass
 class HealthFields:
     health_action: str = field(
-        default="stop",
-        metadata={"help": "What a fail-fast health rule does when it fires (grpotrl.callbacks): 'stop' saves a "
-                  "checkpoint with the Trainer's own saving (resumable) and raises grpotrl.HealthStop naming the "
-                  "rule, the values and the step; 'warn' logs a warning and trains on; 'off' disables the rules "
-                  "(the health signals are logged either way). The rules: a completion starts with the chat "
-                  "header; loss or grad norm NaN/inf (the bad update is not applied under 'stop'); entropy below "
-                  "health_min_entropy or 1-token share above health_max_one_token_share for health_patience "
-                  "steps; every group's rewards equal for health_flat_reward_steps steps.",
-                  "choices": ["stop", "warn", "off"]},
+        default="auto",
+        metadata={"help": "What the health rules (grpotrl.callbacks) do when they fire. 'auto': the rules that "
+                  "only fire on a broken run stop it (non_finite: loss or grad norm NaN/inf, the bad update not "
+                  "applied; chat_header: a completion starts with the chat header), the rules that may be the task "
+                  "itself warn and training goes on, as TRL would (entropy_collapse, one_token, flat_rewards). "
+                  "'stop' / 'warn' / 'off': every rule does that. A stop saves a resumable checkpoint with the "
+                  "Trainer's own saving and raises grpotrl.HealthStop naming the rule, the values and the step; a "
+                  "warning is logged (logger grpotrl.callbacks). The signals are logged either way.",
+                  "choices": ["auto", "stop", "warn", "off"]},
+    )
+    health_rule_actions: dict | str | None = field(
+        default=None,
+        metadata={"help": "Per-rule action, over health_action: e.g. {'entropy_collapse': 'stop', 'flat_rewards': "
+                  f"'stop'}}. Rules: {', '.join(HEALTH_RULES)}; actions: {', '.join(HEALTH_ACTIONS)}."},
     )
     health_min_entropy: float = field(
         default=0.02,
@@ -177,6 +187,7 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
                   "the tokens (I5). TRL's default is False."},
     )
+    _VALID_DICT_FIELDS = trl.GRPOConfig._VALID_DICT_FIELDS + ["health_rule_actions"]
 
     def __post_init__(self):
         from .validation import check_ranges
@@ -184,21 +195,58 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
-        if self.health_action not in ("stop", "warn", "off"):
-            raise InputError(f"health_action={self.health_action!r}: use 'stop', 'warn' or 'off'.")
-        if self.cagrad not in ("off", "exact", "low_memory"):
-            raise InputError(f"cagrad={self.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
-        if not 0.0 <= self.cagrad_c < 10:
-            raise InputError(f"cagrad_c={self.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
-        if self.entropy_coef < 0:
-            raise InputError(f"entropy_coef={self.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
-                             "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
-                             "entropy; use 0 for no bonus.")
-        if self.use_adaptive_entropy and not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
-            raise InputError(f"entropy_coef_min={self.entropy_coef_min}, entropy_coef_max={self.entropy_coef_max}: "
-                             "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
-                             "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+        _checkpointing_by_its_new_name(self)
         super().__post_init__()
+        check_grpotrl_fields(self)
+
+
+def check_grpotrl_fields(args) -> None:
+    """grpotrl's own checks of a GRPO config (also run on a ``trl.GRPOConfig`` that
+    ``complete_grpo_config`` completed): each bad value is an ``InputError`` saying what to use."""
+    actions = args.health_rule_actions or {}
+    if args.health_action not in ("auto", *HEALTH_ACTIONS):
+        raise InputError(f"health_action={args.health_action!r}: use 'auto', 'stop', 'warn' or 'off'.")
+    if not isinstance(actions, dict) or any(k not in HEALTH_RULES or v not in HEALTH_ACTIONS
+                                            for k, v in actions.items()):
+        raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
+                         f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
+    if args.cagrad not in ("off", "exact", "low_memory"):
+        raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
+    if not 0.0 <= args.cagrad_c < 10:
+        raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
+    if args.entropy_coef < 0:
+        raise InputError(f"entropy_coef={args.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
+                         "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
+                         "entropy; use 0 for no bonus.")
+    if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
+        raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
+                         "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
+                         "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+def complete_grpo_config(args, config_class: type = GRPOConfig):
+    """Give a ``trl.GRPOConfig`` (or a user's subclass of it: open-r1's, a TrlParser script's) every
+    field of ``config_class`` it lacks, with grpotrl's default, on the same object; returns it.
+
+    The user's object stays theirs (``trainer.args is args``); its TRL fields and its own fields
+    keep their values, TRL's defaults included (``bf16``, ``disable_dropout=False``: I5 is then
+    not checked while dropout is active). A grpotrl config has nothing missing: a no-op."""
+    missing = [f for f in fields(config_class) if not hasattr(args, f.name)]
+    for f in missing:
+        setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
+    if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
+        args.health_rule_actions = json.loads(args.health_rule_actions)
+    check_grpotrl_fields(args)
+    return args
+
+
+def _checkpointing_by_its_new_name(args) -> None:
+    """TRL defaults ``gradient_checkpointing`` to True, which transformers 5 has renamed
+    ``activation_checkpointing``: at TRL's default, set the new name instead (transformers then
+    mirrors it into the old one: the same values TRL's own config ends with, without the
+    FutureWarning every TRL config prints). A user who sets either name gets transformers' usual handling."""
+    if args.activation_checkpointing is None and args.gradient_checkpointing is True:
+        args.activation_checkpointing = True
 
 
 @dataclass
@@ -209,6 +257,7 @@ class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
         check_ranges(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
+        _checkpointing_by_its_new_name(self)
         super().__post_init__()
 
 

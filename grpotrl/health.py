@@ -125,6 +125,21 @@ def count_ids(ids: torch.Tensor, mask: torch.Tensor, id_set: list[int]) -> torch
     return (hit & mask.bool()).sum(-1)  # [B]
 
 
+def stop_count_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The completion tokens on which a stop token is counted: the loss tokens, except the last
+    token of each tool-loop turn that a tool result follows (its stop ends the turn, as it must).
+    A healthy row then holds one stop, however many turns it took. [B, C] -> [B, C]
+
+    >>> stop_count_mask(torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])).tolist()
+    [[1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]]
+    """
+    mask = loss_mask.long()  # [B, C]
+    after = mask.flip(-1).cumsum(-1).flip(-1) - mask  # [B, C] loss tokens after t
+    next_off = torch.nn.functional.pad(mask[:, 1:], (0, 1)) == 0  # [B, C]
+    turn_end = mask.bool() & next_off & (after > 0)  # [B, C]
+    return mask * ~turn_end  # [B, C]
+
+
 def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, float]:
     """Share of completions with exactly 1 token and with ``max_length`` tokens (hit the cap).
 
@@ -276,7 +291,8 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
     counts (prompt without its left padding, completion as the loss sees it).
 
     ``batch`` holds ``prompt_ids``/``prompt_mask`` [B, P] (left-padded), ``completion_ids`` [B, C]
-    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B]."""
+    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B] and ``stop_mask``
+    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not)."""
     from .guards import boundary_report as ids_and_text
 
     pad = tokenizer.pad_token_id
@@ -287,10 +303,12 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
     for i in range(min(n, B)):
         prompt_mask = batch["prompt_mask"][i].bool()  # [P]
         prompt = batch["prompt_ids"][i][prompt_mask].tolist()
+        counted = batch.get("stop_mask")
         completion = batch["completion_ids"][i][: int(batch["lengths"][i])].tolist()
         n_pad = int((~prompt_mask).sum())
         prompt_stops = sum(t in stops for t in prompt)
-        completion_stops = sum(t in stops for t in completion)
+        completion_stops = sum(t in stops for t, m in zip(completion, counted[i].tolist() if counted is not None
+                                                           else [1] * len(completion)) if m)
         reward = batch.get("rewards")
         title = f"  row {i}" + (f" (reward {float(reward[i]):.3f})" if reward is not None else "")
         lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "

@@ -17,6 +17,7 @@ saying what was wrong, with the value, and what to do.
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import math
 import os
@@ -55,7 +56,8 @@ def _messages_problem(value, what: str, last_role: str | None = None, min_len: i
             return f"{what}[{j}] is a {type(message).__name__}, not a dict with 'role' and 'content'"
         if message.get("role") not in ROLES:
             return f"{what}[{j}] has role {message.get('role')!r}, not one of {list(ROLES)}"
-        if not isinstance(message.get("content"), (str, list)):
+        if not isinstance(message.get("content"), (str, list)) and not (message.get("content") is None
+                                                                        and message.get("tool_calls")):
             return f"{what}[{j}] (role {message['role']!r}) has content {message.get('content')!r}, not text"
     if last_role is not None and value[-1]["role"] != last_role:
         return f"{what} ends with a {value[-1]['role']!r} message, not an {last_role!r} one"
@@ -68,35 +70,54 @@ def _text_or_messages_problem(value, what: str, last_role: str | None = None) ->
     return _messages_problem(value, what, last_role)
 
 
+ITERABLE_ROWS_CHECKED = 16  # rows of an IterableDataset (streaming) read before training: its first ones only
+
+
 def _first_bad_row(dataset, column: str, problem) -> tuple[int, str] | None:
     """(index, why) of the first row whose ``column`` value ``problem`` rejects, or None."""
-    for i, value in enumerate(dataset[column]):
+    values = (row[column] for row in dataset) if isinstance(dataset, list) else dataset[column]  # rows, or a Dataset
+    for i, value in enumerate(values):
         why = problem(value)
         if why is not None:
             return i, why
     return None
 
 
-def check_dataset(dataset, split_name: str, kind: str = "grpo", **sft_options) -> None:
+def _rows_to_check(dataset, split_name: str):
+    """``(dataset, columns)``: a map-style dataset as it is; an ``IterableDataset`` (streaming) as a
+    list of its first ``ITERABLE_ROWS_CHECKED`` rows, read once (the stream restarts for training)."""
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and hasattr(dataset, "column_names"):
+        return dataset, dataset.column_names
+    if not hasattr(dataset, "__iter__") or isinstance(dataset, (str, bytes, dict)):
+        raise InputError(
+            f"The {split_name!r} split is a {type(dataset).__name__}, not a datasets.Dataset or IterableDataset. "
+            "Load it with `datasets.load_dataset(...)` or `datasets.Dataset.from_list(rows)`."
+        )
+    rows = list(itertools.islice(iter(dataset), ITERABLE_ROWS_CHECKED))
+    columns = getattr(dataset, "column_names", None) or (list(rows[0]) if rows else [])
+    return rows, columns
+
+
+def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional: bool = False,
+                  **sft_options) -> None:
     """Raise ``InputError`` unless ``dataset`` has the columns and row shapes ``kind`` needs.
 
-    GRPO: ``prompt``, each row a non-empty list of chat messages (or a non-empty string).
+    GRPO: ``prompt``, each row a non-empty list of chat messages (or a non-empty string); with
+    ``prompt_optional`` (an ``environment_factory`` supplies prompts) rows may have none. An
+    ``IterableDataset`` (streaming) is checked on its first ``ITERABLE_ROWS_CHECKED`` rows.
     SFT: see ``check_sft_dataset`` (``sft_options`` go there).
     """
     if kind not in ("grpo", "sft"):
         raise ValueError(f"kind must be 'grpo' or 'sft', got {kind!r}")
     if kind == "sft":
         return check_sft_dataset(dataset, split_name, **sft_options)
-    columns = getattr(dataset, "column_names", None)
-    if columns is None or not hasattr(dataset, "__len__"):
-        raise InputError(
-            f"The {split_name!r} split is a {type(dataset).__name__}, not a datasets.Dataset. Load it with "
-            "`datasets.load_dataset(...)` or `datasets.Dataset.from_list(rows)`."
-        )
+    dataset, columns = _rows_to_check(dataset, split_name)
     if len(dataset) == 0:
         raise InputError(
             f"The {split_name!r} split is empty (columns {columns}). Point the recipe at a split with rows."
         )
+    if "prompt" not in columns and prompt_optional:
+        return
     if "prompt" not in columns:
         raise InputError(
             f"GRPO needs a 'prompt' column, but the {split_name!r} split has columns {columns}. Each prompt "

@@ -1,6 +1,9 @@
-"""Health rules (grpotrl.callbacks) on crafted tiny-model runs: each rule stops the run it is
-built for, after saving a resumable checkpoint, and a healthy run passes every rule at its
-most sensitive setting. Also: the signals reach the logs, per task when rows have a task."""
+"""Health rules (grpotrl.callbacks) on crafted tiny-model runs: each rule fires on the run it is
+built for; set to stop, it stops after saving a resumable checkpoint. By default only the rules
+that fire on a certainly broken run stop it (NaN/inf, a completion that starts with the chat
+header); the ones that may be the task itself (entropy collapse, 1-token answers, flat rewards)
+warn and train on, as TRL would. A healthy run passes every rule at its most sensitive setting.
+Also: the signals reach the logs, per task when rows have a task."""
 
 import logging
 import os
@@ -62,8 +65,23 @@ def test_healthy_run_passes_every_rule_and_logs_the_signals(tiny_llama, grpo_arg
     assert "prompt tail:" in trainer.boundary_report(n=1)
 
 
+def test_default_actions_stop_only_certainly_broken_runs(tmp_path):
+    from grpotrl.callbacks import EntropyRule, FlatRewardRule, HeaderRule, NonFiniteRule, OneTokenRule, rule_action
+
+    rules = [NonFiniteRule, HeaderRule, EntropyRule, OneTokenRule, FlatRewardRule]
+    default = grpotrl.GRPOConfig(output_dir=str(tmp_path))
+    assert default.health_action == "auto"
+    assert [rule_action(default, r) for r in rules] == ["stop", "stop", "warn", "warn", "warn"]
+    every = grpotrl.GRPOConfig(output_dir=str(tmp_path), health_action="stop",
+                               health_rule_actions={"non_finite": "warn", "one_token": "off"})
+    assert [rule_action(every, r) for r in rules] == ["warn", "stop", "stop", "off", "stop"]
+    with pytest.raises(grpotrl.InputError, match="health_rule_actions"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), health_rule_actions={"entropy": "stop"})
+
+
 def test_flat_rewards_stop_with_a_resumable_checkpoint(tiny_llama, grpo_args, tmp_path):
-    args = grpo_args(max_steps=3, health_flat_reward_steps=2, max_completion_length=4)
+    args = grpo_args(max_steps=3, health_flat_reward_steps=2, max_completion_length=4,
+                     health_rule_actions={"flat_rewards": "stop"})
     err = _stop(tiny_llama, args, reward=zero_reward)
     assert err.rule == "flat_rewards" and err.step == 2
     assert "every group's rewards are all equal (100% of rewards exactly 0) for 2 consecutive steps" in str(err)
@@ -78,16 +96,17 @@ def test_flat_rewards_stop_with_a_resumable_checkpoint(tiny_llama, grpo_args, tm
 
 def test_one_token_policy_stops(tiny_llama, grpo_args):
     """Seed 000 bug #2's symptom: EOS made certain at every position."""
-    err = _stop(tiny_llama, grpo_args(max_steps=2, health_patience=1,
+    err = _stop(tiny_llama, grpo_args(max_steps=2, health_patience=1, health_action="stop",
                                       generation_kwargs={"sequence_bias": [[[2], 50.0]]}))
     assert err.rule == "one_token" and err.step == 1
     assert "1-token completions 100% > health_max_one_token_share=0.5" in str(err)
     assert os.path.isdir(err.checkpoint)
 
 
-def test_warn_logs_and_trains_on(tiny_llama, grpo_args, caplog):
+def test_rules_that_may_be_the_task_warn_and_train_on_by_default(tiny_llama, grpo_args, caplog):
+    """1-token answers every step (a yes/no task looks the same): logged, and the run completes."""
     with caplog.at_level(logging.WARNING, logger="grpotrl"):
-        trainer = _train(tiny_llama, grpo_args(max_steps=2, health_patience=1, health_action="warn",
+        trainer = _train(tiny_llama, grpo_args(max_steps=2, health_patience=1,
                                                generation_kwargs={"sequence_bias": [[[2], 50.0]]}))
     assert trainer.state.global_step == 2
     assert sum("grpotrl health [one_token] step" in r.getMessage() for r in caplog.records) == 2
@@ -115,7 +134,7 @@ def test_entropy_collapse_stops(tiny_llama, grpo_args):
     with torch.no_grad():
         model.model.norm.weight.mul_(1000.0)
     err = _stop(model, grpo_args(max_steps=3, guard_steps=0, health_patience=2, health_max_one_token_share=1.0,
-                                 max_completion_length=4))
+                                 max_completion_length=4, health_rule_actions={"entropy_collapse": "stop"}))
     assert err.rule == "entropy_collapse" and err.step == 2
     assert "mean token entropy" in str(err) and "< health_min_entropy=0.02 for 2 consecutive steps" in str(err)
 

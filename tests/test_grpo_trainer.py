@@ -65,6 +65,33 @@ def test_I5_positions_fixed_on_absolute_position_model(tiny_gpt2, grpo_args):
     assert trainer._guard_max_gap < 1e-5
 
 
+def test_I1_I3_I4_I5_streaming_dataset_trains_with_the_guards_on(tiny_llama, grpo_args):
+    """An IterableDataset (streaming), as TRL takes it: checked on its first rows, guards on every step."""
+    trainer = Observed(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(max_steps=2),
+                       train_dataset=arithmetic_prompts().to_iterable_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(trainer.seen) == 2
+    assert len([h for h in trainer.state.log_history if "guards/logprob_max_gap" in h]) == 2
+
+
+def test_dynamic_sampling_still_needs_a_map_style_dataset(tiny_llama, grpo_args):
+    with pytest.raises(grpotrl.InputError, match="dynamic_sampling draws refill prompts by index"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(dynamic_sampling=True),
+                            train_dataset=arithmetic_prompts().to_iterable_dataset())
+
+
+def test_I3_I4_I5_plain_text_prompts_train_with_the_guards_on(tiny_llama, grpo_args):
+    """Standard (non-conversational) prompts: no chat template is applied, as in TRL; the other guards hold."""
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": "Q: what is " + "1 + " * (i % 4) + "2?\nA:"} for i in range(8)])
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=lambda completions, **kw: [len(c) / 10.0 for c in
+                                                                                           completions],
+                                  args=grpo_args(max_steps=1), train_dataset=rows)
+    trainer.train()
+    assert trainer._guard_max_gap < 1e-5
+
+
 def test_default_guard_schedule_runs_first_steps_only(tiny_llama, grpo_args):
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
                                   args=grpo_args(guard_steps=1, max_steps=2), train_dataset=arithmetic_prompts())

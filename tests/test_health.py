@@ -66,6 +66,23 @@ def test_stop_tokens_counted_without_left_padding_when_pad_is_a_stop_id():
     assert health.count_ids(completion, cmask, [0, 2]).tolist() == [2, 1]
 
 
+def test_a_tool_loops_turn_ends_are_not_extra_stop_tokens(smollm2_tokenizer):
+    # a two-turn completion: "call<|im_end|>" | tool result "<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    # (tool_mask 0) | "Done<|im_end|>", right-padded: 1 stop counted, as for a single turn
+    tok = smollm2_tokenizer
+    turn1, turn2 = [30, 2], [31, 2]
+    tool = tok.encode("<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    ids = torch.tensor([turn1 + tool + turn2 + [2, 2]])
+    loss_mask = torch.tensor([[1, 1] + [0] * len(tool) + [1, 1, 0, 0]])
+    assert health.count_ids(ids, loss_mask, [2]).tolist() == [2]  # the loss's tokens hold both turns' stops
+    counted = health.stop_count_mask(loss_mask)
+    assert health.count_ids(ids, counted, [2]).tolist() == [1]
+    batch = {"prompt_ids": torch.tensor([[1, 5]]), "prompt_mask": torch.ones(1, 2), "completion_ids": ids,
+             "lengths": torch.tensor([len(turn1 + tool + turn2)]), "stop_mask": counted}
+    text = health.boundary_report(tok, batch, [2], n=1)
+    assert "1 in the completion" in text and "!!" not in text
+
+
 def test_length_shares():
     # lengths 1, 1, 3, 16 with max_completion_length 16: 2/4 one-token, 1/4 at the cap
     assert health.length_shares(torch.tensor([1, 1, 3, 16]), 16) == {

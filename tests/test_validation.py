@@ -58,6 +58,43 @@ def test_grpo_dataset_missing_content_is_named():
         validation.check_dataset(ds, "train", kind="grpo")
 
 
+def test_grpo_streaming_dataset_is_checked_on_its_first_rows_only():
+    """An IterableDataset (streaming) may be endless: the check reads ITERABLE_ROWS_CHECKED rows, no more."""
+    from datasets import IterableDataset
+
+    read = []
+
+    def endless(bad_at=None):
+        i = 0
+        while True:
+            read.append(i)
+            yield {"prompt": USER if i != bad_at else [{"role": "user", "content": 7}]}
+            i += 1
+
+    validation.check_dataset(IterableDataset.from_generator(endless), "train", kind="grpo")
+    assert len(read) <= validation.ITERABLE_ROWS_CHECKED + 1
+    with pytest.raises(InputError, match="Row 3 of the 'train' split"):
+        validation.check_dataset(IterableDataset.from_generator(endless, gen_kwargs={"bad_at": 3}), "train")
+    with pytest.raises(InputError, match="'prompt' column"):
+        validation.check_dataset(Dataset.from_list([{"question": "x"}]).to_iterable_dataset(), "train")
+
+
+def test_grpo_rows_for_an_environment_may_leave_the_prompt_out():
+    """With environment_factory the environment's reset() supplies the prompt (TRL's routing rows)."""
+    rows = Dataset.from_list([{"environment": "counter"}, {"environment": "echo"}])
+    validation.check_dataset(rows, "train", kind="grpo", prompt_optional=True)
+    with pytest.raises(InputError, match="'prompt' column"):
+        validation.check_dataset(rows, "train", kind="grpo")
+
+
+def test_grpo_prompt_may_hold_tool_calls_and_plain_text():
+    tool_turns = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
+        {"role": "tool", "name": "multiply", "content": "12"}]
+    validation.check_dataset(Dataset.from_list([{"prompt": tool_turns}]), "train", kind="grpo")
+    validation.check_dataset(Dataset.from_list([{"prompt": "What is 7 + 5?"}]), "train", kind="grpo")
+
+
 def test_empty_split_is_an_error():
     ds = Dataset.from_list([{"prompt": USER}]).select([])
     with pytest.raises(InputError, match=r"'test' split is empty"):

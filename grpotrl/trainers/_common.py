@@ -42,7 +42,8 @@ def _is_conversational(dataset) -> bool:
 _NOT_GIVEN = object()
 
 
-def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN):
+def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN,
+                                prompt_optional: bool = False):
     """Resolve aliases and validate model, tokenizer, stop tokens and dataset before any weights load.
 
     ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
@@ -52,7 +53,8 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
     quantized model must come with one or be a PEFT model already. Bitsandbytes layers are pinned to
-    one kernel (``pin_quantized_kernels``).
+    one kernel (``pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
+    ``environment_factory``'s ``reset`` supplies it).
     """
     from transformers import AutoProcessor
     from trl.trainer.utils import get_config_model_id
@@ -63,7 +65,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
     if train_dataset is not None:
-        check_dataset(train_dataset, "train", kind=kind)
+        check_dataset(train_dataset, "train", kind=kind, prompt_optional=prompt_optional)
     revision = None
     if isinstance(model, str):
         model = resolve_model_path(model)

@@ -128,7 +128,10 @@ class GADTrainer(GRPOTrainer):
         if args is None:
             args = GADConfig(output_dir="grpotrl-gad-output")
         if not isinstance(args, GADConfig):
-            raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}.")
+            raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
+                             "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
+                             "(importance_sampling_level='sequence', loss_type='grpo', its clip range), which a "
+                             "GRPO config would silently replace with TRL's token-level ones.")
         if "reward_funcs" in kwargs:
             raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
         if kwargs.get("tools") or kwargs.get("environment_factory"):

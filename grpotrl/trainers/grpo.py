@@ -1,22 +1,29 @@
 """``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5 guarded on its real tensors.
 
 Overrides (everything else is TRL's):
-  * ``__init__``: validates the model path, tokenizer, stop tokens, dataset and the
-    checkpoint's template fingerprint (I2) before TRL loads anything; stops generation on
-    every stop id; gives the logprob forward generate's position ids (I5).
+  * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
+    (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
+    dataset (an ``IterableDataset`` on its first rows) and the checkpoint's template
+    fingerprint (I2) before TRL loads anything; stops generation on every stop id; gives the
+    logprob forward generate's position ids (I5).
   * ``_generate``: on the transformers path, hands ``generate`` the response-only penalty
     and min-new-tokens processors (I6) and keeps the sampler's own logprobs; records what
     ``generate`` saw and returned and checks I1 (prompt ids are the chat template plus
-    generation prompt, no doubled BOS) and I3 (completion is ``output[i, P:]``; the reward
-    text is its decoding, no chat header).
+    generation prompt, with the row's tools and ``chat_template_kwargs``, no doubled BOS) and
+    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header). On
+    TRL's tool loop (``tools``, ``environment_factory``) every turn's ``generate`` call is
+    checked: a later turn's prompt is the previous prompt + completion + tool result, the
+    completion spans the turns, ``tool_mask`` covers the model's turns only.
   * ``_generate_and_score_completions``: tags each row so the loss can be traced back to
     its generation; logs the batch's health signals (stop tokens in prompts and completions,
     chat-header starts, zero rewards, per-task lengths); runs DAPO dynamic sampling when
     asked (``dynamic_sampling``); applies the optional importance-sampling correction on the
     transformers path (``hf_importance_sampling_correction``).
   * ``_compute_loss``: on the microbatch the loss really uses, checks I1 (same prompt ids as
-    generation), I3/I4 (same completion ids, mask up to and including the first stop) and I5
-    (the logprobs the loss used equal ``log_softmax(logits / T)`` recomputed independently);
+    generation), I3/I4 (same completion ids, mask up to and including the first stop; on a
+    tool loop ``completion_mask * tool_mask`` on each generated turn) and I5 (the logprobs the
+    loss used equal ``log_softmax(logits / T)`` recomputed independently; not while dropout
+    is active, where no deterministic reference exists);
     logs the sampler/trainer logprob gap whenever sampler logprobs exist, per-sample entropy
     every step, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
   * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
@@ -29,7 +36,8 @@ Overrides (everything else is TRL's):
     checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
-Health rules and the boundary report are callbacks (``grpotrl.callbacks``) added at init;
+Health rules (stopping only certainly broken runs by default, warning otherwise) and the
+boundary report are callbacks (``grpotrl.callbacks``) added at init;
 ``boundary_report()`` prints the last generation batch's prompt/completion boundary on demand.
 """
 
@@ -42,7 +50,7 @@ import trl
 from accelerate.utils import gather_object
 
 from .. import callbacks, dynamic_sampling, guards, health, templates
-from ..configs import GRPOConfig
+from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
@@ -69,17 +77,17 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
-        if args is None:
-            args = GRPOConfig(output_dir="grpotrl-output")
+        args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         model, processing_class, self.stop_token_ids, model_id = prepare_model_and_tokenizer(
-            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config")
+            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config"),
+            prompt_optional=kwargs.get("environment_factory") is not None,
         )
         if getattr(args, "check_template", True):
             templates.check_fingerprint(model_id, processing_class,
                                         revision=(args.model_init_kwargs or {}).get("revision"))
         _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
-        if args.dynamic_sampling and not hasattr(train_dataset, "__getitem__"):
+        if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -102,7 +110,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._last_batch: dict | None = None  # for boundary_report()
-        self._step_losses: list | None = [] if args.health_action != "off" else None  # for NonFiniteRule
+        self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
@@ -111,14 +119,16 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _add_health_callbacks(self, args: GRPOConfig) -> None:
         if args.health_report_steps:
             self.add_callback(callbacks.BoundaryReport(self, args.health_report_steps))
-        if args.health_action == "off":
-            return
-        self.add_callback(callbacks.NonFiniteRule(self))
-        self.add_callback(callbacks.HeaderRule(self))
-        self.add_callback(callbacks.OneTokenRule(self, args.health_patience, args.health_max_one_token_share))
-        self.add_callback(callbacks.EntropyRule(self, args.health_patience, args.health_min_entropy))
+        rules = [callbacks.NonFiniteRule(self), callbacks.HeaderRule(self),
+                 callbacks.OneTokenRule(self, args.health_patience, args.health_max_one_token_share),
+                 callbacks.EntropyRule(self, args.health_patience, args.health_min_entropy)]
         if args.health_flat_reward_steps:
-            self.add_callback(callbacks.FlatRewardRule(self, args.health_flat_reward_steps))
+            rules.append(callbacks.FlatRewardRule(self, args.health_flat_reward_steps))
+        for rule in rules:
+            if rule.action != "off":
+                self.add_callback(rule)
+        if rules[0].action != "off":  # NonFiniteRule reads the step's losses
+            self._step_losses = []
 
     # ------------------------------------------------------------------ schedule
 
@@ -164,30 +174,40 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._log_completion_shape(out[1], calls[-1] if calls else None)
         if not guard:
             return out
-        prompt_ids, completion_ids, _, completions = out[:4]
+        prompt_ids, completion_ids, tool_mask, completions = out[:4]
         tok = self._tokenizer
-
-        if isinstance(prompts[0], list) and self.rollout_func is None:
-            expected = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs)
-                        for p in prompts]
-            guards.check_prompts_templated(tok, prompt_ids, expected)
-        if calls:  # the transformers path: compare against what generate really returned
+        record = {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids]}
+        if isinstance(prompts[0], list) and self.rollout_func is None and not self._is_vlm:
+            guards.check_prompts_templated(tok, prompt_ids, self._template_prompt_ids(prompts))
+        if calls and self.tools:  # the tool loop: one generate call per turn
+            record["loss_mask"] = guards.check_tool_loop(
+                tok, calls, prompt_ids, completion_ids, tool_mask, self.eos_token_ids,
+                templates.generation_prompt_ids(tok, self.chat_template, **self.chat_template_kwargs),
+                self.max_completion_length)
+        elif calls:  # the transformers path: compare against what generate really returned
             call = calls[-1]
             gen_in = call["input_ids"].cpu()
             attn = call["attention_mask"] if call["attention_mask"] is not None else torch.ones_like(gen_in)
             guards.check_same_prompt(tok, guards._unpad(gen_in, attn), prompt_ids, range(len(prompt_ids)))
-            if not self.tools:
-                guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
+            guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
         elif not self.use_vllm and self.rollout_func is None:
             logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
         if not self.tools and getattr(tok, "response_schema", None) is None \
                 and getattr(tok, "response_template", None) is None:
             guards.check_reward_text(tok, completion_ids, completions, self._header_text())
-        self._guard_record = {
-            "prompt_ids": [list(p) for p in prompt_ids],
-            "completion_ids": [list(c) for c in completion_ids],
-        }
+        self._guard_record = record
         return out
+
+    def _template_prompt_ids(self, prompts: list) -> list[list[int]]:
+        """I1's reference: each conversational prompt through the chat template in force, with the
+        generation prompt, ``chat_template_kwargs`` and the tools TRL renders for its row (an
+        environment's own tools with ``environment_factory``)."""
+        if self.environment_factories is not None:
+            tools = [self._env_tools[name] or None for name in self._batch_environments]
+        else:
+            tools = [self.tools or None] * len(prompts)
+        return [templates.prompt_ids(self._tokenizer, p, self.chat_template, tools=t, **self.chat_template_kwargs)
+                for p, t in zip(prompts, tools)]
 
     def _with_sampler_logprobs(self, out: tuple, call: dict) -> tuple:
         """Put the sampler's own per-token logprobs where TRL keeps vLLM's (I5)."""
@@ -245,9 +265,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         completion_ids = output["completion_ids"]  # [B, C]
         heads = self._tokenizer.batch_decode(completion_ids[:, :8], skip_special_tokens=False)
         header = torch.tensor(health.starts_with_header(heads, self._chat_headers), device=completion_ids.device)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
+        stop_mask = health.stop_count_mask(output["completion_mask"] * output.get("tool_mask", 1))  # [B, C]
         per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
-                               health.count_ids(completion_ids, loss_mask, self.eos_token_ids),
+                               health.count_ids(completion_ids, stop_mask, self.eos_token_ids),
                                header.long()], dim=1).float()  # [B, 3]
         per_row = self.accelerator.gather(per_row)  # [B_global, 3]
         metrics["stops/prompt_mean"].append(per_row[:, 0].mean().item())
@@ -264,6 +284,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": completion_ids, "lengths": self._completion_lengths,
+                            "stop_mask": stop_mask,
                             "rewards": rewards[start:start + len(inputs)]}
 
     def boundary_report(self, n: int = 4) -> str:
@@ -390,9 +411,14 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             guards.check_same_prompt(tok, generated_prompts, guards._unpad(prompt_ids, prompt_mask), rows)
             guards.check_same_completions(tok, generated_prompts, [record["completion_ids"][r] for r in rows],
                                           completion_ids, rows)
-            lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
-            guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
-                                         truncated_masked=self.mask_truncated_completions)
+            if "loss_mask" in record:  # a tool loop: the loss covers each generated turn, no tool result
+                guards.check_loss_mask(tok, completion_ids, cmask * inputs["tool_mask"],
+                                       [record["loss_mask"][r] for r in rows], self.eos_token_ids, rows,
+                                       truncated_masked=self.mask_truncated_completions)
+            else:
+                lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
+                guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
+                                             truncated_masked=self.mask_truncated_completions)
 
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             loss = super()._compute_loss(model, inputs)
@@ -412,6 +438,13 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                                              return_logits=True)
         self._log_logit_signals(logits, loss_mask)
         if not guard:
+            return loss
+        if _dropout_active(model):  # the loss's forward samples dropout masks: no deterministic reference exists
+            if not getattr(self, "_warned_dropout", False):
+                logger.warning("grpotrl guard: I5 (and the I7 entropy values) are not checked while dropout is active "
+                               "in the training forward (disable_dropout=False, TRL's default): the loss then scores "
+                               "another function than the one that sampled. Set disable_dropout=True to check them.")
+                self._warned_dropout = True
             return loss
         low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
         gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
@@ -466,6 +499,16 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template)
+
+
+def _dropout_active(model) -> bool:
+    """Whether a training forward of ``model`` samples dropout masks: an ``nn.Dropout`` with p > 0,
+    or an attention module with a float ``attention_dropout`` > 0 (TRL's ``disable_dropout``
+    zeroes the former only)."""
+    return model.training and any(
+        (isinstance(m, torch.nn.Dropout) and m.p > 0)
+        or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)
+        for m in model.modules())
 
 
 def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:

@@ -47,7 +47,7 @@ import torch
 import trl
 
 from .. import guards
-from ..configs import GRPOConfig
+from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
 from ..rewards.tasks import per_task
@@ -60,8 +60,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
-        if args is None:
-            args = GRPOConfig(output_dir="grpotrl-output")
+        args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         reward_funcs = _check_tasks(reward_funcs, args, train_dataset, eval_dataset)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
