@@ -92,6 +92,21 @@ def test_I3_I4_I5_plain_text_prompts_train_with_the_guards_on(tiny_llama, grpo_a
     assert trainer._guard_max_gap < 1e-5
 
 
+def test_I5_is_not_checked_while_dropout_is_active(tiny_gpt2, grpo_args, caplog):
+    """TRL's default disable_dropout=False on a model with dropout (GPT-2: 0.1): the loss's forward samples
+    dropout masks, so there is no deterministic reference to compare with; said once, never an error."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpotrl"):
+        trainer = grpotrl.GRPOTrainer(model=tiny_gpt2, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                      args=grpo_args(disable_dropout=False, max_steps=2))
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert not [h for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
+    assert sum("I5 (and the I7 entropy values) are not checked while dropout is active" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 def test_default_guard_schedule_runs_first_steps_only(tiny_llama, grpo_args):
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
                                   args=grpo_args(guard_steps=1, max_steps=2), train_dataset=arithmetic_prompts())

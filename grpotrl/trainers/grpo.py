@@ -13,7 +13,8 @@ Overrides (everything else is TRL's):
     I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header). On
     TRL's tool loop (``tools``, ``environment_factory``) every turn's ``generate`` call is
     checked: a later turn's prompt is the previous prompt + completion + tool result, the
-    completion spans the turns, ``tool_mask`` covers the model's turns only.
+    completion spans the turns, ``tool_mask`` covers the model's turns only. A ``rollout_func``
+    generates its own way and is not observed (I1/I3 between its output and the loss still are).
   * ``_generate_and_score_completions``: tags each row so the loss can be traced back to
     its generation; logs the batch's health signals (stop tokens in prompts and completions,
     chat-header starts, zero rewards, per-task lengths); runs DAPO dynamic sampling when
@@ -109,6 +110,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 m.register_forward_pre_hook(_positions_from_attention_mask, with_kwargs=True)
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
+        self._warned_dropout = False  # I5 skipped while dropout is active: said once
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
@@ -158,21 +160,19 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         return extra
 
     def _generate(self, prompts: list):
-        guard = self._guard_now()
         intercept = self._hf_generate_path() and not self.tools
-        if not guard:
-            self._guard_record = None
-        if not guard and not intercept:
-            out = super()._generate(prompts)
-            self._log_completion_shape(out[1])
-            return out
-        model = self.accelerator.unwrap_model(self.model_wrapped)
-        with guards.record_generate(model, self._generation_extras if intercept else None) as calls:
-            out = super()._generate(prompts)
+        # a user's rollout_func may call generate its own way (several turns, other prompts): not observed
+        if self.rollout_func is None and (intercept or self._guard_now()):
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            with guards.record_generate(model, self._generation_extras if intercept else None) as calls:
+                out = super()._generate(prompts)
+        else:
+            out, calls = super()._generate(prompts), []
         if calls and calls[-1]["scores"] is not None:
             out = self._with_sampler_logprobs(out, calls[-1])
         self._log_completion_shape(out[1], calls[-1] if calls else None)
-        if not guard:
+        if not self._guard_now():
+            self._guard_record = None
             return out
         prompt_ids, completion_ids, tool_mask, completions = out[:4]
         tok = self._tokenizer
@@ -415,7 +415,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 guards.check_loss_mask(tok, completion_ids, cmask * inputs["tool_mask"],
                                        [record["loss_mask"][r] for r in rows], self.eos_token_ids, rows,
                                        truncated_masked=self.mask_truncated_completions)
-            else:
+            elif "tool_mask" not in inputs:  # (a rollout_func's env_mask: turns not observed, I4 not checked)
                 lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
                 guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
                                              truncated_masked=self.mask_truncated_completions)
@@ -440,7 +440,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if not guard:
             return loss
         if _dropout_active(model):  # the loss's forward samples dropout masks: no deterministic reference exists
-            if not getattr(self, "_warned_dropout", False):
+            if not self._warned_dropout:
                 logger.warning("grpotrl guard: I5 (and the I7 entropy values) are not checked while dropout is active "
                                "in the training forward (disable_dropout=False, TRL's default): the loss then scores "
                                "another function than the one that sampled. Set disable_dropout=True to check them.")
