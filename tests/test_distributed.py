@@ -230,8 +230,7 @@ def test_multitask_cagrad_recipe_under_ddp(cagrad, tiny_llama, tmp_path):
            "--config", "recipes/smollm2/grpo_multitask_cagrad.yaml", "--model_name_or_path", tiny_llama,
            "--output_dir", str(out), "--max_steps", "2", "--max_completion_length", "6", "--cagrad", cagrad,
            "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
-    out.mkdir(parents=True)
-    log = out / "launch.log"
+    log = tmp_path / f"{cagrad}-launch.log"  # beside output_dir: the CLI refuses a non-empty one
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **WORKER_ENV}, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
