@@ -175,10 +175,12 @@ def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs)
     generation prompt when the template supports ``add_generation_prompt``, else the text
     between the user turn and the assistant's content. Returned with special tokens shown
     (``<|im_start|>assistant``), its leading special token alone (a new turn of any role) and
-    without special tokens (``assistant``)."""
+    without special tokens (``assistant``); none without a chat template (plain-text prompts)."""
     from . import templates
 
     tok = templates._tok(tokenizer)
+    if templates.chat_template_of(tokenizer, chat_template) is None:
+        return []
     ids = templates.generation_prompt_ids(tok, chat_template, **template_kwargs)
     if not ids:  # the template ignores add_generation_prompt: read the header off an assistant turn
         probe = "grpotrl-header-probe"

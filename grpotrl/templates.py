@@ -34,8 +34,15 @@ def _tok(processing_class):
     return getattr(processing_class, "tokenizer", processing_class)
 
 
+def chat_template_of(processing_class, chat_template: str | None = None) -> str | None:
+    """The template prompts are rendered with: ``chat_template`` when given, else the processing
+    class's own (a VLM processor may carry it instead of its tokenizer), else its tokenizer's."""
+    return (chat_template or getattr(processing_class, "chat_template", None)
+            or getattr(_tok(processing_class), "chat_template", None))
+
+
 def require_chat_template(tokenizer, chat_template: str | None = None) -> None:
-    if (chat_template or getattr(_tok(tokenizer), "chat_template", None)) is None:
+    if chat_template_of(tokenizer, chat_template) is None:
         raise InputError(
             f"The tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template, "
             "and the data is conversational. grpotrl trains SFT and RL on the same chat template (INVARIANT I2). "

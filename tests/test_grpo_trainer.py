@@ -80,16 +80,20 @@ def test_dynamic_sampling_still_needs_a_map_style_dataset(tiny_llama, grpo_args)
                             train_dataset=arithmetic_prompts().to_iterable_dataset())
 
 
-def test_I3_I4_I5_plain_text_prompts_train_with_the_guards_on(tiny_llama, grpo_args):
-    """Standard (non-conversational) prompts: no chat template is applied, as in TRL; the other guards hold."""
+def test_I3_I4_I5_plain_text_prompts_on_a_tokenizer_without_chat_template(tiny_gpt2, grpo_args):
+    """A base model's tokenizer (no chat template) and standard text prompts, as TRL takes them: no template
+    is applied or required (I1's template comparison does not apply), the other guards hold."""
     from datasets import Dataset
+    from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(tiny_gpt2, padding_side="left", truncation_side="left")
+    tok.chat_template = None
     rows = Dataset.from_list([{"prompt": "Q: what is " + "1 + " * (i % 4) + "2?\nA:"} for i in range(8)])
-    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=lambda completions, **kw: [len(c) / 10.0 for c in
-                                                                                           completions],
-                                  args=grpo_args(max_steps=1), train_dataset=rows)
+    trainer = grpotrl.GRPOTrainer(model=tiny_gpt2, processing_class=tok, args=grpo_args(max_steps=1),
+                                  reward_funcs=lambda completions, **kw: [len(c) / 10.0 for c in completions],
+                                  train_dataset=rows)
     trainer.train()
-    assert trainer._guard_max_gap < 1e-5
+    assert trainer.state.global_step == 1 and trainer._guard_max_gap < 1e-5
 
 
 def test_I5_is_not_checked_while_dropout_is_active(tiny_gpt2, grpo_args, caplog):

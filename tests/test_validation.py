@@ -161,6 +161,17 @@ def test_tokenizer_without_chat_template_is_an_error(smollm2_tokenizer):
         templates.require_chat_template(tokenizer)
 
 
+def test_a_chat_template_carried_by_the_processor_counts(smollm2_tokenizer):
+    """A (VLM) processor may carry the template its tokenizer lacks; TRL renders prompts with it."""
+    from types import SimpleNamespace
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    processor = SimpleNamespace(tokenizer=tokenizer, chat_template=template)
+    templates.require_chat_template(processor)
+    assert templates.chat_template_of(processor) == template and templates.chat_template_of(tokenizer) is None
+
+
 def test_cli_stops_on_a_tokenizer_without_chat_template(tmp_path, smollm2_path, smollm2_tokenizer, no_model_load):
     model_dir = tmp_path / "no-template"
     write_weights(model_dir)

@@ -113,7 +113,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._warned_dropout = False  # I5 skipped while dropout is active: said once
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
-        self._chat_headers = health.chat_headers(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
+        self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
+        self._chat_headers = health.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
@@ -140,7 +141,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     def _header_text(self) -> str:
         """The generation prompt as reward functions would see it (``assistant\n`` for ChatML)."""
-        ids = templates.generation_prompt_ids(self._tokenizer, self.chat_template, **self.chat_template_kwargs)
+        if self._template is None:
+            return ""
+        ids = templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs)
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ generation (I1, I3)
@@ -182,7 +185,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if calls and self.tools:  # the tool loop: one generate call per turn
             record["loss_mask"] = guards.check_tool_loop(
                 tok, calls, prompt_ids, completion_ids, tool_mask, self.eos_token_ids,
-                templates.generation_prompt_ids(tok, self.chat_template, **self.chat_template_kwargs),
+                templates.generation_prompt_ids(tok, self._template, **self.chat_template_kwargs),
                 self.max_completion_length)
         elif calls:  # the transformers path: compare against what generate really returned
             call = calls[-1]
@@ -206,7 +209,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             tools = [self._env_tools[name] or None for name in self._batch_environments]
         else:
             tools = [self.tools or None] * len(prompts)
-        return [templates.prompt_ids(self._tokenizer, p, self.chat_template, tools=t, **self.chat_template_kwargs)
+        return [templates.prompt_ids(self._tokenizer, p, self._template, tools=t, **self.chat_template_kwargs)
                 for p, t in zip(prompts, tools)]
 
     def _with_sampler_logprobs(self, out: tuple, call: dict) -> tuple:
