@@ -9,6 +9,7 @@ sampled the tokens.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -42,6 +43,26 @@ class GuardFields(TemplateGuardFields):
         metadata={"help": "I5 tolerance between the loss's per-token logprobs and an independent "
                   "log_softmax(logits / T) recomputation, in nats per nat of logit scale max|logits / T| "
                   "(fp32 rounding grows with it). Raised 100x automatically under bf16/fp16."},
+    )
+    check_step0_identity: bool = field(
+        default=True,
+        metadata={"help": "I10: on the first microbatch of step 0, before any update, the reference's and the old "
+                  "policy's per-token logprobs (where the run computes them: beta > 0; num_iterations > 1 or IS "
+                  "correction) must equal the loss's own (KL 0, ratio 1), within 1e-4 nats per token in fp32 and "
+                  "0.05 mean / 1.0 max under bf16/fp16. Costs one comparison of tensors the step computes anyway."},
+    )
+    sampler_gap_threshold: float = field(
+        default=0.1,
+        metadata={"help": "Where the sampler's own logprobs exist (the transformers path with penalties, "
+                  "min_new_tokens or hf_importance_sampling_correction), the mean |logp_sampler - logp_trainer| over "
+                  "the loss's tokens above which sampler_gap_action applies (slime's CI uses 0.1 nats). The raw, "
+                  "untruncated importance ratios are logged as sampling/raw_ratio/{token,seq}/{mean,min,max,"
+                  "outside_share} either way."},
+    )
+    sampler_gap_action: str = field(
+        default="warn",
+        metadata={"help": "'warn' (once, with the likely causes), 'stop' (InvariantError I5: the loss would not "
+                  "score the distribution that sampled) or 'off'.", "choices": ["warn", "stop", "off"]},
     )
 
 
@@ -210,6 +231,12 @@ def check_grpotrl_fields(args) -> None:
                                             for k, v in actions.items()):
         raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
                          f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
+    if args.sampler_gap_action not in ("warn", "stop", "off"):
+        raise InputError(f"sampler_gap_action={args.sampler_gap_action!r}: use 'warn', 'stop' or 'off'.")
+    if not (isinstance(args.sampler_gap_threshold, (int, float)) and args.sampler_gap_threshold > 0
+            and math.isfinite(args.sampler_gap_threshold)):
+        raise InputError(f"sampler_gap_threshold={args.sampler_gap_threshold!r}: use a finite number of nats > 0 "
+                         "(e.g. 0.1), or sampler_gap_action='off'.")
     if args.cagrad not in ("off", "exact", "low_memory"):
         raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
     if not 0.0 <= args.cagrad_c < 10:

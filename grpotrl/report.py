@@ -8,7 +8,9 @@ with every panel, written to ``OUTPUT_DIR/report/`` (or ``--out``). Panels, each
 when the run logged its metrics: reward (total and per function), entropy (token mean and
 the per-sample min / p10), KL, completion length (mean, min, max), clip ratios, health shares
 (1-token, max-length, zero-variance groups, zero rewards, chat-header starts), logits (max,
-top-1 minus top-2 gap), one panel per per-task metric (``tasks/<task>/<metric>``, a curve per
+top-1 minus top-2 gap), sampler vs trainer (mean and max |logp_sampler -
+logp_trainer|, I10's step-0 gaps), raw importance ratios (token and sequence mean/min/max,
+untruncated, beside TRL's truncated mean), one panel per per-task metric (``tasks/<task>/<metric>``, a curve per
 task) and the GAD discriminator (``gad/d_acc``, ``gad/d_loss``; teacher and student scores).
 Eval values, when logged, are dashed.
 
@@ -40,6 +42,12 @@ PANELS = {
                                           "frac_reward_zero_std", "rewards/zero_share", "completions/header_share",
                                           "dynamic_sampling/dropped_share"]),
     "logits": ("Logits", "logit", ["logits/max", "logits/top1_top2_gap"]),
+    "sampler_mismatch": ("Sampler vs trainer", "nats", ["sampling/sampler_trainer_logp_gap/mean",
+                                                        "sampling/sampler_trainer_logp_gap/max",
+                                                        re.compile(r"identity/step0_\w+_logp_gap/max")]),
+    "raw_ratio": ("Raw importance ratio (untruncated)", "ratio",
+                  [re.compile(r"sampling/raw_ratio/(token|seq)/(mean|min|max)"),
+                   "sampling/importance_sampling_ratio/mean"]),
     "discriminator": ("GAD discriminator", "value", ["gad/d_acc", "gad/d_loss", "d_acc", "d_loss"]),
     "discriminator_scores": ("GAD discriminator scores", "D score", ["gad/teacher_score", "gad/student_score"]),
 }

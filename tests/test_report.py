@@ -35,7 +35,7 @@ def test_report_on_a_real_run_writes_every_panel(run_dir, tmp_path):
     assert set(paths) == {"reward", "entropy", "kl", "completion_length", "clip_ratio", "health", "logits",
                           "task_completions_mean_length", "task_completions_min_length",
                           "task_completions_max_length", "task_completions_one_token_share", "task_reward",
-                          "task_reward_std", "task_entropy", "report"}
+                          "task_reward_std", "task_entropy", "sampler_mismatch", "report"}
     for name, path in paths.items():
         with open(path, "rb") as f:
             head = f.read(8)
@@ -57,7 +57,7 @@ def test_panels_have_the_titles_and_curves_of_the_run(run_dir):
 
 def test_cli_report_command(run_dir, capsys):
     cli.main(["report", run_dir])
-    assert "grpotrl report: 14 panels" in capsys.readouterr().out
+    assert "grpotrl report: 15 panels" in capsys.readouterr().out
     assert os.path.getsize(os.path.join(run_dir, "report", "report.png")) > 50_000
 
 
@@ -73,6 +73,21 @@ def test_gad_discriminator_and_a_stopped_run_read_from_its_checkpoint(tmp_path):
     assert set(paths) == {"reward", "discriminator", "discriminator_scores", "report"}
     assert report.panels(history)["discriminator"][0] == "GAD discriminator"
     assert os.path.dirname(paths["report"]) == str(tmp_path / "report")
+
+
+def test_sampler_mismatch_and_raw_ratio_panels():
+    """Issue 19: the sampler/trainer gap, I10's step-0 gaps and the raw (untruncated) ratios are drawn."""
+    history = [{"step": s, "sampling/sampler_trainer_logp_gap/mean": 0.2, "sampling/sampler_trainer_logp_gap/max": 1.5,
+                "sampling/raw_ratio/token/mean": 1.1, "sampling/raw_ratio/token/min": 0.3,
+                "sampling/raw_ratio/seq/max": 9.0, "sampling/raw_ratio/token/outside_share": 0.1,
+                "sampling/importance_sampling_ratio/mean": 1.0} for s in (1, 2)]
+    history[0]["identity/step0_ref_logp_gap/max"] = 1e-6
+    found = report.panels(history)
+    assert set(found["sampler_mismatch"][2]) == {"sampling/sampler_trainer_logp_gap/mean",
+                                                 "sampling/sampler_trainer_logp_gap/max",
+                                                 "identity/step0_ref_logp_gap/max"}
+    assert set(found["raw_ratio"][2]) == {"sampling/raw_ratio/token/mean", "sampling/raw_ratio/token/min",
+                                          "sampling/raw_ratio/seq/max", "sampling/importance_sampling_ratio/mean"}
 
 
 def test_missing_state_is_a_clear_error(tmp_path, capsys):

@@ -50,7 +50,7 @@ import torch
 import trl
 from accelerate.utils import gather_object
 
-from .. import callbacks, dynamic_sampling, guards, health, templates
+from .. import callbacks, dynamic_sampling, guards, health, identity, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..logprobs import entropy_from_logits
@@ -112,6 +112,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._warned_dropout = False  # I5 skipped while dropout is active: said once
+        self._identity_due = bool(args.check_step0_identity)  # I10 on the first training microbatch
+        self._warned_sampler_gap = False
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
@@ -427,9 +429,13 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             loss = super()._compute_loss(model, inputs)
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
+        loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
+        if self._identity_due and self.model.training:
+            self._identity_due = False
+            if self.state.global_step == 0:
+                self._check_step0_identity(model, used, inputs, loss_mask)
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
-        loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
         self._loss_entropies = (entropies, loss_mask) if entropies is not None else None
         if entropies is not None:
             self._log_loss_health(loss, entropies, loss_mask, inputs.get(TASK_KEY))
@@ -461,17 +467,76 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._metrics["train"]["guards/logprob_max_gap"].append(gap)
         return loss
 
+    def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
+        """I10: the reference's and the old policy's logprobs on this (first, step-0) microbatch are
+        the loss's own. Logged as identity/step0_{ref,old}_logp_gap/{mean,max}."""
+        if _dropout_active(model):
+            logger.warning("grpotrl guard: I10 (step-0 identity of reference and old policy) is not checked while "
+                           "dropout is active in the training forward (disable_dropout=False).")
+            return
+        rows = inputs[ROW_KEY].tolist() if ROW_KEY in inputs else list(range(used.size(0)))
+        low = bool(self.args.bf16 or self.args.fp16)
+        policy = self.accelerator.unwrap_model(model)
+        sides = []
+        if inputs.get("ref_per_token_logps") is not None:
+            ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+            adapter = "ref" if "ref" in (getattr(policy, "peft_config", None) or {}) else None
+            sides.append(("ref", "reference", inputs["ref_per_token_logps"],
+                          identity.reference_causes(policy, ref, adapter)))
+        if inputs.get("old_per_token_logps") is not None:
+            sides.append(("old", "old policy", inputs["old_per_token_logps"],
+                          " Likely cause: the old logprobs were computed by another forward (other position ids, "
+                          "dtype or dropout) than the loss's."))
+        for key, what, other, causes in sides:
+            mean, worst = identity.check_step0_identity(self._tokenizer, used, other, loss_mask,
+                                                        inputs["completion_ids"], what, low, rows, causes)
+            self._metrics["train"][f"identity/step0_{key}_logp_gap/mean"].append(mean)
+            self._metrics["train"][f"identity/step0_{key}_logp_gap/max"].append(worst)
+
     def _log_sampler_gap(self, used: torch.Tensor, inputs: dict) -> None:
-        """|sampler - trainer| logprob on the loss's tokens: what the processors (and any
-        sampler/trainer mismatch) changed. TRL logs the same for vLLM only."""
-        mask = inputs["completion_mask"].bool()
-        gap = (used.detach() - inputs["sampling_per_token_logps"]).abs()[mask]
+        """The sampler against the trainer on the loss's tokens: the raw, untruncated importance ratio
+        per token and per sequence (TRL logs only the truncated one, issue 5231), |sampler - trainer|
+        logprob (what the processors, and any mismatch, changed; TRL logs it for vLLM only), and the
+        gate ``sampler_gap_threshold`` / ``sampler_gap_action`` on its mean."""
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
+        trainer = inputs.get("old_per_token_logps")  # what TRL's IS ratio uses, when computed
+        trainer = used.detach() if trainer is None else trainer  # [B, C]
+        raw = identity.raw_ratio_stats(trainer, inputs["sampling_per_token_logps"], mask)
+        gap = (used.detach() - inputs["sampling_per_token_logps"]).abs()[mask.bool()]
         gap = gap[torch.isfinite(gap)]
-        stats = torch.stack([gap.mean(), gap.max()]) if gap.numel() else torch.zeros(2, device=used.device)
-        stats = self.accelerator.gather(stats).view(-1, 2)
+        local = torch.tensor([float(gap.mean()) if gap.numel() else 0.0, float(gap.max()) if gap.numel() else 0.0,
+                              *raw.values()], device=used.device)  # [2 + len(raw)]
+        stats = self.accelerator.gather(local).view(-1, local.numel())  # [world, 2 + len(raw)]
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["sampling/sampler_trainer_logp_gap/mean"].append(stats[:, 0].mean().item())
+        mean_gap = stats[:, 0].mean().item()
+        self._metrics[mode]["sampling/sampler_trainer_logp_gap/mean"].append(mean_gap)
         self._metrics[mode]["sampling/sampler_trainer_logp_gap/max"].append(stats[:, 1].max().item())
+        for j, name in enumerate(raw):
+            col = stats[:, 2 + j]
+            col = col[torch.isfinite(col)]
+            if col.numel():
+                value = col.min() if name.endswith("/min") else col.max() if name.endswith("/max") else col.mean()
+                self._metrics[mode][f"sampling/raw_ratio/{name}"].append(value.item())
+        a = self.args
+        if a.sampler_gap_action == "off" or not mean_gap > a.sampler_gap_threshold:  # NaN trips it
+            return
+        own = [n for n in ("presence_penalty", "frequency_penalty", "min_new_tokens") if getattr(a, n)]
+        own += ["repetition_penalty"] if a.repetition_penalty != 1.0 else []
+        message = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
+                   f"{mean_gap:.3f} nats > sampler_gap_threshold={a.sampler_gap_threshold} (step "
+                   f"{self.state.global_step}). The update is computed for a distribution the completions were not "
+                   "sampled from. Likely causes: `generation_kwargs` that change sampling behind the trainer's back "
+                   f"(temperature, top_k, top_p, min_p other than the config's: T={self.temperature}), a logits "
+                   "processor of your own, or a sampler in another precision."
+                   + (f" grpotrl's own processors are on ({', '.join(own)}): they change the sampler's distribution "
+                      "on purpose; hf_importance_sampling_correction corrects the update for it, or raise "
+                      "sampler_gap_threshold." if own else ""))
+        if a.sampler_gap_action == "stop":
+            raise InvariantError("I5", message)
+        if not self._warned_sampler_gap:
+            logger.warning("grpotrl: %s (said once; sampling/sampler_trainer_logp_gap/mean is logged every step)",
+                           message)
+            self._warned_sampler_gap = True
 
     # ------------------------------------------------------------------ the entropy bonus's sign (I7)
 
