@@ -116,8 +116,13 @@ def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: li
             )
 
 
-def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list, header: str) -> None:
-    """I3: the text reward functions see is the decoded completion, with no chat header in it."""
+def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list,
+                      headers: list[list[int]]) -> None:
+    """I3: the text reward functions see is the decoded completion, and the completion does not
+    start with the chat header (``headers``: token ids, ``health.chat_headers``; matched as those
+    ids or their exact text, so ``assistants can help`` is not the ChatML header ``assistant\\n``)."""
+    from .health import starts_with_header
+
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     for i, (text, seen) in enumerate(zip(texts, completions)):
         seen_text = seen[-1]["content"] if isinstance(seen, list) else seen
@@ -126,11 +131,14 @@ def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: l
                 "I3",
                 f"row {i}: reward functions see {seen_text[:80]!r} but the completion decodes to {text[:80]!r}.",
             )
-        if header and header.strip() and text.lstrip().startswith(header.strip()):
+    for i, starts in enumerate(starts_with_header(tokenizer, completion_ids, headers)):
+        if starts:
+            shown = [tokenizer.decode(h, skip_special_tokens=False) for h in headers]
             raise InvariantError(
                 "I3",
-                f"row {i}: the completion given to reward functions starts with the chat header {header!r}: "
-                f"{text[:80]!r}. The extraction boundary includes prompt tokens.\n"
+                f"row {i}: the completion given to reward functions starts with the chat header (one of {shown}): "
+                f"{tokenizer.decode(list(completion_ids[i])[:24], skip_special_tokens=False)!r}. The extraction "
+                "boundary includes prompt tokens.\n"
                 + boundary_report(tokenizer, [], completion_ids[i]),
             )
 

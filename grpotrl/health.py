@@ -153,29 +153,37 @@ def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, fl
     return out
 
 
-def starts_with_header(heads: list[str], headers: list[str]) -> list[bool]:
-    """Whether each decoded completion head (special tokens shown) starts with a chat header.
+def starts_with_header(tokenizer, completions: list[list[int]], headers: list[list[int]]) -> list[bool]:
+    """Whether each completion (token ids) starts with one of the chat ``headers`` (token ids,
+    from ``chat_headers``): as those very ids, or as their exact text with special tokens shown
+    and every character of the header included, its closing newline too (a header the model
+    spelled with other tokens counts; a word that merely begins like the role name does not:
+    ``assistants can help`` and ``assistantship`` are no ChatML header, ``assistant\\n4`` is)."""
+    headers = [list(h) for h in headers if h]
+    if not headers:
+        return [False] * len(completions)
+    texts = [tokenizer.decode(h, skip_special_tokens=False) for h in headers]
+    width = 2 * max(len(h) for h in headers) + 8  # a header spelled with shorter tokens still fits
+    out = []
+    for ids in completions:
+        ids = list(ids)
+        head = tokenizer.decode(ids[:width], skip_special_tokens=False).lstrip()
+        out.append(any(ids[:len(h)] == h or head.startswith(t) for h, t in zip(headers, texts)))
+    return out
 
-    ``headers`` are the spellings to look for, e.g. ``["<|im_start|>", "assistant"]`` for ChatML:
-    a response that opens a new turn, or repeats the assistant header the prompt already ends
-    with, was trained or templated wrong (seed 000: "Response开头似乎包含chat header").
 
-    >>> heads = ["<|im_start|>assistant\\n4", " assistant\\n4", "4<|im_end|>"]
-    >>> starts_with_header(heads, ["<|im_start|>", "assistant"])
-    [True, True, False]
-    """
-    spellings = [h.strip() for h in headers if h and h.strip()]
-    return [any(head.lstrip().startswith(h) for h in spellings) for head in heads]
-
-
-def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs) -> list[str]:
-    """Spellings of the chat header a response must not start with (for ``starts_with_header``).
+def chat_headers(tokenizer, chat_template: str | None = None, new_turn: bool = True,
+                 **template_kwargs) -> list[list[int]]:
+    """The chat header a response must not start with, as token ids (for ``starts_with_header``).
 
     The assistant header is what the template writes before an assistant message: the
     generation prompt when the template supports ``add_generation_prompt``, else the text
-    between the user turn and the assistant's content. Returned with special tokens shown
-    (``<|im_start|>assistant``), its leading special token alone (a new turn of any role) and
-    without special tokens (``assistant``); none without a chat template (plain-text prompts)."""
+    between the user turn and the assistant's content. Returned: its ids
+    (``<|im_start|>assistant\\n``); its leading special token alone when ``new_turn`` (a new turn
+    of any role: ``<|im_start|>``, Llama-3's ``<|start_header_id|>``); and its text without
+    special tokens up to and including the first line break (``assistant\\n``; Llama-3's
+    ``assistant\\n``, Qwen3's ``assistant\\n`` also when ``enable_thinking=False`` appends an
+    empty think block), tokenized. None without a chat template (plain-text prompts)."""
     from . import templates
 
     tok = templates._tok(tokenizer)
@@ -193,11 +201,18 @@ def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs)
     if not ids:
         return []
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    out = [tok.decode(ids, skip_special_tokens=False)]
-    if ids[0] in special:
-        out.append(tok.decode(ids[:1], skip_special_tokens=False))
-    out.append(tok.decode(ids, skip_special_tokens=True))
-    return [h for h in dict.fromkeys(s.strip() for s in out) if h]
+    out = [list(ids)]
+    if new_turn and ids[0] in special:
+        out.append(list(ids[:1]))
+    bare = tok.decode(ids, skip_special_tokens=True).lstrip()
+    line = bare[: bare.index("\n") + 1] if "\n" in bare else bare
+    if line.strip():
+        out.append(list(tok(line, add_special_tokens=False)["input_ids"]))
+    unique = []
+    for h in out:
+        if h not in unique:
+            unique.append(h)
+    return unique
 
 
 # ---------------------------------------------------------------- rewards
@@ -316,8 +331,7 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
         lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "
                      f"tokens; stop tokens: {prompt_stops} in the prompt, {completion_stops} in the completion")
         lines.append(ids_and_text(tokenizer, prompt, completion, width))
-        head = tokenizer.decode(completion[:width], skip_special_tokens=False)
-        if headers and starts_with_header([head], list(headers))[0]:
+        if headers and starts_with_header(tokenizer, [completion], list(headers))[0]:
             lines.append("    !! the completion starts with the chat header: the model writes the header itself "
                          "(template without a generation prompt, or SFT on another template)")
         if completion_stops > 1:

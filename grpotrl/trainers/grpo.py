@@ -116,6 +116,11 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         self._chat_headers = health.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        # I3's: the generation prompt the prompt ends with, when the template writes one (a new turn, or a
+        # header the model writes itself after a template without one, is the chat_header rule's business)
+        self._reward_headers = health.chat_headers(self._tokenizer, self._template, new_turn=False,
+                                                   **self.chat_template_kwargs) if self._template is not None \
+            and templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs) else []
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
@@ -139,13 +144,6 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _guard_now(self) -> bool:
         n = self.args.guard_steps
         return n < 0 or self.state.global_step < n
-
-    def _header_text(self) -> str:
-        """The generation prompt as reward functions would see it (``assistant\n`` for ChatML)."""
-        if self._template is None:
-            return ""
-        ids = templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs)
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ generation (I1, I3)
 
@@ -198,7 +196,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
         if not self.tools and getattr(tok, "response_schema", None) is None \
                 and getattr(tok, "response_template", None) is None:
-            guards.check_reward_text(tok, completion_ids, completions, self._header_text())
+            guards.check_reward_text(tok, completion_ids, completions, self._reward_headers)
         self._guard_record = record
         return out
 
@@ -267,8 +265,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         ``task``; keeps the batch for ``boundary_report()``."""
         metrics = self._metrics["train" if self.model.training else "eval"]
         completion_ids = output["completion_ids"]  # [B, C]
-        heads = self._tokenizer.batch_decode(completion_ids[:, :8], skip_special_tokens=False)
-        header = torch.tensor(health.starts_with_header(heads, self._chat_headers), device=completion_ids.device)
+        header = torch.tensor(health.starts_with_header(self._tokenizer, completion_ids[:, :32].tolist(),
+                                                        self._chat_headers), device=completion_ids.device)
         stop_mask = health.stop_count_mask(output["completion_mask"] * output.get("tool_mask", 1))  # [B, C]
         per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
                                health.count_ids(completion_ids, stop_mask, self.eos_token_ids),
