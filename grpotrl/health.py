@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .masking import completion_mask
+
 # ---------------------------------------------------------------- per-token and per-sample entropy
 
 
@@ -123,6 +125,23 @@ def count_ids(ids: torch.Tensor, mask: torch.Tensor, id_set: list[int]) -> torch
     """
     hit = torch.isin(ids, torch.as_tensor(list(id_set), device=ids.device, dtype=ids.dtype))  # [B, L]
     return (hit & mask.bool()).sum(-1)  # [B]
+
+
+def generated_stop_counts(raw: torch.Tensor, stop_ids: list[int], sampler_stop_ids: list[int] | None) -> torch.Tensor:
+    """Stop tokens the model really generated in each row of ``generate``'s raw output after the
+    prompt, [B, C] -> [B]: every token in ``stop_ids`` up to and including the first token of the
+    sampler's own stop set (``sampler_stop_ids``; after it ``generate`` writes padding), so a
+    sampler that kept going past an end-of-turn token it did not stop on shows every one of them
+    (seed 000: "10+ end tokens in the response"), where the loss's completion, cut at the first
+    stop, holds one. A healthy batch reads 1 for a row that stopped and 0 for one cut at the cap.
+
+    >>> raw = torch.tensor([[5, 2, 6, 2, 2, 0, 9], [5, 6, 0, 9, 9, 9, 9]])  # stops {0, 2}; the sampler stops on 0
+    >>> generated_stop_counts(raw, [0, 2], [0]).tolist()  # row 0: 2, 2, 2, then 0 (its stop), then padding
+    [4, 1]
+    """
+    sampler = torch.as_tensor(sampler_stop_ids if sampler_stop_ids else stop_ids, device=raw.device)
+    span = completion_mask(raw, sampler)  # [B, C] 1 up to and including the sampler's first stop
+    return count_ids(raw, span, stop_ids)  # [B]
 
 
 def stop_count_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -308,8 +327,9 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
     counts (prompt without its left padding, completion as the loss sees it).
 
     ``batch`` holds ``prompt_ids``/``prompt_mask`` [B, P] (left-padded), ``completion_ids`` [B, C]
-    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B] and ``stop_mask``
-    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not)."""
+    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B], ``stop_mask``
+    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not) and
+    ``generated_stops`` [B] (``generated_stop_counts``: stops the model wrote, past the cut too)."""
     from .guards import boundary_report as ids_and_text
 
     pad = tokenizer.pad_token_id
@@ -326,6 +346,8 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
         prompt_stops = sum(t in stops for t in prompt)
         completion_stops = sum(t in stops for t, m in zip(completion, counted[i].tolist() if counted is not None
                                                            else [1] * len(completion)) if m)
+        if batch.get("generated_stops") is not None:  # what the model generated, past the cut completion too
+            completion_stops = int(batch["generated_stops"][i])
         reward = batch.get("rewards")
         title = f"  row {i}" + (f" (reward {float(reward[i]):.3f})" if reward is not None else "")
         lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "
@@ -335,6 +357,6 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
             lines.append("    !! the completion starts with the chat header: the model writes the header itself "
                          "(template without a generation prompt, or SFT on another template)")
         if completion_stops > 1:
-            lines.append(f"    !! {completion_stops} stop tokens inside one completion: generation does not stop on "
-                         "every stop id, and the loss trains past the end of the turn")
+            lines.append(f"    !! {completion_stops} stop tokens generated in one completion: generation does not stop "
+                         "on every stop id (the model went on past its end of turn)")
     return "\n".join(lines)

@@ -124,6 +124,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
+        self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
 
     def _add_health_callbacks(self, args: GRPOConfig) -> None:
         if args.health_report_steps:
@@ -173,6 +174,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if calls and calls[-1]["scores"] is not None:
             out = self._with_sampler_logprobs(out, calls[-1])
         self._log_completion_shape(out[1], calls[-1] if calls else None)
+        self._generated_stops = self._count_generated_stops(calls)
         if not self._guard_now():
             self._guard_record = None
             return out
@@ -194,11 +196,32 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
         elif not self.use_vllm and self.rollout_func is None:
             logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
+        if not self.tools and self.rollout_func is None:  # I4 from the tokens and the stop set, on every sampler
+            guards.check_stops(tok, completion_ids, self.eos_token_ids, self._completion_cap())
         if not self.tools and getattr(tok, "response_schema", None) is None \
                 and getattr(tok, "response_template", None) is None:
             guards.check_reward_text(tok, completion_ids, completions, self._reward_headers)
         self._guard_record = record
         return out
+
+    def _count_generated_stops(self, calls: list[dict]) -> torch.Tensor | None:
+        """Stop tokens the model generated per row [B], read off ``generate``'s raw output (the
+        completion is cut after the first one); None where there is none to read (vLLM and continuous
+        batching return the completion as sampled, a tool loop spans several calls)."""
+        if not calls or self.tools:
+            return None
+        call = calls[-1]
+        raw = call["output"][:, call["input_ids"].size(1):]  # [B, C] everything sampled, padding after its stop
+        return health.generated_stop_counts(raw, self.eos_token_ids, call["stop_ids"]).to(self.accelerator.device)
+
+    def _completion_cap(self) -> int | None:
+        """The length generation cuts a completion that has no stop token at (I4); None where one may
+        also end earlier without a stop token: stop strings, a context-length cap of vLLM's, a rollout_func."""
+        kw = self.args.generation_kwargs or {}
+        if self.rollout_func is not None or kw.get("stop_strings") or kw.get("stop") \
+                or (self.use_vllm and self.args.vllm_max_model_length):
+            return None
+        return kw.get("max_tokens" if self.use_vllm else "max_new_tokens", self.max_completion_length)
 
     def _template_prompt_ids(self, prompts: list) -> list[list[int]]:
         """I1's reference: each conversational prompt through the chat template in force, with the
@@ -267,10 +290,16 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         completion_ids = output["completion_ids"]  # [B, C]
         header = torch.tensor(health.starts_with_header(self._tokenizer, completion_ids[:, :32].tolist(),
                                                         self._chat_headers), device=completion_ids.device)
-        stop_mask = health.stop_count_mask(output["completion_mask"] * output.get("tool_mask", 1))  # [B, C]
+        if "tool_mask" in output:  # each turn's own stop is not counted, only those past it
+            stop_mask = health.stop_count_mask(output["completion_mask"] * output["tool_mask"])  # [B, C]
+        else:  # every token the sampler returned (vLLM and continuous batching return them all)
+            t = torch.arange(completion_ids.size(1), device=completion_ids.device)
+            stop_mask = (t < self._completion_lengths.to(t.device).unsqueeze(1)).long()  # [B, C]
+        completion_stops = health.count_ids(completion_ids, stop_mask, self.eos_token_ids)  # [B]
+        if self._generated_stops is not None:  # transformers: generate's raw output, past the cut completion
+            completion_stops = self._generated_stops
         per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
-                               health.count_ids(completion_ids, stop_mask, self.eos_token_ids),
-                               header.long()], dim=1).float()  # [B, 3]
+                               completion_stops, header.long()], dim=1).float()  # [B, 3]
         per_row = self.accelerator.gather(per_row)  # [B_global, 3]
         metrics["stops/prompt_mean"].append(per_row[:, 0].mean().item())
         metrics["stops/completion_mean"].append(per_row[:, 1].mean().item())
@@ -286,7 +315,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": completion_ids, "lengths": self._completion_lengths,
-                            "stop_mask": stop_mask,
+                            "stop_mask": stop_mask, "generated_stops": completion_stops,
                             "rewards": rewards[start:start + len(inputs)]}
 
     def boundary_report(self, n: int = 4) -> str:
@@ -419,7 +448,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                        truncated_masked=self.mask_truncated_completions)
             elif "tool_mask" not in inputs:  # (a rollout_func's env_mask: turns not observed, I4 not checked)
                 lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
-                guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
+                guards.check_completion_mask(tok, completion_ids, cmask, self.eos_token_ids, rows,
+                                             self._completion_cap(), lengths=lengths,
                                              truncated_masked=self.mask_truncated_completions)
 
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
