@@ -4,13 +4,16 @@ Overrides (everything else is TRL's):
   * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
     (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
     dataset (an ``IterableDataset`` on its first rows) and the checkpoint's template
-    fingerprint (I2) before TRL loads anything; stops generation on every stop id; gives the
+    fingerprint (I2) before TRL loads anything; refuses ``cagrad`` settings it would ignore (only
+    ``MultiTaskGRPOTrainer`` reads them); stops generation on every stop id; gives the
     logprob forward generate's position ids (I5).
   * ``_generate``: on the transformers path, hands ``generate`` the response-only penalty
     and min-new-tokens processors (I6) and keeps the sampler's own logprobs; records what
     ``generate`` saw and returned and checks I1 (prompt ids are the chat template plus
     generation prompt, with the row's tools and ``chat_template_kwargs``, no doubled BOS) and
-    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header). On
+    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header) and
+    I4 from the tokens alone (each completion ends right after its first stop id, or has none and
+    is generation's cap long; on every sampler, vLLM and continuous batching included). On
     TRL's tool loop (``tools``, ``environment_factory``) every turn's ``generate`` call is
     checked: a later turn's prompt is the previous prompt + completion + tool result, the
     completion spans the turns, ``tool_mask`` covers the model's turns only. A ``rollout_func``
@@ -75,6 +78,7 @@ def _positions_from_attention_mask(module, args, kwargs):
 
 class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     _tag_names = ["trl", "grpo", "grpotrl"]
+    _reads_cagrad = False  # MultiTaskGRPOTrainer's fields: refused here rather than ignored
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
@@ -89,6 +93,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                         chat_template_kwargs=args.chat_template_kwargs or {})
         _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
+        if not self._reads_cagrad and (args.cagrad != "off" or args.cagrad_c != 0.5):
+            raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {type(self).__name__}, which trains "
+                             "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
+                             "labelled by task_column). Use it, or drop the cagrad settings.")
         if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
@@ -97,7 +105,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
 
         # Stop on every stop id (TRL stops on eos and generation_config's ids only)
-        self.eos_token_ids = list(dict.fromkeys([*self.eos_token_ids, *self.stop_token_ids]))
+        # (and on generation_kwargs' own eos_token_id, which the line below would otherwise overwrite)
+        extra = args.generation_kwargs.get("eos_token_id") if isinstance(args.generation_kwargs, dict) else None
+        extra = [extra] if isinstance(extra, int) else list(extra or [])
+        self.eos_token_ids = list(dict.fromkeys([*self.eos_token_ids, *self.stop_token_ids, *extra]))
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.eos_token_id = self.eos_token_ids
             self.generation_kwargs["eos_token_id"] = self.eos_token_ids
