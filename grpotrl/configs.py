@@ -245,10 +245,40 @@ def check_grpotrl_fields(args) -> None:
         raise InputError(f"entropy_coef={args.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
                          "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
                          "entropy; use 0 for no bonus.")
+    _check_generation_settings(args)
     if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
                          "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
                          "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+def _check_generation_settings(args) -> None:
+    """Sampling settings grpotrl would otherwise drop without a word (I6): each is honoured or refused.
+
+    ``generation_kwargs={"repetition_penalty": x}`` (TRL lets it override ``repetition_penalty``) is
+    honoured as ``repetition_penalty = x``, applied response-only like the field (on the transformers
+    path grpotrl replaces transformers' own, which counts the prompt); a different value in both
+    places is refused. Continuous batching runs transformers' own sampler, which takes no logits
+    processors: the response-only penalties and ``min_new_tokens`` cannot be applied there."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    given = kwargs.get("repetition_penalty", 1.0)
+    if given != 1.0:
+        if args.repetition_penalty not in (1.0, given):
+            raise InputError(f"repetition_penalty={args.repetition_penalty} and generation_kwargs"
+                             f"['repetition_penalty']={given} disagree: set it once, as repetition_penalty.")
+        args.repetition_penalty = given  # applied response-only (I6), as the field is
+    if args.use_transformers_continuous_batching:
+        unsupported = {name: value for name, value in (
+            ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
+            ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
+            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens"))) if value}
+        if unsupported:
+            raise InputError(
+                f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
+                "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
+                "logits processors, so these would be silently dropped (a repetition penalty there would also count "
+                "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
+                "false) or vLLM, or leave these settings at their defaults.")
 
 
 def complete_grpo_config(args, config_class: type = GRPOConfig):
@@ -397,4 +427,10 @@ class GADConfig(GRPOConfig):
         if self.fp16:
             raise InputError("fp16 is not supported by GAD: the discriminator's update has no loss scaler. "
                              "Use bf16: true or fp32.")
+        if self.dynamic_sampling:
+            raise InputError("dynamic_sampling is not supported by GAD: each refill round would score fresh responses "
+                             "and step the discriminator again within one student step. Turn it off.")
+        if self.cagrad != "off" or self.cagrad_c != 0.5:
+            raise InputError(f"cagrad={self.cagrad!r}, cagrad_c={self.cagrad_c}: CAGrad is MultiTaskGRPOTrainer's "
+                             "(per-task gradients); GAD has one task, so these would be ignored. Drop them.")
         super().__post_init__()

@@ -16,7 +16,7 @@ import torch
 
 from .errors import InvariantError
 from .logprobs import completion_logits, token_logprobs
-from .masking import completion_mask, position_ids_from_mask
+from .masking import completion_mask, expected_lengths, position_ids_from_mask
 
 
 def boundary_report(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
@@ -88,6 +88,8 @@ def check_extraction(
     keep = completion_mask(raw, stop_ids)  # [B, C]
     for i, got in enumerate(completion_ids):
         want = raw[i][keep[i].bool()].tolist()
+        if list(got) == want[:-1] and want[-1:] and want[-1] in stop_ids:
+            check_stops(tokenizer, [got], stop_ids, len(want))  # I4: generate wrote it, the completion lost it
         if list(got) != want:
             prompt = generate_input_ids[i].tolist()
             raise InvariantError(
@@ -116,8 +118,13 @@ def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: li
             )
 
 
-def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list, header: str) -> None:
-    """I3: the text reward functions see is the decoded completion, with no chat header in it."""
+def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list,
+                      headers: list[list[int]]) -> None:
+    """I3: the text reward functions see is the decoded completion, and the completion does not
+    start with the chat header (``headers``: token ids, ``health.chat_headers``; matched as those
+    ids or their exact text, so ``assistants can help`` is not the ChatML header ``assistant\\n``)."""
+    from .health import starts_with_header
+
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     for i, (text, seen) in enumerate(zip(texts, completions)):
         seen_text = seen[-1]["content"] if isinstance(seen, list) else seen
@@ -126,11 +133,14 @@ def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: l
                 "I3",
                 f"row {i}: reward functions see {seen_text[:80]!r} but the completion decodes to {text[:80]!r}.",
             )
-        if header and header.strip() and text.lstrip().startswith(header.strip()):
+    for i, starts in enumerate(starts_with_header(tokenizer, completion_ids, headers)):
+        if starts:
+            shown = [tokenizer.decode(h, skip_special_tokens=False) for h in headers]
             raise InvariantError(
                 "I3",
-                f"row {i}: the completion given to reward functions starts with the chat header {header!r}: "
-                f"{text[:80]!r}. The extraction boundary includes prompt tokens.\n"
+                f"row {i}: the completion given to reward functions starts with the chat header (one of {shown}): "
+                f"{tokenizer.decode(list(completion_ids[i])[:24], skip_special_tokens=False)!r}. The extraction "
+                "boundary includes prompt tokens.\n"
                 + boundary_report(tokenizer, [], completion_ids[i]),
             )
 
@@ -261,21 +271,72 @@ def check_loss_mask(tokenizer, completion_ids: torch.Tensor, loss_mask: torch.Te
 # ---------------------------------------------------------------- I4: the completion mask
 
 
+def check_stops(tokenizer, completion_ids: list[list[int]], stop_ids: list[int], max_length: int | None) -> None:
+    """I4 on the completions generation returned (any sampler: transformers, continuous batching,
+    vLLM), from their tokens and the stop set alone: each ends right after its first stop token
+    (kept), or holds none and is ``max_length`` long (cut by generation's cap). ``max_length``
+    None (stop strings may end a completion): only the first half is checked."""
+    stops = set(stop_ids)
+    for i, ids in enumerate(completion_ids):
+        ids = list(ids)
+        first = next((t for t, x in enumerate(ids) if x in stops), None)
+        if first is not None and len(ids) > first + 1:
+            problem = (f"it goes on for {len(ids) - first - 1} tokens after its first stop token (position {first}, "
+                       f"{tokenizer.decode([ids[first]], skip_special_tokens=False)!r}), which the loss would train on")
+        elif first is None and max_length is not None and len(ids) != max_length:
+            problem = (f"it holds no stop token but is {len(ids)} tokens long, not max_completion_length={max_length}: "
+                       "generation ended it without a stop token in it, or its stop token was dropped, so the model "
+                       "would never learn to stop")
+        else:
+            continue
+        raise InvariantError(
+            "I4",
+            f"row {i}: the completion is not 'everything up to and including the first stop token': {problem}.\n"
+            f"    completion end: {tokenizer.decode(ids[-12:], skip_special_tokens=False)!r}  ids {ids[-12:]}\n"
+            f"    stop ids {sorted(stops)}, pad id {tokenizer.pad_token_id}\n"
+            "Keep the first stop token in the completion and cut everything after it.",
+        )
+
+
 def check_completion_mask(
     tokenizer,
     completion_ids: torch.Tensor,
     mask: torch.Tensor,
-    lengths: torch.Tensor,
     stop_ids: list[int],
     rows,
+    max_length: int | None,
+    lengths: torch.Tensor | None = None,
     truncated_masked: bool = False,
 ) -> None:
-    """I4: mask is 1 up to and including the first stop token, 0 after, for every row."""
-    want = completion_mask(completion_ids, stop_ids, lengths=lengths)  # [B, C]
-    if truncated_masked:  # mask_truncated_completions zeroes rows that never stopped
-        stopped = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
-        stopped = (stopped & want.bool()).any(dim=1, keepdim=True)
-        want = want * stopped
+    """I4: mask is 1 up to and including the first stop token, 0 after, for every row, derived
+    from the token ids and the stop set alone (``masking.expected_lengths``): a row with no stop
+    token must be ``max_length`` long. ``lengths`` [B] (what generation reported) are read only
+    where that cannot be derived: rows without a stop token when ``max_length`` is None (stop
+    strings, a user's ``rollout_func``)."""
+    B, C = completion_ids.shape
+    t = torch.arange(C, device=completion_ids.device).expand(B, C)  # [B, C]
+    if max_length is None:
+        want = completion_mask(completion_ids, stop_ids, lengths=lengths)  # [B, C]
+    else:
+        ends = expected_lengths(completion_ids, stop_ids, max_length)  # [B]
+        if (ends > C).any():
+            i = int((ends > C).nonzero()[0])
+            ids = completion_ids[i].tolist()
+            n = int(mask[i].sum())
+            raise InvariantError(
+                "I4",
+                f"row {rows[i]}: the completion holds no stop token in its {C} columns, yet max_completion_length is "
+                f"{max_length}: generation ends a completion on a stop token or at the cap, so its stop token was "
+                f"dropped (the loss covers {n} tokens and never the stop).\n"
+                f"    completion end: {tokenizer.decode(ids[max(0, n - 12):n], skip_special_tokens=False)!r}\n"
+                f"    stop ids {stop_ids}, pad id {tokenizer.pad_token_id}\n"
+                "Keep the first stop token in the completion and the mask.",
+            )
+        want = (t < ends.unsqueeze(1)).long()  # [B, C]
+    if truncated_masked:  # mask_truncated_completions zeroes rows that never stopped (TRL: last token not eos/pad)
+        last = completion_ids.gather(1, (want.sum(1, keepdim=True) - 1).clamp(min=0))  # [B, 1]
+        ended = [*stop_ids, tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else list(stop_ids)
+        want = want * torch.isin(last, torch.as_tensor(ended, device=completion_ids.device))
     bad = (want != mask.long()).any(dim=1)
     if bad.any():
         i = int(bad.nonzero()[0])
@@ -478,11 +539,19 @@ def record_generate(model, extra_kwargs=None):
             "output": sequences,
             "scores": getattr(out, "scores", None),
             "extra": extra,
+            "stop_ids": _sampler_stop_ids(model, kwargs),  # what the sampler itself stops on
         })
         return sequences if extra.get("return_dict_in_generate") and not kwargs.get("return_dict_in_generate") else out
 
     with _instance_attr(model, "generate", spy):
         yield calls
+
+
+def _sampler_stop_ids(model, kwargs: dict) -> list[int]:
+    """The eos ids a ``generate`` call stops on: its ``eos_token_id``, else its generation config's."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    ids = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    return [int(i) for i in ([ids] if isinstance(ids, int) else ids or [])]
 
 
 @contextmanager

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .masking import completion_mask
+
 # ---------------------------------------------------------------- per-token and per-sample entropy
 
 
@@ -125,6 +127,23 @@ def count_ids(ids: torch.Tensor, mask: torch.Tensor, id_set: list[int]) -> torch
     return (hit & mask.bool()).sum(-1)  # [B]
 
 
+def generated_stop_counts(raw: torch.Tensor, stop_ids: list[int], sampler_stop_ids: list[int] | None) -> torch.Tensor:
+    """Stop tokens the model really generated in each row of ``generate``'s raw output after the
+    prompt, [B, C] -> [B]: every token in ``stop_ids`` up to and including the first token of the
+    sampler's own stop set (``sampler_stop_ids``; after it ``generate`` writes padding), so a
+    sampler that kept going past an end-of-turn token it did not stop on shows every one of them
+    (seed 000: "10+ end tokens in the response"), where the loss's completion, cut at the first
+    stop, holds one. A healthy batch reads 1 for a row that stopped and 0 for one cut at the cap.
+
+    >>> raw = torch.tensor([[5, 2, 6, 2, 2, 0, 9], [5, 6, 0, 9, 9, 9, 9]])  # stops {0, 2}; the sampler stops on 0
+    >>> generated_stop_counts(raw, [0, 2], [0]).tolist()  # row 0: 2, 2, 2, then 0 (its stop), then padding
+    [4, 1]
+    """
+    sampler = torch.as_tensor(sampler_stop_ids if sampler_stop_ids else stop_ids, device=raw.device)
+    span = completion_mask(raw, sampler)  # [B, C] 1 up to and including the sampler's first stop
+    return count_ids(raw, span, stop_ids)  # [B]
+
+
 def stop_count_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     """The completion tokens on which a stop token is counted: the loss tokens, except the last
     token of each tool-loop turn that a tool result follows (its stop ends the turn, as it must).
@@ -153,29 +172,37 @@ def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, fl
     return out
 
 
-def starts_with_header(heads: list[str], headers: list[str]) -> list[bool]:
-    """Whether each decoded completion head (special tokens shown) starts with a chat header.
+def starts_with_header(tokenizer, completions: list[list[int]], headers: list[list[int]]) -> list[bool]:
+    """Whether each completion (token ids) starts with one of the chat ``headers`` (token ids,
+    from ``chat_headers``): as those very ids, or as their exact text with special tokens shown
+    and every character of the header included, its closing newline too (a header the model
+    spelled with other tokens counts; a word that merely begins like the role name does not:
+    ``assistants can help`` and ``assistantship`` are no ChatML header, ``assistant\\n4`` is)."""
+    headers = [list(h) for h in headers if h]
+    if not headers:
+        return [False] * len(completions)
+    texts = [tokenizer.decode(h, skip_special_tokens=False) for h in headers]
+    width = 2 * max(len(h) for h in headers) + 8  # a header spelled with shorter tokens still fits
+    out = []
+    for ids in completions:
+        ids = list(ids)
+        head = tokenizer.decode(ids[:width], skip_special_tokens=False).lstrip()
+        out.append(any(ids[:len(h)] == h or head.startswith(t) for h, t in zip(headers, texts)))
+    return out
 
-    ``headers`` are the spellings to look for, e.g. ``["<|im_start|>", "assistant"]`` for ChatML:
-    a response that opens a new turn, or repeats the assistant header the prompt already ends
-    with, was trained or templated wrong (seed 000: "Response开头似乎包含chat header").
 
-    >>> heads = ["<|im_start|>assistant\\n4", " assistant\\n4", "4<|im_end|>"]
-    >>> starts_with_header(heads, ["<|im_start|>", "assistant"])
-    [True, True, False]
-    """
-    spellings = [h.strip() for h in headers if h and h.strip()]
-    return [any(head.lstrip().startswith(h) for h in spellings) for head in heads]
-
-
-def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs) -> list[str]:
-    """Spellings of the chat header a response must not start with (for ``starts_with_header``).
+def chat_headers(tokenizer, chat_template: str | None = None, new_turn: bool = True,
+                 **template_kwargs) -> list[list[int]]:
+    """The chat header a response must not start with, as token ids (for ``starts_with_header``).
 
     The assistant header is what the template writes before an assistant message: the
     generation prompt when the template supports ``add_generation_prompt``, else the text
-    between the user turn and the assistant's content. Returned with special tokens shown
-    (``<|im_start|>assistant``), its leading special token alone (a new turn of any role) and
-    without special tokens (``assistant``); none without a chat template (plain-text prompts)."""
+    between the user turn and the assistant's content. Returned: its ids
+    (``<|im_start|>assistant\\n``); its leading special token alone when ``new_turn`` (a new turn
+    of any role: ``<|im_start|>``, Llama-3's ``<|start_header_id|>``); and its text without
+    special tokens up to and including the first line break (``assistant\\n``; Llama-3's
+    ``assistant\\n``, Qwen3's ``assistant\\n`` also when ``enable_thinking=False`` appends an
+    empty think block), tokenized. None without a chat template (plain-text prompts)."""
     from . import templates
 
     tok = templates._tok(tokenizer)
@@ -193,11 +220,18 @@ def chat_headers(tokenizer, chat_template: str | None = None, **template_kwargs)
     if not ids:
         return []
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    out = [tok.decode(ids, skip_special_tokens=False)]
-    if ids[0] in special:
-        out.append(tok.decode(ids[:1], skip_special_tokens=False))
-    out.append(tok.decode(ids, skip_special_tokens=True))
-    return [h for h in dict.fromkeys(s.strip() for s in out) if h]
+    out = [list(ids)]
+    if new_turn and ids[0] in special:
+        out.append(list(ids[:1]))
+    bare = tok.decode(ids, skip_special_tokens=True).lstrip()
+    line = bare[: bare.index("\n") + 1] if "\n" in bare else bare
+    if line.strip():
+        out.append(list(tok(line, add_special_tokens=False)["input_ids"]))
+    unique = []
+    for h in out:
+        if h not in unique:
+            unique.append(h)
+    return unique
 
 
 # ---------------------------------------------------------------- rewards
@@ -293,8 +327,9 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
     counts (prompt without its left padding, completion as the loss sees it).
 
     ``batch`` holds ``prompt_ids``/``prompt_mask`` [B, P] (left-padded), ``completion_ids`` [B, C]
-    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B] and ``stop_mask``
-    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not)."""
+    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B], ``stop_mask``
+    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not) and
+    ``generated_stops`` [B] (``generated_stop_counts``: stops the model wrote, past the cut too)."""
     from .guards import boundary_report as ids_and_text
 
     pad = tokenizer.pad_token_id
@@ -311,16 +346,17 @@ def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[s
         prompt_stops = sum(t in stops for t in prompt)
         completion_stops = sum(t in stops for t, m in zip(completion, counted[i].tolist() if counted is not None
                                                            else [1] * len(completion)) if m)
+        if batch.get("generated_stops") is not None:  # what the model generated, past the cut completion too
+            completion_stops = int(batch["generated_stops"][i])
         reward = batch.get("rewards")
         title = f"  row {i}" + (f" (reward {float(reward[i]):.3f})" if reward is not None else "")
         lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "
                      f"tokens; stop tokens: {prompt_stops} in the prompt, {completion_stops} in the completion")
         lines.append(ids_and_text(tokenizer, prompt, completion, width))
-        head = tokenizer.decode(completion[:width], skip_special_tokens=False)
-        if headers and starts_with_header([head], list(headers))[0]:
+        if headers and starts_with_header(tokenizer, [completion], list(headers))[0]:
             lines.append("    !! the completion starts with the chat header: the model writes the header itself "
                          "(template without a generation prompt, or SFT on another template)")
         if completion_stops > 1:
-            lines.append(f"    !! {completion_stops} stop tokens inside one completion: generation does not stop on "
-                         "every stop id, and the loss trains past the end of the turn")
+            lines.append(f"    !! {completion_stops} stop tokens generated in one completion: generation does not stop "
+                         "on every stop id (the model went on past its end of turn)")
     return "\n".join(lines)

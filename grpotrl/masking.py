@@ -54,6 +54,24 @@ def completion_mask(
     return (t <= stop_at.unsqueeze(1)).long()  # [B, C]
 
 
+def expected_lengths(completion_ids: torch.Tensor, stop_ids: list[int] | torch.Tensor,
+                     max_length: int) -> torch.Tensor:
+    """I4's lengths from the tokens alone: each row ends at its first stop token (kept), and a row
+    with none in its first ``max_length`` tokens ran to ``max_length`` (generation's cap). [B, C] -> [B]
+
+    A result above ``C`` means a row of fewer than ``max_length`` tokens with no stop token: no
+    generation ends that way, so its stop token was dropped (the I4 guard fails it).
+
+    >>> ids = torch.tensor([[7, 2, 0, 0], [7, 8, 9, 6], [7, 8, 0, 0]])  # stop id 2, pad id 0
+    >>> expected_lengths(ids, [2], max_length=4).tolist()  # row 2 lost its stop: 4 tokens, not 2
+    [2, 4, 4]
+    >>> expected_lengths(ids[:, :3], [2], max_length=4).tolist()  # 4 > C = 3 for rows 1, 2: impossible
+    [2, 4, 4]
+    """
+    cap = torch.full((completion_ids.size(0),), max_length, device=completion_ids.device)  # [B]
+    return torch.minimum(first_stop_index(completion_ids, stop_ids) + 1, cap)  # [B]; first stop index C if none
+
+
 def extract_completions(sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """I3: the completion is everything after the padded prompt width ``P``.
 

@@ -154,3 +154,32 @@ def test_nan_stops_before_the_update_is_applied(tiny_llama, grpo_args, where):
     assert ("loss nan" in str(err)) == (where == "loss") and "gradient norm nan" in str(err)
     saved = load_file(os.path.join(err.checkpoint, "model.safetensors"))
     assert all(torch.equal(saved[k], before[k]) for k in saved), "the NaN update must not reach the weights"
+
+
+class SamplerIgnoresEndOfTurn(grpotrl.GRPOTrainer):
+    """Seed 000's sampler: it stops on <|endoftext|> (0) only, so it writes on past <|im_end|> (2), the
+    end of turn the loss cuts the completion at."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generation_config.eos_token_id = [0]
+        self.generation_kwargs["eos_token_id"] = [0]
+
+
+def test_stop_tokens_generated_past_the_first_are_counted(tiny_llama, grpo_args, capsys):
+    """stops/completion_max and the boundary report count what the model generated, not the loss's
+    completion (cut after its first stop, so it always held at most 1): seed 000's "10+ end tokens in the
+    response" shows. The guards pass: the loss's completion ends at its first stop token, as I4 wants."""
+    args = grpo_args(max_steps=1, max_completion_length=16, generation_kwargs={"sequence_bias": [[[2], 4.0]]})
+    trainer = SamplerIgnoresEndOfTurn(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                      train_dataset=arithmetic_prompts())
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["stops/completion_max"] > 1, logged["stops/completion_max"]  # was <= 1 by construction
+    assert "stop tokens generated in one completion" in capsys.readouterr().out
+
+
+def test_healthy_sampler_generates_one_stop_per_completion(tiny_llama, grpo_args):
+    """The control: a sampler that stops on every stop id generates at most one per completion."""
+    trainer = _train(tiny_llama, grpo_args(max_steps=1, generation_kwargs={"sequence_bias": [[[2], 4.0]]}))
+    assert trainer.state.log_history[0]["stops/completion_max"] == 1

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import trl
 from conftest import arithmetic_prompts, length_reward
 
@@ -94,3 +95,70 @@ def test_multitask_trainer_takes_a_trl_config(tiny_llama, tmp_path):
     trainer = grpotrl.MultiTaskGRPOTrainer(model=tiny_llama, reward_funcs={"a": length_reward, "b": length_reward},
                                            args=args, train_dataset=Dataset.from_list(rows))
     assert trainer.args is args and args.cagrad == "off" and trainer.task_names == ["a", "b"]
+
+
+# ---------------------------------------------------------------- settings honoured or refused, never dropped
+
+
+@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                                     {"repetition_penalty": 1.2}, {"min_new_tokens": 2},
+                                     {"generation_kwargs": {"repetition_penalty": 1.2}}])
+def test_I6_continuous_batching_refuses_the_processors_it_cannot_apply(tmp_path, setting):
+    """Continuous batching takes no logits processors: the response-only penalties and min_new_tokens were
+    silently dropped there (and repetition_penalty forced to 1.0)."""
+    with pytest.raises(grpotrl.InputError, match=r"with use_transformers_continuous_batching"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_transformers_continuous_batching=True, **setting)
+    from grpotrl.configs import complete_grpo_config
+
+    if set(setting) <= set(trl.GRPOConfig.__dataclass_fields__):  # TRL's config too (its repetition_penalty)
+        with pytest.raises(grpotrl.InputError, match=r"with use_transformers_continuous_batching"):
+            complete_grpo_config(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                                                use_transformers_continuous_batching=True, **setting))
+    # TRL's defaults (repetition_penalty=1.0, ...) pass
+    complete_grpo_config(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                                        use_transformers_continuous_batching=True))
+
+
+def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_llama, tmp_path):
+    """TRL lets generation_kwargs override repetition_penalty; grpotrl overwrote it with 1.0 on every path
+    (its own response-only penalty reads the field). Now it becomes the field, and reaches the processor."""
+    from grpotrl.processors import RepetitionPenaltyProcessor
+
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,
+                              num_generations=4, report_to="none", generation_kwargs={"repetition_penalty": 1.3})
+    assert args.repetition_penalty == 1.3
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(8))
+    processors = trainer._generation_extras(torch.zeros(2, 5, dtype=torch.long))["logits_processor"]
+    assert [p.penalty for p in processors if isinstance(p, RepetitionPenaltyProcessor)] == [1.3]
+    assert trainer.generation_config.repetition_penalty == 1.0  # transformers' own (it counts the prompt) is off
+    with pytest.raises(grpotrl.InputError, match=r"repetition_penalty=1.2 and generation_kwargs\['repetition_pen"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), repetition_penalty=1.2,
+                           generation_kwargs={"repetition_penalty": 1.3})
+
+
+def test_I4_generation_kwargs_eos_token_id_is_a_stop_id_too(tiny_llama, tmp_path):
+    """generation_kwargs' eos_token_id was overwritten by grpotrl's stop set; it is now added to it."""
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,
+                              num_generations=4, report_to="none", generation_kwargs={"eos_token_id": 13})
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(8))
+    assert 13 in trainer.eos_token_ids and 2 in trainer.eos_token_ids
+    assert trainer.generation_config.eos_token_id == trainer.eos_token_ids
+
+
+def test_cagrad_settings_on_a_trainer_that_ignores_them_are_refused(tiny_llama, tmp_path):
+    """Only MultiTaskGRPOTrainer reads cagrad / cagrad_c; a plain GRPOTrainer ignored them silently."""
+    for setting in ({"cagrad": "exact"}, {"cagrad_c": 0.2}):
+        args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **setting)
+        with pytest.raises(grpotrl.InputError, match=r"on GRPOTrainer, which trains one summed loss"):
+            grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                train_dataset=arithmetic_prompts(8))
+
+
+@pytest.mark.parametrize("setting, message", [({"dynamic_sampling": True}, "step the discriminator again"),
+                                              ({"cagrad": "exact"}, "GAD has one task"),
+                                              ({"cagrad_c": 0.2}, "GAD has one task")])
+def test_gad_refuses_settings_it_would_ignore_or_misapply(tmp_path, setting, message):
+    with pytest.raises(grpotrl.InputError, match=message):
+        grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, **setting)

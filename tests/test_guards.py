@@ -170,3 +170,94 @@ def test_guards_off_lets_the_bug_through(tiny_llama, grpo_args):
         torch.cat([x["prompt_mask"], x["completion_mask"]], 1), x["completion_ids"].size(1), 0.7)[0]
     gap = ((trainer.loss_logps - reference).abs() * x["completion_mask"]).max().item()
     assert gap > 0.1, f"the temperature bug should move the loss's logprobs by far more than I5's 1e-5: {gap}"
+
+
+class DroppedStopToken(grpotrl.GRPOTrainer):
+    """A sampler wrapper that hands TRL each completion without its stop token (TRL's lengths then
+    agree with the ids it got, so a guard that reads those lengths passes)."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        completions, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                              has_tool_images)
+        stops = set(self.eos_token_ids)
+        return [c[:-1] if len(c) > 1 and c[-1] in stops else c for c in completions], logprobs
+
+
+def _pad_not_a_stop(tiny_llama):
+    """SmolLM2's tokenizer with pad = <|endoftext|> (0), not a stop id (eos = <|im_end|> = 2)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama, padding_side="left", truncation_side="left")
+    tok.pad_token = "<|endoftext|>"
+    return tok
+
+
+def test_I4_guard_stops_a_completion_whose_stop_token_was_dropped(tiny_llama, grpo_args):
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\].*holds no stop token but is \d+ tokens long"):
+        _run(DroppedStopToken, tiny_llama, grpo_args())
+
+
+def test_I4_guard_stops_a_sampler_that_writes_pad_for_its_stop_token(tiny_llama, grpo_args):
+    """The sampler itself ends rows with pad instead of the stop token (pad != eos): generate's raw output
+    and TRL's completions agree, TRL's lengths agree with the mask, and only the tokens show the stop is gone.
+    The old I4 guard read TRL's lengths and let this through."""
+    from transformers import AutoModelForCausalLM
+
+    tok = _pad_not_a_stop(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    real = model.generate
+
+    def stop_written_as_pad(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seq = out.sequences if hasattr(out, "sequences") else out  # [B, P+C]
+        tail = seq[:, kwargs["input_ids"].size(1):]  # [B, C], a view
+        tail[torch.isin(tail, torch.tensor([tok.eos_token_id]))] = tok.pad_token_id
+        return out
+
+    model.generate = stop_written_as_pad
+    # every row stops well before the cap (a strong bias on <|im_end|>), so no row is a cut-off one
+    args = grpo_args(max_completion_length=64, generation_kwargs={"sequence_bias": [[[2], 10.0]]})
+    trainer = grpotrl.GRPOTrainer(model=model, processing_class=tok, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts())
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\].*holds no stop token"):
+        trainer.train()
+
+
+def test_I4_healthy_run_with_pad_not_a_stop_id_passes(tiny_llama, grpo_args):
+    """The control: the same tokenizer (pad 0 is no stop id, and the bias makes the model write 0 inside
+    completions) with an honest sampler passes every guard."""
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, processing_class=_pad_not_a_stop(tiny_llama),
+                                  reward_funcs=length_reward, args=grpo_args(max_steps=2),
+                                  train_dataset=arithmetic_prompts())
+    assert trainer.eos_token_ids == [2]
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_I4_mask_expectation_comes_from_the_tokens_not_from_reported_lengths(smollm2_tokenizer):
+    """Row 1 lost its stop token (pad 0 is no stop id here): its reported length 2 and mask agree, which the
+    old guard (expectation from the reported lengths) accepted; from the tokens it must be 4 long."""
+    ids = torch.tensor([[7, 2, 0, 0], [7, 8, 0, 0], [7, 8, 9, 6]])  # [B=3, C=4]; stop 2, max_completion_length 4
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\] row 1.*used: \[1, 1, 0, 0\]\n +expected: +\[1, 1, 1, 1\]"):
+        grpotrl.guards.check_completion_mask(smollm2_tokenizer, ids, mask, [2], [0, 1, 2], max_length=4)
+    grpotrl.guards.check_completion_mask(smollm2_tokenizer, ids[[0, 2]], mask[[0, 2]], [2], [0, 2], max_length=4)
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\] row 1: the completion holds no stop token in its 2 col"):
+        grpotrl.guards.check_completion_mask(smollm2_tokenizer, ids[:, :2], mask[:, :2], [2], [0, 1, 2], max_length=4)
+    with pytest.raises(InvariantError, match=r"\[I4\] row 0: .* goes on for 1 tokens after its first stop"):
+        grpotrl.guards.check_stops(smollm2_tokenizer, [[7, 2, 5]], [2], 4)
+    grpotrl.guards.check_stops(smollm2_tokenizer, [[7, 2], [7, 8, 9, 6], [7, 8]], [2], None)  # stop strings: short ok
+
+
+def test_I4_guard_checks_continuous_batching_completions(tiny_llama, grpo_args):
+    """transformers' continuous batching returns token lists grpotrl cannot observe in generate; the I4 check
+    reads the completions' tokens, so a dropped stop token is caught on that sampler too."""
+    with pytest.raises(InvariantError, match=r"(?s)\[I4\].*holds no stop token but is \d+ tokens long"):
+        _run(DroppedStopToken, tiny_llama, grpo_args(use_transformers_continuous_batching=True))
+
+
+def test_I4_healthy_continuous_batching_run_passes(tiny_llama, grpo_args):
+    """The control: continuous batching's own completions keep their stop token and pass."""
+    trainer = _run(grpotrl.GRPOTrainer, tiny_llama, grpo_args(use_transformers_continuous_batching=True,
+                                                              max_steps=1))
+    assert trainer.state.global_step == 1

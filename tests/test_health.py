@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpotrl import health, templates
+from grpotrl import InvariantError, guards, health, templates
 
 
 def test_logit_stats_max_gap_and_top5_mass_by_hand():
@@ -110,18 +110,97 @@ def test_per_task_lengths_and_rewards():
     assert health.task_rewards(tasks, torch.tensor([1.0, 0.5, 0.0, 0.5]))["tasks/fairness/reward"] == 0.5
 
 
-def test_chat_headers_from_the_generation_prompt(smollm2_tokenizer):
-    headers = health.chat_headers(smollm2_tokenizer)
-    assert headers == ["<|im_start|>assistant", "<|im_start|>", "assistant"]
-    heads = ["<|im_start|>assistant\n4", " assistant\n4", "<|im_start|>user\nhi", "4<|im_end|>", "Assistants help"]
-    # a new turn of any role counts; the plain word is matched case-sensitively
-    assert health.starts_with_header(heads, headers) == [True, True, True, False, False]
+LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's template
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+QWEN3_TEMPLATE = (  # Qwen3's ChatML with its thinking switch (the generation-prompt part, as Qwen3 writes it)
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}"
+    "{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(smollm2_path):
+    """SmolLM2's vocabulary with Llama-3's header and end-of-turn special tokens and template (offline)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(smollm2_path):
+    """SmolLM2's ChatML vocabulary with Qwen3's <think> / </think> (added, not special) and its template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
+def _starts(tok, texts, headers):
+    return health.starts_with_header(tok, [tok.encode(t, add_special_tokens=False) for t in texts], headers)
+
+
+# I3 / chat_header rule: a word that begins like the role name is no header (it stopped good runs)
+NOT_HEADERS = ["assistants can help", "assistantship is a role", " assistants", "Assistant\n4", "4<|im_end|>"]
+
+
+def test_I3_chatml_header_is_detected_as_tokens_not_as_a_word_prefix(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    headers = health.chat_headers(tok)
+    assert [tok.decode(h) for h in headers] == ["<|im_start|>assistant\n", "<|im_start|>", "assistant\n"]
+    assert _starts(tok, ["<|im_start|>assistant\n4", "assistant\n4", " assistant\n\n4", "<|im_start|>user\nhi"],
+                   headers) == [True, True, True, True]
+    assert _starts(tok, NOT_HEADERS, headers) == [False] * len(NOT_HEADERS)
+    # the old text-prefix rule called these headers: "assistants can help".startswith("assistant")
+    assert health.starts_with_header(tok, [tok.encode("assistant", add_special_tokens=False) + [2]], headers) == [False]
 
 
 def test_chat_headers_when_the_template_has_no_generation_prompt(smollm2_tokenizer):
     """A template that ignores add_generation_prompt: the header is read off an assistant turn."""
     template = smollm2_tokenizer.chat_template.replace("{% if add_generation_prompt %}", "{% if false %}")
-    assert health.chat_headers(smollm2_tokenizer, template) == ["<|im_start|>assistant", "<|im_start|>", "assistant"]
+    headers = health.chat_headers(smollm2_tokenizer, template)
+    assert [smollm2_tokenizer.decode(h) for h in headers] == ["<|im_start|>assistant\n", "<|im_start|>", "assistant\n"]
+
+
+def test_I3_llama3_header_is_detected_as_tokens(llama3_tokenizer):
+    tok = llama3_tokenizer
+    headers = health.chat_headers(tok)
+    assert [tok.decode(h) for h in headers] == ["<|start_header_id|>assistant<|end_header_id|>\n\n",
+                                                "<|start_header_id|>", "assistant\n"]
+    assert _starts(tok, ["<|start_header_id|>assistant<|end_header_id|>\n\nHi", "<|start_header_id|>user",
+                         "assistant\n\nHi"], headers) == [True, True, True]
+    assert _starts(tok, NOT_HEADERS + ["assistant<|end_header_id|>"], headers) == [False] * (len(NOT_HEADERS) + 1)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_I3_qwen3_header_is_detected_as_tokens_with_and_without_thinking(qwen3_tokenizer, thinking):
+    tok = qwen3_tokenizer
+    headers = health.chat_headers(tok, enable_thinking=thinking)
+    full = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    assert [tok.decode(h) for h in headers] == [full, "<|im_start|>", "assistant\n"]
+    assert _starts(tok, [full + "4", "<|im_start|>assistant\n4", "assistant\n<think>"], headers) == [True] * 3
+    # a thinking model opens its answer with <think>: that is not a header
+    assert _starts(tok, NOT_HEADERS + ["<think>\nassistants", "</think>\n\n4"], headers) == \
+        [False] * (len(NOT_HEADERS) + 2)
+
+
+def test_I3_reward_text_check_passes_words_that_begin_like_the_role(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    headers = health.chat_headers(tok, new_turn=False)
+    ids = [tok.encode(t, add_special_tokens=False) + [2] for t in ("assistants can help", "assistantship")]
+    texts = tok.batch_decode(ids, skip_special_tokens=True)
+    guards.check_reward_text(tok, ids, texts, headers)  # the old check raised [I3] on both
+    bad = [tok.encode("assistant\n4", add_special_tokens=False) + [2]]
+    with pytest.raises(InvariantError, match=r"\[I3\].*chat header"):
+        guards.check_reward_text(tok, bad, tok.batch_decode(bad, skip_special_tokens=True), headers)
 
 
 def test_boundary_report_shows_both_sides_and_counts(smollm2_tokenizer):

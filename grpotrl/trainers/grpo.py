@@ -4,13 +4,16 @@ Overrides (everything else is TRL's):
   * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
     (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
     dataset (an ``IterableDataset`` on its first rows) and the checkpoint's template
-    fingerprint (I2) before TRL loads anything; stops generation on every stop id; gives the
+    fingerprint (I2) before TRL loads anything; refuses ``cagrad`` settings it would ignore (only
+    ``MultiTaskGRPOTrainer`` reads them); stops generation on every stop id; gives the
     logprob forward generate's position ids (I5).
   * ``_generate``: on the transformers path, hands ``generate`` the response-only penalty
     and min-new-tokens processors (I6) and keeps the sampler's own logprobs; records what
     ``generate`` saw and returned and checks I1 (prompt ids are the chat template plus
     generation prompt, with the row's tools and ``chat_template_kwargs``, no doubled BOS) and
-    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header). On
+    I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header) and
+    I4 from the tokens alone (each completion ends right after its first stop id, or has none and
+    is generation's cap long; on every sampler, vLLM and continuous batching included). On
     TRL's tool loop (``tools``, ``environment_factory``) every turn's ``generate`` call is
     checked: a later turn's prompt is the previous prompt + completion + tool result, the
     completion spans the turns, ``tool_mask`` covers the model's turns only. A ``rollout_func``
@@ -75,6 +78,7 @@ def _positions_from_attention_mask(module, args, kwargs):
 
 class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     _tag_names = ["trl", "grpo", "grpotrl"]
+    _reads_cagrad = False  # MultiTaskGRPOTrainer's fields: refused here rather than ignored
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
@@ -89,6 +93,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                         chat_template_kwargs=args.chat_template_kwargs or {})
         _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
+        if not self._reads_cagrad and (args.cagrad != "off" or args.cagrad_c != 0.5):
+            raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {type(self).__name__}, which trains "
+                             "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
+                             "labelled by task_column). Use it, or drop the cagrad settings.")
         if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
@@ -97,7 +105,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
 
         # Stop on every stop id (TRL stops on eos and generation_config's ids only)
-        self.eos_token_ids = list(dict.fromkeys([*self.eos_token_ids, *self.stop_token_ids]))
+        # (and on generation_kwargs' own eos_token_id, which the line below would otherwise overwrite)
+        extra = args.generation_kwargs.get("eos_token_id") if isinstance(args.generation_kwargs, dict) else None
+        extra = [extra] if isinstance(extra, int) else list(extra or [])
+        self.eos_token_ids = list(dict.fromkeys([*self.eos_token_ids, *self.stop_token_ids, *extra]))
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.eos_token_id = self.eos_token_ids
             self.generation_kwargs["eos_token_id"] = self.eos_token_ids
@@ -118,9 +129,15 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         self._chat_headers = health.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        # I3's: the generation prompt the prompt ends with, when the template writes one (a new turn, or a
+        # header the model writes itself after a template without one, is the chat_header rule's business)
+        self._reward_headers = health.chat_headers(self._tokenizer, self._template, new_turn=False,
+                                                   **self.chat_template_kwargs) if self._template is not None \
+            and templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs) else []
         self._add_health_callbacks(args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
+        self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
 
     def _add_health_callbacks(self, args: GRPOConfig) -> None:
         if args.health_report_steps:
@@ -141,13 +158,6 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _guard_now(self) -> bool:
         n = self.args.guard_steps
         return n < 0 or self.state.global_step < n
-
-    def _header_text(self) -> str:
-        """The generation prompt as reward functions would see it (``assistant\n`` for ChatML)."""
-        if self._template is None:
-            return ""
-        ids = templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs)
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ generation (I1, I3)
 
@@ -177,6 +187,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if calls and calls[-1]["scores"] is not None:
             out = self._with_sampler_logprobs(out, calls[-1])
         self._log_completion_shape(out[1], calls[-1] if calls else None)
+        self._generated_stops = self._count_generated_stops(calls)
         if not self._guard_now():
             self._guard_record = None
             return out
@@ -198,11 +209,32 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             guards.check_extraction(tok, gen_in, call["output"].cpu(), completion_ids, self.eos_token_ids)
         elif not self.use_vllm and self.rollout_func is None:
             logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
+        if not self.tools and self.rollout_func is None:  # I4 from the tokens and the stop set, on every sampler
+            guards.check_stops(tok, completion_ids, self.eos_token_ids, self._completion_cap())
         if not self.tools and getattr(tok, "response_schema", None) is None \
                 and getattr(tok, "response_template", None) is None:
-            guards.check_reward_text(tok, completion_ids, completions, self._header_text())
+            guards.check_reward_text(tok, completion_ids, completions, self._reward_headers)
         self._guard_record = record
         return out
+
+    def _count_generated_stops(self, calls: list[dict]) -> torch.Tensor | None:
+        """Stop tokens the model generated per row [B], read off ``generate``'s raw output (the
+        completion is cut after the first one); None where there is none to read (vLLM and continuous
+        batching return the completion as sampled, a tool loop spans several calls)."""
+        if not calls or self.tools:
+            return None
+        call = calls[-1]
+        raw = call["output"][:, call["input_ids"].size(1):]  # [B, C] everything sampled, padding after its stop
+        return health.generated_stop_counts(raw, self.eos_token_ids, call["stop_ids"]).to(self.accelerator.device)
+
+    def _completion_cap(self) -> int | None:
+        """The length generation cuts a completion that has no stop token at (I4); None where one may
+        also end earlier without a stop token: stop strings, a context-length cap of vLLM's, a rollout_func."""
+        kw = self.args.generation_kwargs or {}
+        if self.rollout_func is not None or kw.get("stop_strings") or kw.get("stop") \
+                or (self.use_vllm and self.args.vllm_max_model_length):
+            return None
+        return kw.get("max_tokens" if self.use_vllm else "max_new_tokens", self.max_completion_length)
 
     def _template_prompt_ids(self, prompts: list) -> list[list[int]]:
         """I1's reference: each conversational prompt through the chat template in force, with the
@@ -269,12 +301,18 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         ``task``; keeps the batch for ``boundary_report()``."""
         metrics = self._metrics["train" if self.model.training else "eval"]
         completion_ids = output["completion_ids"]  # [B, C]
-        heads = self._tokenizer.batch_decode(completion_ids[:, :8], skip_special_tokens=False)
-        header = torch.tensor(health.starts_with_header(heads, self._chat_headers), device=completion_ids.device)
-        stop_mask = health.stop_count_mask(output["completion_mask"] * output.get("tool_mask", 1))  # [B, C]
+        header = torch.tensor(health.starts_with_header(self._tokenizer, completion_ids[:, :32].tolist(),
+                                                        self._chat_headers), device=completion_ids.device)
+        if "tool_mask" in output:  # each turn's own stop is not counted, only those past it
+            stop_mask = health.stop_count_mask(output["completion_mask"] * output["tool_mask"])  # [B, C]
+        else:  # every token the sampler returned (vLLM and continuous batching return them all)
+            t = torch.arange(completion_ids.size(1), device=completion_ids.device)
+            stop_mask = (t < self._completion_lengths.to(t.device).unsqueeze(1)).long()  # [B, C]
+        completion_stops = health.count_ids(completion_ids, stop_mask, self.eos_token_ids)  # [B]
+        if self._generated_stops is not None:  # transformers: generate's raw output, past the cut completion
+            completion_stops = self._generated_stops
         per_row = torch.stack([health.count_ids(output["prompt_ids"], output["prompt_mask"], self.eos_token_ids),
-                               health.count_ids(completion_ids, stop_mask, self.eos_token_ids),
-                               header.long()], dim=1).float()  # [B, 3]
+                               completion_stops, header.long()], dim=1).float()  # [B, 3]
         per_row = self.accelerator.gather(per_row)  # [B_global, 3]
         metrics["stops/prompt_mean"].append(per_row[:, 0].mean().item())
         metrics["stops/completion_mean"].append(per_row[:, 1].mean().item())
@@ -290,7 +328,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": completion_ids, "lengths": self._completion_lengths,
-                            "stop_mask": stop_mask,
+                            "stop_mask": stop_mask, "generated_stops": completion_stops,
                             "rewards": rewards[start:start + len(inputs)]}
 
     def boundary_report(self, n: int = 4) -> str:
@@ -423,7 +461,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                        truncated_masked=self.mask_truncated_completions)
             elif "tool_mask" not in inputs:  # (a rollout_func's env_mask: turns not observed, I4 not checked)
                 lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
-                guards.check_completion_mask(tok, completion_ids, cmask, lengths, self.eos_token_ids, rows,
+                guards.check_completion_mask(tok, completion_ids, cmask, self.eos_token_ids, rows,
+                                             self._completion_cap(), lengths=lengths,
                                              truncated_masked=self.mask_truncated_completions)
 
         with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:

@@ -57,6 +57,7 @@ from .grpo import TASK_KEY, GRPOTrainer, datasets_of, task_labels
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "grpotrl", "multi-task"]
+    _reads_cagrad = True
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
