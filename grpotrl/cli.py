@@ -36,7 +36,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl import templates, validation
+from grpotrl import recipe_types, templates, validation
 from grpotrl.errors import HealthStop, InputError
 
 COMMANDS = ("sft", "grpo", "gad")
@@ -122,6 +122,10 @@ def parse_args(command: str, argv: list[str]):
             given = argv[i + 1] if i + 1 < len(argv) else "nothing"
             raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
     parser = make_parser(command)
+    parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
+    if "--config" in argv:  # YAML syntax, then each value against its field's type (argparse converts strings only)
+        recipe = argv[argv.index("--config") + 1]
+        recipe_types.check_recipe_types(recipe_types.read_recipe(recipe), parser.dataclass_types, recipe)
     try:
         *dataclasses, from_config, from_argv = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -141,6 +145,10 @@ def parse_args(command: str, argv: list[str]):
         raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
                          f"`grpotrl {command} --help` lists every key.")
     return tuple(dataclasses)
+
+
+def _argparse_error(message: str):
+    raise InputError(f"{message[:1].upper()}{message[1:]}. `--help` describes every key.")
 
 
 def _with_hints(keys: list[str], known: set[str]) -> str:

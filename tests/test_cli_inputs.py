@@ -4,6 +4,7 @@ folders, ``save_to_disk`` folders, Hub ids served by a loopback Hub), rewards (g
 rubrics, API keys by variable name only). No model is loaded here except where a test says so."""
 
 import io
+import re
 import json
 import os
 import subprocess
@@ -292,3 +293,88 @@ def test_help_describes_datasets_rewards_and_judges():
     for phrase in ("--dataset_config", "save_to_disk", "Hugging Face Hub dataset id", "--reward_model_name_or_path",
                    "dotted import path", "--judges", "api_key_env", "rubric_columns"):
         assert phrase in text, phrase
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 16: bad input is one `grpotrl CMD: error:` line (exit 2) before any weights are read
+# ---------------------------------------------------------------------------------------------
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """The one error line ``grpotrl ...`` prints for ``argv`` (exit 2, nothing else on stderr
+    but progress bars)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln or "Traceback" in ln]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"grpotrl {argv[0]}: error: "), lines[0]
+    return lines[0]
+
+
+def recipe(tmp_path, model: str, text: str = "", name: str = "recipe.yaml", **fields) -> str:
+    path = tmp_path / name
+    body = {"model_name_or_path": model, "output_dir": str(tmp_path / "out"), "use_cpu": True,
+            "reward_funcs": ["exact_answer"], **fields}
+    path.write_text(yaml.safe_dump(body) + text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("learning_rate: [1]\n", r"learning_rate: \[1\] is a list, but learning_rate takes a number"),
+    ("bf16: 2\n", r"bf16: 2 is an int, but bf16 takes true or false"),
+    ("max_steps: 1.5\n", r"max_steps: 1.5 is a float, but max_steps takes an integer"),
+    ("learning_rate: .nan\n", r"learning_rate: nan is a NaN, but learning_rate takes a number"),
+    ("learning_rate: fast\n", r"learning_rate: 'fast' is a str, but learning_rate takes a number"),
+    ("use_peft: maybe\n", r"use_peft: 'maybe' is a str, but use_peft takes true or false"),
+    ("lora_r: 1.5\n", r"lora_r: 1.5 is a float, but lora_r takes an integer"),
+    ("report_to: 3\n", r"report_to: 3 is an int, but report_to takes null or a string or a list of strings"),
+    ("logging_steps: {a: 1}\n", r"logging_steps: \{'a': 1\} is a dict"),
+    ("reward_funcs: [1, 2]\n", r"reward_funcs: \[1, 2\] is a list, but reward_funcs takes a list of strings"),
+    ("dataset_name: 7\n", r"dataset_name: 7 is an int, but dataset_name takes a string \(quote it"),
+    ("max_steps: true\n", r"max_steps: True is a bool, but max_steps takes an integer"),
+])
+def test_recipe_value_of_the_wrong_type_is_one_error_naming_field_value_and_type(
+        text, expected, tmp_path, smollm2_path, no_model_load, capsys):
+    """Issue 16: argparse converts only strings, so YAML values reached the trainer as they were."""
+    base = yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"), "use_cpu": True})
+    (tmp_path / "r.yaml").write_text(base + text)
+    line = cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")])
+    assert re.search(r"Recipe \S+r.yaml: " + expected, line), line
+
+
+def test_recipe_values_argparse_would_convert_pass(tmp_path):
+    """A quoted number, an int for a float field, one string for a list of strings, yes/no for a bool."""
+    path = tmp_path / "r.yaml"
+    path.write_text("learning_rate: '1.0e-5'\nbeta: 0\nreward_funcs: exact_answer\nuse_peft: 'yes'\n"
+                    "lora_target_modules: all-linear\nreport_to: none\nmax_steps: -1\n"
+                    f"output_dir: {tmp_path / 'out'}\n")
+    script_args, args, model_args = cli.parse_args("grpo", ["--config", str(path)])
+    assert args.learning_rate == 1e-5 and model_args.use_peft is True and args.beta == 0
+
+
+def test_command_line_value_of_the_wrong_type_is_one_error_line(tmp_path, capsys):
+    line = cli_error(capsys, ["grpo", "--output_dir", str(tmp_path), "--learning_rate", "fast"])
+    assert "Argument --learning_rate/--learning-rate: invalid float value: 'fast'" in line
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("learning_rate: [1\n", r"not valid YAML at line \d+, column 1: expected ',' or '\]'.*flow sequence opened at "
+                            r"line 1, column 16"),
+    ("use_cpu: true\n\tmax_steps: 1\n", r"not valid YAML at line 2, column 1: found character '\\t'"),
+    ("- learning_rate: 1\n", r"holds a YAML list, not a mapping of settings"),
+    ("key: [unclosed\n  other: {\n", r"not valid YAML"),
+])
+def test_recipe_yaml_syntax_error_is_one_line_with_the_place(text, expected, tmp_path, capsys):
+    (tmp_path / "r.yaml").write_text(text)
+    line = cli_error(capsys, ["sft", "--config", str(tmp_path / "r.yaml")])
+    assert re.search(expected, line), line
+
+
+def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):
+    import grpotrl
+
+    with pytest.raises(InputError, match=r"GRPOConfig: bf16: 2 is an int, but bf16 takes true or false"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), bf16=2)
+    with pytest.raises(InputError, match=r"SFTConfig: logging_steps: 'often' is a str"):
+        grpotrl.SFTConfig(output_dir=str(tmp_path), logging_steps="often")
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), logging_steps=2, report_to=["none"], use_cpu=True)  # plain values pass
