@@ -36,7 +36,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl import recipe_types, templates, validation
+from grpotrl import preflight_data, recipe_types, templates, validation
 from grpotrl.errors import HealthStop, InputError
 
 COMMANDS = ("sft", "grpo", "gad")
@@ -183,6 +183,7 @@ def run(command: str, argv: list[str]) -> None:
     revision = model_args.model_revision
     check_model_source(model_path, revision)  # Hub ids: config and tokenizer files only, no weights yet
     check_model_args(model_args, model_path)  # quantization needs LoRA; LoRA targets exist
+    validation.check_tokenizer_files(model_path)
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=revision, trust_remote_code=training_args.trust_remote_code
     )
@@ -214,6 +215,18 @@ def run(command: str, argv: list[str]) -> None:
         if script_args.reward_model_name_or_path:
             check_model_source(script_args.reward_model_name_or_path, what="Reward model")
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
+        preflight_data.check_reward_signal(reward_funcs, train_dataset, script_args.dataset_train_split,
+                                           training_args.task_column)
+        if isinstance(reward_funcs, dict) or training_args.cagrad != "off":  # task labels each have rewards
+            from grpotrl.trainers.multitask import check_tasks
+
+            check_tasks(reward_funcs, training_args, train_dataset, eval_dataset)
+    if command == "gad" and training_args.discriminator_model_name_or_path:
+        validation.check_discriminator_source(training_args.discriminator_model_name_or_path)
+    if command in ("grpo", "gad"):  # prompts the model's context cannot hold (its config only)
+        preflight_data.check_prompt_lengths(train_dataset, script_args.dataset_train_split, tokenizer, model_path,
+                                            revision, training_args.max_completion_length,
+                                            **(getattr(training_args, "chat_template_kwargs", None) or {}))
 
     ################
     # Output dir and resume checkpoint: nothing of an earlier run is replaced unless asked

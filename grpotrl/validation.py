@@ -133,6 +133,9 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional:
             f"Row {index} of the {split_name!r} split (GRPO): {why}. A valid row looks like {example} "
             f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
         )
+    from .preflight_data import check_prompt_kinds
+
+    check_prompt_kinds(dataset, split_name)  # TRL formats a batch by its first row: a mix fails at step 1
 
 
 def _sft_messages_problem(value, what: str) -> str | None:
@@ -374,6 +377,38 @@ def check_model_dir(path: str | None) -> None:
         "an earlier run (the GRPO quickstart starts from the SFT quickstart's output), run that first, from the "
         f"directory the path is relative to; otherwise fix the path. Known aliases: {aliases}; a Hugging Face "
         "Hub id (org/name) is loaded from the Hub."
+    )
+
+
+def check_discriminator_source(path: str) -> None:
+    """GAD's ``discriminator_model_name_or_path``: a model dir, alias or Hub id (cached when offline)."""
+    from .hub import check_model_source
+    from .models import resolve_model_path
+
+    try:
+        check_model_source(resolve_model_path(path), what="Discriminator model")
+    except InputError as err:
+        raise InputError(f"discriminator_model_name_or_path {path!r}: {err}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise ``InputError`` when the local model dir ``path`` holds no tokenizer vocabulary (a
+    checkpoint saved without its tokenizer); transformers would say to install sentencepiece or
+    tiktoken instead. Hub ids and PEFT adapter dirs pass (their files come from elsewhere)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "adapter_config.json")):
+        return
+    names = os.listdir(directory)
+    if any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        return
+    raise InputError(
+        f"Model dir {path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: {_files(directory)}): "
+        "it was saved without its tokenizer. Save the tokenizer of the model it was trained from into it "
+        "(`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from Python pass processing_class=."
     )
 
 

@@ -378,3 +378,138 @@ def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match=r"SFTConfig: logging_steps: 'often' is a str"):
         grpotrl.SFTConfig(output_dir=str(tmp_path), logging_steps="often")
     grpotrl.GRPOConfig(output_dir=str(tmp_path), logging_steps=2, report_to=["none"], use_cpu=True)  # plain values pass
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("empty.jsonl", b"", r"Data file \S+empty.jsonl is empty \(0 bytes, no rows\)"),
+    ("blank.json", b"\n\n", r"Data file \S+blank.json is empty"),
+    ("empty.csv", b"", r"Data file \S+empty.csv is empty"),
+    ("latin1.jsonl", b'{"prompt": "caf\xe9?", "answer": "1"}\n', r"is not UTF-8: byte b'\\xe9' at byte offset 15 "
+                                                                   r"\(line 1, column 16: invalid continuation byte\)"),
+    ("latin1.csv", b"prompt,answer\ncaf\xe9,1\n", r"is not UTF-8: .*\(line 2, column 4"),
+    ("cut.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n',
+     r"as the local path \S+cut.jsonl: line 2, column 27: Expecting value"),
+    ("list.jsonl", b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"line 2 is a JSON list, not an object"),
+    ("cut.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"cut.json: line 1, column 45: Expecting value"),
+    ("fields.csv", b"prompt,answer\na,1\nb,2,3,4\n", r"ParserError: Error tokenizing data. C error: Expected 2 fields in "
+                                                     r"line 3, saw 4"),
+    ("quote.csv", b'prompt,answer\n"a,1\n', r"ParserError: .*EOF inside string"),
+    ("junk.parquet", b"not parquet", r"ArrowInvalid: Parquet magic bytes not found"),
+])
+def test_unreadable_data_file_is_one_error_with_the_cause_file_and_line(name, content, expected, tmp_path,
+                                                                         smollm2_path, no_model_load, capsys):
+    """Issue 16: an empty JSONL was a StopIteration, non-UTF-8 data a UnicodeDecodeError at the first row read, a
+    malformed file a generic DatasetGenerationError whose cause was 68 lines up."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(InputError, match=expected):
+        load_splits(str(tmp_path / name))
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name=str(tmp_path / name))])
+    assert re.search(expected, line), line
+
+
+def test_a_folder_with_an_empty_file_names_it(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows("train")[0]) + "\n")
+    (tmp_path / "test.jsonl").write_text("")
+    with pytest.raises(InputError, match=r"test.jsonl is empty"):
+        load_splits(str(tmp_path))
+
+
+def write_rows(tmp_path, data: list[dict], name: str = "data.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    return str(path)
+
+
+def test_mixed_chat_and_plain_prompts_are_refused_before_load(tmp_path, smollm2_path, tiny_llama, no_model_load,
+                                                              capsys):
+    """Issue 16: a mix failed at the first step with `TypeError: string indices must be integers`."""
+    import grpotrl
+
+    data = [{"prompt": "plain?", "answer": "1"}, *rows("train", 2), {"prompt": "also plain", "answer": "2"}]
+    expected = r"mixes chat prompts \(lists of messages: rows 1, 2\) with plain-text prompts \(rows 0, 3\)"
+    path = write_rows(tmp_path, data)
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name=path)])
+    assert re.search(expected, line), line
+    with pytest.raises(InputError, match=expected):  # datasets' JSON loader keeps each row's own kind
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=load_splits(path)["train"])
+
+
+def test_a_reward_column_empty_on_every_row_is_refused_and_on_some_rows_named(tmp_path, smollm2_path,
+                                                                              no_model_load, capsys, caplog):
+    """Issue 16: every `answer` empty trained with zero signal and no word."""
+    from grpotrl.preflight_data import check_reward_signal
+
+    useless = [{**r, "answer": value} for r, value in zip(rows("train", 4), ["", None, "  ", ""])]
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path,
+                                                         dataset_name=write_rows(tmp_path, useless))])
+    assert "Column 'answer' of the 'train' split, which reward exact_answer_reward reads, is empty or None on " \
+           "every row it scores (4 rows)" in line
+    some = Dataset.from_list([{**r, "answer": value} for r, value in zip(rows("train", 4), ["1", "", "2", None])])
+    with caplog.at_level("WARNING"):
+        check_reward_signal([rules.exact_answer_reward], some, "train")
+    assert "empty or None on 2 of 4 rows (rows 1, 3)" in caplog.text
+    # per task: a column only one task's reward reads is checked on that task's rows
+    multitask = load_shipped("multitask")
+    caplog.clear()
+    check_reward_signal({"hallucination": [rules.exact_answer_reward], "fairness": [rules.even_handed_reward]},
+                        multitask, "train")
+    assert "answer" not in caplog.text
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_rows(tmp_path, tiny_llama, no_model_load, capsys):
+    """Issue 16: a prompt longer than the model's context passed every check. tiny_llama's context is 512 tokens
+    (max_position_embeddings, read from its config)."""
+    import grpotrl
+
+    data = [*rows("train", 3), {"prompt": [{"role": "user", "content": "word " * 600}], "answer": "1"}]
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama, dataset_name=write_rows(tmp_path, data))])
+    assert re.search(r"longer than the model's context of 512 tokens \(max_position_embeddings in the config of "
+                     r"\S+\): row 3, with 6\d\d tokens", line), line
+    with pytest.raises(InputError, match=r"context of 512 tokens .*row 3"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(data))
+
+
+def test_unknown_task_label_is_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load, capsys):
+    """Issue 16: a task label with no rewards was caught only at trainer init, after the model loaded."""
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name="multitask",
+                                                         reward_funcs=["hallucination:exact_answer"])])
+    assert "task(s) ['fairness'] in the data have no reward functions" in line
+
+
+@pytest.mark.parametrize("disc, expected", [
+    ("/no/such/discriminator", r"discriminator_model_name_or_path '/no/such/discriminator': Model dir .* does not "
+                               r"exist"),
+    ("nobody/no-discriminator", r"discriminator_model_name_or_path 'nobody/no-discriminator': Discriminator model "
+                                r"'nobody/no-discriminator' is not in the local Hugging Face cache"),
+])
+def test_missing_gad_discriminator_is_refused_before_the_model_loads(disc, expected, tmp_path, smollm2_path,
+                                                                      no_model_load, capsys):
+    path = tmp_path / "gad.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"),
+                                    "use_cpu": True, "dataset_name": "gad_toy",
+                                    "discriminator_model_name_or_path": disc}))
+    assert re.search(expected, cli_error(capsys, ["gad", "--config", str(path)]))
+
+
+def test_checkpoint_without_tokenizer_files_says_so(tmp_path, tiny_llama, no_model_load, capsys):
+    """Issue 16: transformers said to install sentencepiece or tiktoken."""
+    import shutil
+
+    import grpotrl
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if os.path.exists(os.path.join(tiny_llama, name)):
+            shutil.copy(os.path.join(tiny_llama, name), ckpt / name)
+    expected = r"Model dir \S+ckpt' has no tokenizer files \(none of \['tokenizer.json'.*saved without its tokenizer"
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, str(ckpt))])
+    assert re.search(expected, line) and "sentencepiece or tiktoken" not in line, line
+    with pytest.raises(InputError, match=expected):
+        grpotrl.GRPOTrainer(model=str(ckpt), reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))

@@ -61,7 +61,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     from ..hub import check_model_source, generation_config
     from ..models import resolve_model_path
-    from ..validation import check_dataset, check_ranges
+    from ..validation import check_dataset, check_ranges, check_tokenizer_files
 
     check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
     if train_dataset is not None:
@@ -88,12 +88,19 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     if processing_class is None:
         if model_id is None:
             raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
+        check_tokenizer_files(model_id)  # not transformers' "install sentencepiece or tiktoken"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
         processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
                                                          trust_remote_code=args.trust_remote_code, **sides)
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, gen_config)
+    if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
+        from ..preflight_data import check_prompt_lengths
+
+        check_prompt_lengths(train_dataset, "train", getattr(processing_class, "tokenizer", processing_class),
+                             model_id, revision, getattr(args, "max_completion_length", None),
+                             **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
 
 

@@ -61,7 +61,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        reward_funcs = _check_tasks(reward_funcs, args, train_dataset, eval_dataset)
+        reward_funcs = check_tasks(reward_funcs, args, train_dataset, eval_dataset)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -284,7 +284,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
 
 
-def _check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
+def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
     """Everything about tasks that can be wrong, before TRL loads anything."""
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
