@@ -391,8 +391,8 @@ def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):
      r"as the local path \S+cut.jsonl: line 2, column 27: Expecting value"),
     ("list.jsonl", b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"line 2 is a JSON list, not an object"),
     ("cut.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"cut.json: line 1, column 45: Expecting value"),
-    ("fields.csv", b"prompt,answer\na,1\nb,2,3,4\n", r"ParserError: Error tokenizing data. C error: Expected 2 fields in "
-                                                     r"line 3, saw 4"),
+    ("fields.csv", b"prompt,answer\na,1\nb,2,3,4\n",
+     r"ParserError: Error tokenizing data. C error: Expected 2 fields in line 3, saw 4"),
     ("quote.csv", b'prompt,answer\n"a,1\n', r"ParserError: .*EOF inside string"),
     ("junk.parquet", b"not parquet", r"ArrowInvalid: Parquet magic bytes not found"),
 ])
@@ -464,7 +464,8 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_rows(tmp_path, tiny_
     import grpotrl
 
     data = [*rows("train", 3), {"prompt": [{"role": "user", "content": "word " * 600}], "answer": "1"}]
-    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama, dataset_name=write_rows(tmp_path, data))])
+    path = write_rows(tmp_path, data)
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama, dataset_name=path)])
     assert re.search(r"longer than the model's context of 512 tokens \(max_position_embeddings in the config of "
                      r"\S+\): row 3, with 6\d\d tokens", line), line
     with pytest.raises(InputError, match=r"context of 512 tokens .*row 3"):
