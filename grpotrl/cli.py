@@ -272,13 +272,16 @@ def run(command: str, argv: list[str]) -> None:
     result = trainer.train(resume_from_checkpoint=checkpoint or None)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
-    trainer.accelerator.print(summary(command, trainer.state.log_history))
-    trainer.accelerator.print(
-        f"grpotrl {command}: {trainer.state.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
-        f"stop ids {stop_ids}; model, tokenizer, template fingerprint and trainer_state.json in "
-        f"{training_args.output_dir}"
-    )
-    trainer.end()
+    try:  # the run is saved: nothing below may turn it into a failure or skip trainer.end()
+        runtime = (result.metrics or {}).get("train_runtime")
+        trainer.accelerator.print(summary(command, trainer.state.log_history))
+        trainer.accelerator.print(
+            f"grpotrl {command}: {trainer.state.global_step} steps"
+            + (f" in {runtime:.0f} s" if _number(runtime) else "") + f", stop ids {stop_ids}; model, tokenizer, "
+            f"template fingerprint and trainer_state.json in {training_args.output_dir}"
+        )
+    finally:
+        trainer.end()
 
 
 def summary(command: str, log_history: list[dict], window: int = 5) -> str:
@@ -286,19 +289,23 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
-    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}])  # a step whose judges scored no row
+    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}, {"reward": "n/a"}])  # a step whose judges scored no row
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
-    for key in keys:
-        values = [entry[key] for entry in log_history if entry.get(key) is not None]  # None: no row scored
+    for key in keys:  # None: no row scored; anything but a number (a string, a list, NaN) is left out too
+        values = [entry[key] for entry in log_history if isinstance(entry, dict) and _number(entry.get(key))]
         if values:
             first, last = values[:window], values[-window:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
                          f"{sum(last) / len(last):.3f} (last {len(last)} steps)")
     return "\n".join(lines) or "nothing logged"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 def main(argv: list[str] | None = None) -> None:

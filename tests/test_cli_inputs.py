@@ -514,3 +514,39 @@ def test_checkpoint_without_tokenizer_files_says_so(tmp_path, tiny_llama, no_mod
         grpotrl.GRPOTrainer(model=str(ckpt), reward_funcs=rules.exact_answer_reward,
                             args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
                             train_dataset=Dataset.from_list(rows("train")))
+
+
+def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monkeypatch, capsys):
+    """Issue 16: the summary crashed on a None metric after a successful save (exit 1, trainer.end() skipped).
+    The trainer is a stand-in that 'trains' instantly and logs metrics a judge-only run can log."""
+    import types
+
+    import grpotrl
+
+    calls = []
+
+    class FakeTrainer:
+        def __init__(self, **kwargs):
+            self.args = kwargs["args"]
+            self.state = types.SimpleNamespace(global_step=2, log_history=[
+                {"reward": None, "completions/mean_length": "n/a"}, {"reward": float("nan")}, {"loss": [1]}, {}])
+            self.accelerator = types.SimpleNamespace(print=print)
+
+        def train(self, resume_from_checkpoint=None):
+            return types.SimpleNamespace(metrics={"train_runtime": None})
+
+        def save_model(self, output_dir):
+            os.makedirs(output_dir, exist_ok=True)
+            open(os.path.join(output_dir, "model.safetensors"), "w").close()
+
+        def save_state(self):
+            calls.append("save_state")
+
+        def end(self):
+            calls.append("end")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: object())
+    monkeypatch.setattr(grpotrl, "GRPOTrainer", FakeTrainer)
+    cli.main(["grpo", "--config", recipe(tmp_path, smollm2_path, max_steps=2)])  # returns: exit status 0
+    out = capsys.readouterr().out
+    assert calls == ["save_state", "end"] and "nothing logged" in out and "grpotrl grpo: 2 steps, stop ids" in out
