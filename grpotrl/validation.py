@@ -227,8 +227,9 @@ RANGES = {
              "reference)"),
     "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
     "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
-    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0 (the logprobs are log_softmax(logits / T); "
-                    "for nearly greedy sampling use a small T such as 0.1)"),
+    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0: the logprobs are log_softmax(logits / T), "
+                    "and greedy decoding (T = 0) would give every completion of a group the same text, hence zero "
+                    "advantages; for nearly greedy sampling use a small T such as 0.1"),
     "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
     "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
@@ -475,9 +476,12 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
     problems += [p for name in required if (p := _file_problem(directory, name))]
     if {"no trainer_state.json", "no optimizer.pt"} & set(problems) == {"no optimizer.pt"} and not rng:
         # trainer_state.json is written last: a kill cannot leave it without the optimizer
-        problems.append("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: "
-                        "it cannot resume a run, only start a new one with model_name_or_path")
+        problems.append(WEIGHTS_ONLY)
     return problems
+
+
+WEIGHTS_ONLY = ("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: it cannot "
+                "resume a run, only start a new one with model_name_or_path")
 
 
 def _checkpoints(directory: str) -> list[str]:
@@ -510,6 +514,15 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
                   if os.path.join(parent, c) != os.path.abspath(directory)]
         hint = (f"Resume from the newest complete one (--resume_from_checkpoint {os.path.join(parent, others[-1])})"
                 if others else "Drop resume_from_checkpoint to start fresh")
+        inside = _complete_checkpoints(directory, required)  # a finished run's output_dir holds its checkpoints
+        if WEIGHTS_ONLY in problems:  # saved so on purpose, not cut short: say only that
+            raise InputError(
+                f"Checkpoint {path!r} holds weights and trainer_state.json but no optimizer, scheduler or RNG state "
+                f"(found: {_files(directory)}): it is a weights-only save (save_only_model=True, or a finished run's "
+                "final output), which cannot resume a run. Start a new run from it with model_name_or_path "
+                f"{path!r}, or resume from a full checkpoint"
+                + (f": {os.path.join(path, inside[-1])}" if inside else f" (beside it: {others or 'none'})") + "."
+            )
         raise InputError(
             f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
             f"wrote it was probably killed while saving, and resuming from it would load part of the state. "

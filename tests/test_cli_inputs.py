@@ -550,3 +550,35 @@ def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monk
     cli.main(["grpo", "--config", recipe(tmp_path, smollm2_path, max_steps=2)])  # returns: exit status 0
     out = capsys.readouterr().out
     assert calls == ["save_state", "end"] and "nothing logged" in out and "grpotrl grpo: 2 steps, stop ids" in out
+
+
+@pytest.mark.parametrize("command, fields, expected", [
+    ("grpo", {"temperature": 0}, r"temperature=0 \(int\): it must be a finite number > 0"),
+    ("grpo", {"temperature": -0.5}, r"temperature=-0.5 \(float\): it must be"),
+    ("gad", {"temperature": 0.0}, r"temperature=0.0 \(float\): it must be"),
+    ("grpo", {"max_completion_length": 0}, r"max_completion_length=0 \(int\): it must be an integer >= 1"),
+    ("grpo", {"num_generations": 0}, r"num_generations=0 \(int\): it must be an integer >= 2"),
+    ("grpo", {"beta": -1.0}, r"beta=-1.0 \(float\): it must be a finite number >= 0"),
+    ("sft", {"learning_rate": -1e-5}, r"learning_rate=-1e-05 \(float\): it must be a finite number >= 0"),
+    ("sft", {"max_length": 0}, r"max_length=0 \(int\): it must be an integer >= 1"),
+])
+def test_settings_caught_after_the_load_before_now_stop_before_it(command, fields, expected, tmp_path, smollm2_path,
+                                                                  no_model_load, capsys):
+    """Issue 16: these were caught only after the model loaded (max_completion_length as `max_new_tokens`), or
+    inside TRL (num_generations 0: ZeroDivisionError)."""
+    extra = {"dataset_name": "gad_toy"} if command == "gad" else {}
+    path = recipe(tmp_path, smollm2_path, **extra, **fields)
+    if command != "grpo":  # only grpo takes reward_funcs
+        body = yaml.safe_load(open(path))
+        body.pop("reward_funcs")
+        open(path, "w").write(yaml.safe_dump(body))
+    line = cli_error(capsys, [command, "--config", path])
+    assert re.search(expected, line) and "max_new_tokens" not in line, line
+
+
+def test_output_dir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_path, smollm2_path, no_model_load,
+                                                                         capsys):
+    (tmp_path / "afile").write_text("mine")
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, output_dir=str(tmp_path / "afile"),
+                                                         overwrite_output_dir=True)])
+    assert "is a file, not a directory" in line and (tmp_path / "afile").read_text() == "mine"
