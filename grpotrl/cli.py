@@ -269,7 +269,7 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Train, save, summarize
     ################
-    result = trainer.train(resume_from_checkpoint=checkpoint or None)
+    result = trainer.train(resume_from_checkpoint=checkpoint or None, overwrite_output_dir=True)  # checked above
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
     try:  # the run is saved: nothing below may turn it into a failure or skip trainer.end()

@@ -578,6 +578,30 @@ def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -
     )
 
 
+def check_finished_run(path: str) -> None:
+    """The Python API's output_dir rule: raise ``InputError`` when ``path`` holds a finished run
+    (final weights and ``trainer_state.json`` at its root, what ``save_model`` + ``save_state``
+    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
+        return
+    names = set(os.listdir(directory))
+    weights = [n for n in (*WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"])
+               if n in names or n + ".index.json" in names]
+    if not weights:
+        return
+    try:
+        with open(os.path.join(directory, "trainer_state.json")) as f:
+            steps = f" of {json.load(f).get('global_step')} steps"
+    except (OSError, ValueError, AttributeError):
+        steps = ""
+    raise InputError(
+        f"output_dir {path!r} holds a finished run{steps} ({', '.join(weights)}, trainer_state.json); training into it "
+        "would replace its model and log history. Use a new output_dir, resume it with "
+        "train(resume_from_checkpoint=True), or pass train(overwrite_output_dir=True) to replace it."
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Reward functions
 # ---------------------------------------------------------------------------------------------

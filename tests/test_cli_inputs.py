@@ -532,7 +532,7 @@ def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monk
                 {"reward": None, "completions/mean_length": "n/a"}, {"reward": float("nan")}, {"loss": [1]}, {}])
             self.accelerator = types.SimpleNamespace(print=print)
 
-        def train(self, resume_from_checkpoint=None):
+        def train(self, resume_from_checkpoint=None, overwrite_output_dir=False):
             return types.SimpleNamespace(metrics={"train_runtime": None})
 
         def save_model(self, output_dir):

@@ -277,11 +277,18 @@ class CheckedResume:
     """Mixin of grpotrl's trainers (before the TRL class): ``train(resume_from_checkpoint=...)``
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
-    dtype TRL gave it. Overrides ``train`` and ``_load_from_checkpoint``."""
+    dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
+    (``train(overwrite_output_dir=True)``). Overrides ``train`` and ``_load_from_checkpoint``."""
 
     _resume_kind = "grpo"
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=False):
+        """TRL's ``train``, after the resume checks; a finished run in ``output_dir`` (final weights and
+        ``trainer_state.json`` at its root) is refused unless resuming or ``overwrite_output_dir=True``."""
+        from ..validation import check_finished_run
+
+        if resume_from_checkpoint in (None, False) and not overwrite_output_dir:
+            check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
         if resume_from_checkpoint not in (None, False):
             use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
             resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args, self._resume_kind, use_peft)
