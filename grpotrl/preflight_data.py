@@ -99,6 +99,8 @@ def load_error_cause(path: str, err: BaseException) -> str:
                     return f"line {number} is a JSON {type(row).__name__}, not an object {{\"column\": value, ...}}"
         elif whole is not None:
             return f"line {whole.lineno}, column {whole.colno}: {whole.msg}"
+    if "corresponds to no data" in str(err):  # datasets' words for a file with a header or blank lines only
+        return "it holds no rows (a header line at most)"
     root = err
     while (root.__cause__ or root.__context__) is not None and root is not (root.__cause__ or root.__context__):
         root = root.__cause__ or root.__context__

@@ -51,7 +51,8 @@ def read_recipe(path: str) -> dict:
                          + ". Fix that line (a recipe is a flat mapping `key: value`; indent with spaces, not tabs)."
                          ) from None
     if recipe is None:
-        return {}
+        raise InputError(f"Recipe {path} is empty. A recipe is a mapping of settings (`key: value` lines); see "
+                         "recipes/smollm2/ for examples.")
     if not isinstance(recipe, dict):
         raise InputError(f"Recipe {path} holds a YAML {type(recipe).__name__}, not a mapping of settings "
                          "(`key: value` lines, e.g. `learning_rate: 1.0e-5`).")

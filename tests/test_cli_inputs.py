@@ -582,3 +582,15 @@ def test_output_dir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_pa
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, output_dir=str(tmp_path / "afile"),
                                                          overwrite_output_dir=True)])
     assert "is a file, not a directory" in line and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_header_only_csv_empty_folder_and_empty_recipe_say_so(tmp_path, capsys):
+    (tmp_path / "h.csv").write_text("prompt,answer\n")
+    with pytest.raises(InputError, match=r"h.csv: it holds no rows \(a header line at most\)"):
+        load_splits(str(tmp_path / "h.csv"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.md").write_text("x")
+    with pytest.raises(InputError, match=r"is a folder with no data files \(found: notes.md\)"):
+        load_splits(str(tmp_path / "folder"))
+    (tmp_path / "r.yaml").write_text("# nothing yet\n")
+    assert re.search(r"Recipe \S+r.yaml is empty", cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")]))

@@ -106,6 +106,11 @@ def load_splits(name: str, config: str | None = None):
         os.path.join(path, f) for f in os.listdir(path)) if os.path.isdir(path) else []
     for file in local_files:  # empty or not UTF-8: datasets raises StopIteration or fails at the first row read
         check_data_file(file)
+    if os.path.isdir(path) and not any(f.lower().endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt"))
+                                       for f in local_files):
+        raise InputError(f"dataset_name {name!r} is a folder with no data files (found: "
+                         f"{', '.join(os.path.basename(f) for f in local_files[:12]) or 'nothing'}). Put train.jsonl "
+                         "(and test.jsonl) there, json/jsonl/parquet/csv, or point dataset_name at a data file.")
     try:
         if os.path.isfile(path):  # one data file: load_dataset takes its format's builder, the file as 'train'
             from datasets.packaged_modules import _EXTENSION_TO_MODULE
