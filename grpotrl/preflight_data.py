@@ -143,6 +143,8 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return
     everyone = list(range(len(dataset)))
+    if not isinstance(reward_funcs, (list, tuple, dict)):
+        reward_funcs = [reward_funcs]  # one function, as TRL takes it
     if isinstance(reward_funcs, dict):
         labels = [str(t) for t in dataset[task_column]] if task_column in dataset.column_names else []
         scored = [(f, [i for i, t in enumerate(labels) if t == str(task)], f" (task {task!r})")

@@ -594,3 +594,18 @@ def test_header_only_csv_empty_folder_and_empty_recipe_say_so(tmp_path, capsys):
         load_splits(str(tmp_path / "folder"))
     (tmp_path / "r.yaml").write_text("# nothing yet\n")
     assert re.search(r"Recipe \S+r.yaml is empty", cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")]))
+
+
+def test_python_api_refuses_a_reward_column_empty_on_every_row(tmp_path, tiny_llama):
+    import grpotrl
+
+    data = Dataset.from_list([{**r, "answer": ""} for r in rows("train", 4)])
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none")
+    with pytest.raises(InputError, match=r"Column 'answer' .*exact_answer_reward reads, is empty or None on every row"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward, args=args, train_dataset=data)
+    tasks = Dataset.from_list([{**r, "task": t} for r, t in zip(data, ["a", "a", "b", "b"])])
+    with pytest.raises(InputError, match=r"exact_answer_reward \(task 'a'\) reads, is empty or None on every row it "
+                                         r"scores \(2 rows\)"):
+        grpotrl.MultiTaskGRPOTrainer(model=tiny_llama, reward_funcs={"a": [rules.exact_answer_reward],
+                                                                     "b": [rules.format_reward]},
+                                     args=args, train_dataset=tasks)

@@ -50,6 +50,7 @@ from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
+from ..preflight_data import check_reward_signal
 from ..rewards.tasks import per_task
 from ._common import sharded_launch
 from .grpo import TASK_KEY, GRPOTrainer, datasets_of, task_labels
@@ -313,6 +314,7 @@ def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
     if missing:
         raise InputError(f"task(s) {missing} in the data have no reward functions: reward_funcs has "
                          f"{list(reward_funcs)}. Add an entry for each task (or drop those rows).")
+    check_reward_signal(reward_funcs, train_dataset, "train", column)  # each task's columns on its own rows
     return per_task(reward_funcs, column)
 
 
