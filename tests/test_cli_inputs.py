@@ -609,3 +609,22 @@ def test_python_api_refuses_a_reward_column_empty_on_every_row(tmp_path, tiny_ll
         grpotrl.MultiTaskGRPOTrainer(model=tiny_llama, reward_funcs={"a": [rules.exact_answer_reward],
                                                                      "b": [rules.format_reward]},
                                      args=args, train_dataset=tasks)
+
+
+def test_python_api_output_dir_file_and_missing_discriminator_stop_before_the_load(tmp_path, tiny_llama):
+    import grpotrl
+    from grpotrl.data import load_shipped
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(InputError, match=r"output_dir '\S+afile' is a file, not a directory"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "afile"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))
+    with pytest.raises(InputError, match=r"output_dir '\S+afile' is a file"):
+        grpotrl.SFTTrainer(model=tiny_llama, train_dataset=load_shipped("quickstart"),
+                           args=grpotrl.SFTConfig(output_dir=str(tmp_path / "afile"), use_cpu=True, report_to="none"))
+    assert (tmp_path / "afile").read_text() == "mine"
+    args = grpotrl.GADConfig(output_dir=str(tmp_path / "gad"), use_cpu=True, report_to="none",
+                             discriminator_model_name_or_path=str(tmp_path / "no-discriminator"))
+    with pytest.raises(InputError, match=r"Model dir '\S+no-discriminator' does not exist"):
+        grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=load_shipped("gad_toy"))

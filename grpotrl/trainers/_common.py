@@ -61,9 +61,10 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     from ..hub import check_model_source, generation_config
     from ..models import resolve_model_path
-    from ..validation import check_dataset, check_ranges, check_tokenizer_files
+    from ..validation import check_dataset, check_output_dir, check_ranges, check_tokenizer_files
 
     check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
+    check_output_dir(args.output_dir, overwrite=True)  # only a file where output_dir should be (the rest: train())
     if train_dataset is not None:
         check_dataset(train_dataset, "train", kind=kind, prompt_optional=prompt_optional)
     revision = None
