@@ -174,7 +174,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.hub import generation_config as hub_generation_config
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.recipe import load_local_judges, parse_judges
-    from grpotrl.trainers._common import check_model_args, resume_checkpoint
+    from grpotrl.trainers._common import _is_conversational, check_model_args, resume_checkpoint
 
     ################
     # Model path and tokenizer: checked before any weights are read
@@ -187,10 +187,7 @@ def run(command: str, argv: list[str]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=revision, trust_remote_code=training_args.trust_remote_code
     )
-    templates.require_chat_template(tokenizer)
     stop_ids = templates.stop_token_ids(tokenizer, hub_generation_config(model_path, revision))
-    if command in ("grpo", "gad") and training_args.check_template:
-        templates.check_fingerprint(model_path, tokenizer, revision=revision)  # I2: before the weights are read
 
     ################
     # Dataset, rewards and judges
@@ -199,6 +196,15 @@ def run(command: str, argv: list[str]) -> None:
     train_dataset = pick_split(splits, script_args.dataset_train_split, script_args.dataset_name)
     kind = "sft" if command == "sft" else "grpo"
     validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=kind)
+    # a chat template where the data is conversational (SFT: unless chat_template_path installs one), and
+    # I2: the checkpoint's template and chat_template_kwargs are this run's, before the weights are read
+    # (SFT rows may carry their own chat_template_kwargs: SFTTrainer compares those)
+    chat_template_kwargs = None if command == "sft" else training_args.chat_template_kwargs or {}
+    if _is_conversational(train_dataset) and getattr(training_args, "chat_template_path", None) is None:
+        templates.require_chat_template(tokenizer)
+        if getattr(training_args, "check_template", True):
+            templates.check_fingerprint(model_path, tokenizer, revision=revision,
+                                        chat_template_kwargs=chat_template_kwargs)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = pick_split(splits, script_args.dataset_test_split, script_args.dataset_name)
@@ -234,8 +240,9 @@ def run(command: str, argv: list[str]) -> None:
     checkpoint = resume_checkpoint(training_args.resume_from_checkpoint, training_args, command, model_args.use_peft)
     validation.check_output_dir(training_args.output_dir, resume=bool(checkpoint),
                                 overwrite=script_args.overwrite_output_dir)
-    if checkpoint and training_args.check_template:
-        templates.check_fingerprint(checkpoint, tokenizer)  # I2: the checkpoint's template is this run's
+    if checkpoint and getattr(training_args, "check_template", True):
+        templates.check_fingerprint(checkpoint, tokenizer,  # I2: the checkpoint's template is this run's
+                                    chat_template_kwargs=chat_template_kwargs)
 
     ################
     # Model and trainer

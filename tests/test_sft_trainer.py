@@ -444,6 +444,49 @@ def test_I2_chat_template_kwargs_are_applied_and_recorded(tiny_llama, tmp_path):
     assert templates.check_fingerprint(str(tmp_path / "fp"), tok, chat_template_kwargs={})  # renders as True
 
 
+def test_I2_grpo_from_sft_checkpoint_compares_chat_template_kwargs(tiny_llama, tmp_path, monkeypatch):
+    """SFT recorded {"enable_thinking": false}; GRPO (Python and CLI) with kwargs that render the prompt
+    otherwise stops with I2 before any weights load; with the same kwargs it builds, and its own
+    checkpoint records them for the next stage."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from grpotrl import cli
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = TOY_TEMPLATE
+    no_think = {"enable_thinking": False}
+    sft = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, chat_template_kwargs=no_think),
+                             processing_class=tok, train_dataset=Dataset.from_list(_sft_rows()))
+    sft.save_model()
+    ckpt = str(tmp_path / "sft")
+    prompts = Dataset.from_list([{"prompt": r["prompt"]} for r in _sft_rows(4)])
+    data = tmp_path / "prompts.jsonl"
+    prompts.to_json(data)
+
+    def grpo_args(**kw):
+        return grpotrl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
+                                  max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, **kw)
+
+    real_load = transformers.AutoModelForCausalLM.from_pretrained
+    loads = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    for kwargs in ({}, {"enable_thinking": True}, None):  # None: TRL's default, renders as thinking on
+        with pytest.raises(InvariantError, match=r"(?s)\[I2\].*chat_template_kwargs.*enable_thinking"):
+            grpotrl.GRPOTrainer(model=ckpt, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                                args=grpo_args(chat_template_kwargs=kwargs), train_dataset=prompts)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*chat_template_kwargs"):
+        cli.run("grpo", ["--model_name_or_path", ckpt, "--dataset_name", str(data), "--reward_funcs", "length",
+                         "--output_dir", str(tmp_path / "cli"), "--use_cpu", "true"])
+    assert loads == []  # every refusal came before a weight was read
+    grpo = grpotrl.GRPOTrainer(model=ckpt, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                               args=grpo_args(chat_template_kwargs=no_think), train_dataset=prompts)
+    grpo.save_model()
+    with open(tmp_path / "grpo" / templates.FINGERPRINT_FILE) as f:
+        assert json.load(f)["chat_template_kwargs"] == [no_think]
+
+
 def test_I2_sft_from_a_checkpoint_with_another_template_stops_before_loading(tiny_llama, tmp_path, monkeypatch):
     import transformers
     from transformers import AutoTokenizer

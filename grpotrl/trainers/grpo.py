@@ -86,7 +86,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         )
         if getattr(args, "check_template", True):
             templates.check_fingerprint(model_id, processing_class,
-                                        revision=(args.model_init_kwargs or {}).get("revision"))
+                                        revision=(args.model_init_kwargs or {}).get("revision"),
+                                        chat_template_kwargs=args.chat_template_kwargs or {})
         _check_reward_models(reward_funcs, args)
         _check_generation_args(args, kwargs)
         if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
@@ -503,7 +504,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template)
+            templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template,
+                                       chat_template_kwargs=[self.chat_template_kwargs or {}])
 
 
 def _dropout_active(model) -> bool:
