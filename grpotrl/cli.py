@@ -12,7 +12,7 @@ A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArgument
 plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / ``GRPOConfig`` /
 ``GADConfig`` (everything ``TrainingArguments`` and TRL know). ``--key value`` on the command
 line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
-with the closest known names.
+with the closest known names; so is a value its field's type cannot hold (``recipe_types``).
 
 Order: parse -> model path and quantization/LoRA settings -> tokenizer (chat template, stop
 tokens) -> dataset (+ rewards, judges and the columns they read) -> resume checkpoint (every

@@ -9,6 +9,8 @@ saying what was wrong, with the value, and what to do.
 * ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir that a SIGKILL
   during the save did not cut short: trainer state, weights, optimizer, scheduler, RNG and the
   files the trainer adds (``checkpoint_problems``), each present and not truncated.
+* ``check_output_dir`` (the CLI: any non-empty dir needs overwrite or a resume) and
+  ``check_finished_run`` (the Python API: only a finished run is refused); ``check_tokenizer_files``.
 * ``resolve_reward_funcs`` / ``check_reward_columns``: reward names from a recipe (the recipe's
   judges, ``grpotrl.rewards.rules``, the names ``trl grpo`` knows, dotted import paths) to
   functions, and the dataset columns those functions and judges need.
