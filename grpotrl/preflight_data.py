@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Mapping
 
 from .errors import InputError
 
@@ -143,14 +144,15 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return
     everyone = list(range(len(dataset)))
-    if not isinstance(reward_funcs, (list, tuple, dict)):
-        reward_funcs = [reward_funcs]  # one function, as TRL takes it
-    if isinstance(reward_funcs, dict):
+    def listed(funcs) -> list:  # one function, or a list of them, as TRL takes them
+        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+    if isinstance(reward_funcs, Mapping):
         labels = [str(t) for t in dataset[task_column]] if task_column in dataset.column_names else []
         scored = [(f, [i for i, t in enumerate(labels) if t == str(task)], f" (task {task!r})")
-                  for task, fs in reward_funcs.items() for f in fs]
+                  for task, fs in reward_funcs.items() for f in listed(fs)]
     else:
-        scored = [(f, everyone, "") for f in reward_funcs]
+        scored = [(f, everyone, "") for f in listed(reward_funcs)]
     for func, rows, task in scored:
         if not inspect.isfunction(func) or not rows:
             continue
