@@ -628,3 +628,17 @@ def test_python_api_output_dir_file_and_missing_discriminator_stop_before_the_lo
                              discriminator_model_name_or_path=str(tmp_path / "no-discriminator"))
     with pytest.raises(InputError, match=r"Model dir '\S+no-discriminator' does not exist"):
         grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=load_shipped("gad_toy"))
+
+
+def test_prompt_length_check_on_a_large_dataset_tokenizes_only_prompts_that_could_be_too_long(
+        tmp_path, tiny_llama, smollm2_tokenizer, monkeypatch):
+    from grpotrl import preflight_data
+
+    monkeypatch.setattr(preflight_data, "EXACT_ROWS", 2)  # 4 rows count as large here
+    seen = []
+    apply = smollm2_tokenizer.apply_chat_template
+    monkeypatch.setattr(smollm2_tokenizer, "apply_chat_template", lambda m, **kw: seen.append(m) or apply(m, **kw))
+    data = Dataset.from_list([*rows("train", 3), {"prompt": [{"role": "user", "content": "word " * 600}]}])
+    with pytest.raises(InputError, match=r"context of 512 tokens .*: row 3, with 6\d\d tokens"):
+        preflight_data.check_prompt_lengths(data, "train", smollm2_tokenizer, tiny_llama)
+    assert len(seen) == 1  # the three short prompts were not rendered
