@@ -12,7 +12,7 @@ A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArgument
 plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / ``GRPOConfig`` /
 ``GADConfig`` (everything ``TrainingArguments`` and TRL know). ``--key value`` on the command
 line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
-with the closest known names.
+with the closest known names; so is a value its field's type cannot hold (``recipe_types``).
 
 Order: parse -> model path and quantization/LoRA settings -> tokenizer (chat template, stop
 tokens) -> dataset (+ rewards, judges and the columns they read) -> resume checkpoint (every
@@ -36,7 +36,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl import templates, validation
+from grpotrl import preflight_data, recipe_types, templates, validation
 from grpotrl.errors import HealthStop, InputError
 
 COMMANDS = ("sft", "grpo", "gad")
@@ -122,6 +122,10 @@ def parse_args(command: str, argv: list[str]):
             given = argv[i + 1] if i + 1 < len(argv) else "nothing"
             raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
     parser = make_parser(command)
+    parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
+    if "--config" in argv:  # YAML syntax, then each value against its field's type (argparse converts strings only)
+        recipe = argv[argv.index("--config") + 1]
+        recipe_types.check_recipe_types(recipe_types.read_recipe(recipe), parser.dataclass_types, recipe)
     try:
         *dataclasses, from_config, from_argv = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -141,6 +145,10 @@ def parse_args(command: str, argv: list[str]):
         raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
                          f"`grpotrl {command} --help` lists every key.")
     return tuple(dataclasses)
+
+
+def _argparse_error(message: str):
+    raise InputError(f"{message[:1].upper()}{message[1:]}. `--help` describes every key.")
 
 
 def _with_hints(keys: list[str], known: set[str]) -> str:
@@ -175,6 +183,7 @@ def run(command: str, argv: list[str]) -> None:
     revision = model_args.model_revision
     check_model_source(model_path, revision)  # Hub ids: config and tokenizer files only, no weights yet
     check_model_args(model_args, model_path)  # quantization needs LoRA; LoRA targets exist
+    validation.check_tokenizer_files(model_path)
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=revision, trust_remote_code=training_args.trust_remote_code
     )
@@ -212,6 +221,18 @@ def run(command: str, argv: list[str]) -> None:
         if script_args.reward_model_name_or_path:
             check_model_source(script_args.reward_model_name_or_path, what="Reward model")
         validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
+        preflight_data.check_reward_signal(reward_funcs, train_dataset, script_args.dataset_train_split,
+                                           training_args.task_column)
+        if isinstance(reward_funcs, dict) or training_args.cagrad != "off":  # task labels each have rewards
+            from grpotrl.trainers.multitask import check_tasks
+
+            check_tasks(reward_funcs, training_args, train_dataset, eval_dataset)
+    if command == "gad" and training_args.discriminator_model_name_or_path:
+        validation.check_discriminator_source(training_args.discriminator_model_name_or_path)
+    if command in ("grpo", "gad"):  # prompts the model's context cannot hold (its config only)
+        preflight_data.check_prompt_lengths(train_dataset, script_args.dataset_train_split, tokenizer, model_path,
+                                            revision, training_args.max_completion_length,
+                                            **(getattr(training_args, "chat_template_kwargs", None) or {}))
 
     ################
     # Output dir and resume checkpoint: nothing of an earlier run is replaced unless asked
@@ -255,16 +276,19 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Train, save, summarize
     ################
-    result = trainer.train(resume_from_checkpoint=checkpoint or None)
+    result = trainer.train(resume_from_checkpoint=checkpoint or None, overwrite_output_dir=True)  # checked above
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
-    trainer.accelerator.print(summary(command, trainer.state.log_history))
-    trainer.accelerator.print(
-        f"grpotrl {command}: {trainer.state.global_step} steps in {result.metrics['train_runtime']:.0f} s, "
-        f"stop ids {stop_ids}; model, tokenizer, template fingerprint and trainer_state.json in "
-        f"{training_args.output_dir}"
-    )
-    trainer.end()
+    try:  # the run is saved: nothing below may turn it into a failure or skip trainer.end()
+        runtime = (result.metrics or {}).get("train_runtime")
+        trainer.accelerator.print(summary(command, trainer.state.log_history))
+        trainer.accelerator.print(
+            f"grpotrl {command}: {trainer.state.global_step} steps"
+            + (f" in {runtime:.0f} s" if _number(runtime) else "") + f", stop ids {stop_ids}; model, tokenizer, "
+            f"template fingerprint and trainer_state.json in {training_args.output_dir}"
+        )
+    finally:
+        trainer.end()
 
 
 def summary(command: str, log_history: list[dict], window: int = 5) -> str:
@@ -272,19 +296,23 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
-    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}])  # a step whose judges scored no row
+    >>> summary("grpo", [{"reward": None}, {"reward": 0.5}, {"reward": "n/a"}])  # a step whose judges scored no row
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
-    for key in keys:
-        values = [entry[key] for entry in log_history if entry.get(key) is not None]  # None: no row scored
+    for key in keys:  # None: no row scored; anything but a number (a string, a list, NaN) is left out too
+        values = [entry[key] for entry in log_history if isinstance(entry, dict) and _number(entry.get(key))]
         if values:
             first, last = values[:window], values[-window:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
                          f"{sum(last) / len(last):.3f} (last {len(last)} steps)")
     return "\n".join(lines) or "nothing logged"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 def main(argv: list[str] | None = None) -> None:

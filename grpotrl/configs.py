@@ -211,9 +211,11 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
     _VALID_DICT_FIELDS = trl.GRPOConfig._VALID_DICT_FIELDS + ["health_rule_actions"]
 
     def __post_init__(self):
+        from .recipe_types import check_config_types
         from .validation import check_ranges
 
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
+        check_config_types(self)  # a field set to a value its type cannot hold (bf16=2)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         _checkpointing_by_its_new_name(self)
@@ -309,9 +311,11 @@ def _checkpointing_by_its_new_name(args) -> None:
 @dataclass
 class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
     def __post_init__(self):
+        from .recipe_types import check_config_types
         from .validation import check_ranges
 
         check_ranges(self)
+        check_config_types(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         _checkpointing_by_its_new_name(self)
@@ -396,9 +400,11 @@ class GADConfig(GRPOConfig):
 
     def __post_init__(self):
         from .losses import kl_estimator_name
+        from .recipe_types import check_config_types
         from .validation import check_ranges
 
         check_ranges(self)
+        check_config_types(self)
         for name in ("kl_estimator", "kl_in_reward_estimator"):
             if getattr(self, name) is not None:
                 try:

@@ -67,6 +67,32 @@ def find_state(output_dir: str) -> str:
                      "`grpotrl report` at a run's output_dir (grpotrl grpo|sft save it there at the end).")
 
 
+def read_log_history(state_path: str) -> list[dict]:
+    """``log_history`` of a ``trainer_state.json``; a file cut short, not a JSON mapping, or whose
+    log_history is not a list of mappings is an ``InputError`` naming the file and the place."""
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            state = json.load(f)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{state_path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}; "
+                         f"{os.path.getsize(state_path)} bytes): it was probably cut short while being written. "
+                         "Point `grpotrl report` at a run whose trainer_state.json is whole (or at one of its "
+                         "checkpoint-N dirs).") from None
+    except UnicodeDecodeError as err:
+        raise InputError(f"{state_path} is not UTF-8 text ({err.reason} at byte {err.start}): not a "
+                         "trainer_state.json the Trainer wrote.") from None
+    history = state.get("log_history", []) if isinstance(state, dict) else None
+    if not isinstance(history, list) or not all(isinstance(e, dict) for e in history):
+        if not isinstance(state, dict):
+            what = f"a JSON {type(state).__name__}, not a mapping"
+        else:
+            kind = "a list with non-mapping entries" if isinstance(history, list) else f"a {type(history).__name__}"
+            what = f"a mapping whose log_history is {kind}"
+        raise InputError(f"{state_path} is {what}: not a trainer_state.json the Trainer wrote (a mapping whose "
+                         "log_history is a list of {metric: value} entries).")
+    return history
+
+
 def series(log_history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """Every numeric logged key -> (steps, values), in logging order; None values left out."""
     out: dict[str, tuple[list[int], list[float]]] = {}
@@ -118,13 +144,15 @@ def write_report(output_dir: str, out_dir: str | None = None) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(state_path) as f:
-        log_history = json.load(f).get("log_history", [])
+    log_history = read_log_history(state_path)
     found = panels(log_history)
     if not found:
         raise InputError(f"{state_path} holds no logged training metrics (log_history is empty or has no known "
                          "keys): set logging_steps and train at least one logged step.")
     out_dir = out_dir or os.path.join(output_dir, "report")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise InputError(f"--out {out_dir!r} is a file, not a directory. Point --out at a directory (it is created "
+                         "if missing).")
     os.makedirs(out_dir, exist_ok=True)
 
     cols = min(3, len(found))
@@ -165,7 +193,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="grpotrl report", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="a run's output_dir (holding trainer_state.json)")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default OUTPUT_DIR/report)")
+    parser.error = _usage_error  # one `grpotrl report: error:` line
     args = parser.parse_args(argv)
     paths = write_report(args.output_dir, args.out)
     print(f"grpotrl report: {len(paths) - 1} panels ({', '.join(p for p in paths if p != 'report')}) in "
           f"{os.path.dirname(paths['report'])}")
+
+
+def _usage_error(message: str):
+    raise InputError(f"{message[:1].upper()}{message[1:]}. Usage: grpotrl report OUTPUT_DIR [--out DIR]")

@@ -9,6 +9,8 @@ saying what was wrong, with the value, and what to do.
 * ``check_resume_checkpoint`` / ``find_last_checkpoint``: a ``checkpoint-N`` dir that a SIGKILL
   during the save did not cut short: trainer state, weights, optimizer, scheduler, RNG and the
   files the trainer adds (``checkpoint_problems``), each present and not truncated.
+* ``check_output_dir`` (the CLI: any non-empty dir needs overwrite or a resume) and
+  ``check_finished_run`` (the Python API: only a finished run is refused); ``check_tokenizer_files``.
 * ``resolve_reward_funcs`` / ``check_reward_columns``: reward names from a recipe (the recipe's
   judges, ``grpotrl.rewards.rules``, the names ``trl grpo`` knows, dotted import paths) to
   functions, and the dataset columns those functions and judges need.
@@ -133,6 +135,9 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional:
             f"Row {index} of the {split_name!r} split (GRPO): {why}. A valid row looks like {example} "
             f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
         )
+    from .preflight_data import check_prompt_kinds
+
+    check_prompt_kinds(dataset, split_name)  # TRL formats a batch by its first row: a mix fails at step 1
 
 
 def _sft_messages_problem(value, what: str) -> str | None:
@@ -224,8 +229,9 @@ RANGES = {
              "reference)"),
     "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
     "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
-    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0 (the logprobs are log_softmax(logits / T); "
-                    "for nearly greedy sampling use a small T such as 0.1)"),
+    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0: the logprobs are log_softmax(logits / T), "
+                    "and greedy decoding (T = 0) would give every completion of a group the same text, hence zero "
+                    "advantages; for nearly greedy sampling use a small T such as 0.1"),
     "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
     "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
@@ -377,6 +383,38 @@ def check_model_dir(path: str | None) -> None:
     )
 
 
+def check_discriminator_source(path: str) -> None:
+    """GAD's ``discriminator_model_name_or_path``: a model dir, alias or Hub id (cached when offline)."""
+    from .hub import check_model_source
+    from .models import resolve_model_path
+
+    try:
+        check_model_source(resolve_model_path(path), what="Discriminator model")
+    except InputError as err:
+        raise InputError(f"discriminator_model_name_or_path {path!r}: {err}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise ``InputError`` when the local model dir ``path`` holds no tokenizer vocabulary (a
+    checkpoint saved without its tokenizer); transformers would say to install sentencepiece or
+    tiktoken instead. Hub ids and PEFT adapter dirs pass (their files come from elsewhere)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "adapter_config.json")):
+        return
+    names = os.listdir(directory)
+    if any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        return
+    raise InputError(
+        f"Model dir {path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: {_files(directory)}): "
+        "it was saved without its tokenizer. Save the tokenizer of the model it was trained from into it "
+        "(`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from Python pass processing_class=."
+    )
+
+
 def _torch_file_problem(path: str) -> str | None:
     """Why the ``torch.save`` file at ``path`` is cut short, or None. ``torch.save`` writes a zip
     whose directory sits at the end, so a file killed mid-write has none; reads the directory only."""
@@ -440,9 +478,12 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
     problems += [p for name in required if (p := _file_problem(directory, name))]
     if {"no trainer_state.json", "no optimizer.pt"} & set(problems) == {"no optimizer.pt"} and not rng:
         # trainer_state.json is written last: a kill cannot leave it without the optimizer
-        problems.append("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: "
-                        "it cannot resume a run, only start a new one with model_name_or_path")
+        problems.append(WEIGHTS_ONLY)
     return problems
+
+
+WEIGHTS_ONLY = ("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: it cannot "
+                "resume a run, only start a new one with model_name_or_path")
 
 
 def _checkpoints(directory: str) -> list[str]:
@@ -475,6 +516,15 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
                   if os.path.join(parent, c) != os.path.abspath(directory)]
         hint = (f"Resume from the newest complete one (--resume_from_checkpoint {os.path.join(parent, others[-1])})"
                 if others else "Drop resume_from_checkpoint to start fresh")
+        inside = _complete_checkpoints(directory, required)  # a finished run's output_dir holds its checkpoints
+        if WEIGHTS_ONLY in problems:  # saved so on purpose, not cut short: say only that
+            raise InputError(
+                f"Checkpoint {path!r} holds weights and trainer_state.json but no optimizer, scheduler or RNG state "
+                f"(found: {_files(directory)}): it is a weights-only save (save_only_model=True, or a finished run's "
+                "final output), which cannot resume a run. Start a new run from it with model_name_or_path "
+                f"{path!r}, or resume from a full checkpoint"
+                + (f": {os.path.join(path, inside[-1])}" if inside else f" (beside it: {others or 'none'})") + "."
+            )
         raise InputError(
             f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
             f"wrote it was probably killed while saving, and resuming from it would load part of the state. "
@@ -527,6 +577,30 @@ def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -
     raise InputError(
         f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
         "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+    )
+
+
+def check_finished_run(path: str) -> None:
+    """The Python API's output_dir rule: raise ``InputError`` when ``path`` holds a finished run
+    (final weights and ``trainer_state.json`` at its root, what ``save_model`` + ``save_state``
+    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
+        return
+    names = set(os.listdir(directory))
+    weights = [n for n in (*WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"])
+               if n in names or n + ".index.json" in names]
+    if not weights:
+        return
+    try:
+        with open(os.path.join(directory, "trainer_state.json")) as f:
+            steps = f" of {json.load(f).get('global_step')} steps"
+    except (OSError, ValueError, AttributeError):
+        steps = ""
+    raise InputError(
+        f"output_dir {path!r} holds a finished run{steps} ({', '.join(weights)}, trainer_state.json); training into it "
+        "would replace its model and log history. Use a new output_dir, resume it with "
+        "train(resume_from_checkpoint=True), or pass train(overwrite_output_dir=True) to replace it."
     )
 
 

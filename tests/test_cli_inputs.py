@@ -4,6 +4,7 @@ folders, ``save_to_disk`` folders, Hub ids served by a loopback Hub), rewards (g
 rubrics, API keys by variable name only). No model is loaded here except where a test says so."""
 
 import io
+import re
 import json
 import os
 import subprocess
@@ -292,3 +293,352 @@ def test_help_describes_datasets_rewards_and_judges():
     for phrase in ("--dataset_config", "save_to_disk", "Hugging Face Hub dataset id", "--reward_model_name_or_path",
                    "dotted import path", "--judges", "api_key_env", "rubric_columns"):
         assert phrase in text, phrase
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 16: bad input is one `grpotrl CMD: error:` line (exit 2) before any weights are read
+# ---------------------------------------------------------------------------------------------
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """The one error line ``grpotrl ...`` prints for ``argv`` (exit 2, nothing else on stderr
+    but progress bars)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln or "Traceback" in ln]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"grpotrl {argv[0]}: error: "), lines[0]
+    return lines[0]
+
+
+def recipe(tmp_path, model: str, text: str = "", name: str = "recipe.yaml", **fields) -> str:
+    path = tmp_path / name
+    body = {"model_name_or_path": model, "output_dir": str(tmp_path / "out"), "use_cpu": True,
+            "reward_funcs": ["exact_answer"], **fields}
+    path.write_text(yaml.safe_dump(body) + text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("learning_rate: [1]\n", r"learning_rate: \[1\] is a list, but learning_rate takes a number"),
+    ("bf16: 2\n", r"bf16: 2 is an int, but bf16 takes true or false"),
+    ("max_steps: 1.5\n", r"max_steps: 1.5 is a float, but max_steps takes an integer"),
+    ("learning_rate: .nan\n", r"learning_rate: nan is a NaN, but learning_rate takes a number"),
+    ("learning_rate: fast\n", r"learning_rate: 'fast' is a str, but learning_rate takes a number"),
+    ("use_peft: maybe\n", r"use_peft: 'maybe' is a str, but use_peft takes true or false"),
+    ("lora_r: 1.5\n", r"lora_r: 1.5 is a float, but lora_r takes an integer"),
+    ("report_to: 3\n", r"report_to: 3 is an int, but report_to takes null or a string or a list of strings"),
+    ("logging_steps: {a: 1}\n", r"logging_steps: \{'a': 1\} is a dict"),
+    ("reward_funcs: [1, 2]\n", r"reward_funcs: \[1, 2\] is a list, but reward_funcs takes a list of strings"),
+    ("dataset_name: 7\n", r"dataset_name: 7 is an int, but dataset_name takes a string \(quote it"),
+    ("max_steps: true\n", r"max_steps: True is a bool, but max_steps takes an integer"),
+])
+def test_recipe_value_of_the_wrong_type_is_one_error_naming_field_value_and_type(
+        text, expected, tmp_path, smollm2_path, no_model_load, capsys):
+    """Issue 16: argparse converts only strings, so YAML values reached the trainer as they were."""
+    base = yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"), "use_cpu": True})
+    (tmp_path / "r.yaml").write_text(base + text)
+    line = cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")])
+    assert re.search(r"Recipe \S+r.yaml: " + expected, line), line
+
+
+def test_recipe_values_argparse_would_convert_pass(tmp_path):
+    """A quoted number, an int for a float field, one string for a list of strings, yes/no for a bool."""
+    path = tmp_path / "r.yaml"
+    path.write_text("learning_rate: '1.0e-5'\nbeta: 0\nreward_funcs: exact_answer\nuse_peft: 'yes'\n"
+                    "lora_target_modules: all-linear\nreport_to: none\nmax_steps: -1\n"
+                    f"output_dir: {tmp_path / 'out'}\n")
+    script_args, args, model_args = cli.parse_args("grpo", ["--config", str(path)])
+    assert args.learning_rate == 1e-5 and model_args.use_peft is True and args.beta == 0
+
+
+def test_command_line_value_of_the_wrong_type_is_one_error_line(tmp_path, capsys):
+    line = cli_error(capsys, ["grpo", "--output_dir", str(tmp_path), "--learning_rate", "fast"])
+    assert "Argument --learning_rate/--learning-rate: invalid float value: 'fast'" in line
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("learning_rate: [1\n", r"not valid YAML at line \d+, column 1: expected ',' or '\]'.*flow sequence opened at "
+                            r"line 1, column 16"),
+    ("use_cpu: true\n\tmax_steps: 1\n", r"not valid YAML at line 2, column 1: found character '\\t'"),
+    ("- learning_rate: 1\n", r"holds a YAML list, not a mapping of settings"),
+    ("key: [unclosed\n  other: {\n", r"not valid YAML"),
+])
+def test_recipe_yaml_syntax_error_is_one_line_with_the_place(text, expected, tmp_path, capsys):
+    (tmp_path / "r.yaml").write_text(text)
+    line = cli_error(capsys, ["sft", "--config", str(tmp_path / "r.yaml")])
+    assert re.search(expected, line), line
+
+
+def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):
+    import grpotrl
+
+    with pytest.raises(InputError, match=r"GRPOConfig: bf16: 2 is an int, but bf16 takes true or false"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), bf16=2)
+    with pytest.raises(InputError, match=r"SFTConfig: logging_steps: 'often' is a str"):
+        grpotrl.SFTConfig(output_dir=str(tmp_path), logging_steps="often")
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), logging_steps=2, report_to=["none"], use_cpu=True)  # plain values pass
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("empty.jsonl", b"", r"Data file \S+empty.jsonl is empty \(0 bytes, no rows\)"),
+    ("blank.json", b"\n\n", r"Data file \S+blank.json is empty"),
+    ("empty.csv", b"", r"Data file \S+empty.csv is empty"),
+    ("latin1.jsonl", b'{"prompt": "caf\xe9?", "answer": "1"}\n', r"is not UTF-8: byte b'\\xe9' at byte offset 15 "
+                                                                   r"\(line 1, column 16: invalid continuation byte\)"),
+    ("latin1.csv", b"prompt,answer\ncaf\xe9,1\n", r"is not UTF-8: .*\(line 2, column 4"),
+    ("cut.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n',
+     r"as the local path \S+cut.jsonl: line 2, column 27: Expecting value"),
+    ("list.jsonl", b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"line 2 is a JSON list, not an object"),
+    ("cut.json", b'[{"prompt": "a", "answer": "1"}, {"prompt": ', r"cut.json: line 1, column 45: Expecting value"),
+    ("fields.csv", b"prompt,answer\na,1\nb,2,3,4\n",
+     r"ParserError: Error tokenizing data. C error: Expected 2 fields in line 3, saw 4"),
+    ("quote.csv", b'prompt,answer\n"a,1\n', r"ParserError: .*EOF inside string"),
+    ("junk.parquet", b"not parquet", r"ArrowInvalid: Parquet magic bytes not found"),
+])
+def test_unreadable_data_file_is_one_error_with_the_cause_file_and_line(name, content, expected, tmp_path,
+                                                                         smollm2_path, no_model_load, capsys):
+    """Issue 16: an empty JSONL was a StopIteration, non-UTF-8 data a UnicodeDecodeError at the first row read, a
+    malformed file a generic DatasetGenerationError whose cause was 68 lines up."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(InputError, match=expected):
+        load_splits(str(tmp_path / name))
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name=str(tmp_path / name))])
+    assert re.search(expected, line), line
+
+
+def test_a_folder_with_an_empty_file_names_it(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows("train")[0]) + "\n")
+    (tmp_path / "test.jsonl").write_text("")
+    with pytest.raises(InputError, match=r"test.jsonl is empty"):
+        load_splits(str(tmp_path))
+
+
+def write_rows(tmp_path, data: list[dict], name: str = "data.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    return str(path)
+
+
+def test_mixed_chat_and_plain_prompts_are_refused_before_load(tmp_path, smollm2_path, tiny_llama, no_model_load,
+                                                              capsys):
+    """Issue 16: a mix failed at the first step with `TypeError: string indices must be integers`."""
+    import grpotrl
+
+    data = [{"prompt": "plain?", "answer": "1"}, *rows("train", 2), {"prompt": "also plain", "answer": "2"}]
+    expected = r"mixes chat prompts \(lists of messages: rows 1, 2\) with plain-text prompts \(rows 0, 3\)"
+    path = write_rows(tmp_path, data)
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name=path)])
+    assert re.search(expected, line), line
+    with pytest.raises(InputError, match=expected):  # datasets' JSON loader keeps each row's own kind
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=load_splits(path)["train"])
+
+
+def test_a_reward_column_empty_on_every_row_is_refused_and_on_some_rows_named(tmp_path, smollm2_path,
+                                                                              no_model_load, capsys, caplog):
+    """Issue 16: every `answer` empty trained with zero signal and no word."""
+    from grpotrl.preflight_data import check_reward_signal
+
+    useless = [{**r, "answer": value} for r, value in zip(rows("train", 4), ["", None, "  ", ""])]
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path,
+                                                         dataset_name=write_rows(tmp_path, useless))])
+    assert "Column 'answer' of the 'train' split, which reward exact_answer_reward reads, is empty or None on " \
+           "every row it scores (4 rows)" in line
+    some = Dataset.from_list([{**r, "answer": value} for r, value in zip(rows("train", 4), ["1", "", "2", None])])
+    with caplog.at_level("WARNING"):
+        check_reward_signal([rules.exact_answer_reward], some, "train")
+    assert "empty or None on 2 of 4 rows (rows 1, 3)" in caplog.text
+    # per task: a column only one task's reward reads is checked on that task's rows
+    multitask = load_shipped("multitask")
+    caplog.clear()
+    check_reward_signal({"hallucination": [rules.exact_answer_reward], "fairness": [rules.even_handed_reward]},
+                        multitask, "train")
+    assert "answer" not in caplog.text
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_rows(tmp_path, tiny_llama, no_model_load, capsys):
+    """Issue 16: a prompt longer than the model's context passed every check. tiny_llama's context is 512 tokens
+    (max_position_embeddings, read from its config)."""
+    import grpotrl
+
+    data = [*rows("train", 3), {"prompt": [{"role": "user", "content": "word " * 600}], "answer": "1"}]
+    path = write_rows(tmp_path, data)
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama, dataset_name=path)])
+    assert re.search(r"longer than the model's context of 512 tokens \(max_position_embeddings in the config of "
+                     r"\S+\): row 3, with 6\d\d tokens", line), line
+    with pytest.raises(InputError, match=r"context of 512 tokens .*row 3"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(data))
+
+
+def test_unknown_task_label_is_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load, capsys):
+    """Issue 16: a task label with no rewards was caught only at trainer init, after the model loaded."""
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name="multitask",
+                                                         reward_funcs=["hallucination:exact_answer"])])
+    assert "task(s) ['fairness'] in the data have no reward functions" in line
+
+
+@pytest.mark.parametrize("disc, expected", [
+    ("/no/such/discriminator", r"discriminator_model_name_or_path '/no/such/discriminator': Model dir .* does not "
+                               r"exist"),
+    ("nobody/no-discriminator", r"discriminator_model_name_or_path 'nobody/no-discriminator': Discriminator model "
+                                r"'nobody/no-discriminator' is not in the local Hugging Face cache"),
+])
+def test_missing_gad_discriminator_is_refused_before_the_model_loads(disc, expected, tmp_path, smollm2_path,
+                                                                      no_model_load, capsys):
+    path = tmp_path / "gad.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"),
+                                    "use_cpu": True, "dataset_name": "gad_toy",
+                                    "discriminator_model_name_or_path": disc}))
+    assert re.search(expected, cli_error(capsys, ["gad", "--config", str(path)]))
+
+
+def test_checkpoint_without_tokenizer_files_says_so(tmp_path, tiny_llama, no_model_load, capsys):
+    """Issue 16: transformers said to install sentencepiece or tiktoken."""
+    import shutil
+
+    import grpotrl
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if os.path.exists(os.path.join(tiny_llama, name)):
+            shutil.copy(os.path.join(tiny_llama, name), ckpt / name)
+    expected = r"Model dir \S+ckpt' has no tokenizer files \(none of \['tokenizer.json'.*saved without its tokenizer"
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, str(ckpt))])
+    assert re.search(expected, line) and "sentencepiece or tiktoken" not in line, line
+    with pytest.raises(InputError, match=expected):
+        grpotrl.GRPOTrainer(model=str(ckpt), reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))
+
+
+def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monkeypatch, capsys):
+    """Issue 16: the summary crashed on a None metric after a successful save (exit 1, trainer.end() skipped).
+    The trainer is a stand-in that 'trains' instantly and logs metrics a judge-only run can log."""
+    import types
+
+    import grpotrl
+
+    calls = []
+
+    class FakeTrainer:
+        def __init__(self, **kwargs):
+            self.args = kwargs["args"]
+            self.state = types.SimpleNamespace(global_step=2, log_history=[
+                {"reward": None, "completions/mean_length": "n/a"}, {"reward": float("nan")}, {"loss": [1]}, {}])
+            self.accelerator = types.SimpleNamespace(print=print)
+
+        def train(self, resume_from_checkpoint=None, overwrite_output_dir=False):
+            return types.SimpleNamespace(metrics={"train_runtime": None})
+
+        def save_model(self, output_dir):
+            os.makedirs(output_dir, exist_ok=True)
+            open(os.path.join(output_dir, "model.safetensors"), "w").close()
+
+        def save_state(self):
+            calls.append("save_state")
+
+        def end(self):
+            calls.append("end")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: object())
+    monkeypatch.setattr(grpotrl, "GRPOTrainer", FakeTrainer)
+    cli.main(["grpo", "--config", recipe(tmp_path, smollm2_path, max_steps=2)])  # returns: exit status 0
+    out = capsys.readouterr().out
+    assert calls == ["save_state", "end"] and "nothing logged" in out and "grpotrl grpo: 2 steps, stop ids" in out
+
+
+@pytest.mark.parametrize("command, fields, expected", [
+    ("grpo", {"temperature": 0}, r"temperature=0 \(int\): it must be a finite number > 0"),
+    ("grpo", {"temperature": -0.5}, r"temperature=-0.5 \(float\): it must be"),
+    ("gad", {"temperature": 0.0}, r"temperature=0.0 \(float\): it must be"),
+    ("grpo", {"max_completion_length": 0}, r"max_completion_length=0 \(int\): it must be an integer >= 1"),
+    ("grpo", {"num_generations": 0}, r"num_generations=0 \(int\): it must be an integer >= 2"),
+    ("grpo", {"beta": -1.0}, r"beta=-1.0 \(float\): it must be a finite number >= 0"),
+    ("sft", {"learning_rate": -1e-5}, r"learning_rate=-1e-05 \(float\): it must be a finite number >= 0"),
+    ("sft", {"max_length": 0}, r"max_length=0 \(int\): it must be an integer >= 1"),
+])
+def test_settings_caught_after_the_load_before_now_stop_before_it(command, fields, expected, tmp_path, smollm2_path,
+                                                                  no_model_load, capsys):
+    """Issue 16: these were caught only after the model loaded (max_completion_length as `max_new_tokens`), or
+    inside TRL (num_generations 0: ZeroDivisionError)."""
+    extra = {"dataset_name": "gad_toy"} if command == "gad" else {}
+    path = recipe(tmp_path, smollm2_path, **extra, **fields)
+    if command != "grpo":  # only grpo takes reward_funcs
+        body = yaml.safe_load(open(path))
+        body.pop("reward_funcs")
+        open(path, "w").write(yaml.safe_dump(body))
+    line = cli_error(capsys, [command, "--config", path])
+    assert re.search(expected, line) and "max_new_tokens" not in line, line
+
+
+def test_output_dir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_path, smollm2_path, no_model_load,
+                                                                         capsys):
+    (tmp_path / "afile").write_text("mine")
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, output_dir=str(tmp_path / "afile"),
+                                                         overwrite_output_dir=True)])
+    assert "is a file, not a directory" in line and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_header_only_csv_empty_folder_and_empty_recipe_say_so(tmp_path, capsys):
+    (tmp_path / "h.csv").write_text("prompt,answer\n")
+    with pytest.raises(InputError, match=r"h.csv: it holds no rows \(a header line at most\)"):
+        load_splits(str(tmp_path / "h.csv"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.md").write_text("x")
+    with pytest.raises(InputError, match=r"is a folder with no data files \(found: notes.md\)"):
+        load_splits(str(tmp_path / "folder"))
+    (tmp_path / "r.yaml").write_text("# nothing yet\n")
+    assert re.search(r"Recipe \S+r.yaml is empty", cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")]))
+
+
+def test_python_api_refuses_a_reward_column_empty_on_every_row(tmp_path, tiny_llama):
+    import grpotrl
+
+    data = Dataset.from_list([{**r, "answer": ""} for r in rows("train", 4)])
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none")
+    with pytest.raises(InputError, match=r"Column 'answer' .*exact_answer_reward reads, is empty or None on every row"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward, args=args, train_dataset=data)
+    tasks = Dataset.from_list([{**r, "task": t} for r, t in zip(data, ["a", "a", "b", "b"])])
+    with pytest.raises(InputError, match=r"exact_answer_reward \(task 'a'\) reads, is empty or None on every row it "
+                                         r"scores \(2 rows\)"):
+        grpotrl.MultiTaskGRPOTrainer(model=tiny_llama, reward_funcs={"a": [rules.exact_answer_reward],
+                                                                     "b": [rules.format_reward]},
+                                     args=args, train_dataset=tasks)
+
+
+def test_python_api_output_dir_file_and_missing_discriminator_stop_before_the_load(tmp_path, tiny_llama):
+    import grpotrl
+    from grpotrl.data import load_shipped
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(InputError, match=r"output_dir '\S+afile' is a file, not a directory"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=rules.exact_answer_reward,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "afile"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))
+    with pytest.raises(InputError, match=r"output_dir '\S+afile' is a file"):
+        grpotrl.SFTTrainer(model=tiny_llama, train_dataset=load_shipped("quickstart"),
+                           args=grpotrl.SFTConfig(output_dir=str(tmp_path / "afile"), use_cpu=True, report_to="none"))
+    assert (tmp_path / "afile").read_text() == "mine"
+    args = grpotrl.GADConfig(output_dir=str(tmp_path / "gad"), use_cpu=True, report_to="none",
+                             discriminator_model_name_or_path=str(tmp_path / "no-discriminator"))
+    with pytest.raises(InputError, match=r"Model dir '\S+no-discriminator' does not exist"):
+        grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=load_shipped("gad_toy"))
+
+
+def test_prompt_length_check_on_a_large_dataset_tokenizes_only_prompts_that_could_be_too_long(
+        tmp_path, tiny_llama, smollm2_tokenizer, monkeypatch):
+    from grpotrl import preflight_data
+
+    monkeypatch.setattr(preflight_data, "EXACT_ROWS", 2)  # 4 rows count as large here
+    seen = []
+    apply = smollm2_tokenizer.apply_chat_template
+    monkeypatch.setattr(smollm2_tokenizer, "apply_chat_template", lambda m, **kw: seen.append(m) or apply(m, **kw))
+    data = Dataset.from_list([*rows("train", 3), {"prompt": [{"role": "user", "content": "word " * 600}]}])
+    with pytest.raises(InputError, match=r"context of 512 tokens .*: row 3, with 6\d\d tokens"):
+        preflight_data.check_prompt_lengths(data, "train", smollm2_tokenizer, tiny_llama)
+    assert len(seen) == 1  # the three short prompts were not rendered

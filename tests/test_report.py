@@ -96,3 +96,36 @@ def test_missing_state_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["report", str(tmp_path)])
     assert exit_.value.code == 2 and "grpotrl report: error: No trainer_state.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, expected", [
+    ('{"log_history": [{"step": 1, "loss": 1.0}, {"st', r"trainer_state.json is not valid JSON \(line 1, column "
+                                                       r"\d+: .*\): it was probably cut short"),
+    ("", r"is not valid JSON \(line 1, column 1"),
+    ("[1, 2]", r"is a JSON list, not a mapping"),
+    ('"text"', r"is a JSON str, not a mapping"),
+    ('{"log_history": {"loss": 1}}', r"a mapping whose log_history is a dict"),
+    ('{"log_history": [1, 2]}', r"a mapping whose log_history is a list with non-mapping entries"),
+])
+def test_cut_off_or_non_mapping_state_is_one_error_line(content, expected, tmp_path, capsys):
+    """Issue 16: a cut-off or non-mapping trainer_state.json was a raw traceback."""
+    (tmp_path / "trainer_state.json").write_text(content)
+    with pytest.raises(InputError, match=expected):
+        report.write_report(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", str(tmp_path)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("grpotrl report: error: "), err
+
+
+def test_out_pointing_at_a_file_and_bad_arguments_are_one_error_line(tmp_path, capsys):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
+    (tmp_path / "plots").write_text("not a directory")
+    for argv, expected in ((["report", str(tmp_path), "--out", str(tmp_path / "plots")], "is a file, not a directory"),
+                           (["report"], "The following arguments are required: output_dir"),
+                           (["report", str(tmp_path), "--outt", "x"], "Unrecognized arguments: --outt x")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and expected in err[0], err
+    assert (tmp_path / "plots").read_text() == "not a directory"

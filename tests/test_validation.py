@@ -290,8 +290,22 @@ def test_model_only_checkpoint_is_named_as_such(tmp_path):
     ckpt = write_checkpoint(tmp_path / "checkpoint-1")
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
         (ckpt / name).unlink()
-    with pytest.raises(InputError, match=r"no optimizer.pt.*save_only_model=True.*model_name_or_path"):
+    with pytest.raises(InputError, match=r"no optimizer, scheduler or RNG state .*weights-only save "
+                                         r"\(save_only_model=True.*model_name_or_path") as err:
         validation.check_resume_checkpoint(str(ckpt))
+    assert "killed while saving" not in str(err.value)  # issue 16: it said both
+
+
+def test_resuming_a_finished_runs_output_dir_points_at_its_last_full_checkpoint(tmp_path):
+    """A finished run's output_dir holds final weights + trainer_state.json (no optimizer) and its checkpoints."""
+    run = tmp_path / "run"
+    write_checkpoint(run / "checkpoint-4")
+    write_weights(run)
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    with pytest.raises(InputError, match=r"weights-only save .*resume from a full checkpoint: \S+checkpoint-4\.$") \
+            as err:
+        validation.check_resume_checkpoint(str(run))
+    assert "killed while saving" not in str(err.value)
 
 
 def test_checkpoint_needs_the_files_its_trainer_adds(tmp_path):
@@ -488,3 +502,42 @@ def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path
     assert exit_.value.code == 2 and err.startswith("grpotrl grpo: error: output_dir")
     assert "a finished run of 25 steps" in err and "overwrite_output_dir" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()
+
+
+def test_temperature_zero_says_what_to_do_with_the_configs_grpotrl_has(tmp_path):
+    """Issue 16: temperature 0 suggested `do_sample=False`, which no config has."""
+    import grpotrl
+
+    with pytest.raises(InputError, match=r"temperature=0 \(int\): it must be a finite number > 0: .*greedy decoding "
+                                         r"\(T = 0\) would give every completion of a group the same text.*such as "
+                                         r"0.1") as err:
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), temperature=0)
+    assert "do_sample" not in str(err.value)
+
+
+def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_llama, grpo_args):
+    """Issue 16, the Python API's rule: TRL and transformers write into an existing output_dir, and TRL's own tests
+    build trainers in fresh temp dirs, so only a FINISHED run (final weights + trainer_state.json at the root) is
+    refused, at train() before anything is written, unless resuming or train(overwrite_output_dir=True)."""
+    import grpotrl
+    from conftest import arithmetic_prompts, length_reward
+
+    out = tmp_path / "out"
+    weights = write_weights(out)
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": 25, "log_history": [{"loss": 1.0}]}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  args=grpo_args(output_dir=str(out), max_steps=1, guard_steps=0))
+    with pytest.raises(InputError, match=r"output_dir '\S+out' holds a finished run of 25 steps \(model.safetensors, "
+                                         r"trainer_state.json\).*resume_from_checkpoint=True.*overwrite_output_dir"):
+        trainer.train()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()
+    validation.check_finished_run(str(tmp_path / "fresh"))  # missing, empty, checkpoints only: TRL's behaviour
+    (tmp_path / "ckpts" / "checkpoint-2").mkdir(parents=True)
+    validation.check_finished_run(str(tmp_path / "ckpts"))
+    (out / "model.safetensors").unlink()  # weights without trainer_state.json, or the reverse: not a finished run
+    validation.check_finished_run(str(out))
+    (out / "model.safetensors").write_bytes(before["model.safetensors"])
+    trainer.train(overwrite_output_dir=True)  # the user said so
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 25  # save_state not called yet
+    assert trainer.state.global_step == 1

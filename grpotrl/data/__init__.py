@@ -100,6 +100,17 @@ def load_splits(name: str, config: str | None = None):
             raise InputError(f"dataset_name {name!r} looks like a save_to_disk folder but cannot be read: "
                              f"{_first_line(err)}. Save it again with Dataset(Dict).save_to_disk.") from None
         return dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
+    from ..preflight_data import check_data_file, load_error_cause
+
+    local_files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path)) if os.path.isdir(path) else []
+    for file in local_files:  # empty or not UTF-8: datasets raises StopIteration or fails at the first row read
+        check_data_file(file)
+    if os.path.isdir(path) and not any(f.lower().endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt"))
+                                       for f in local_files):
+        raise InputError(f"dataset_name {name!r} is a folder with no data files (found: "
+                         f"{', '.join(os.path.basename(f) for f in local_files[:12]) or 'nothing'}). Put train.jsonl "
+                         "(and test.jsonl) there, json/jsonl/parquet/csv, or point dataset_name at a data file.")
     try:
         if os.path.isfile(path):  # one data file: load_dataset takes its format's builder, the file as 'train'
             from datasets.packaged_modules import _EXTENSION_TO_MODULE
@@ -111,12 +122,13 @@ def load_splits(name: str, config: str | None = None):
             builder, kwargs = _EXTENSION_TO_MODULE[ext]
             return dict(datasets.load_dataset(builder, data_files=path, name=config, **kwargs))
         return dict(datasets.load_dataset(name, name=config))
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as err:
         where = (f"the local path {os.path.abspath(path)}" if os.path.exists(path)
                  else "a local path (none exists there) or a dataset on the Hugging Face Hub")
+        cause = load_error_cause(path, err) if os.path.exists(path) else _first_line(err)  # not datasets' wrapper
         raise InputError(
             f"Cannot load dataset_name {name!r}" + (f" with dataset_config {config!r}" if config else "")
-            + f" as {where}: {_first_line(err)}. Use a shipped dataset {list(SHIPPED)}, a local data file or "
+            + f" as {where}: {cause}. Use a shipped dataset {list(SHIPPED)}, a local data file or "
             "folder (json/jsonl/parquet/csv), a save_to_disk folder, or a Hub dataset id (with network, or "
             "already in the datasets cache when offline); check dataset_config against the configs it lists."
         ) from None

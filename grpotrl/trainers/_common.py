@@ -61,9 +61,10 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     from ..hub import check_model_source, generation_config
     from ..models import resolve_model_path
-    from ..validation import check_dataset, check_ranges
+    from ..validation import check_dataset, check_output_dir, check_ranges, check_tokenizer_files
 
     check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
+    check_output_dir(args.output_dir, overwrite=True)  # only a file where output_dir should be (the rest: train())
     if train_dataset is not None:
         check_dataset(train_dataset, "train", kind=kind, prompt_optional=prompt_optional)
     revision = None
@@ -88,12 +89,19 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     if processing_class is None:
         if model_id is None:
             raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
+        check_tokenizer_files(model_id)  # not transformers' "install sentencepiece or tiktoken"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
         processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
                                                          trust_remote_code=args.trust_remote_code, **sides)
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, gen_config)
+    if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
+        from ..preflight_data import check_prompt_lengths
+
+        check_prompt_lengths(train_dataset, "train", getattr(processing_class, "tokenizer", processing_class),
+                             model_id, revision, getattr(args, "max_completion_length", None),
+                             **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
 
 
@@ -270,11 +278,18 @@ class CheckedResume:
     """Mixin of grpotrl's trainers (before the TRL class): ``train(resume_from_checkpoint=...)``
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
-    dtype TRL gave it. Overrides ``train`` and ``_load_from_checkpoint``."""
+    dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
+    (``train(overwrite_output_dir=True)``). Overrides ``train`` and ``_load_from_checkpoint``."""
 
     _resume_kind = "grpo"
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=False):
+        """TRL's ``train``, after the resume checks; a finished run in ``output_dir`` (final weights and
+        ``trainer_state.json`` at its root) is refused unless resuming or ``overwrite_output_dir=True``."""
+        from ..validation import check_finished_run
+
+        if resume_from_checkpoint in (None, False) and not overwrite_output_dir:
+            check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
         if resume_from_checkpoint not in (None, False):
             use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
             resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args, self._resume_kind, use_peft)

@@ -59,6 +59,7 @@ from ..errors import InputError, InvariantError
 from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
 from ..masking import position_ids_from_mask
+from ..preflight_data import check_reward_signal
 from ..processors import MinNewTokensProcessor, build_processors, sampler_logprobs
 from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
 
@@ -100,6 +101,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
             raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
                              "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
+        check_reward_signal(reward_funcs, train_dataset, "train", args.task_column)  # a reward column empty everywhere
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)

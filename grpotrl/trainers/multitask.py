@@ -50,6 +50,7 @@ from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
+from ..preflight_data import check_reward_signal
 from ..rewards.tasks import per_task
 from ._common import sharded_launch
 from .grpo import TASK_KEY, GRPOTrainer, datasets_of, task_labels
@@ -62,7 +63,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        reward_funcs = _check_tasks(reward_funcs, args, train_dataset, eval_dataset)
+        reward_funcs = check_tasks(reward_funcs, args, train_dataset, eval_dataset)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -285,7 +286,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
 
 
-def _check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
+def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
     """Everything about tasks that can be wrong, before TRL loads anything."""
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -314,6 +315,7 @@ def _check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
     if missing:
         raise InputError(f"task(s) {missing} in the data have no reward functions: reward_funcs has "
                          f"{list(reward_funcs)}. Add an entry for each task (or drop those rows).")
+    check_reward_signal(reward_funcs, train_dataset, "train", column)  # each task's columns on its own rows
     return per_task(reward_funcs, column)
 
 
