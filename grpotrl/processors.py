@@ -279,7 +279,9 @@ def sampler_logprobs(scores: Sequence[torch.Tensor], sequences: torch.Tensor, pr
     """The sampler's own per-token logprobs ``log_softmax(processed score)[token]``: ``[B, C]``.
 
     The reference form, from scores ``generate`` kept (``C x [B, V]`` in memory); training uses
-    ``SampledLogprobRecorder``, which computes the same numbers as generation goes. ``scores`` and ``sequences`` are ``generate(..., do_sample=True, output_scores=True,
+    ``SampledLogprobRecorder``, which computes the same numbers as generation goes.
+
+    ``scores`` and ``sequences`` are ``generate(..., do_sample=True, output_scores=True,
     return_dict_in_generate=True)``'s fields of those names: ``C`` tensors ``[B, V]`` after
     every processor and warper (temperature included), and ``[B, P + C]``. Columns after a
     row's first stop token hold padding that ``generate`` forced rather than sampled; their
