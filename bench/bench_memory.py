@@ -7,8 +7,8 @@ For each completion length, three variants train ``--steps`` steps on the same c
 data, each in a fresh subprocess, alternated (trl, off, on, trl, ...) so machine noise hits all:
 ``trl`` is plain ``trl.GRPOTrainer``; ``off`` is ``grpotrl.GRPOTrainer`` with its defaults; ``on``
 adds presence 0.5, frequency 0.5, repetition 1.1 and min_new_tokens 8 (which also make it record
-the sampler's logprobs). A step generates ``prompts x generations`` completions (one prompt's
-group per microbatch, ``gradient_accumulation_steps = prompts``); the stop ids are suppressed, so
+the sampler's logprobs). A step generates ``prompts x generations`` completions (in
+microbatches of at most 8 rows, ``_runner.shape_config``); the stop ids are suppressed, so
 every completion is exactly ``length`` tokens and memory compares per length.
 
 Two peaks per run: the GENERATION peak, the most memory the first ``generate`` call allocates
@@ -80,10 +80,10 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
 
     model = resolve_model_path("smollm2-135m-instruct")
     stops = stop_token_ids(AutoTokenizer.from_pretrained(model), GenerationConfig.from_pretrained(model))
-    common = dict(output_dir=f"/tmp/grpotrl-bench-memory-{variant}", per_device_train_batch_size=generations,
-                  num_generations=generations, gradient_accumulation_steps=prompts, max_completion_length=length,
-                  max_steps=steps, logging_steps=1, report_to="none", use_cpu=not torch.cuda.is_available(),
-                  bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04,
+    common = dict(output_dir=f"/tmp/grpotrl-bench-memory-{variant}", max_steps=steps,
+                  **_runner.shape_config(prompts, generations, length), logging_steps=1, report_to="none",
+                  use_cpu=not torch.cuda.is_available(), bf16=False, disable_dropout=True, save_strategy="no", seed=0,
+                  temperature=0.9, beta=0.04,
                   generation_kwargs={"suppress_tokens": stops})  # every completion is `length` tokens
     dataset = load_quickstart("train")
     timer = _runner.step_timer()
