@@ -8,6 +8,7 @@ one ``RESULT {json}`` line; ``alternate`` runs the children and collects those r
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -59,3 +60,24 @@ def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[st
 def mean_per_step(results: dict, variant: str, key: str = "step_times", steps: slice = slice(None)) -> float:
     """Mean over rounds of the mean over ``steps`` of ``key`` (every step by default)."""
     return statistics.mean(statistics.mean(res[key][steps]) for res in results[variant])
+
+
+def add_shape_args(parser, prompts: int = 2, generations: int = 4, length: int = 32) -> None:
+    """--prompts, --generations, --length: the shape of one generation batch (issue 17 asks for 8 x 8 x 256)."""
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=generations, help="completions per prompt")
+    parser.add_argument("--length", type=int, default=length, help="max_completion_length")
+
+
+def shape_args(a) -> list[str]:
+    """The shape arguments, to hand on to the children."""
+    return ["--prompts", str(a.prompts), "--generations", str(a.generations), "--length", str(a.length)]
+
+
+def shape_config(prompts: int, generations: int, length: int) -> dict:
+    """GRPOConfig fields for one step of ``prompts x generations`` completions of up to ``length``
+    tokens, trained in microbatches of at most 8 rows (2 x 4: one microbatch of 8; 8 x 8: 8 of 8)."""
+    rows = prompts * generations
+    micro = math.gcd(rows, 8)
+    return dict(per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
+                num_generations=generations, max_completion_length=length)

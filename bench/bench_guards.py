@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_guards.py            # SmolLM2, 12 steps
     .venv/bin/python bench/bench_guards.py --steps 20 --rounds 3 --guard-steps 2
+    .venv/bin/python bench/bench_guards.py --prompts 8 --generations 8 --length 256 --steps 6   # issue 17's shape
 
 Both variants run the same config, seed and data in fresh subprocesses, alternated
 (plain, guarded, plain, guarded, ...) so machine noise hits both; the mean step time over all
@@ -20,7 +21,7 @@ import os
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
 
-def child(variant: str, steps: int, guard_steps: int) -> None:
+def child(variant: str, steps: int, guard_steps: int, shape: tuple[int, int, int]) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import resource
 
@@ -32,8 +33,8 @@ def child(variant: str, steps: int, guard_steps: int) -> None:
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import exact_answer_reward
 
-    common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
+    common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", **_runner.shape_config(*shape),
+                  max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
                   bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04)
     dataset = load_quickstart("train")
     model = resolve_model_path("smollm2-135m-instruct")
@@ -58,12 +59,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--guard-steps", type=int, default=2)
     p.add_argument("--child", choices=["trl", "grpotrl"])
+    _runner.add_shape_args(p)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.guard_steps)
+        return child(a.child, a.steps, a.guard_steps, (a.prompts, a.generations, a.length))
 
     results = _runner.alternate(__file__, ("trl", "grpotrl"), a.rounds,
-                                ["--steps", str(a.steps), "--guard-steps", str(a.guard_steps)],
+                                ["--steps", str(a.steps), "--guard-steps", str(a.guard_steps), *_runner.shape_args(a)],
                                 describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
     def med(v, key="step_times"):  # mean per step over every step, guarded ones included
@@ -77,7 +79,8 @@ def main() -> None:
     def per_step(v, key, sl):
         return _runner.mean_per_step(results, v, key, sl)
 
-    print(f"\nsteps={a.steps} rounds={a.rounds} guard_steps={a.guard_steps}")
+    print(f"\nsteps={a.steps} rounds={a.rounds} guard_steps={a.guard_steps} "
+          f"shape={a.prompts} prompts x {a.generations} generations x {a.length} tokens")
     if 0 < g < a.steps:
         guarded = per_step("grpotrl", "cpu_times", slice(0, g)) / per_step("trl", "cpu_times", slice(0, g))
         free = per_step("grpotrl", "cpu_times", slice(g, None)) / per_step("trl", "cpu_times", slice(g, None))

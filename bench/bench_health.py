@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_health.py              # SmolLM2, 8 steps x 3 rounds
     .venv/bin/python bench/bench_health.py --steps 12 --rounds 4 --logit-steps 1
+    .venv/bin/python bench/bench_health.py --prompts 8 --generations 8 --length 256 --steps 6   # issue 17's shape
 
 Variants, each in a fresh subprocess, alternated (bare, health, bare, health, ...) so machine
 noise hits both: ``bare`` is grpotrl.GRPOTrainer with the signal hooks emptied and the rules
@@ -24,7 +25,7 @@ import statistics
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
 
-def child(variant: str, steps: int, logit_steps: int) -> None:
+def child(variant: str, steps: int, logit_steps: int, shape: tuple[int, int, int]) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import time
 
@@ -54,8 +55,8 @@ def child(variant: str, steps: int, logit_steps: int) -> None:
         def _log_loss_health(self, loss, entropies, mask, task=None):
             pass
 
-    common = dict(output_dir=f"/tmp/grpotrl-bench-health-{variant}", per_device_train_batch_size=8,
-                  num_generations=4, max_completion_length=32, max_steps=steps, logging_steps=1, report_to="none",
+    common = dict(output_dir=f"/tmp/grpotrl-bench-health-{variant}", **_runner.shape_config(*shape),
+                  max_steps=steps, logging_steps=1, report_to="none",
                   use_cpu=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04, guard_steps=0)
     if variant == "bare":
         cls, extra = Bare, dict(health_action="off", health_report_steps=0)
@@ -82,9 +83,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--logit-steps", type=int, default=0, help="health_logit_steps of the health variant")
     p.add_argument("--child", choices=["bare", "health"])
+    _runner.add_shape_args(p)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.logit_steps)
+        return child(a.child, a.steps, a.logit_steps, (a.prompts, a.generations, a.length))
 
     def inside(variant, res):
         if variant != "health":
@@ -93,7 +95,8 @@ def main() -> None:
                 f"({res['inside'] / sum(res['cpu_times']):.2%} of step cpu)")
 
     results = _runner.alternate(__file__, ("bare", "health"), a.rounds,
-                                ["--steps", str(a.steps), "--logit-steps", str(a.logit_steps)], describe=inside)
+                                ["--steps", str(a.steps), "--logit-steps", str(a.logit_steps),
+                                 *_runner.shape_args(a)], describe=inside)
 
     def mean(v, key):  # mean per step over every step of every round
         return _runner.mean_per_step(results, v, key)
@@ -101,7 +104,8 @@ def main() -> None:
     def ratios(key):  # per round: health / bare of the same round
         return [statistics.mean(h[key]) / statistics.mean(b[key]) for b, h in zip(results["bare"], results["health"])]
 
-    print(f"\nsteps={a.steps} rounds={a.rounds} logit_steps={a.logit_steps}")
+    print(f"\nsteps={a.steps} rounds={a.rounds} logit_steps={a.logit_steps} "
+          f"shape={a.prompts} prompts x {a.generations} generations x {a.length} tokens")
     for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
         per_round = ", ".join(f"{x:.3f}" for x in ratios(key))
         print(f"{label}  bare {mean('bare', key):.3f} s  health {mean('health', key):.3f} s  "

@@ -69,6 +69,19 @@ def test_without_penalties_nothing_is_added_to_generate(tiny_llama, grpo_args):
     assert trainer._generation_extras(torch.zeros(2, 5, dtype=torch.long)) == {}
 
 
+@pytest.mark.parametrize("settings", [dict(presence_penalty=0.5, min_new_tokens=2),
+                                      dict(hf_importance_sampling_correction=True)])
+def test_I5_sampler_logprobs_are_recorded_not_output_scores(tiny_llama, grpo_args, settings):
+    """Issue 17: generate keeps one logprob per sampled token, never output_scores' [B, V] per step."""
+    from grpotrl.processors import SampledLogprobRecorder
+
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**settings),
+                                  train_dataset=arithmetic_prompts())
+    extra = trainer._generation_extras(torch.zeros(2, 5, dtype=torch.long))
+    assert list(extra) == ["logits_processor"]  # no output_scores, no return_dict_in_generate
+    assert isinstance(extra["logits_processor"][-1], SampledLogprobRecorder)
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"presence_penalty": float("nan")}, "presence"),
     ({"repetition_penalty": 0.0}, "repetition"),

@@ -1,6 +1,7 @@
 """I6: response-only penalties and min-new-tokens suppression, on the real SmolLM2 tokenizer
 (<|im_end|> = 2 is eos AND pad), with hand counts; and the sampler's own logprobs from a real
-``generate``."""
+``generate``: from its ``output_scores`` (the reference) and from ``SampledLogprobRecorder``
+(what training uses), equal, the recorder's memory flat in the completion length (issue 17)."""
 
 import math
 
@@ -9,8 +10,10 @@ import torch
 from transformers import (LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper)
 
+from grpotrl import InvariantError
 from grpotrl.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
-                                RepetitionPenaltyProcessor, build_processors, generated_counts, sampler_logprobs)
+                                RepetitionPenaltyProcessor, SampledLogprobRecorder, after_warpers, build_processors,
+                                generated_counts, processed_logprob, sampler_logprobs)
 
 EOS = PAD = 2  # SmolLM2: <|im_end|>, eos and pad
 ENDOFTEXT = 0  # SmolLM2's <|endoftext|>, a second stop id
@@ -212,3 +215,163 @@ def test_I5_I6_sampler_logprobs_through_real_generate(tiny_llama, smollm2_tokeni
 def test_sampler_logprobs_needs_matching_widths():
     with pytest.raises(ValueError, match="score steps"):
         sampler_logprobs([torch.zeros(1, 4)], torch.zeros(1, 5, dtype=torch.long), prompt_width=3)
+
+
+# ---------------------------------------------------------------- SampledLogprobRecorder (issue 17)
+
+def _left_padded(tok, n: int):
+    texts = [tok.apply_chat_template([{"role": "user", "content": "What is " + "1 + " * (i % 5) + "2?"}],
+                                     add_generation_prompt=True, tokenize=False) for i in range(n)]
+    return tok(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+
+
+def test_I5_recorder_by_hand():
+    # P=1, V=3, B=2. Step 0 scores: row 0 [0, 0, -inf] (1/2 each on ids 0, 1), row 1 [ln 3, 0, 0] (3/5, 1/5, 1/5)
+    s0 = torch.tensor([[0.0, 0.0, -math.inf], [math.log(3.0), 0.0, 0.0]])
+    s1 = torch.tensor([[0.0, -math.inf, -math.inf], [0.0, 0.0, 0.0]])  # step 1: row 0 sure of id 0; row 1 uniform
+    s2 = torch.zeros(2, 3)  # step 2: a step generate runs and then undoes (DeferredStopCheck)
+    rec = SampledLogprobRecorder()
+    rec.placed_last = True
+    assert rec(torch.tensor([[7], [7]]), s0) is s0  # scores pass unchanged
+    rec(torch.tensor([[7, 1], [7, 0]]), s1)  # sampled at step 0: row 0 id 1 (log 1/2), row 1 id 0 (log 3/5)
+    rec(torch.tensor([[7, 1, 0], [7, 0, 2]]), s2)  # step 1: row 0 id 0 (log 1), row 1 id 2 (log 1/3)
+    got = rec.logprobs(torch.tensor([[7, 1, 0], [7, 0, 2]]))  # generate kept C=2 columns: step 2 undone
+    want = torch.tensor([[math.log(1 / 2), 0.0], [math.log(3 / 5), math.log(1 / 3)]])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert rec._pending is not None  # step 2's scores, never gathered: no column for them
+
+
+def test_I5_recorder_reads_the_last_step_after_generate_and_refuses_misuse():
+    rec = SampledLogprobRecorder()
+    assert rec.logprobs(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 0)  # never called: nothing sampled
+    rec.placed_last = True
+    rec(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0.0, math.log(3.0)]]))  # P=2, one step
+    assert rec.logprobs(torch.tensor([[0, 0, 1]])).tolist() == [[pytest.approx(math.log(3 / 4))]]
+    assert rec._pending is None  # the last step's [B, V] scores are let go once read
+    with pytest.raises(ValueError, match="columns"):
+        rec.logprobs(torch.tensor([[0, 0, 1, 1]]))  # 2 completion columns for 1 recorded step
+    with pytest.raises(ValueError, match="reused"):
+        rec(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2))  # a new call's prompt: width went back
+    assert processed_logprob(torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16), torch.tensor([0])).dtype == torch.float32
+
+
+def test_I5_recorder_outside_after_warpers_is_an_error(tiny_llama, smollm2_tokenizer):
+    """Without after_warpers the recorder runs before temperature/top-k: its numbers would be wrong."""
+    model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    rec = SampledLogprobRecorder()
+    out = model.generate(**_left_padded(smollm2_tokenizer, 2), do_sample=True, temperature=0.7, max_new_tokens=2,
+                         pad_token_id=PAD, logits_processor=LogitsProcessorList([rec]))
+    with pytest.raises(InvariantError, match=r"\[I5\].*after_warpers"):
+        rec.logprobs(out)
+    with after_warpers(model):
+        assert "_get_logits_processor" in vars(model)
+    assert "_get_logits_processor" not in vars(model)  # restored: the class's method again
+
+
+SETTINGS = {  # processors (build_processors), sampling knobs (generate's warpers), a bias on <|im_end|>
+    # the bias puts p(stop) at ~0.3 a step under each setting, so rows stop at different lengths
+    "penalties+min_new, T=0.7, top_k=20": (dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                                                min_new_tokens=3, stop_ids=[ENDOFTEXT, EOS]),
+                                           dict(temperature=0.7, top_k=20), 1.5),
+    "repetition, T=1.3, top_p=0.8": (dict(repetition_penalty=1.3), dict(temperature=1.3, top_k=None, top_p=0.8), 13.0),
+    "frequency, T=0.9, top_k=50, top_p=0.9, min_p": (dict(frequency_penalty=-0.4),
+                                                     dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05), 2.7),
+    "none (IS correction), T=1": ({}, dict(temperature=1.0, top_k=None), 10.0),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_I5_recorder_equals_output_scores_path(tiny_llama, smollm2_tokenizer, name):
+    """Same seed, two generate calls: today's output_scores path and the recorder. Same sampled
+    tokens, same sampler logprobs (padding after a row's stop included), to 1e-6."""
+    procs_kw, knobs, bias = SETTINGS[name]
+    model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    batch = _left_padded(smollm2_tokenizer, 6)
+    P, C = batch["input_ids"].size(1), 10
+    kw = dict(do_sample=True, max_new_tokens=C, eos_token_id=[ENDOFTEXT, EOS], pad_token_id=PAD,
+              sequence_bias={(EOS,): bias}, **knobs)
+    torch.manual_seed(0)
+    ref = model.generate(**batch, **kw, logits_processor=build_processors(P, **procs_kw),
+                         output_scores=True, return_dict_in_generate=True)
+    rec = SampledLogprobRecorder()
+    torch.manual_seed(0)
+    with after_warpers(model):
+        seq = model.generate(**batch, **kw, logits_processor=LogitsProcessorList([*build_processors(P, **procs_kw),
+                                                                                  rec]))
+    assert torch.equal(seq, ref.sequences)  # recording changes nothing in the sampling
+    stopped = torch.isin(seq[:, P:], torch.tensor([ENDOFTEXT, EOS]))  # [B, C]
+    assert (stopped[:, :-1].any(1)).any(), "want a row padded after its stop"
+    got = rec.logprobs(seq)  # [B, C]
+    assert rec.placed_last and got.shape == (6, seq.size(1) - P)
+    torch.testing.assert_close(got, sampler_logprobs(ref.scores, ref.sequences, P), atol=1e-6, rtol=0,
+                               equal_nan=True)
+    # and the independent formula: log_softmax of the stored (fully processed) scores at the token
+    want = torch.stack(ref.scores, 1).log_softmax(-1).gather(-1, seq[:, P:, None]).squeeze(-1)  # [B, C]
+    first_stop = torch.where(stopped.any(1), stopped.int().argmax(1), stopped.size(1))  # [B]
+    mask = torch.arange(stopped.size(1)) <= first_stop[:, None]  # [B, C]: the loss's columns (I4)
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+    assert got[mask].isfinite().all()
+
+
+def test_I5_recorder_under_peft_records_on_the_base_model(tiny_llama, smollm2_tokenizer):
+    """PeftModel.generate runs the base model's generate: after_warpers shadows the base model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_llama),
+                           LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).eval()
+    batch = _left_padded(smollm2_tokenizer, 2)
+    rec = SampledLogprobRecorder()
+    with after_warpers(model):
+        seq = model.generate(**batch, do_sample=True, temperature=0.7, max_new_tokens=3, pad_token_id=PAD,
+                             logits_processor=LogitsProcessorList([rec]))
+    assert rec.logprobs(seq).shape == (2, seq.size(1) - batch["input_ids"].size(1))
+
+
+def _peak_allocated_bytes(fn) -> int:
+    """Peak of the bytes torch allocates while ``fn()`` runs, above what was live before: the running
+    sum of the profiler's CPU allocation (+bytes) and free (-bytes) events, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    assert events, "the profiler recorded no allocations"
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("C", [128, pytest.param(512, marks=pytest.mark.slow)])
+def test_I5_sampler_logprobs_memory_flat_in_completion_length(tiny_llama, smollm2_tokenizer, C):
+    """Issue 17: penalties + min-new-tokens + the recorder cost a few [B, V] tensors over plain
+    sampling, whatever C; output_scores kept C of them (64 x 8 x 49k fp32 = 96 MiB at C=64,
+    768 MiB at 512; 34 GB at 64 rows x 1024 tokens x 128k vocab)."""
+    model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    batch = _left_padded(smollm2_tokenizer, 8)
+    B, P, V = 8, batch["input_ids"].size(1), model.config.vocab_size
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3, min_new_tokens=4, stop_ids=[ENDOFTEXT, EOS])
+    kw = dict(do_sample=True, temperature=0.7, top_k=50, pad_token_id=PAD, eos_token_id=[ENDOFTEXT, EOS])
+    lengths = []
+
+    def run(n, procs=(), **extra):
+        torch.manual_seed(0)
+        with torch.no_grad(), after_warpers(model):
+            out = model.generate(**batch, max_new_tokens=n, logits_processor=LogitsProcessorList(procs), **kw, **extra)
+        seq = getattr(out, "sequences", out)
+        if procs and isinstance(procs[-1], SampledLogprobRecorder):
+            procs[-1].logprobs(seq)
+        lengths.append(seq.size(1) - P)
+
+    off = _peak_allocated_bytes(lambda: run(C))
+    on = _peak_allocated_bytes(lambda: run(C, [*build_processors(P, **penalties), SampledLogprobRecorder()]))
+    assert lengths == [C, C], "a row ran to max_new_tokens: the generation really was C long"
+    one_step = B * V * 4  # one fp32 [B, V]
+    assert on - off < 2 * one_step, f"penalties on: +{(on - off) / 2**20:.1f} MiB over off ({off / 2**20:.1f} MiB)"
+    # the measure sees the old path's growth: output_scores at 64 tokens keeps 64 x [B, V]
+    if C == 128:
+        old = _peak_allocated_bytes(lambda: run(64, build_processors(P, **penalties), output_scores=True,
+                                                return_dict_in_generate=True))
+        assert old - off > 0.9 * 64 * one_step

@@ -99,3 +99,16 @@ def test_returned_loss_is_backpropagated_unscaled():
     """CAGrad exact adds its direction to .grad on the scale of the returned loss: the Trainer
     must not divide GRPO's loss by the accumulation steps again."""
     assert trl.GRPOTrainer.loss_is_scaled_for_ga is True
+
+
+def test_generate_builds_its_processor_list_in_get_logits_processor():
+    """processors.after_warpers shadows ``_get_logits_processor`` so the sampler-logprob recorder
+    runs after transformers' warpers (issue 17); generate must still build its list there, from
+    the caller's ``logits_processor``, and sample from what that list returns."""
+    from transformers import GenerationMixin
+
+    src = inspect.getsource(GenerationMixin.generate)
+    assert "self._get_logits_processor(" in src and "logits_processor=logits_processor" in src
+    sample = inspect.getsource(GenerationMixin._sample)
+    assert "next_token_scores = logits_processor(input_ids, next_token_logits)" in sample
+    assert "probs = nn.functional.softmax(next_token_scores, dim=-1)" in sample

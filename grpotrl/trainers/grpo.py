@@ -8,7 +8,9 @@ Overrides (everything else is TRL's):
     ``MultiTaskGRPOTrainer`` reads them); stops generation on every stop id; gives the
     logprob forward generate's position ids (I5).
   * ``_generate``: on the transformers path, hands ``generate`` the response-only penalty
-    and min-new-tokens processors (I6) and keeps the sampler's own logprobs; records what
+    and min-new-tokens processors (I6) and keeps the sampler's own logprobs (one number per
+    token, recorded after transformers' warpers: ``processors.after_warpers`` shadows the model's
+    ``_get_logits_processor`` for the call); records what
     ``generate`` saw and returned and checks I1 (prompt ids are the chat template plus
     generation prompt, with the row's tools and ``chat_template_kwargs``, no doubled BOS) and
     I3 (completion is ``output[i, P:]``; the reward text is its decoding, no chat header) and
@@ -60,7 +62,7 @@ from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
 from ..masking import position_ids_from_mask
 from ..preflight_data import check_reward_signal
-from ..processors import MinNewTokensProcessor, build_processors, sampler_logprobs
+from ..processors import MinNewTokensProcessor, SampledLogprobRecorder, after_warpers, build_processors
 from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -167,26 +169,27 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         return not self.use_vllm and not self.use_transformers_continuous_batching and self.rollout_func is None
 
     def _generation_extras(self, input_ids) -> dict:
-        """Keyword arguments added to each ``generate`` call: the I6 processors, and the
-        processed scores whenever the sampler's distribution can differ from the trainer's."""
+        """Keyword arguments added to each ``generate`` call: the I6 processors, and a recorder of
+        the sampler's own logprobs whenever the sampler's distribution can differ from the
+        trainer's (one number per sampled token, not ``output_scores``' ``[B, V]`` per step)."""
         a = self.args
         processors = build_processors(input_ids.size(1), a.presence_penalty, a.frequency_penalty,
                                       a.repetition_penalty, a.min_new_tokens, self.eos_token_ids)
-        extra = {"logits_processor": processors} if processors else {}
         if processors or a.hf_importance_sampling_correction:
-            extra.update(output_scores=True, return_dict_in_generate=True)
-        return extra
+            processors.append(SampledLogprobRecorder())  # runs after the warpers: after_warpers in _generate
+        return {"logits_processor": processors} if processors else {}
 
     def _generate(self, prompts: list):
         intercept = self._hf_generate_path() and not self.tools
         # a user's rollout_func may call generate its own way (several turns, other prompts): not observed
         if self.rollout_func is None and (intercept or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            with guards.record_generate(model, self._generation_extras if intercept else None) as calls:
+            with guards.record_generate(model, self._generation_extras if intercept else None) as calls, \
+                    after_warpers(model):
                 out = super()._generate(prompts)
         else:
             out, calls = super()._generate(prompts), []
-        if calls and calls[-1]["scores"] is not None:
+        if calls:
             out = self._with_sampler_logprobs(out, calls[-1])
         self._log_completion_shape(out[1], calls[-1] if calls else None)
         self._generated_stops = self._count_generated_stops(calls)
@@ -250,9 +253,12 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 for p, t in zip(prompts, tools)]
 
     def _with_sampler_logprobs(self, out: tuple, call: dict) -> tuple:
-        """Put the sampler's own per-token logprobs where TRL keeps vLLM's (I5)."""
-        P = call["input_ids"].size(1)
-        lp = sampler_logprobs(call["scores"], call["output"], P)  # [B, C]
+        """Put the sampler's own per-token logprobs where TRL keeps vLLM's (I5), when recorded."""
+        recorder = next((p for p in call["extra"].get("logits_processor", [])
+                         if isinstance(p, SampledLogprobRecorder)), None)
+        if recorder is None:
+            return out
+        lp = recorder.logprobs(call["output"])  # [B, C]
         per_row = [lp[i, : len(c)].tolist() for i, c in enumerate(out[1])]
         return (*out[:4], per_row, *out[5:])
 
