@@ -81,3 +81,20 @@ def shape_config(prompts: int, generations: int, length: int) -> dict:
     micro = math.gcd(rows, 8)
     return dict(per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
                 num_generations=generations, max_completion_length=length)
+
+
+def quickstart_trainer(variant: str, common: dict, callbacks: list, **grpotrl_fields):
+    """The bench's GRPO run on SmolLM2 and the quickstart rows: plain ``trl.GRPOTrainer`` for the
+    variant "trl" (``common`` only), else ``grpotrl.GRPOTrainer`` with ``grpotrl_fields`` on top."""
+    import trl
+
+    import grpotrl
+    from grpotrl.data import load_quickstart
+    from grpotrl.models import resolve_model_path
+    from grpotrl.rewards.rules import exact_answer_reward
+
+    trainer_class, config_class = ((trl.GRPOTrainer, trl.GRPOConfig) if variant == "trl"
+                                   else (grpotrl.GRPOTrainer, grpotrl.GRPOConfig))
+    fields = common if variant == "trl" else {**common, **grpotrl_fields}
+    return trainer_class(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=exact_answer_reward,
+                         args=config_class(**fields), train_dataset=load_quickstart("train"), callbacks=callbacks)

@@ -26,27 +26,12 @@ def child(variant: str, steps: int, guard_steps: int, shape: tuple[int, int, int
     import resource
 
     import torch
-    import trl
-
-    import grpotrl
-    from grpotrl.data import load_quickstart
-    from grpotrl.models import resolve_model_path
-    from grpotrl.rewards.rules import exact_answer_reward
 
     common = dict(output_dir=f"/tmp/grpotrl-bench-{variant}", **_runner.shape_config(*shape),
                   max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
                   bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04)
-    dataset = load_quickstart("train")
-    model = resolve_model_path("smollm2-135m-instruct")
     timer = _runner.step_timer()
-    if variant == "trl":
-        args = trl.GRPOConfig(**common)
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset,
-                                  callbacks=[timer])
-    else:
-        args = grpotrl.GRPOConfig(**common, guard_steps=guard_steps)
-        trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
-                                      train_dataset=dataset, callbacks=[timer])
+    trainer = _runner.quickstart_trainer(variant, common, [timer], guard_steps=guard_steps)
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

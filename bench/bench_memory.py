@@ -69,13 +69,9 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
     import resource
 
     import torch
-    import trl
     from transformers import AutoTokenizer, GenerationConfig
 
-    import grpotrl
-    from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
-    from grpotrl.rewards.rules import exact_answer_reward
     from grpotrl.templates import stop_token_ids
 
     model = resolve_model_path("smollm2-135m-instruct")
@@ -85,18 +81,10 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
                   use_cpu=not torch.cuda.is_available(), bf16=False, disable_dropout=True, save_strategy="no", seed=0,
                   temperature=0.9, beta=0.04,
                   generation_kwargs={"suppress_tokens": stops})  # every completion is `length` tokens
-    dataset = load_quickstart("train")
     timer = _runner.step_timer()
-    if variant == "trl":
-        args = trl.GRPOConfig(**common)
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset,
-                                  callbacks=[timer])
-    else:
-        penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                         min_new_tokens=min(8, length // 2)) if variant == "on" else {}
-        args = grpotrl.GRPOConfig(**common, **penalties)
-        trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=args,
-                                      train_dataset=dataset, callbacks=[timer])
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                     min_new_tokens=min(8, length // 2)) if variant == "on" else {}
+    trainer = _runner.quickstart_trainer(variant, common, [timer], **penalties)
     gen_peak: list[int] = []
     generation_peak(trainer.model, gen_peak)
     trainer.train()
