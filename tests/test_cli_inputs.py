@@ -168,6 +168,35 @@ def test_cli_dataset_error_comes_before_the_model_load(tmp_path, smollm2_path, n
                          "--reward_funcs", "exact_answer"])
 
 
+def test_cli_sft_takes_chat_template_path_for_a_tokenizer_without_one(tmp_path, tiny_llama, no_model_load):
+    """The "no chat template" error tells the user to give SFT one with `chat_template_path`: the CLI
+    takes that path (TRL installs the template), and only conversational data needs a template."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(cfg))
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}?"}],
+                                        "completion": [{"role": "assistant", "content": str(i)}]}) + "\n"
+                            for i in range(4)))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"{i} plus one is {i + 1}."}) + "\n" for i in range(4)))
+    args = ["--model_name_or_path", str(base), "--use_cpu", "true", "--max_steps", "1"]
+    with pytest.raises(InputError, match="has no chat template, and the data is conversational"):
+        cli.run("sft", [*args, "--dataset_name", str(chat), "--output_dir", str(tmp_path / "o1")])
+    for i, extra in enumerate((["--dataset_name", str(chat), "--chat_template_path", str(template)],
+                               ["--dataset_name", str(text)])):  # every check passed: the model load is next
+        with pytest.raises(AssertionError, match="a model was loaded"):
+            cli.run("sft", [*args, *extra, "--output_dir", str(tmp_path / f"out{i}")])
+
+
 # ---------------------------------------------------------------------------------------------
 # Rewards
 # ---------------------------------------------------------------------------------------------
