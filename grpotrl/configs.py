@@ -49,7 +49,8 @@ class GuardFields(TemplateGuardFields):
         metadata={"help": "I10: on the first microbatch of step 0, before any update, the reference's and the old "
                   "policy's per-token logprobs (where the run computes them: beta > 0; num_iterations > 1 or IS "
                   "correction) must equal the loss's own (KL 0, ratio 1), within 1e-4 nats per token in fp32 and "
-                  "0.05 mean / 1.0 max under bf16/fp16. Costs one comparison of tensors the step computes anyway."},
+                  "0.05 mean / 1.0 max under bf16/fp16. Costs one comparison of tensors the step computes anyway. "
+                  "Off with the other guards when guard_steps=0."},
     )
     sampler_gap_threshold: float = field(
         default=0.1,

@@ -89,6 +89,11 @@ def reference_causes(policy_model, ref_model, peft_ref_adapter: str | None) -> s
         r = next((x.dtype for x in ref_model.parameters() if x.is_floating_point()), None)
         if p != r:
             found.append(f"the reference model is in {r} and the policy in {p}: load both in one dtype")
+        elif (name := _first_different_weight(policy_model, ref_model)) is not None:
+            found.append(f"the weight {name!r} differs between the policy and the reference, which TRL loaded from "
+                         f"{getattr(ref_model.config, '_name_or_path', '?')!r} (the policy's config path): a model "
+                         "object changed after loading, or another checkpoint under that path; pass the trainer a "
+                         "path, or save the changed model and pass that")
         if ref_model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in ref_model.modules()):
             found.append("the reference model is in training mode with dropout on: call ref_model.eval() or "
                          "disable_dropout=True")
@@ -99,6 +104,19 @@ def reference_causes(policy_model, ref_model, peft_ref_adapter: str | None) -> s
         found.append("the reference model is not the policy's checkpoint (another path or revision), or it "
                      "received other position ids / attention masks")
     return " Likely cause: " + "; ".join(found) + "."
+
+
+def _first_different_weight(policy_model, ref_model) -> str | None:
+    """The first parameter name whose values differ between the two models (same names, same
+    shapes; sharded or renamed parameters are skipped). Only called once I10 has failed."""
+    ref = dict(ref_model.named_parameters())
+    with torch.no_grad():
+        for name, p in policy_model.named_parameters():
+            r = ref.get(name)
+            if r is not None and r.shape == p.shape and p.numel() and not torch.equal(p.detach().to(r.device, r.dtype),
+                                                                                         r.detach()):
+                return name
+    return None
 
 
 def raw_ratio_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,

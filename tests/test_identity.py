@@ -88,6 +88,21 @@ def test_I10_reference_in_bf16_stops_at_step_1(tiny_llama, grpo_args):
     assert trainer.state.global_step == 0
 
 
+def test_I10_model_object_changed_after_loading_is_not_its_reference(tiny_llama, grpo_args):
+    """TRL loads the reference from the policy's config path: a model object edited in memory (here its
+    final norm) trains against the checkpoint on disk. I10 names the weight that differs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)
+    with pytest.raises(InvariantError, match=r"(?s)\[I10\].*the weight 'model\.norm\.weight' differs"):
+        _trainer(model, grpo_args(max_steps=1)).train()
+    trainer = _trainer(model, grpo_args(max_steps=1, guard_steps=0))  # guards off: I10 too
+    trainer.train()
+    assert not _logged(trainer, "identity/step0_ref_logp_gap/max")
+
+
 def test_I10_reference_with_dropout_on_stops(tiny_gpt2, grpo_args):
     trainer = _trainer(tiny_gpt2, grpo_args())
     for m in trainer.ref_model.modules():
@@ -126,7 +141,7 @@ def test_I10_off_and_not_checked_under_active_dropout(tiny_gpt2, grpo_args, capl
     trainer.ref_model.to(torch.bfloat16)
     trainer.train()  # the user turned it off: no error, nothing logged
     assert not _logged(trainer, "identity/step0_ref_logp_gap/max")
-    trainer = _trainer(tiny_gpt2, grpo_args(disable_dropout=False, max_steps=1, guard_steps=0))
+    trainer = _trainer(tiny_gpt2, grpo_args(disable_dropout=False, max_steps=1))
     with caplog.at_level(logging.WARNING, logger="grpotrl"):
         trainer.train()
     assert "I10 (step-0 identity of reference and old policy) is not checked while dropout is active" in caplog.text

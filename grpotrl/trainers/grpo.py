@@ -127,7 +127,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._warned_dropout = False  # I5 skipped while dropout is active: said once
-        self._identity_due = bool(args.check_step0_identity)  # I10 on the first training microbatch
+        self._identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10, first microbatch
         self._warned_sampler_gap = False
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
