@@ -58,7 +58,8 @@ def judges_at(url: str, model: str) -> str:
     """The recipe's own judges, pointed at the test server (the --judges JSON override)."""
     judges = yaml.safe_load((ROOT / JUDGES_RECIPE).read_text())["judges"]
     for settings in judges.values():
-        settings.update(base_url=url, model=model, max_tokens=8, max_retries=0)
+        # timeout: a saturated 2-core machine can take over a minute per reply (seen at 60 s under load)
+        settings.update(base_url=url, model=model, max_tokens=8, max_retries=0, timeout=300)
     return json.dumps(judges)
 
 
