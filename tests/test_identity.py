@@ -182,5 +182,7 @@ def test_sampler_at_another_temperature_or_top_k_trips_the_gate(tiny_llama, grpo
 def test_sampler_gap_settings_are_checked():
     with pytest.raises(grpotrl.InputError, match="sampler_gap_action='loud'"):
         grpotrl.GRPOConfig(output_dir="x", sampler_gap_action="loud")
-    with pytest.raises(grpotrl.InputError, match="sampler_gap_threshold=nan"):
+    with pytest.raises(grpotrl.InputError, match=r"sampler_gap_threshold\W+nan"):
         grpotrl.GRPOConfig(output_dir="x", sampler_gap_threshold=float("nan"))
+    with pytest.raises(grpotrl.InputError, match=r"sampler_gap_threshold=0\b.*> 0"):
+        grpotrl.GRPOConfig(output_dir="x", sampler_gap_threshold=0)
