@@ -226,7 +226,7 @@ def run(command: str, argv: list[str]) -> None:
         if isinstance(reward_funcs, dict) or training_args.cagrad != "off":  # task labels each have rewards
             from grpotrl.trainers.multitask import check_tasks
 
-            check_tasks(reward_funcs, training_args, train_dataset, eval_dataset)
+            check_tasks(reward_funcs, training_args, train_dataset, eval_dataset, wrap=False)
     if command == "gad" and training_args.discriminator_model_name_or_path:
         validation.check_discriminator_source(training_args.discriminator_model_name_or_path)
     if command in ("grpo", "gad"):  # prompts the model's context cannot hold (its config only)

@@ -286,8 +286,9 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
 
 
-def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
-    """Everything about tasks that can be wrong, before TRL loads anything."""
+def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset, wrap: bool = True):
+    """Everything about tasks that can be wrong, before TRL loads anything. Returns the flat reward list
+    TRL takes (``wrap=False``: the CLI's pre-load check, whose local judges are not loaded yet)."""
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
         for d in datasets_of(ds):
@@ -316,7 +317,7 @@ def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset):
         raise InputError(f"task(s) {missing} in the data have no reward functions: reward_funcs has "
                          f"{list(reward_funcs)}. Add an entry for each task (or drop those rows).")
     check_reward_signal(reward_funcs, train_dataset, "train", column)  # each task's columns on its own rows
-    return per_task(reward_funcs, column)
+    return per_task(reward_funcs, column) if wrap else reward_funcs
 
 
 def _last_block_params(model) -> list[torch.Tensor]:
