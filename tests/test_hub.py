@@ -209,3 +209,45 @@ def test_trl_first_example_everything_by_hub_id(hub_tiny_llama, hub_tiny_reward,
     assert 0.0 <= logs["rewards/short_answer/mean"] <= 1.0
     assert logs["rewards/facts/mean"] == pytest.approx(1.0)  # VERDICT 5 on 1-5
     assert math.isfinite(logs["rewards/tiny-reward/mean"])  # the reward model scored every completion
+
+
+def test_recipe_by_hub_ids_with_dotted_reward_and_http_judge_through_cli_and_accelerate(hub_tiny_llama, tmp_path):
+    """The same run as a recipe: model and dataset by Hub id, a dotted reward from the user's module
+    and an HTTP judge, through `grpotrl grpo` and through `accelerate launch` (offline, from the cache)."""
+    import yaml
+    from hub_server import LoopbackHub
+    from judge_server import LoopbackJudge
+    from test_cli_inputs import _parquet
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? Answer with just the number."}],
+             "answer": str(2 * i)} for i in range(8)]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": HUB_CACHE, "HF_HUB_DISABLE_TELEMETRY": "1",
+           "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    with LoopbackHub({"tester/sums": {"data/train-00000-of-00001.parquet": _parquet(rows)}}) as server:
+        fetch = subprocess.run([sys.executable, "-c", "import datasets; datasets.load_dataset('tester/sums')"],
+                               env={**env, "HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0",
+                                    "HF_DATASETS_OFFLINE": "0"}, capture_output=True, text=True, timeout=300)
+        assert fetch.returncode == 0, fetch.stderr[-3000:]
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with LoopbackJudge(reply="VERDICT: 5") as judge:
+        for launcher in (["-m", "grpotrl.cli"],
+                         ["-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+                          str(ROOT / "recipes/accelerate/single.yaml"), "-m", "grpotrl.cli"]):
+            out = tmp_path / f"out-{len(launcher)}"
+            recipe = tmp_path / f"recipe-{len(launcher)}.yaml"
+            recipe.write_text(yaml.safe_dump({
+                "model_name_or_path": hub_tiny_llama, "dataset_name": "tester/sums",
+                "reward_funcs": ["my_rewards.short_answer", "facts"],
+                "judges": {"facts": {"base_url": judge.url, "model": "judge", "rubric": "hallucination",
+                                     "rubric_columns": {"reference": "answer"}, "max_retries": 0}},
+                "output_dir": str(out), "max_steps": 1, "logging_steps": 1, "save_strategy": "no",
+                "report_to": "none", "use_cpu": True, "bf16": False, "max_completion_length": 6,
+                "per_device_train_batch_size": 4, "num_generations": 4, "health_report_steps": 0}))
+            proc = subprocess.run([sys.executable, *launcher, "grpo", "--config", str(recipe)], env=offline,
+                                  capture_output=True, text=True, timeout=900, cwd=tmp_path)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            logs = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "reward" in h]
+            assert logs and logs[0]["rewards/facts/mean"] == pytest.approx(1.0)
+            assert 0.0 <= logs[0]["rewards/short_answer/mean"] <= 1.0
+        assert len(judge.chat_requests) == 8  # 4 completions judged in each of the two runs
