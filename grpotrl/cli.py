@@ -14,15 +14,17 @@ plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / 
 line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
 with the closest known names; so is a value its field's type cannot hold (``recipe_types``).
 
-Order: parse -> model path and quantization/LoRA settings -> tokenizer (chat template, stop
-tokens) -> dataset (+ rewards, judges and the columns they read) -> resume checkpoint (every
-file present and whole); only then are the model and any local judge loaded, so bad input costs
-seconds, not a model load. Datasets and models are what ``trl grpo`` takes: a Hub id goes to
-``datasets`` / ``transformers`` unchanged and is downloaded and cached by them (offline, read from
-their cache), so grpotrl downloads what TRL would, nothing more; shipped datasets (``quickstart``,
-``multitask``, ``gad_toy``) and local files need no network. Rewards are named
-(``validation.resolve_reward_funcs``: the recipe's judges, grpotrl's and TRL's built-ins, dotted
-import paths, ``task:name`` per task, which trains with ``MultiTaskGRPOTrainer``, as does
+Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model path and its load
+settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
+the reward names and judges (parsed, not resolved) -> the output dir -> the trainer, whose
+preflight (``grpotrl/preflight.py``) checks rows, model, tokenizer, chat template, stop tokens,
+rewards (names resolved, the columns they read) and the resume checkpoint, once, before TRL loads
+the model and before any local judge is loaded; so bad input costs seconds, not a model load. Datasets and models are what ``trl grpo`` takes: a
+Hub id goes to ``datasets`` / ``transformers`` unchanged and is downloaded and cached by them
+(offline, read from their cache), so grpotrl downloads what TRL would, nothing more; shipped
+datasets (``quickstart``, ``multitask``, ``gad_toy``) and local files need no network. Rewards are
+named (``rewards.resolve.resolve_reward_funcs``: the recipe's judges, grpotrl's and TRL's built-ins,
+dotted import paths, ``task:name`` per task, which trains with ``MultiTaskGRPOTrainer``, as does
 ``cagrad``) or a ``reward_model_name_or_path``; judges are declared in the recipe
 (``grpotrl.rewards.recipe``).
 """
@@ -36,8 +38,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl import preflight_data, recipe_types, templates, validation
+from grpotrl import recipe_types
 from grpotrl.errors import HealthStop, InputError
+from grpotrl.rewards.resolve import REWARD_FUNCS
 
 COMMANDS = ("sft", "grpo", "gad")
 USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n       grpotrl report OUTPUT_DIR [--out DIR]"
@@ -75,7 +78,7 @@ class GRPOScriptArguments(ScriptArguments):
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": "Reward functions, each a name looked up in this order: a judge of `judges`; grpotrl's "
-                  f"{list(validation.REWARD_FUNCS)} (grpotrl/rewards/rules.py); TRL's `trl grpo` names "
+                  f"{list(REWARD_FUNCS)} (grpotrl/rewards/rules.py); TRL's `trl grpo` names "
                   "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); a "
                   "dotted import path to your own function (my_lib.rewards.custom_reward; the working directory "
                   "and PYTHONPATH are searched). As task:name (every entry) for rewards per task, e.g. "
@@ -164,111 +167,59 @@ def _with_hints(keys: list[str], known: set[str]) -> str:
 def run(command: str, argv: list[str]) -> None:
     script_args, training_args, model_args = parse_args(command, argv)
 
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
+    from grpotrl.checkpoints import check_output_dir, resume_requested
     from grpotrl.data import load_splits, pick_split
-    from grpotrl.hub import check_model_source
-    from grpotrl.hub import generation_config as hub_generation_config
     from grpotrl.models import resolve_model_path
-    from grpotrl.rewards.recipe import load_local_judges, parse_judges
-    from grpotrl.trainers._common import _is_conversational, check_model_args, resume_checkpoint
+    from grpotrl.preflight_model import check_model_args
+    from grpotrl.rewards.recipe import parse_judges
+    from grpotrl.rewards.resolve import RewardNames
 
     ################
-    # Model path and tokenizer: checked before any weights are read
+    # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight.py)
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
-    revision = model_args.model_revision
-    check_model_source(model_path, revision)  # Hub ids: config and tokenizer files only, no weights yet
-    check_model_args(model_args, model_path)  # quantization needs LoRA; LoRA targets exist
-    validation.check_tokenizer_files(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_path, revision=revision, trust_remote_code=training_args.trust_remote_code
-    )
-    stop_ids = templates.stop_token_ids(tokenizer, hub_generation_config(model_path, revision))
+    check_model_args(model_args, model_path)  # the recipe's quantization needs LoRA; LoRA targets exist
+    training_args.model_init_kwargs = {  # as `trl grpo` sets them; device_map None: the Trainer places the model
+        "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype, "device_map": None,
+        **(training_args.model_init_kwargs or {}),
+    }
 
     ################
-    # Dataset, rewards and judges
+    # Datasets, rewards and judges (HTTP judges built, local ones checked: they load after every check)
     ################
     splits = load_splits(script_args.dataset_name, script_args.dataset_config)
     train_dataset = pick_split(splits, script_args.dataset_train_split, script_args.dataset_name)
-    kind = "sft" if command == "sft" else "grpo"
-    validation.check_dataset(train_dataset, script_args.dataset_train_split, kind=kind)
-    # a chat template where the data is conversational (SFT: unless chat_template_path installs one), and
-    # I2: the checkpoint's template and chat_template_kwargs are this run's, before the weights are read
-    # (SFT rows may carry their own chat_template_kwargs: SFTTrainer compares those)
-    chat_template_kwargs = None if command == "sft" else training_args.chat_template_kwargs or {}
-    if _is_conversational(train_dataset) and getattr(training_args, "chat_template_path", None) is None:
-        templates.require_chat_template(tokenizer)
-        if getattr(training_args, "check_template", True):
-            templates.check_fingerprint(model_path, tokenizer, revision=revision,
-                                        chat_template_kwargs=chat_template_kwargs)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = pick_split(splits, script_args.dataset_test_split, script_args.dataset_name)
-        validation.check_dataset(eval_dataset, script_args.dataset_test_split, kind=kind)
-    if command == "gad":  # rows need the teacher's response
-        from grpotrl.trainers.gad import check_teacher_responses
-
-        check_teacher_responses(train_dataset, script_args.dataset_train_split)
-        check_teacher_responses(eval_dataset, script_args.dataset_test_split)
-    if command == "grpo":
-        judges = parse_judges(script_args.judges)  # HTTP judges built, local ones checked, none loaded
-        reward_funcs = validation.resolve_reward_funcs(script_args.reward_funcs, judges,
-                                                       script_args.reward_model_name_or_path)
-        if script_args.reward_model_name_or_path:
-            check_model_source(script_args.reward_model_name_or_path, what="Reward model")
-        validation.check_reward_columns(reward_funcs, train_dataset, script_args.dataset_train_split)
-        preflight_data.check_reward_signal(reward_funcs, train_dataset, script_args.dataset_train_split,
-                                           training_args.task_column)
-        if isinstance(reward_funcs, dict) or training_args.cagrad != "off":  # task labels each have rewards
-            from grpotrl.trainers.multitask import check_tasks
-
-            check_tasks(reward_funcs, training_args, train_dataset, eval_dataset, wrap=False)
-    if command == "gad" and training_args.discriminator_model_name_or_path:
-        validation.check_discriminator_source(training_args.discriminator_model_name_or_path)
-    if command in ("grpo", "gad"):  # prompts the model's context cannot hold (its config only)
-        preflight_data.check_prompt_lengths(train_dataset, script_args.dataset_train_split, tokenizer, model_path,
-                                            revision, training_args.max_completion_length,
-                                            **(getattr(training_args, "chat_template_kwargs", None) or {}))
+    rewards = {}  # GAD's reward is its discriminator, loaded by the trainer; SFT has none
+    if command == "grpo":  # names resolved by the trainer's preflight, after the model and rows passed
+        rewards["reward_funcs"] = RewardNames(script_args.reward_funcs, parse_judges(script_args.judges),
+                                              script_args.reward_model_name_or_path)
 
     ################
-    # Output dir and resume checkpoint: nothing of an earlier run is replaced unless asked
+    # Output dir: nothing of an earlier run is replaced unless asked (the trainer checks the resume checkpoint)
     ################
-    checkpoint = resume_checkpoint(training_args.resume_from_checkpoint, training_args, command, model_args.use_peft)
-    validation.check_output_dir(training_args.output_dir, resume=bool(checkpoint),
-                                overwrite=script_args.overwrite_output_dir)
-    if checkpoint and getattr(training_args, "check_template", True):
-        templates.check_fingerprint(checkpoint, tokenizer,  # I2: the checkpoint's template is this run's
-                                    chat_template_kwargs=chat_template_kwargs)
+    check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
+                     overwrite=script_args.overwrite_output_dir)
 
     ################
-    # Model and trainer
+    # Trainer: its preflight checks model, tokenizer, data, rewards and resume checkpoint, then TRL loads
     ################
     transformers.set_seed(training_args.seed)
-    if command == "grpo":
-        reward_funcs = load_local_judges(reward_funcs, training_args.device)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path,
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype),
-        quantization_config=get_quantization_config(model_args),
-    )
     trainer_cls = {"sft": grpotrl.SFTTrainer, "grpo": grpotrl.GRPOTrainer, "gad": grpotrl.GADTrainer}[command]
-    if command == "grpo" and (isinstance(reward_funcs, dict) or training_args.cagrad != "off"):
+    if command == "grpo" and (rewards["reward_funcs"].per_task or training_args.cagrad != "off"):
         trainer_cls = grpotrl.MultiTaskGRPOTrainer  # rewards per task, CAGrad
-    # GAD's reward is its discriminator, loaded by the trainer; SFT has none
-    rewards = {"reward_funcs": reward_funcs} if command == "grpo" else {}
     trainer = trainer_cls(
-        model=model,
+        model=model_path,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        processing_class=tokenizer,
+        quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
         **rewards,
     )
@@ -276,7 +227,8 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Train, save, summarize
     ################
-    result = trainer.train(resume_from_checkpoint=checkpoint or None, overwrite_output_dir=True)  # checked above
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint,  # checked by the preflight
+                           overwrite_output_dir=True)  # the output dir was checked above
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
     try:  # the run is saved: nothing below may turn it into a failure or skip trainer.end()
@@ -284,7 +236,8 @@ def run(command: str, argv: list[str]) -> None:
         trainer.accelerator.print(summary(command, trainer.state.log_history))
         trainer.accelerator.print(
             f"grpotrl {command}: {trainer.state.global_step} steps"
-            + (f" in {runtime:.0f} s" if _number(runtime) else "") + f", stop ids {stop_ids}; model, tokenizer, "
+            + (f" in {runtime:.0f} s" if _number(runtime) else "")
+            + f", stop ids {getattr(trainer, 'stop_token_ids', '?')}; model, tokenizer, "
             f"template fingerprint and trainer_state.json in {training_args.output_dir}"
         )
     finally:

@@ -213,7 +213,7 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
 
     def __post_init__(self):
         from .recipe_types import check_config_types
-        from .validation import check_ranges
+        from .preflight_model import check_ranges
 
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         check_config_types(self)  # a field set to a value its type cannot hold (bf16=2)
@@ -313,7 +313,7 @@ def _checkpointing_by_its_new_name(args) -> None:
 class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
     def __post_init__(self):
         from .recipe_types import check_config_types
-        from .validation import check_ranges
+        from .preflight_model import check_ranges
 
         check_ranges(self)
         check_config_types(self)
@@ -402,7 +402,7 @@ class GADConfig(GRPOConfig):
     def __post_init__(self):
         from .losses import kl_estimator_name
         from .recipe_types import check_config_types
-        from .validation import check_ranges
+        from .preflight_model import check_ranges
 
         check_ranges(self)
         check_config_types(self)

@@ -5,7 +5,7 @@ with an optional revision. grpotrl hands the same string to ``from_pretrained``;
 small files first (config, tokenizer, chat template, generation config, template fingerprint), so
 bad input stops before a weight is read:
 
-* a local directory: ``validation.check_model_dir`` (config.json, every weight shard complete);
+* a local directory: ``preflight_model.check_model_dir`` (config.json, every weight shard complete);
 * a Hub id: ``config.json`` (or ``adapter_config.json``) through ``transformers.utils.cached_file``,
   the same call ``from_pretrained`` makes (token, revision, ``HF_ENDPOINT``, ``HF_HUB_CACHE`` honoured).
   With ``HF_HUB_OFFLINE=1`` the cached snapshot must also hold complete weights, checked like a local
@@ -76,7 +76,7 @@ def generation_config(name_or_path: str, revision: str | None = None):
 def check_model_source(name_or_path: str | None, revision: str | None = None, what: str = "Model") -> None:
     """Raise ``InputError`` unless ``name_or_path`` is a complete local checkpoint (or PEFT adapter)
     directory, or a Hub model that can be loaded: reachable, or cached when offline."""
-    from .validation import check_model_dir
+    from .preflight_model import check_model_dir
 
     if not name_or_path or is_local(name_or_path) or not looks_like_hub_id(name_or_path):
         check_model_dir(name_or_path)  # local checks, and the errors for paths that do not exist

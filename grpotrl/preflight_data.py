@@ -1,13 +1,14 @@
-"""Data that loads but cannot train, or does not load for a reason ``datasets`` buries: found
-before any weights are read, each an ``InputError`` (or a warning) naming the file, line or rows.
+"""Datasets that load but cannot train, or do not load for a reason ``datasets`` buries: checked
+once, before any weights are read, each an ``InputError`` (or a warning) naming the file, line or rows.
 
+* ``check_dataset``: GRPO needs a ``prompt`` column, each row a non-empty list of chat messages
+  (or a non-empty string), all one kind (``check_prompt_kinds``: TRL formats a batch by its
+  first row and fails at the first step on a mix); SFT takes what ``trl.SFTTrainer`` takes
+  (``check_sft_dataset``); the first bad row is named by its index. A dataset object that
+  passed is not read again with the same settings.
 * ``check_data_file`` / ``load_error_cause``: a local json/jsonl/csv file that is empty or not
   UTF-8 (``datasets`` raised ``StopIteration``, or loaded it and failed at the first row read),
   and the real cause of a ``DatasetGenerationError`` (the first bad JSON line, pandas' CSV line).
-* ``check_prompt_kinds``: every GRPO prompt a chat (a list of messages) or every one plain text;
-  TRL decides per batch from its first row and fails at the first step on a mix.
-* ``check_reward_signal``: a column a reward function reads that is empty or None on every row
-  (the reward is constant: zero signal) is refused; on some rows, a warning naming them.
 * ``check_prompt_lengths``: prompts, as the chat template renders them, longer than the model's
   context (``max_position_embeddings`` from its config, no weights) are refused, naming rows.
 """
@@ -15,11 +16,11 @@ before any weights are read, each an ``InputError`` (or a warning) naming the fi
 from __future__ import annotations
 
 import codecs
-import inspect
+import itertools
 import json
 import logging
 import os
-from collections.abc import Mapping
+import weakref
 
 from .errors import InputError
 
@@ -110,6 +111,197 @@ def load_error_cause(path: str, err: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+def _messages_problem(value, what: str, last_role: str | None = None, min_len: int = 1) -> str | None:
+    """Why ``value`` is not a list of chat messages, or None when it is."""
+    if not isinstance(value, list):
+        return f"{what} is a {type(value).__name__}, not a list of messages"
+    if len(value) < min_len:
+        return f"{what} has {len(value)} messages, needs at least {min_len}"
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"{what}[{j}] is a {type(message).__name__}, not a dict with 'role' and 'content'"
+        if message.get("role") not in ROLES:
+            return f"{what}[{j}] has role {message.get('role')!r}, not one of {list(ROLES)}"
+        if not isinstance(message.get("content"), (str, list)) and not (message.get("content") is None
+                                                                        and message.get("tool_calls")):
+            return f"{what}[{j}] (role {message['role']!r}) has content {message.get('content')!r}, not text"
+    if last_role is not None and value[-1]["role"] != last_role:
+        return f"{what} ends with a {value[-1]['role']!r} message, not an {last_role!r} one"
+    return None
+
+
+def _text_or_messages_problem(value, what: str, last_role: str | None = None) -> str | None:
+    if isinstance(value, str):
+        return f"{what} is an empty string" if not value.strip() else None
+    return _messages_problem(value, what, last_role)
+
+
+ITERABLE_ROWS_CHECKED = 16  # rows of an IterableDataset (streaming) read before training: its first ones only
+
+
+def _first_bad_row(dataset, column: str, problem) -> tuple[int, str] | None:
+    """(index, why) of the first row whose ``column`` value ``problem`` rejects, or None."""
+    values = (row[column] for row in dataset) if isinstance(dataset, list) else dataset[column]  # rows, or a Dataset
+    for i, value in enumerate(values):
+        why = problem(value)
+        if why is not None:
+            return i, why
+    return None
+
+
+def _rows_to_check(dataset, split_name: str):
+    """``(dataset, columns)``: a map-style dataset as it is; an ``IterableDataset`` (streaming) as a
+    list of its first ``ITERABLE_ROWS_CHECKED`` rows, read once (the stream restarts for training)."""
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and hasattr(dataset, "column_names"):
+        return dataset, dataset.column_names
+    if not hasattr(dataset, "__iter__") or isinstance(dataset, (str, bytes, dict)):
+        raise InputError(
+            f"The {split_name!r} split is a {type(dataset).__name__}, not a datasets.Dataset or IterableDataset. "
+            "Load it with `datasets.load_dataset(...)` or `datasets.Dataset.from_list(rows)`."
+        )
+    rows = list(itertools.islice(iter(dataset), ITERABLE_ROWS_CHECKED))
+    columns = getattr(dataset, "column_names", None) or (list(rows[0]) if rows else [])
+    return rows, columns
+
+
+_PASSED = weakref.WeakKeyDictionary()  # dataset -> the check settings it passed with: not read twice
+
+
+def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional: bool = False,
+                  **sft_options) -> None:
+    """Raise ``InputError`` unless ``dataset`` has the columns and row shapes ``kind`` needs.
+
+    GRPO: ``prompt``, each row a non-empty list of chat messages (or a non-empty string); with
+    ``prompt_optional`` (an ``environment_factory`` supplies prompts) rows may have none. An
+    ``IterableDataset`` (streaming) is checked on its first ``ITERABLE_ROWS_CHECKED`` rows.
+    SFT: see ``check_sft_dataset`` (``sft_options`` go there). A dataset object that passed with
+    the same settings returns at once (``datasets`` objects do not change in place).
+    """
+    if kind not in ("grpo", "sft"):
+        raise ValueError(f"kind must be 'grpo' or 'sft', got {kind!r}")
+    settings = (kind, prompt_optional, tuple(sorted(sft_options.items(), key=lambda kv: kv[0])))
+    try:
+        if settings in _PASSED.get(dataset, ()):
+            return
+    except TypeError:  # a list of rows, which cannot be weakly referenced: checked every time
+        pass
+    if kind == "sft":
+        check_sft_dataset(dataset, split_name, **sft_options)
+    else:
+        _check_grpo_dataset(dataset, split_name, prompt_optional)
+    try:
+        _PASSED.setdefault(dataset, set()).add(settings)
+    except TypeError:
+        pass
+
+
+def _check_grpo_dataset(dataset, split_name: str, prompt_optional: bool) -> None:
+    rows, columns = _rows_to_check(dataset, split_name)
+    if len(rows) == 0:
+        raise InputError(
+            f"The {split_name!r} split is empty (columns {columns}). Point the recipe at a split with rows."
+        )
+    if "prompt" not in columns and prompt_optional:
+        return
+    if "prompt" not in columns:
+        raise InputError(
+            f"GRPO needs a 'prompt' column, but the {split_name!r} split has columns {columns}. Each prompt "
+            'is a list of chat messages such as [{"role": "user", "content": "What is 7 + 5?"}]. Rename your '
+            "question column (`dataset.rename_column(old, 'prompt')`) or map your rows into that shape."
+        )
+    bad = _first_bad_row(rows, "prompt", lambda v: _text_or_messages_problem(v, "prompt"))
+    if bad is not None:
+        index, why = bad
+        raise InputError(
+            f"Row {index} of the {split_name!r} split (GRPO): {why}. A valid row looks like {_EXAMPLE} "
+            f"(chat messages with role in {list(ROLES)} and text content). Fix or drop that row."
+        )
+    check_prompt_kinds(rows, split_name)  # TRL formats a batch by its first row: a mix fails at step 1
+
+
+_EXAMPLE = ('{"prompt": [{"role": "user", "content": "What is 7 + 5?"}], '
+            '"completion": [{"role": "assistant", "content": "12"}]}')
+
+
+def _sft_messages_problem(value, what: str) -> str | None:
+    """Why ``value`` cannot be rendered by a chat template, or None: a list of dicts with a role
+    (any role and content the template takes: tool calls with content None, multimodal parts)."""
+    if not isinstance(value, list):
+        return f"{what} is a {type(value).__name__}, not a list of messages"
+    for j, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role", message.get("from")), str):
+            return f"{what}[{j}] is {message!r}, not a dict with a 'role'"
+    return None
+
+
+def _sft_column(dataset, first: dict, column: str) -> list:
+    """A map-style dataset's whole column; a stream's first value (a stream is read lazily)."""
+    return dataset[column] if hasattr(dataset, "__len__") else [first[column]]
+
+
+def check_sft_dataset(dataset, split_name: str, text_field: str = "text", formatting_func=None,
+                      skip_prepare: bool = False) -> None:
+    """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly; accept what it accepts.
+
+    A ``Dataset`` or ``IterableDataset`` (streams: their first row), not empty, in one of TRL's layouts:
+    ``text_field`` (language modelling), ``messages`` or ``conversations`` (conversational language
+    modelling), ``prompt`` + ``completion`` (both strings or both message lists), or ``input_ids``
+    (pre-tokenized). With a ``formatting_func`` or ``skip_prepare`` (``dataset_kwargs``), the columns
+    are the function's or the collator's business and only emptiness is checked.
+    """
+    if not hasattr(dataset, "column_names") or getattr(dataset, "format", {}).get("type") == "custom":
+        return  # not a datasets object, or a with_transform one: trl.SFTTrainer says what it needs
+    try:
+        first = next(iter(dataset))
+    except StopIteration:
+        raise InputError(
+            f"The {split_name!r} split is empty (columns {dataset.column_names}). Point the recipe at a split "
+            "with rows."
+        ) from None
+    columns = dataset.column_names or list(first)
+    if formatting_func is not None or skip_prepare or "input_ids" in columns:
+        return
+    example = _EXAMPLE
+    bad = None
+    if "prompt" in columns and "completion" in columns:
+        pairs = zip(_sft_column(dataset, first, "prompt"), _sft_column(dataset, first, "completion"))
+        for i, (prompt, completion) in enumerate(pairs):
+            if isinstance(prompt, str) != isinstance(completion, str):
+                bad = (i, "prompt and completion must both be message lists or both strings, got a "
+                          f"{type(prompt).__name__} and a {type(completion).__name__}")
+            elif not isinstance(prompt, str):
+                why = _sft_messages_problem(prompt, "prompt") or _sft_messages_problem(completion, "completion")
+                bad = (i, why) if why else None
+            if bad:
+                break
+    elif "messages" in columns or "conversations" in columns:
+        column = "messages" if "messages" in columns else "conversations"
+        values = _sft_column(dataset, first, column)
+        bad = next(((i, why) for i, v in enumerate(values) if (why := _sft_messages_problem(v, column))), None)
+    elif text_field in columns:
+        if not isinstance(first[text_field], str):
+            bad = (0, f"{text_field!r} is a {type(first[text_field]).__name__}, not a string")
+    else:
+        raise InputError(
+            f"SFT takes a {text_field!r} column (plain text; `dataset_text_field` names another), 'messages', "
+            f"'prompt' + 'completion', or tokenized 'input_ids', but the {split_name!r} split has columns "
+            f"{columns}. For SFT followed by RL, a row looks like {example}. Rename or map your columns, or pass "
+            "a `formatting_func`."
+        )
+    if bad is not None:
+        index, why = bad
+        raise InputError(
+            f"Row {index} of the {split_name!r} split (SFT): {why}. A conversational row looks like {example}. "
+            "Fix or drop that row."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------------
 
@@ -129,48 +321,6 @@ def check_prompt_kinds(dataset, split_name: str, column: str = "prompt") -> None
             f"({_rows(plain)}); TRL formats a whole batch one way and fails at the first step. Make every prompt "
             'one kind, e.g. map plain text to [{"role": "user", "content": text}].'
         )
-
-
-def _useless(value) -> bool:
-    return value is None or (isinstance(value, (str, list, dict)) and not (value.strip() if isinstance(value, str)
-                                                                             else value))
-
-
-def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str = "task") -> None:
-    """A dataset column a reward function reads (a required argument named after it) that is
-    None or empty on every row it scores gives that reward nothing to compare with: an
-    ``InputError`` naming the column and the function. Empty on some rows: a warning naming them.
-    Per-task rewards (a mapping task -> functions) are checked on their task's rows."""
-    if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
-        return
-    everyone = list(range(len(dataset)))
-    def listed(funcs) -> list:  # one function, or a list of them, as TRL takes them
-        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
-
-    if isinstance(reward_funcs, Mapping):
-        labels = [str(t) for t in dataset[task_column]] if task_column in dataset.column_names else []
-        scored = [(f, [i for i, t in enumerate(labels) if t == str(task)], f" (task {task!r})")
-                  for task, fs in reward_funcs.items() for f in listed(fs)]
-    else:
-        scored = [(f, everyone, "") for f in listed(reward_funcs)]
-    for func, rows, task in scored:
-        if not inspect.isfunction(func) or not rows:
-            continue
-        for name, p in inspect.signature(func).parameters.items():
-            if p.default is not p.empty or name not in dataset.column_names or name in ("prompt", "completion"):
-                continue
-            values = dataset[name]
-            empty = [i for i in rows if _useless(values[i])]
-            if len(empty) == len(rows):
-                raise InputError(
-                    f"Column {name!r} of the {split_name!r} split, which reward {func.__name__}{task} reads, is empty "
-                    f"or None on every row it scores ({len(rows)} rows): that reward would be the same for every "
-                    "completion and train nothing. Fill the column, or drop that reward."
-                )
-            if empty:
-                logger.warning("Column %r of the %r split, which reward %s%s reads, is empty or None on %d of %d rows "
-                               "(%s): those rows get no signal from it.", name, split_name, func.__name__, task,
-                               len(empty), len(rows), _rows(empty))
 
 
 def _utf8_bytes(value) -> int:

@@ -16,10 +16,10 @@ import transformers
 import yaml
 from datasets import Dataset, DatasetDict
 
-from grpotrl import cli, validation
+from grpotrl import cli
 from grpotrl.data import SHIPPED, load_shipped, load_splits, pick_split
 from grpotrl.errors import InputError
-from grpotrl.rewards import rules
+from grpotrl.rewards import resolve, rules
 from grpotrl.rewards.judges import HttpJudge
 from grpotrl.rewards.recipe import LocalJudgeSpec, parse_judges
 from grpotrl.rewards.rubrics import FAIRNESS, HALLUCINATION
@@ -35,7 +35,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was validated")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", refuse)
 
 
 def rows(split: str, n: int = 3) -> list[dict]:
@@ -207,29 +207,29 @@ def test_rewards_resolve_like_trl_grpo_plus_grpotrl_names(monkeypatch):
 
     from trl.rewards import accuracy_reward, think_format_reward
 
-    funcs = validation.resolve_reward_funcs(["exact_answer", "accuracy_reward", "think_format_reward",
+    funcs = resolve.resolve_reward_funcs(["exact_answer", "accuracy_reward", "think_format_reward",
                                              "my_rewards.short_answer"])
     assert funcs == [rules.exact_answer_reward, accuracy_reward, think_format_reward, my_rewards.short_answer]
-    assert validation.resolve_reward_funcs(["format"], reward_model="some/reward-model") == [
+    assert resolve.resolve_reward_funcs(["format"], reward_model="some/reward-model") == [
         "some/reward-model", rules.format_reward]  # the reward model first, as trl grpo puts it
-    assert validation.resolve_reward_funcs(None, reward_model="rm") == ["rm"]
-    per_task = validation.resolve_reward_funcs(["a:my_rewards.short_answer", "b:get_soft_overlong_punishment"])
+    assert resolve.resolve_reward_funcs(None, reward_model="rm") == ["rm"]
+    per_task = resolve.resolve_reward_funcs(["a:my_rewards.short_answer", "b:get_soft_overlong_punishment"])
     assert per_task["a"] == [my_rewards.short_answer] and callable(per_task["b"][0])
 
 
 def test_reward_errors_list_the_options():
     with pytest.raises(InputError, match=r"GRPO needs at least one reward.*reward_model_name_or_path"):
-        validation.resolve_reward_funcs(None)
+        resolve.resolve_reward_funcs(None)
     with pytest.raises(InputError, match=r"Unknown reward function\(s\) \['exact'\].*Known: \['j', 'exact_answer'"):
-        validation.resolve_reward_funcs(["exact"], judges={"j": lambda **kw: []})
+        resolve.resolve_reward_funcs(["exact"], judges={"j": lambda **kw: []})
     with pytest.raises(InputError, match=r"cannot import module 'no_such_lib.rewards'.*PYTHONPATH"):
-        validation.resolve_reward_funcs(["no_such_lib.rewards.f"])
+        resolve.resolve_reward_funcs(["no_such_lib.rewards.f"])
     with pytest.raises(InputError, match=r"has no callable 'nope'; its callables: \[.*'exact_answer_reward'"):
-        validation.resolve_reward_funcs(["grpotrl.rewards.rules.nope"])
+        resolve.resolve_reward_funcs(["grpotrl.rewards.rules.nope"])
     with pytest.raises(InputError, match="scores every row, but `reward_funcs` gives rewards per task"):
-        validation.resolve_reward_funcs(["a:format"], reward_model="rm")
+        resolve.resolve_reward_funcs(["a:format"], reward_model="rm")
     with pytest.raises(InputError, match=r"Judge name\(s\) \['format'\].*also built-in"):
-        validation.resolve_reward_funcs(["format"], judges={"format": lambda **kw: []})
+        resolve.resolve_reward_funcs(["format"], judges={"format": lambda **kw: []})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,13 +304,13 @@ def test_an_api_key_in_a_recipe_is_refused_without_being_shown(settings, tmp_pat
 
 def test_judge_columns_are_checked_against_the_dataset():
     judges = parse_judges({"facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "context"}}})
-    funcs = validation.resolve_reward_funcs(["hallucination:facts", "fairness:format"], judges)
+    funcs = resolve.resolve_reward_funcs(["hallucination:facts", "fairness:format"], judges)
     assert funcs["hallucination"] == [judges["facts"]]
     with pytest.raises(InputError, match=r"Judge 'facts' \(rubric 'hallucination'\) reads the dataset column\(s\) "
                                          r"\['context'\].*rubric_columns"):
-        validation.check_reward_columns(funcs, load_shipped("multitask"), "train")
+        resolve.check_reward_columns(funcs, load_shipped("multitask"), "train")
     good = parse_judges({"facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "answer"}}})
-    validation.check_reward_columns(validation.resolve_reward_funcs(["facts"], good), load_shipped("multitask"),
+    resolve.check_reward_columns(resolve.resolve_reward_funcs(["facts"], good), load_shipped("multitask"),
                                     "train")
 
 
@@ -468,7 +468,7 @@ def test_mixed_chat_and_plain_prompts_are_refused_before_load(tmp_path, smollm2_
 def test_a_reward_column_empty_on_every_row_is_refused_and_on_some_rows_named(tmp_path, smollm2_path,
                                                                               no_model_load, capsys, caplog):
     """Issue 16: every `answer` empty trained with zero signal and no word."""
-    from grpotrl.preflight_data import check_reward_signal
+    from grpotrl.rewards.resolve import check_reward_signal
 
     useless = [{**r, "answer": value} for r, value in zip(rows("train", 4), ["", None, "  ", ""])]
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path,

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 import grpotrl
-from grpotrl.trainers._common import resume_files
+from grpotrl.checkpoints import resume_files
 from grpotrl.trainers.gad_engine import checkpoint_files, deepspeed_config
 
 

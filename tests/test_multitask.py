@@ -381,15 +381,15 @@ def test_recipe_runs_multitask_cagrad_through_the_cli(tiny_llama, tmp_path):
 
 
 def test_per_task_reward_names_in_a_recipe():
-    from grpotrl import validation
+    from grpotrl.rewards import resolve
     from grpotrl.rewards import rules
 
-    assert validation.resolve_reward_funcs(["a:exact_answer", "a:format", "b:even_handed"]) == {
+    assert resolve.resolve_reward_funcs(["a:exact_answer", "a:format", "b:even_handed"]) == {
         "a": [rules.exact_answer_reward, rules.format_reward], "b": [rules.even_handed_reward]}
     with pytest.raises(InputError, match="mixes per-task entries"):
-        validation.resolve_reward_funcs(["a:exact_answer", "format"])
+        resolve.resolve_reward_funcs(["a:exact_answer", "format"])
     with pytest.raises(InputError, match=r"Unknown reward function\(s\) \['a:exact'\]"):
-        validation.resolve_reward_funcs(["a:exact"])
+        resolve.resolve_reward_funcs(["a:exact"])
 
 
 def test_cagrad_under_an_accelerate_deepspeed_launch_is_refused_before_load(tiny_llama, grpo_args, no_model_load,

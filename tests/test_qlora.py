@@ -71,7 +71,7 @@ def test_misspelled_lora_target_module_is_named_with_a_hint(tmp_path, smollm2_pa
 
 
 def test_trainer_refuses_a_quantized_model_without_peft_config(tiny_llama, smollm2_tokenizer, grpo_args):
-    from grpotrl.trainers._common import prepare_model_and_tokenizer
+    from grpotrl.preflight import prepare_model_and_tokenizer
 
     model = load_quantized(tiny_llama, 4)
     with pytest.raises(InputError, match="4-bit.*no peft_config.*LoraConfig"):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpotrl import cli, validation
+from grpotrl import cli
+from grpotrl.rewards import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -142,7 +143,7 @@ def test_method_recipe_parses_into_the_cli_dataclasses(path):
         from grpotrl.rewards.recipe import parse_judges
 
         judges = parse_judges(script_args.judges)
-        assert validation.resolve_reward_funcs(script_args.reward_funcs, judges,
+        assert resolve.resolve_reward_funcs(script_args.reward_funcs, judges,
                                                script_args.reward_model_name_or_path)
 
 

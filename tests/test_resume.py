@@ -26,7 +26,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from grpotrl import validation
+from grpotrl import checkpoints
 from grpotrl.errors import InputError
 
 K, STEPS = 2, 4  # checkpoint at step K, kill during step K + 1, train to STEPS
@@ -217,22 +217,22 @@ def test_incomplete_checkpoint_is_refused_naming_it_and_the_complete_one(runs, t
         with pytest.raises(InputError, match=rf"checkpoint-{STEPS}' is incomplete: .*{EXPECTED[damage]}.*"
                                              rf"--resume_from_checkpoint {out / f'checkpoint-{K}'}"):
             if given is True:
-                validation.find_last_checkpoint(str(out), REQUIRED)
+                checkpoints.find_last_checkpoint(str(out), REQUIRED)
             else:
-                validation.check_resume_checkpoint(given, REQUIRED)
+                checkpoints.check_resume_checkpoint(given, REQUIRED)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing deleted
-    validation.check_resume_checkpoint(str(out / f"checkpoint-{K}"), REQUIRED)
+    checkpoints.check_resume_checkpoint(str(out / f"checkpoint-{K}"), REQUIRED)
 
 
 def test_cli_refuses_an_incomplete_newest_checkpoint_before_loading_weights(runs, tiny_llama, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
+    from transformers import PreTrainedModel
 
     from grpotrl import cli as grpotrl_cli
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the checkpoint was checked")
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", refuse)
     out = tmp_path / "out"
     shutil.copytree(runs[1], out)
     (out / f"checkpoint-{STEPS}" / "optimizer.pt").unlink()  # the Trainer would resume with a fresh Adam, silently
@@ -246,7 +246,7 @@ def test_cli_refuses_an_incomplete_newest_checkpoint_before_loading_weights(runs
 def test_resuming_inside_a_generation_batch_warns_that_it_cannot_be_exact(caplog):
     from types import SimpleNamespace
 
-    from grpotrl.trainers._common import _warn_mid_generation
+    from grpotrl.checkpoints import _warn_mid_generation
 
     # steps_per_generation=4, grad_accum=2: one generation feeds 2 optimizer steps; checkpoint-3 is mid-batch
     args = SimpleNamespace(steps_per_generation=4, num_iterations=1, gradient_accumulation_steps=2)

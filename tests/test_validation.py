@@ -1,4 +1,4 @@
-"""grpotrl.validation and the CLI's pre-flight: every bad input is an ``InputError`` that names
+"""grpotrl's preflight checks (preflight_data, preflight_model, checkpoints, rewards.resolve) and the CLI's pre-flight: every bad input is an ``InputError`` that names
 the bad value, raised before any model is loaded (fast: no weights are read here)."""
 
 import copy
@@ -12,7 +12,8 @@ import transformers
 from datasets import Dataset
 from safetensors.torch import save_file
 
-from grpotrl import cli, templates, validation
+from grpotrl import checkpoints, cli, preflight_data, preflight_model, templates
+from grpotrl.rewards import resolve
 from grpotrl.errors import InputError
 from grpotrl.rewards import rules
 
@@ -27,7 +28,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was validated")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", refuse)
 
 
 def write_weights(directory, name="model.safetensors"):
@@ -43,19 +44,19 @@ def write_weights(directory, name="model.safetensors"):
 def test_grpo_dataset_without_prompt_column_names_the_columns_found():
     ds = Dataset.from_list([{"question": "What is 7 + 5?", "answer": "12"}])
     with pytest.raises(InputError, match=r"'prompt' column.*\['question', 'answer'\]"):
-        validation.check_dataset(ds, "train", kind="grpo")
+        preflight_data.check_dataset(ds, "train", kind="grpo")
 
 
 def test_grpo_dataset_bad_row_is_named_by_index_and_value():
     ds = Dataset.from_list([{"prompt": USER}, {"prompt": [{"role": "usr", "content": "hi"}]}])
     with pytest.raises(InputError, match=r"Row 1 of the 'train' split.*role 'usr'"):
-        validation.check_dataset(ds, "train", kind="grpo")
+        preflight_data.check_dataset(ds, "train", kind="grpo")
 
 
 def test_grpo_dataset_missing_content_is_named():
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "user"}]}])
     with pytest.raises(InputError, match=r"Row 1 .*content None"):
-        validation.check_dataset(ds, "train", kind="grpo")
+        preflight_data.check_dataset(ds, "train", kind="grpo")
 
 
 def test_grpo_streaming_dataset_is_checked_on_its_first_rows_only():
@@ -71,43 +72,43 @@ def test_grpo_streaming_dataset_is_checked_on_its_first_rows_only():
             yield {"prompt": USER if i != bad_at else [{"role": "user", "content": 7}]}
             i += 1
 
-    validation.check_dataset(IterableDataset.from_generator(endless), "train", kind="grpo")
-    assert len(read) <= validation.ITERABLE_ROWS_CHECKED + 1
+    preflight_data.check_dataset(IterableDataset.from_generator(endless), "train", kind="grpo")
+    assert len(read) <= preflight_data.ITERABLE_ROWS_CHECKED + 1
     with pytest.raises(InputError, match="Row 3 of the 'train' split"):
-        validation.check_dataset(IterableDataset.from_generator(endless, gen_kwargs={"bad_at": 3}), "train")
+        preflight_data.check_dataset(IterableDataset.from_generator(endless, gen_kwargs={"bad_at": 3}), "train")
     with pytest.raises(InputError, match="'prompt' column"):
-        validation.check_dataset(Dataset.from_list([{"question": "x"}]).to_iterable_dataset(), "train")
+        preflight_data.check_dataset(Dataset.from_list([{"question": "x"}]).to_iterable_dataset(), "train")
 
 
 def test_grpo_rows_for_an_environment_may_leave_the_prompt_out():
     """With environment_factory the environment's reset() supplies the prompt (TRL's routing rows)."""
     rows = Dataset.from_list([{"environment": "counter"}, {"environment": "echo"}])
-    validation.check_dataset(rows, "train", kind="grpo", prompt_optional=True)
+    preflight_data.check_dataset(rows, "train", kind="grpo", prompt_optional=True)
     with pytest.raises(InputError, match="'prompt' column"):
-        validation.check_dataset(rows, "train", kind="grpo")
+        preflight_data.check_dataset(rows, "train", kind="grpo")
 
 
 def test_grpo_prompt_may_hold_tool_calls_and_plain_text():
     tool_turns = USER + [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
         {"role": "tool", "name": "multiply", "content": "12"}]
-    validation.check_dataset(Dataset.from_list([{"prompt": tool_turns}]), "train", kind="grpo")
-    validation.check_dataset(Dataset.from_list([{"prompt": "What is 7 + 5?"}]), "train", kind="grpo")
+    preflight_data.check_dataset(Dataset.from_list([{"prompt": tool_turns}]), "train", kind="grpo")
+    preflight_data.check_dataset(Dataset.from_list([{"prompt": "What is 7 + 5?"}]), "train", kind="grpo")
 
 
 def test_empty_split_is_an_error():
     ds = Dataset.from_list([{"prompt": USER}]).select([])
     with pytest.raises(InputError, match=r"'test' split is empty"):
-        validation.check_dataset(ds, "test", kind="grpo")
+        preflight_data.check_dataset(ds, "test", kind="grpo")
 
 
 def test_sft_dataset_without_a_layout_trl_takes_names_the_columns_and_the_layouts():
     ds = Dataset.from_list([{"question": "What is 7 + 5?", "answer": "12"}])
     layouts = r"'text' column .*'messages', 'prompt' \+ 'completion'.*\['question', 'answer'\]"
     with pytest.raises(InputError, match=layouts):
-        validation.check_dataset(ds, "train", kind="sft")
-    validation.check_dataset(ds, "train", kind="sft", formatting_func=lambda row: row["question"])
-    validation.check_dataset(ds.rename_column("question", "body"), "train", kind="sft", text_field="body")
+        preflight_data.check_dataset(ds, "train", kind="sft")
+    preflight_data.check_dataset(ds, "train", kind="sft", formatting_func=lambda row: row["question"])
+    preflight_data.check_dataset(ds.rename_column("question", "body"), "train", kind="sft", text_field="body")
 
 
 def test_sft_takes_what_trl_takes():
@@ -120,20 +121,20 @@ def test_sft_takes_what_trl_takes():
                  [{"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [call]}]}],
                  [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}],
                  [{"input_ids": [1, 2, 3]}]):
-        validation.check_dataset(Dataset.from_list(rows), "train", kind="sft")
-        validation.check_dataset(Dataset.from_list(rows).to_iterable_dataset(), "train", kind="sft")
+        preflight_data.check_dataset(Dataset.from_list(rows), "train", kind="sft")
+        preflight_data.check_dataset(Dataset.from_list(rows).to_iterable_dataset(), "train", kind="sft")
 
 
 def test_sft_bad_row_is_named_by_index():
     ds = Dataset.from_list([{"prompt": USER, "completion": ASSISTANT}, {"prompt": [{"content": "hi"}],
                                                                         "completion": ASSISTANT}])
     with pytest.raises(InputError, match=r"Row 1 .*prompt\[0\] .*not a dict with a 'role'"):
-        validation.check_dataset(ds, "train", kind="sft")
+        preflight_data.check_dataset(ds, "train", kind="sft")
     mixed = Dataset.from_list([{"prompt": USER, "completion": "12"}])
     with pytest.raises(InputError, match=r"Row 0 .*must both be message lists or both strings"):
-        validation.check_dataset(mixed, "train", kind="sft")
+        preflight_data.check_dataset(mixed, "train", kind="sft")
     with pytest.raises(InputError, match=r"'eval' split is empty"):
-        validation.check_dataset(ds.select([]), "eval", kind="sft")
+        preflight_data.check_dataset(ds.select([]), "eval", kind="sft")
 
 
 def test_quickstart_data_passes_both_checks():
@@ -141,8 +142,8 @@ def test_quickstart_data_passes_both_checks():
 
     for split in ("train", "test"):
         ds = load_quickstart(split)
-        validation.check_dataset(ds, split, kind="grpo")
-        validation.check_dataset(ds, split, kind="sft")
+        preflight_data.check_dataset(ds, split, kind="grpo")
+        preflight_data.check_dataset(ds, split, kind="sft")
         assert rules.exact_answer_reward(ds["completion"], answer=ds["answer"]) == [1.0] * len(ds)
         assert rules.format_reward(ds["completion"]) == [1.0] * len(ds)
     train = {r[0]["content"] for r in load_quickstart("train")["prompt"]}
@@ -191,29 +192,29 @@ def test_cli_stops_on_a_tokenizer_without_chat_template(tmp_path, smollm2_path, 
 def test_missing_local_model_dir_names_the_path(tmp_path):
     missing = tmp_path / "outputs" / "smollm2-sft-quickstart"
     with pytest.raises(InputError, match=r"does not exist.*run that first"):
-        validation.check_model_dir(str(missing))
+        preflight_model.check_model_dir(str(missing))
 
 
 def test_model_dir_with_config_only_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InputError, match=r"incomplete weights: no model.safetensors.*found: config.json"):
-        validation.check_model_dir(str(tmp_path))
+        preflight_model.check_model_dir(str(tmp_path))
 
 
 def test_model_dir_without_config_is_an_error(tmp_path):
     write_weights(tmp_path)
     with pytest.raises(InputError, match=r"has no config.json \(found: model.safetensors\)"):
-        validation.check_model_dir(str(tmp_path))
+        preflight_model.check_model_dir(str(tmp_path))
 
 
 def test_truncated_safetensors_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     weights = write_weights(tmp_path)
-    validation.check_model_dir(str(tmp_path))  # complete: passes
+    preflight_model.check_model_dir(str(tmp_path))  # complete: passes
     data = weights.read_bytes()
     weights.write_bytes(data[:-4])  # a save killed before the last bytes
     with pytest.raises(InputError, match=rf"{len(data) - 4} bytes, its header says {len(data)}"):
-        validation.check_model_dir(str(tmp_path))
+        preflight_model.check_model_dir(str(tmp_path))
 
 
 def test_sharded_checkpoint_with_a_missing_shard(tmp_path):
@@ -222,9 +223,9 @@ def test_sharded_checkpoint_with_a_missing_shard(tmp_path):
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(InputError, match=r"missing: \['model-00002-of-00002.safetensors'\]"):
-        validation.check_model_dir(str(tmp_path))
+        preflight_model.check_model_dir(str(tmp_path))
     write_weights(tmp_path, "model-00002-of-00002.safetensors")
-    validation.check_model_dir(str(tmp_path))
+    preflight_model.check_model_dir(str(tmp_path))
 
 
 def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
@@ -236,12 +237,12 @@ def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
     with pytest.raises(InputError, match=r"adapter dir .* no adapter_model.safetensors"):
-        validation.check_model_dir(str(adapter))
+        preflight_model.check_model_dir(str(adapter))
     write_weights(adapter, "adapter_model.safetensors")
-    validation.check_model_dir(str(adapter))
+    preflight_model.check_model_dir(str(adapter))
     (base / "model.safetensors").unlink()
     with pytest.raises(InputError, match=r"base model of PEFT adapter .* incomplete weights"):
-        validation.check_model_dir(str(adapter))
+        preflight_model.check_model_dir(str(adapter))
 
 
 def write_checkpoint(directory, weights="model.safetensors"):
@@ -257,22 +258,22 @@ def test_partial_resume_checkpoint_names_complete_ones_beside_it(tmp_path):
     good, partial = write_checkpoint(tmp_path / "checkpoint-10"), tmp_path / "checkpoint-20"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    validation.check_resume_checkpoint(str(good))
+    checkpoints.check_resume_checkpoint(str(good))
     with pytest.raises(InputError, match=r"checkpoint-20' is incomplete: no trainer_state.json; no model.*"
                                          r"\['checkpoint-10'\].*--resume_from_checkpoint .*checkpoint-10"):
-        validation.check_resume_checkpoint(str(partial))
+        checkpoints.check_resume_checkpoint(str(partial))
     with pytest.raises(InputError, match="holds no checkpoint-N dir"):
-        validation.find_last_checkpoint(str(tmp_path / "checkpoint-20"))
+        checkpoints.find_last_checkpoint(str(tmp_path / "checkpoint-20"))
 
 
 def test_resume_true_with_an_incomplete_newest_checkpoint_is_an_error_not_a_silent_step_back(tmp_path):
     write_checkpoint(tmp_path / "checkpoint-9")  # numeric order: checkpoint-10 is the newest
     newest = write_checkpoint(tmp_path / "checkpoint-10")
-    assert validation.find_last_checkpoint(str(tmp_path)) == str(newest)
+    assert checkpoints.find_last_checkpoint(str(tmp_path)) == str(newest)
     (newest / "rng_state.pth").unlink()  # killed after the optimizer, before the RNG state
     with pytest.raises(InputError, match=r"checkpoint-10' is incomplete: no rng_state.pth.*"
                                          r"--resume_from_checkpoint .*checkpoint-9\b.*left as it is"):
-        validation.find_last_checkpoint(str(tmp_path))
+        checkpoints.find_last_checkpoint(str(tmp_path))
     assert newest.is_dir() and (newest / "optimizer.pt").is_file()  # nothing deleted
 
 
@@ -283,7 +284,7 @@ def test_checkpoint_files_cut_short_are_incomplete(tmp_path):
     (ckpt / "trainer_state.json").write_text('{"global_step": 1, "log_hi')
     with pytest.raises(InputError, match=r"trainer_state.json is not valid JSON.*optimizer.pt is \d+ bytes and not a "
                                          r"complete torch.save file"):
-        validation.check_resume_checkpoint(str(ckpt))
+        checkpoints.check_resume_checkpoint(str(ckpt))
 
 
 def test_model_only_checkpoint_is_named_as_such(tmp_path):
@@ -292,7 +293,7 @@ def test_model_only_checkpoint_is_named_as_such(tmp_path):
         (ckpt / name).unlink()
     with pytest.raises(InputError, match=r"no optimizer, scheduler or RNG state .*weights-only save "
                                          r"\(save_only_model=True.*model_name_or_path") as err:
-        validation.check_resume_checkpoint(str(ckpt))
+        checkpoints.check_resume_checkpoint(str(ckpt))
     assert "killed while saving" not in str(err.value)  # issue 16: it said both
 
 
@@ -304,7 +305,7 @@ def test_resuming_a_finished_runs_output_dir_points_at_its_last_full_checkpoint(
     (run / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
     with pytest.raises(InputError, match=r"weights-only save .*resume from a full checkpoint: \S+checkpoint-4\.$") \
             as err:
-        validation.check_resume_checkpoint(str(run))
+        checkpoints.check_resume_checkpoint(str(run))
     assert "killed while saving" not in str(err.value)
 
 
@@ -313,17 +314,17 @@ def test_checkpoint_needs_the_files_its_trainer_adds(tmp_path):
     required = ("grpotrl_template.json", "discriminator/model.safetensors", "discriminator/optimizer.pt")
     with pytest.raises(InputError, match=r"no grpotrl_template.json; no discriminator/model.safetensors; "
                                          r"no discriminator/optimizer.pt"):
-        validation.check_resume_checkpoint(str(ckpt), required)
+        checkpoints.check_resume_checkpoint(str(ckpt), required)
     (ckpt / "grpotrl_template.json").write_text("{}")
     write_weights(ckpt / "discriminator")
     torch.save({}, str(ckpt / "discriminator" / "optimizer.pt"))
-    validation.check_resume_checkpoint(str(ckpt), required)
+    checkpoints.check_resume_checkpoint(str(ckpt), required)
 
 
 def test_resume_files_follow_the_trainer_and_its_settings():
     from types import SimpleNamespace
 
-    from grpotrl.trainers._common import resume_files
+    from grpotrl.checkpoints import resume_files
 
     assert resume_files(SimpleNamespace(check_template=True, use_adaptive_entropy=False), "grpo") == (
         "grpotrl_template.json",)
@@ -335,7 +336,7 @@ def test_resume_files_follow_the_trainer_and_its_settings():
 def test_lora_checkpoint_needs_a_lora_run_and_full_one_a_full_run(tmp_path):
     from types import SimpleNamespace
 
-    from grpotrl.trainers._common import resume_checkpoint
+    from grpotrl.checkpoints import resume_checkpoint
 
     args = SimpleNamespace(check_template=False, use_adaptive_entropy=False, output_dir=str(tmp_path),
                            steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1)
@@ -349,16 +350,16 @@ def test_lora_checkpoint_needs_a_lora_run_and_full_one_a_full_run(tmp_path):
 def test_peft_and_deepspeed_checkpoints_are_complete_in_their_own_layout(tmp_path):
     lora = write_checkpoint(tmp_path / "lora" / "checkpoint-1", "adapter_model.safetensors")
     (lora / "adapter_config.json").write_text("{}")
-    validation.check_resume_checkpoint(str(lora))
+    checkpoints.check_resume_checkpoint(str(lora))
     ds = tmp_path / "ds" / "checkpoint-1"
     (ds / "global_step1").mkdir(parents=True)  # DeepSpeed: weights and optimizer live in global_stepN/
     torch.save({}, str(ds / "rng_state_0.pth"))
     (ds / "trainer_state.json").write_text("{}")
     (ds / "latest").write_text("global_step1")
-    validation.check_resume_checkpoint(str(ds))
+    checkpoints.check_resume_checkpoint(str(ds))
     (ds / "latest").write_text("global_step2")
     with pytest.raises(InputError, match="'latest' names DeepSpeed state 'global_step2', which is not there"):
-        validation.check_resume_checkpoint(str(ds))
+        checkpoints.check_resume_checkpoint(str(ds))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,17 +367,17 @@ def test_peft_and_deepspeed_checkpoints_are_complete_in_their_own_layout(tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 def test_unknown_reward_name_lists_the_known_ones():
-    assert validation.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
+    assert resolve.resolve_reward_funcs(["exact_answer"]) == [rules.exact_answer_reward]
     with pytest.raises(InputError, match=r"\['exact_anwser'\].*Known: \['exact_answer', 'format', 'length', "
                                          r"'even_handed', 'accuracy_reward', "):
-        validation.resolve_reward_funcs(["exact_anwser", "format"])
+        resolve.resolve_reward_funcs(["exact_anwser", "format"])
 
 
 def test_reward_needing_a_missing_column_is_caught_before_training():
     ds = Dataset.from_list([{"prompt": USER, "solution": "12"}])
-    validation.check_reward_columns([rules.format_reward], ds, "train")
+    resolve.check_reward_columns([rules.format_reward], ds, "train")
     with pytest.raises(InputError, match=r"exact_answer_reward needs the dataset column\(s\) \['answer'\]"):
-        validation.check_reward_columns([rules.exact_answer_reward], ds, "train")
+        resolve.check_reward_columns([rules.exact_answer_reward], ds, "train")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_valid_recipe_reaches_the_model_load_last(smollm2_path, tmp_path, monkey
     def reached(*args, **kwargs):
         raise Reached
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", reached)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", reached)
     with pytest.raises(Reached):
         cli.run("grpo", ["--config", str(GRPO_RECIPE), "--model_name_or_path", smollm2_path,
                          "--output_dir", str(tmp_path / "out")])
@@ -450,19 +451,19 @@ def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_si
     (run / "checkpoint-20").mkdir()
     with pytest.raises(InputError, match=r"a finished run of 25 steps \(trainer_state.json, model.safetensors\) "
                                          r"and checkpoints \['checkpoint-20'\].*resume_from_checkpoint.*overwrite"):
-        validation.check_output_dir(str(run))
-    validation.check_output_dir(str(run), resume=True)
-    validation.check_output_dir(str(run), overwrite=True)
+        checkpoints.check_output_dir(str(run))
+    checkpoints.check_output_dir(str(run), resume=True)
+    checkpoints.check_output_dir(str(run), overwrite=True)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.md").write_text("mine")
     with pytest.raises(InputError, match=r"files grpotrl did not write \(README.md\)"):
-        validation.check_output_dir(str(tmp_path / "notes"))
+        checkpoints.check_output_dir(str(tmp_path / "notes"))
     (tmp_path / "afile").write_text("x")
     with pytest.raises(InputError, match=r"is a file"):
-        validation.check_output_dir(str(tmp_path / "afile"), overwrite=True)
+        checkpoints.check_output_dir(str(tmp_path / "afile"), overwrite=True)
     (tmp_path / "empty").mkdir()
-    validation.check_output_dir(str(tmp_path / "empty"))
-    validation.check_output_dir(str(tmp_path / "new"))
+    checkpoints.check_output_dir(str(tmp_path / "empty"))
+    checkpoints.check_output_dir(str(tmp_path / "new"))
     assert (run / "model.safetensors").is_file()  # nothing was touched
 
 
@@ -485,7 +486,7 @@ def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, v
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **ok)
     setattr(args, field, value)  # TRL's own config, set after its checks: the trainer checks it before loading
     with pytest.raises(InputError, match=rf"^{field}="):
-        validation.check_ranges(args)
+        preflight_model.check_ranges(args)
 
 
 def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path, smollm2_path, no_model_load,
@@ -532,11 +533,11 @@ def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_lla
                                          r"trainer_state.json\).*resume_from_checkpoint=True.*overwrite_output_dir"):
         trainer.train()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()
-    validation.check_finished_run(str(tmp_path / "fresh"))  # missing, empty, checkpoints only: TRL's behaviour
+    checkpoints.check_finished_run(str(tmp_path / "fresh"))  # missing, empty, checkpoints only: TRL's behaviour
     (tmp_path / "ckpts" / "checkpoint-2").mkdir(parents=True)
-    validation.check_finished_run(str(tmp_path / "ckpts"))
+    checkpoints.check_finished_run(str(tmp_path / "ckpts"))
     (out / "model.safetensors").unlink()  # weights without trainer_state.json, or the reverse: not a finished run
-    validation.check_finished_run(str(out))
+    checkpoints.check_finished_run(str(out))
     (out / "model.safetensors").write_bytes(before["model.safetensors"])
     trainer.train(overwrite_output_dir=True)  # the user said so
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 25  # save_state not called yet

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import json
 import os
 import random
@@ -37,11 +36,14 @@ from dataclasses import dataclass
 
 import httpx2 as httpx
 import torch
+from trl.trainer.utils import is_async_callable
 
+from ..discriminator import last_token_index
 from ..errors import InputError
 from ..masking import position_ids_from_mask
 from .rubrics import Rubric, parse_verdict, prompt_text
 from .rules import completion_text
+from .tasks import rows_of
 
 # Statuses worth asking again: overload and server-side errors.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -247,16 +249,6 @@ class HttpJudge:
         return text.replace(key, "<api key>") if len(key) >= 4 else text
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real (mask = 1) token of each row, left or right padded (I9).
-
-    >>> last_token_index(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])).tolist()
-    [3, 2, 3]
-    """
-    L = attention_mask.shape[-1]
-    return L - 1 - attention_mask.long().flip(-1).argmax(-1)  # [B]
-
-
 class LocalJudge:
     """Scores with a causal LM in memory, G-Eval style: the rubric's messages go through the
     judge tokenizer's chat template with the generation prompt, the reply is pre-filled with
@@ -385,11 +377,10 @@ class JudgeRouter:
 
         calls = []
         for task, idx in by_task.items():
-            sub = {k: [v[i] for i in idx] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
-            sub.update(prompts=[prompts[i] for i in idx], completions=[completions[i] for i in idx],
-                       log_extra=scatter(idx))
+            sub = rows_of(idx, n, prompts=prompts, completions=completions, **kwargs)
+            sub["log_extra"] = scatter(idx)
             judge = self.judges[task]
-            result = judge(**sub) if _is_async(judge) else asyncio.to_thread(judge, **sub)
+            result = judge(**sub) if is_async_callable(judge) else asyncio.to_thread(judge, **sub)
             calls.append(result)
         out: list[float | None] = [None] * n
         for idx, scores in zip(by_task.values(), await asyncio.gather(*calls)):
@@ -400,7 +391,3 @@ class JudgeRouter:
                 log_extra(column, values)
         return out
 
-
-def _is_async(func) -> bool:
-    """As TRL decides it: a coroutine function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)

@@ -215,7 +215,8 @@ def _rubric_from_fields(fields: dict, judge: str, where: str) -> Rubric:
 
 
 def load_local_judges(reward_funcs, device):
-    """``reward_funcs`` (a list, or task -> list) with every ``LocalJudgeSpec`` loaded, each once."""
+    """``reward_funcs`` (one, a list, or task -> list) with every ``LocalJudgeSpec`` loaded, each once;
+    the trainers' preflight calls it once every other check has passed."""
     loaded = {}
 
     def load(funcs):
@@ -224,6 +225,9 @@ def load_local_judges(reward_funcs, device):
                 loaded[id(f)] = f.load(device)
         return [loaded.get(id(f), f) for f in funcs]
 
-    if isinstance(reward_funcs, dict):
-        return {task: load(funcs) for task, funcs in reward_funcs.items()}
-    return load(reward_funcs)
+    if isinstance(reward_funcs, Mapping):
+        return {task: load(funcs if isinstance(funcs, (list, tuple)) else [funcs])
+                for task, funcs in reward_funcs.items()}
+    if isinstance(reward_funcs, (list, tuple)):
+        return load(reward_funcs)
+    return load([reward_funcs])[0] if isinstance(reward_funcs, LocalJudgeSpec) else reward_funcs

@@ -39,6 +39,16 @@ def per_task(reward_funcs: Mapping[str, Callable | list[Callable]], column: str)
     return out
 
 
+def rows_of(rows: list[int], n: int, **columns) -> dict:
+    """The reward-function keyword arguments of a batch of ``n`` rows cut to ``rows``: every per-row
+    list (length ``n``: prompts, completions, dataset columns) sliced, anything else as it is.
+
+    >>> rows_of([1], 2, prompts=["p", "q"], task=["a", "b"], trainer_state=None)
+    {'prompts': ['q'], 'task': ['b'], 'trainer_state': None}
+    """
+    return {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == n else v for k, v in columns.items()}
+
+
 def _restricted(func: Callable, task: str, column: str) -> Callable:
     name = f"{task}/{get_callable_name(func)}"
 
@@ -47,11 +57,9 @@ def _restricted(func: Callable, task: str, column: str) -> Callable:
             raise InputError(f"reward {name}: the rows carry no {column!r} column (task_column={column!r}).")
         rows = [i for i, t in enumerate(kwargs[column]) if str(t) == task]
         n = len(prompts)
-        sub = {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
-        sub.update(prompts=[prompts[i] for i in rows], completions=[completions[i] for i in rows])
         if completion_ids is not None:
-            sub["completion_ids"] = [completion_ids[i] for i in rows]
-        return rows, n, sub
+            kwargs["completion_ids"] = completion_ids
+        return rows, n, rows_of(rows, n, prompts=prompts, completions=completions, **kwargs)
 
     def spread(rows, n, values):
         values = list(values)

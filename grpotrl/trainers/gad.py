@@ -59,28 +59,9 @@ from ..discriminator import DiscriminatorReward, bradley_terry_loss, completion_
 from ..errors import InputError, InvariantError
 from ..losses import kl_full, kl_penalty
 from ..masking import position_ids_from_mask
-from ._common import sharded_launch
+from ..preflight import check_gad
 from .gad_engine import D_DIR, prepare_discriminator
 from .grpo import GRPOTrainer
-
-
-def check_teacher_responses(dataset, split_name: str = "train") -> None:
-    """GAD rows need a non-empty ``teacher_response`` string and a chat-message ``prompt``."""
-    if dataset is None or not hasattr(dataset, "column_names"):
-        return
-    if "teacher_response" not in dataset.column_names:
-        raise InputError(
-            f"GAD needs a 'teacher_response' column (the teacher's answer as text), but the {split_name!r} split has "
-            f"columns {dataset.column_names}. A row looks like {{\"prompt\": [{{\"role\": \"user\", \"content\": "
-            "\"What is 7 + 5?\"}], \"teacher_response\": \"12\"}. Add the column or map your rows into that shape."
-        )
-    for i, (prompt, text) in enumerate(zip(dataset["prompt"], dataset["teacher_response"])):
-        if not isinstance(text, str) or not text.strip():
-            raise InputError(f"Row {i} of the {split_name!r} split has teacher_response={text!r}; GAD needs the "
-                             "teacher's answer as a non-empty string. Fix or drop that row.")
-        if not isinstance(prompt, list):
-            raise InputError(f"Row {i} of the {split_name!r} split has a {type(prompt).__name__} prompt; GAD scores "
-                             "teacher and student through the chat template (I9), so prompts must be chat messages.")
 
 
 def _aggregate_like_trl(trainer, x: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -127,34 +108,7 @@ class GADTrainer(GRPOTrainer):
                  processing_class=None, **kwargs):
         if args is None:
             args = GADConfig(output_dir="grpotrl-gad-output")
-        if not isinstance(args, GADConfig):
-            raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
-                             "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
-                             "(importance_sampling_level='sequence', loss_type='grpo', its clip range), which a "
-                             "GRPO config would silently replace with TRL's token-level ones.")
-        if "reward_funcs" in kwargs:
-            raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
-        if kwargs.get("tools") or kwargs.get("environment_factory"):
-            raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
-        if sharded_launch(args) == "FSDP":  # the config's or `accelerate launch`'s: before anything loads
-            raise InputError("GADTrainer with FSDP is not supported (the discriminator is prepared for DDP or "
-                             "DeepSpeed). Use DeepSpeed ZeRO (recipes/accelerate/zero2.yaml, zero3.yaml) or DDP.")
-        check_teacher_responses(train_dataset, "train")
-        for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
-            check_teacher_responses(ds, name)
-        from ..hub import check_model_source
-        from ..models import resolve_model_path
-
-        if args.discriminator_model_name_or_path:
-            args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
-            check_model_source(args.discriminator_model_name_or_path, what="Discriminator model")
-        else:  # D starts from the student's checkpoint: it must be loadable by name
-            student_source = resolve_model_path(model) if isinstance(model, str) else \
-                getattr(getattr(model, "config", None), "_name_or_path", None)
-            if not student_source:
-                raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
-                                 "discriminator_model_name_or_path (a local directory or a Hub id).")
-            check_model_source(student_source, what="Discriminator model (the student's own checkpoint)")
+        check_gad(model, args, train_dataset, eval_dataset, kwargs)  # then GRPO's (grpotrl/preflight.py)
 
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.

@@ -57,13 +57,13 @@ from accelerate.utils import gather_object
 
 from .. import callbacks, dynamic_sampling, guards, health, identity, templates
 from ..configs import GRPOConfig, complete_grpo_config
-from ..errors import InputError, InvariantError
+from ..errors import InvariantError
 from ..logprobs import entropy_from_logits
 from ..losses import importance_sampling_ratio
 from ..masking import position_ids_from_mask
-from ..preflight_data import check_reward_signal
+from ..preflight import check_grpo, task_labels
 from ..processors import MinNewTokensProcessor, SampledLogprobRecorder, after_warpers, build_processors
-from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
+from ._common import CheckedResume, pin_quantized_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -86,24 +86,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        model, processing_class, self.stop_token_ids, model_id = prepare_model_and_tokenizer(
-            model, processing_class, args, train_dataset, kind="grpo", peft_config=kwargs.get("peft_config"),
-            prompt_optional=kwargs.get("environment_factory") is not None,
-        )
-        if getattr(args, "check_template", True):
-            templates.check_fingerprint(model_id, processing_class,
-                                        revision=(args.model_init_kwargs or {}).get("revision"),
-                                        chat_template_kwargs=args.chat_template_kwargs or {})
-        _check_reward_models(reward_funcs, args)
-        _check_generation_args(args, kwargs)
-        if not self._reads_cagrad and (args.cagrad != "off" or args.cagrad_c != 0.5):
-            raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {type(self).__name__}, which trains "
-                             "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
-                             "labelled by task_column). Use it, or drop the cagrad settings.")
-        if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
-            raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
-                             "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
-        check_reward_signal(reward_funcs, train_dataset, "train", args.task_column)  # a reward column empty everywhere
+        # every check that must pass before TRL loads the model (grpotrl/preflight.py), once
+        model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume = check_grpo(
+            self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
@@ -638,46 +623,6 @@ def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: l
         raise InvariantError("multi-task", f"generation group {g} mixes tasks {[names[i] for i in groups[g].tolist()]}"
                              ": its advantages would normalise one task's rewards by another's. Each prompt's "
                              "num_generations completions must come from one row (TRL's RepeatSampler does this).")
-
-
-def datasets_of(*datasets):
-    """Each dataset given, a dict of datasets (``eval_dataset``) opened up, None left out."""
-    for ds in datasets:
-        yield from (d for d in (ds.values() if isinstance(ds, dict) else [ds]) if d is not None)
-
-
-def task_labels(column: str, *datasets) -> list[str]:
-    """Sorted task labels in ``column`` of the map-style datasets that have it ([] if none)."""
-    return sorted({str(t) for d in datasets_of(*datasets)
-                   if hasattr(d, "unique") and column in (d.column_names or []) for t in d.unique(column)})
-
-
-def _check_reward_models(reward_funcs, args) -> None:
-    """Reward models named by path or Hub id (TRL loads them with ``AutoModelForSequenceClassification``)
-    are checked like the policy, before anything loads."""
-    from ..hub import check_model_source
-
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    revision = (args.model_init_kwargs or {}).get("revision")
-    for func in funcs:
-        if isinstance(func, str):
-            check_model_source(func, revision, what="Reward model")
-
-
-def _check_generation_args(args: GRPOConfig, kwargs: dict) -> None:
-    """I6 arguments, validated before TRL loads anything."""
-    build_processors(0, args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
-                     args.min_new_tokens, [0])
-    if args.min_new_tokens and args.max_completion_length and args.min_new_tokens >= args.max_completion_length:
-        raise InputError(f"min_new_tokens={args.min_new_tokens} must be < max_completion_length="
-                         f"{args.max_completion_length}, or no completion could ever stop.")
-    penalties = args.presence_penalty or args.frequency_penalty or args.min_new_tokens
-    if penalties and kwargs.get("tools"):
-        raise InputError("presence/frequency penalties and min_new_tokens are not supported with tools yet: "
-                         "the multi-turn loop calls generate several times per completion. Set them to 0.")
-    if args.hf_importance_sampling_correction and args.loss_type == "vespo":
-        raise InputError("hf_importance_sampling_correction folds the ratio into the advantages, which is not "
-                         "equivalent for loss_type='vespo'. Use another loss_type or turn the correction off.")
 
 
 def _pass_penalties_to_vllm(trainer: GRPOTrainer, args: GRPOConfig) -> None:

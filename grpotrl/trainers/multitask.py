@@ -40,7 +40,6 @@ the Liger loss (no ``_compute_loss`` to evaluate per term).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -50,10 +49,7 @@ from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients
-from ..preflight_data import check_reward_signal
-from ..rewards.tasks import per_task
-from ._common import sharded_launch
-from .grpo import TASK_KEY, GRPOTrainer, datasets_of, task_labels
+from .grpo import TASK_KEY, GRPOTrainer
 
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
@@ -63,7 +59,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        reward_funcs = check_tasks(reward_funcs, args, train_dataset, eval_dataset)
+        self._task_rewards = True  # GRPO's preflight runs check_tasks; reward_funcs may map tasks to functions
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -284,40 +280,6 @@ def _trainable(model) -> list[torch.Tensor]:
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
-
-
-def check_tasks(reward_funcs, args: GRPOConfig, train_dataset, eval_dataset, wrap: bool = True):
-    """Everything about tasks that can be wrong, before TRL loads anything. Returns the flat reward list
-    TRL takes (``wrap=False``: the CLI's pre-load check, whose local judges are not loaded yet)."""
-    column = args.task_column
-    for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        for d in datasets_of(ds):
-            if column not in (getattr(d, "column_names", None) or []):
-                raise InputError(f"{name} has no {column!r} column (columns: {getattr(d, 'column_names', None)}): "
-                                 f"MultiTaskGRPOTrainer needs a task label per row; set task_column to the column "
-                                 "that holds it.")
-    labels = task_labels(column, train_dataset, eval_dataset)
-    if not labels:
-        raise InputError("MultiTaskGRPOTrainer needs a map-style dataset (datasets.Dataset) to read its task labels.")
-    if args.scale_rewards == "batch":
-        raise InputError("scale_rewards='batch' divides every advantage by one std over the whole batch, which "
-                         "mixes tasks; use scale_rewards: group (the default) or none.")
-    if args.cagrad != "off":
-        if len(labels) < 2:
-            raise InputError(f"cagrad={args.cagrad!r} combines per-task gradients, but the data has one task "
-                             f"({labels}); use cagrad: off.")
-        if sharded_launch(args):  # the config's or `accelerate launch`'s
-            raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
-        if args.use_liger_kernel:
-            raise InputError("cagrad needs TRL's _compute_loss (use_liger_kernel=True bypasses it); turn one off.")
-    if not isinstance(reward_funcs, Mapping):
-        return reward_funcs  # the same functions for every task
-    missing = [t for t in labels if t not in {str(k) for k in reward_funcs}]
-    if missing:
-        raise InputError(f"task(s) {missing} in the data have no reward functions: reward_funcs has "
-                         f"{list(reward_funcs)}. Add an entry for each task (or drop those rows).")
-    check_reward_signal(reward_funcs, train_dataset, "train", column)  # each task's columns on its own rows
-    return per_task(reward_funcs, column) if wrap else reward_funcs
 
 
 def _last_block_params(model) -> list[torch.Tensor]:

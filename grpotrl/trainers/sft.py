@@ -16,7 +16,7 @@ take their defaults.
 
 Overrides (everything else is TRL's):
   * ``__init__``: checks model path, tokenizer and datasets before TRL loads anything (what TRL
-    accepts passes, ``validation.check_sft_dataset``); on chat data, a template, the first I2 row's
+    accepts passes, ``preflight_data.check_sft_dataset``); on chat data, a template, the first I2 row's
     tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``).
   * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
     (labels, truncation, packing), which takes them as pre-tokenized.
@@ -40,10 +40,11 @@ from transformers import TrainingArguments
 from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first
 
-from .. import templates, validation
+from .. import templates
 from ..configs import SFTConfig
 from ..errors import InvariantError
-from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
+from ..preflight import check_sft
+from ._common import CheckedResume, pin_quantized_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,6 @@ def data_format(dataset) -> str | None:
     return "text"
 
 
-def _named(train_dataset, eval_dataset) -> list[tuple[str, object]]:
-    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
-    return [(name, ds) for name, ds in [("train", train_dataset), *evals] if ds is not None]
-
-
 def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> list[dict] | None:
     """Every distinct set of ``chat_template_kwargs`` the rows are rendered with (the config's,
     updated by each row's column, as TRL does); None when no template renders them or a stream's
@@ -128,26 +124,9 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
         args = sft_config(args, model)
-        formatting_func = kwargs.get("formatting_func")
-        dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
-        skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
-        for name, dataset in _named(train_dataset, eval_dataset):
-            validation.check_dataset(dataset, name, kind="sft", text_field=args.dataset_text_field,
-                                     formatting_func=formatting_func, skip_prepare=skip_prepare)
-        model, processing_class, stop_ids, model_id = prepare_model_and_tokenizer(
-            model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config")
-        )
-        fmt = None if formatting_func is not None else data_format(train_dataset)
-        chat = fmt in ("chat_prompt_completion", "chat")
-        i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
-        if chat and args.chat_template_path is None:  # else TRL installs the template later
-            templates.require_chat_template(processing_class)
-            if model_id and option(args, "check_template"):
-                templates.check_fingerprint(model_id, processing_class,
-                                            revision=(args.model_init_kwargs or {}).get("revision"))
-            if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
-                tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids,
-                                option(args, "chat_template_kwargs"))
+        # every check that must pass before TRL loads the model (grpotrl/preflight.py), once
+        model, processing_class, stop_ids, fmt, self._checked_resume = check_sft(
+            model, processing_class, args, train_dataset, eval_dataset, kwargs)
         if fmt == "chat_prompt_completion" and args.completion_only_loss is False:
             logger.warning("completion_only_loss=False trains on the prompt tokens too: I2 (SFT loss = response + "
                            "end-of-turn) is not what this run trains, and grpotrl does not check it.")
@@ -158,7 +137,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         self._i2 = False  # set by _prepare_dataset once it tokenized the train rows on the RL template
         self.stop_token_ids = stop_ids
         self._template_kwargs = kwargs_variants(train_dataset, fmt, option(args, "chat_template_kwargs"))
-        self._trained_on_template = chat
+        self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
         self._guard_setup: dict | None = None
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)

@@ -1,0 +1,335 @@
+"""Checkpoint and output-dir checks, run once before any weights load: is a saved model or a
+``checkpoint-N`` dir complete, may this run write into ``output_dir``, and which checkpoint it resumes.
+
+* ``checkpoint_problems``: what keeps a ``checkpoint-N`` dir from being resumed exactly (a SIGKILL
+  during the save: trainer state, weights, optimizer, scheduler, RNG and the files the trainer
+  adds, each present and not truncated; headers and zip directories only, no weights read).
+* ``check_resume_checkpoint`` / ``find_last_checkpoint`` / ``resume_checkpoint``:
+  ``resume_from_checkpoint`` (a path, or true for the newest ``checkpoint-N``) checked to hold
+  everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
+  when the step falls inside one of TRL's generation batches (no exact resume then).
+* ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
+  ``check_finished_run`` (the Python API: only a finished run is refused).
+* ``_weights_problem`` / ``_files``: also what ``preflight_model.check_model_dir`` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+import zipfile
+
+from . import templates
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why the safetensors file at ``path`` is truncated or unreadable, or None. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is {size} bytes, too short for a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"{path} is {size} bytes but its header alone claims {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return f"{path} has an unreadable safetensors header"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path} is {size} bytes, its header says {8 + n + end} (truncated or still being written)"
+    return None
+
+
+WEIGHT_FILES = {"model": ("model.safetensors", "pytorch_model.bin"),
+                "adapter": ("adapter_model.safetensors", "adapter_model.bin")}
+
+
+def _weights_problem(directory: str, kind: str = "model") -> str | None:
+    """Why ``directory`` lacks complete ``kind`` weights (single file or every shard of an index), or None."""
+    safetensors, bin_name = WEIGHT_FILES[kind]
+    for index_name in (safetensors + ".index.json", bin_name + ".index.json"):
+        index_path = os.path.join(directory, index_name)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+            if not shards:
+                return f"{index_name} has an empty weight_map"
+            missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+            if missing:
+                return f"{index_name} lists shards that are missing: {missing}"
+            for shard in shards:
+                if shard.endswith(".safetensors") and (problem := _safetensors_problem(os.path.join(directory, shard))):
+                    return problem
+            return None
+    if os.path.isfile(os.path.join(directory, safetensors)):
+        return _safetensors_problem(os.path.join(directory, safetensors))
+    if os.path.isfile(os.path.join(directory, bin_name)):
+        return None
+    return f"no {safetensors}, {bin_name} or sharded index"
+
+
+def _files(directory: str) -> str:
+    names = sorted(os.listdir(directory))
+    return ", ".join(names[:12]) + (f", ... ({len(names)} files)" if len(names) > 12 else "") if names else "nothing"
+
+
+
+def _torch_file_problem(path: str) -> str | None:
+    """Why the ``torch.save`` file at ``path`` is cut short, or None. ``torch.save`` writes a zip
+    whose directory sits at the end, so a file killed mid-write has none; reads the directory only."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return f"{os.path.basename(path)} is {os.path.getsize(path)} bytes and not a complete torch.save file " \
+               "(cut short while being written)"
+    return None
+
+
+def _file_problem(directory: str, name: str) -> str | None:
+    """Why ``directory/name`` is missing or cut short (by its kind: safetensors, torch.save, JSON), or None."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"no {name}"
+    if name.endswith(".safetensors"):
+        return _safetensors_problem(path)
+    if name.endswith((".pt", ".pth")):
+        return _torch_file_problem(path)
+    if name.endswith(".json"):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except ValueError:
+            return f"{name} is not valid JSON (cut short while being written)"
+    return None
+
+
+def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
+    """What keeps ``path`` from being resumed exactly, as a list of reasons (empty: complete).
+
+    The Trainer saves a checkpoint in this order: weights (+ ``required`` files a trainer writes
+    beside them: template fingerprint, GAD discriminator), optimizer and scheduler, RNG state,
+    and ``trainer_state.json`` last; TRL writes ``entropy_ctrl_state.json`` after that. A SIGKILL
+    during the save leaves a prefix of that list, possibly with the last file cut short. The
+    Trainer itself would resume from such a directory with a fresh optimizer or RNG without a
+    word, so every file is checked: present, and not truncated (headers / zip directories only).
+    A DeepSpeed checkpoint (``latest`` + ``global_stepN/``) keeps weights and optimizer there.
+    """
+    directory = os.path.expanduser(path)
+    problems = [p for p in [_file_problem(directory, "trainer_state.json")] if p]
+    if os.path.isfile(os.path.join(directory, "latest")):  # DeepSpeed: weights and optimizer in global_stepN/
+        with open(os.path.join(directory, "latest")) as f:
+            tag = f.read().strip()
+        if not tag or not os.path.isdir(os.path.join(directory, tag)):
+            problems.append(f"'latest' names DeepSpeed state {tag!r}, which is not there")
+    else:
+        is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
+        if weights := _weights_problem(directory, "adapter" if is_adapter else "model"):
+            problems.append(weights)
+        fsdp_optimizer = any(os.path.isdir(os.path.join(directory, n)) and "optimizer" in n
+                             for n in os.listdir(directory))
+        if not fsdp_optimizer:
+            problems += [p for name in ("optimizer.pt", "scheduler.pt") if (p := _file_problem(directory, name))]
+    rng = sorted(n for n in os.listdir(directory) if re.fullmatch(r"rng_state(_\d+)?\.pth", n))
+    if not rng:
+        problems.append("no rng_state.pth")
+    problems += [p for name in rng if (p := _file_problem(directory, name))]
+    problems += [p for name in required if (p := _file_problem(directory, name))]
+    if {"no trainer_state.json", "no optimizer.pt"} & set(problems) == {"no optimizer.pt"} and not rng:
+        # trainer_state.json is written last: a kill cannot leave it without the optimizer
+        problems.append(WEIGHTS_ONLY)
+    return problems
+
+
+WEIGHTS_ONLY = ("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: it cannot "
+                "resume a run, only start a new one with model_name_or_path")
+
+
+def _checkpoints(directory: str) -> list[str]:
+    """``checkpoint-N`` names in ``directory``, by step."""
+    if not os.path.isdir(directory):
+        return []
+    names = [n for n in os.listdir(directory) if re.fullmatch(r"checkpoint-\d+", n)
+             and os.path.isdir(os.path.join(directory, n))]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def _complete_checkpoints(directory: str, required: tuple[str, ...] = ()) -> list[str]:
+    return [n for n in _checkpoints(directory) if not checkpoint_problems(os.path.join(directory, n), required)]
+
+
+def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
+    """Raise ``InputError`` unless ``path`` is a complete checkpoint dir (``checkpoint_problems``);
+    the message names what is missing and the complete checkpoints beside it. Deletes nothing."""
+    directory = os.path.expanduser(path)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(directory):
+        raise InputError(
+            f"resume_from_checkpoint {path!r} is not a directory. Complete checkpoints in {parent}: "
+            f"{_complete_checkpoints(parent, required) or 'none'}. Pick one, or drop resume_from_checkpoint to "
+            "start fresh."
+        )
+    problems = checkpoint_problems(directory, required)
+    if problems:
+        others = [c for c in _complete_checkpoints(parent, required)
+                  if os.path.join(parent, c) != os.path.abspath(directory)]
+        hint = (f"Resume from the newest complete one (--resume_from_checkpoint {os.path.join(parent, others[-1])})"
+                if others else "Drop resume_from_checkpoint to start fresh")
+        inside = _complete_checkpoints(directory, required)  # a finished run's output_dir holds its checkpoints
+        if WEIGHTS_ONLY in problems:  # saved so on purpose, not cut short: say only that
+            raise InputError(
+                f"Checkpoint {path!r} holds weights and trainer_state.json but no optimizer, scheduler or RNG state "
+                f"(found: {_files(directory)}): it is a weights-only save (save_only_model=True, or a finished run's "
+                "final output), which cannot resume a run. Start a new run from it with model_name_or_path "
+                f"{path!r}, or resume from a full checkpoint"
+                + (f": {os.path.join(path, inside[-1])}" if inside else f" (beside it: {others or 'none'})") + "."
+            )
+        raise InputError(
+            f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
+            f"wrote it was probably killed while saving, and resuming from it would load part of the state. "
+            f"Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left as it "
+            "is (delete it yourself once you no longer need it)."
+        )
+
+
+def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str:
+    """The newest ``checkpoint-N`` in ``output_dir`` (for ``resume_from_checkpoint: true``), checked
+    by ``check_resume_checkpoint``: when the newest is incomplete that is an error naming it and the
+    newest complete one, never a silent step back to an older checkpoint."""
+    names = _checkpoints(output_dir)
+    if not names:
+        raise InputError(
+            f"resume_from_checkpoint is true but output_dir {output_dir!r} holds no checkpoint-N dir "
+            f"(found: {_files(output_dir) if os.path.isdir(output_dir) else 'no such directory'}). Set "
+            "resume_from_checkpoint to a checkpoint path, or drop it to start fresh."
+        )
+    last = os.path.join(output_dir, names[-1])
+    check_resume_checkpoint(last, required)
+    return last
+
+
+def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
+    (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
+    README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
+    saying so. A file where a directory should be is always an error. Reads names only."""
+    directory = os.path.expanduser(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
+    if resume or overwrite or not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    names = set(os.listdir(directory))
+    checkpoints = _checkpoints(directory)
+    finished = [n for n in ("trainer_state.json", *WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"]) if n in names]
+    if finished or checkpoints:
+        steps = ""
+        if "trainer_state.json" in names:
+            try:
+                with open(os.path.join(directory, "trainer_state.json")) as f:
+                    steps = f" of {json.load(f).get('global_step')} steps"
+            except (OSError, ValueError):
+                pass
+        what = (f"a finished run{steps} ({', '.join(finished)})" if finished else "no final model") + \
+            (f" and checkpoints {checkpoints}" if checkpoints else "")
+    else:
+        what = f"files grpotrl did not write ({_files(directory)})"
+    raise InputError(
+        f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
+        "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+    )
+
+
+def check_finished_run(path: str) -> None:
+    """The Python API's output_dir rule: raise ``InputError`` when ``path`` holds a finished run
+    (final weights and ``trainer_state.json`` at its root, what ``save_model`` + ``save_state``
+    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
+        return
+    names = set(os.listdir(directory))
+    weights = [n for n in (*WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"])
+               if n in names or n + ".index.json" in names]
+    if not weights:
+        return
+    try:
+        with open(os.path.join(directory, "trainer_state.json")) as f:
+            steps = f" of {json.load(f).get('global_step')} steps"
+    except (OSError, ValueError, AttributeError):
+        steps = ""
+    raise InputError(
+        f"output_dir {path!r} holds a finished run{steps} ({', '.join(weights)}, trainer_state.json); training into it "
+        "would replace its model and log history. Use a new output_dir, resume it with "
+        "train(resume_from_checkpoint=True), or pass train(overwrite_output_dir=True) to replace it."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+
+def resume_files(args, kind: str) -> tuple[str, ...]:
+    """Files a checkpoint of this trainer holds beyond the Trainer's own: the template fingerprint
+    (I2), TRL's adaptive-entropy controller, the GAD discriminator and its optimizer."""
+    files = [templates.FINGERPRINT_FILE] if getattr(args, "check_template", True) else []
+    if getattr(args, "use_adaptive_entropy", False):
+        files.append("entropy_ctrl_state.json")  # TRL writes it after trainer_state.json, and skips it if absent
+    if kind == "gad":
+        from .trainers._common import sharded_launch
+        from .trainers.gad_engine import checkpoint_files
+
+        files += checkpoint_files(deepspeed=sharded_launch(args) == "DeepSpeed")
+    return tuple(files)
+
+
+def resume_requested(checkpoint) -> bool:
+    """Whether ``resume_from_checkpoint`` (a path, True, or "true"/"last" from a recipe) asks for a resume."""
+    return checkpoint not in (None, False, "", "false", "False")
+
+
+def resume_checkpoint(checkpoint, args, kind: str, use_peft: bool | None = None) -> str | None:
+    """``resume_from_checkpoint`` as a checked path: True (or "true"/"last") is the newest
+    ``checkpoint-N`` in ``output_dir``; None/False is no resume. An incomplete checkpoint is an
+    ``InputError`` naming it and the newest complete one; nothing is deleted. With ``use_peft``
+    given, a LoRA checkpoint needs a LoRA run and a full one a full run."""
+    if not resume_requested(checkpoint):
+        return None
+    required = resume_files(args, kind)
+    if checkpoint in (True, "true", "True", "last"):
+        checkpoint = find_last_checkpoint(args.output_dir, required)
+    else:
+        check_resume_checkpoint(checkpoint, required)
+    adapter = os.path.isfile(os.path.join(checkpoint, "adapter_config.json"))
+    if use_peft is not None and adapter != use_peft:
+        raise InputError(
+            f"Checkpoint {checkpoint!r} holds {'a LoRA adapter' if adapter else 'full weights'} but this run has "
+            f"use_peft: {str(use_peft).lower()}. Resume with the settings that wrote it (use_peft, lora_*, "
+            "load_in_4bit/8bit), or start a new run from it with model_name_or_path instead."
+        )
+    _warn_mid_generation(checkpoint, args, kind)
+    return checkpoint
+
+
+def _warn_mid_generation(checkpoint: str, args, kind: str) -> None:
+    """TRL generates once per ``steps_per_generation * num_iterations`` micro-steps and reuses the
+    batch in between; that buffer is not in a checkpoint. Resuming from a step inside such a block
+    samples a new batch where the uninterrupted run reused the old one: it trains on, but not on
+    the same completions."""
+    every = (getattr(args, "steps_per_generation", None) or 1) * (getattr(args, "num_iterations", None) or 1)
+    match = re.search(r"checkpoint-(\d+)$", os.path.normpath(checkpoint))
+    if kind == "sft" or every <= 1 or match is None:
+        return
+    micro_steps = int(match.group(1)) * args.gradient_accumulation_steps
+    if micro_steps % every:
+        logger.warning(
+            "Resuming from %s, which falls inside a generation batch (TRL generates every %d micro-steps: "
+            "steps_per_generation x num_iterations); the resumed run samples that batch afresh, so it will not "
+            "match an uninterrupted run. Checkpoints at multiples of %d optimizer steps resume exactly.",
+            checkpoint, every, every // math.gcd(every, args.gradient_accumulation_steps))

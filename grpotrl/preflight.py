@@ -1,0 +1,359 @@
+"""The checks that must pass before any weights load, in one place, run once per trainer.
+
+Every grpotrl trainer's ``__init__`` calls its ``check_*`` function here before handing over to
+TRL, which then loads the model. The CLI builds the trainer from the model path and its load
+settings (``model_init_kwargs``, as ``trl grpo`` and open-r1 do) instead of repeating these
+checks; it keeps only what has no Python-API counterpart (recipe keys and types, the quantization
+fields, the ``output_dir`` rule) and hands over the reward names (``rewards.resolve.RewardNames``).
+A dataset that already passed is not read again (``preflight_data.check_dataset``: GAD checks rows
+before its teacher responses, GRPO's steps then find them checked).
+
+The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to change:
+1. the config's numeric ranges (``preflight_model.check_ranges``); ``output_dir`` not a file;
+2. the datasets (``preflight_data.check_dataset``; GAD: ``check_teacher_responses`` first);
+3. the model: its source (``hub.check_model_source``: a complete local dir, or a Hub id that is
+   reachable or cached), tokenizer files, the tokenizer (loaded as TRL loads it), a chat
+   template where the data is conversational, the stop tokens; a loaded quantized model needs
+   LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
+4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``) and the columns they
+   read; multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward
+   models by path, I6 generation settings, settings this trainer would ignore, reward columns
+   empty everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
+5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, the same
+   template (I2); ``train()`` then resumes from it without checking it again.
+Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import templates
+from .checkpoints import check_output_dir, resume_checkpoint
+from .errors import InputError
+from .preflight_data import check_dataset, check_prompt_lengths
+from .preflight_model import check_discriminator_source, check_ranges, check_tokenizer_files
+from .rewards.resolve import RewardNames, check_reward_signal
+
+_NOT_GIVEN = object()
+
+
+def _is_conversational(dataset) -> bool:
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return True
+    try:
+        row = next(iter(dataset))
+    except StopIteration:
+        return True
+    value = row.get("prompt", row.get("messages"))
+    return isinstance(value, list)
+
+
+def datasets_of(*datasets):
+    """Each dataset given, a dict of datasets (``eval_dataset``) opened up, None left out."""
+    for ds in datasets:
+        yield from (d for d in (ds.values() if isinstance(ds, dict) else [ds]) if d is not None)
+
+
+def split_name(dataset, default: str) -> str:
+    """The split ``dataset`` was loaded as (the recipe's ``dataset_train_split``), else ``default``."""
+    return str(getattr(dataset, "split", None) or default)
+
+
+def named_splits(train_dataset, eval_dataset) -> list[tuple[str, object]]:
+    """``[(name, dataset)]`` of the splits given (``split_name``; ``train``, ``eval`` or the dict keys)."""
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
+    return [(split_name(ds, name), ds) for name, ds in [("train", train_dataset), *evals] if ds is not None]
+
+
+def task_labels(column: str, *datasets) -> list[str]:
+    """Sorted task labels in ``column`` of the map-style datasets that have it ([] if none)."""
+    return sorted({str(t) for d in datasets_of(*datasets)
+                   if hasattr(d, "unique") and column in (d.column_names or []) for t in d.unique(column)})
+
+
+def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN,
+                                prompt_optional: bool = False, eval_dataset=None):
+    """Steps 1-3: resolve aliases and check config, datasets, model, tokenizer and stop tokens.
+
+    ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
+    honoured, as TRL does) or a loaded model. Returns ``(model, processing_class, stop_token_ids,
+    model_id)``: ``model`` is the resolved name when it was given as a string (an alias becomes its
+    cached directory), ``model_id`` the directory or Hub id its files come from (or None). A tokenizer
+    not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
+    truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
+    quantized model must come with one or be a PEFT model already. Bitsandbytes layers are pinned to
+    one kernel (``pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
+    ``environment_factory``'s ``reset`` supplies it). SFT passes no datasets: ``check_sft`` checks them.
+    """
+    from transformers import AutoProcessor
+    from trl.trainer.utils import get_config_model_id
+
+    from .hub import check_model_source, generation_config
+    from .models import resolve_model_path
+    from .trainers._common import pin_quantized_kernels, quantized_bits
+
+    check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
+    check_output_dir(args.output_dir, overwrite=True)  # only a file where output_dir should be (the rest: train())
+    for name, dataset in named_splits(train_dataset, eval_dataset):
+        check_dataset(dataset, name, kind=kind, prompt_optional=prompt_optional)
+    revision = None
+    if model is None or isinstance(model, str):
+        model = resolve_model_path(model)
+        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        check_model_source(model, revision)
+        model_id = model
+        gen_config = generation_config(model, revision)
+    else:
+        model_id = get_config_model_id(model.config) or None
+        gen_config = getattr(model, "generation_config", None)
+        bits = quantized_bits(model)
+        if bits and peft_config is None and not hasattr(model, "peft_config"):  # _NOT_GIVEN: not checked
+            raise InputError(
+                f"The model is loaded in {bits}-bit (bitsandbytes) and no peft_config was given, so the trainer "
+                f"would fully fine-tune a quantized model, whose {bits}-bit weights cannot take an update. Pass "
+                "`peft_config=peft.LoraConfig(...)` (QLoRA: LoRA adapters on the frozen quantized base; from a "
+                "recipe: `use_peft: true`), or load the model without quantization_config."
+            )
+        pin_quantized_kernels(model)
+    if processing_class is None:
+        if model_id is None:
+            raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
+        check_tokenizer_files(model_id)  # not transformers' "install sentencepiece or tiktoken"
+        sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
+        processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
+                                                         trust_remote_code=args.trust_remote_code, **sides)
+    if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
+        templates.require_chat_template(processing_class)
+    stop_ids = templates.stop_token_ids(processing_class, gen_config)
+    if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
+        check_prompt_lengths(train_dataset, split_name(train_dataset, "train"),
+                             getattr(processing_class, "tokenizer", processing_class), model_id, revision,
+                             getattr(args, "max_completion_length", None),
+                             **(getattr(args, "chat_template_kwargs", None) or {}))
+    return model, processing_class, stop_ids, model_id
+
+
+def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None):
+    """Step 5: ``(args.resume_from_checkpoint, the checked checkpoint path or None)``."""
+    given = getattr(args, "resume_from_checkpoint", None)
+    checkpoint = resume_checkpoint(given, args, kind, use_peft)
+    if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
+        templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs)
+    return given, checkpoint
+
+
+def _uses_peft(model, peft_config) -> bool:
+    return peft_config not in (None, _NOT_GIVEN) or hasattr(model, "peft_config")
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO (and its subclasses)
+# ---------------------------------------------------------------------------------------------
+
+def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs: dict):
+    """Every check of ``GRPOTrainer.__init__`` (GAD's and multi-task's run theirs first) before TRL
+    loads anything; then the local judges load (``rewards.recipe.LocalJudgeSpec``) and rewards per
+    task become TRL's flat list. Returns ``(model, processing_class, reward_funcs, stop_token_ids,
+    (resume given, resume checked))``."""
+    from .rewards.recipe import load_local_judges
+    from .rewards.tasks import per_task
+
+    peft_config = kwargs.get("peft_config")
+    model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
+        model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
+        prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
+    )
+    template_kwargs = args.chat_template_kwargs or {}
+    if getattr(args, "check_template", True):
+        templates.check_fingerprint(model_id, processing_class, revision=(args.model_init_kwargs or {}).get("revision"),
+                                    chat_template_kwargs=template_kwargs)
+    if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
+        reward_funcs = reward_funcs.resolve(train_dataset, split_name(train_dataset, "train"))
+    if getattr(trainer, "_task_rewards", False):  # MultiTaskGRPOTrainer
+        check_tasks(reward_funcs, args, train_dataset, eval_dataset)
+    elif isinstance(reward_funcs, Mapping):
+        raise InputError(f"reward_funcs maps tasks to functions ({list(reward_funcs)}), which "
+                         f"{type(trainer).__name__} does not read: use grpotrl.MultiTaskGRPOTrainer (rows labelled "
+                         "in task_column), or pass one list of reward functions.")
+    _check_reward_models(reward_funcs, args)
+    _check_generation_args(args, kwargs)
+    if not trainer._reads_cagrad and (args.cagrad != "off" or args.cagrad_c != 0.5):
+        raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {type(trainer).__name__}, which trains "
+                         "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
+                         "labelled by task_column). Use it, or drop the cagrad settings.")
+    if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+        raise InputError("dynamic_sampling draws refill prompts by index: pass a map-style train_dataset "
+                         "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
+    # a reward column empty everywhere (per task: on the task's own rows)
+    check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
+    resume = check_resume(args, trainer._resume_kind, processing_class, _uses_peft(model_in, peft_config),
+                          template_kwargs)
+    reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
+    if isinstance(reward_funcs, Mapping):
+        reward_funcs = per_task(reward_funcs, args.task_column)
+    return model, processing_class, reward_funcs, stop_ids, resume
+
+
+def _check_reward_models(reward_funcs, args) -> None:
+    """Reward models named by path or Hub id (TRL loads them with ``AutoModelForSequenceClassification``)
+    are checked like the policy, before anything loads."""
+    from .hub import check_model_source
+
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    revision = (args.model_init_kwargs or {}).get("revision")
+    for func in funcs:
+        if isinstance(func, str):
+            check_model_source(func, revision, what="Reward model")
+
+
+def _check_generation_args(args, kwargs: dict) -> None:
+    """I6 arguments, validated before TRL loads anything."""
+    from .processors import build_processors
+
+    build_processors(0, args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
+                     args.min_new_tokens, [0])
+    if args.min_new_tokens and args.max_completion_length and args.min_new_tokens >= args.max_completion_length:
+        raise InputError(f"min_new_tokens={args.min_new_tokens} must be < max_completion_length="
+                         f"{args.max_completion_length}, or no completion could ever stop.")
+    penalties = args.presence_penalty or args.frequency_penalty or args.min_new_tokens
+    if penalties and kwargs.get("tools"):
+        raise InputError("presence/frequency penalties and min_new_tokens are not supported with tools yet: "
+                         "the multi-turn loop calls generate several times per completion. Set them to 0.")
+    if args.hf_importance_sampling_correction and args.loss_type == "vespo":
+        raise InputError("hf_importance_sampling_correction folds the ratio into the advantages, which is not "
+                         "equivalent for loss_type='vespo'. Use another loss_type or turn the correction off.")
+
+
+def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
+    """``MultiTaskGRPOTrainer``'s checks, within GRPO's once the rewards are known: every row labelled
+    in ``task_column``, every label with reward functions, what CAGrad needs. GRPO's then check each
+    task's reward columns on its own rows and turn the mapping into TRL's flat list
+    (``rewards.tasks.per_task``)."""
+    from .trainers._common import sharded_launch
+
+    column = args.task_column
+    for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        for d in datasets_of(ds):
+            if column not in (getattr(d, "column_names", None) or []):
+                raise InputError(f"{name} has no {column!r} column (columns: {getattr(d, 'column_names', None)}): "
+                                 f"MultiTaskGRPOTrainer needs a task label per row; set task_column to the column "
+                                 "that holds it.")
+    labels = task_labels(column, train_dataset, eval_dataset)
+    if not labels:
+        raise InputError("MultiTaskGRPOTrainer needs a map-style dataset (datasets.Dataset) to read its task labels.")
+    if args.scale_rewards == "batch":
+        raise InputError("scale_rewards='batch' divides every advantage by one std over the whole batch, which "
+                         "mixes tasks; use scale_rewards: group (the default) or none.")
+    if args.cagrad != "off":
+        if len(labels) < 2:
+            raise InputError(f"cagrad={args.cagrad!r} combines per-task gradients, but the data has one task "
+                             f"({labels}); use cagrad: off.")
+        if sharded_launch(args):  # the config's or `accelerate launch`'s
+            from .trainers.multitask import _DISTRIBUTED_ERROR
+
+            raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
+        if args.use_liger_kernel:
+            raise InputError("cagrad needs TRL's _compute_loss (use_liger_kernel=True bypasses it); turn one off.")
+    missing = [t for t in labels if t not in {str(k) for k in reward_funcs}] if isinstance(reward_funcs, Mapping) \
+        else []  # a list: the same functions for every task
+    if missing:
+        raise InputError(f"task(s) {missing} in the data have no reward functions: reward_funcs has "
+                         f"{list(reward_funcs)}. Add an entry for each task (or drop those rows).")
+
+
+# ---------------------------------------------------------------------------------------------
+# GAD
+# ---------------------------------------------------------------------------------------------
+
+def check_teacher_responses(dataset, split_name: str = "train") -> None:
+    """GAD rows need a non-empty ``teacher_response`` string and a chat-message ``prompt``."""
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return
+    if "teacher_response" not in dataset.column_names:
+        raise InputError(
+            f"GAD needs a 'teacher_response' column (the teacher's answer as text), but the {split_name!r} split has "
+            f"columns {dataset.column_names}. A row looks like {{\"prompt\": [{{\"role\": \"user\", \"content\": "
+            "\"What is 7 + 5?\"}], \"teacher_response\": \"12\"}. Add the column or map your rows into that shape."
+        )
+    for i, (prompt, text) in enumerate(zip(dataset["prompt"], dataset["teacher_response"])):
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"Row {i} of the {split_name!r} split has teacher_response={text!r}; GAD needs the "
+                             "teacher's answer as a non-empty string. Fix or drop that row.")
+        if not isinstance(prompt, list):
+            raise InputError(f"Row {i} of the {split_name!r} split has a {type(prompt).__name__} prompt; GAD scores "
+                             "teacher and student through the chat template (I9), so prompts must be chat messages.")
+
+
+def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
+    """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
+    every row with the teacher's response, the discriminator's starting point."""
+    from .configs import GADConfig
+    from .trainers._common import sharded_launch
+
+    if not isinstance(args, GADConfig):
+        raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
+                         "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
+                         "(importance_sampling_level='sequence', loss_type='grpo', its clip range), which a "
+                         "GRPO config would silently replace with TRL's token-level ones.")
+    if "reward_funcs" in kwargs:
+        raise InputError("GADTrainer's reward is its discriminator; it takes no reward_funcs.")
+    if kwargs.get("tools") or kwargs.get("environment_factory"):
+        raise InputError("GAD scores one plain-text response per prompt; tools and environments are not supported.")
+    if sharded_launch(args) == "FSDP":  # the config's or `accelerate launch`'s: before anything loads
+        raise InputError("GADTrainer with FSDP is not supported (the discriminator is prepared for DDP or "
+                         "DeepSpeed). Use DeepSpeed ZeRO (recipes/accelerate/zero2.yaml, zero3.yaml) or DDP.")
+    for name, ds in named_splits(train_dataset, eval_dataset):
+        check_dataset(ds, name, kind="grpo")  # GRPO's rows first (found checked by GRPO's preflight)
+        check_teacher_responses(ds, name)
+    _check_discriminator(model, args)
+
+
+def _check_discriminator(model, args) -> None:
+    """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
+    student's own checkpoint, which must then be loadable by name."""
+    from .hub import check_model_source
+    from .models import resolve_model_path
+
+    if args.discriminator_model_name_or_path:
+        args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
+        check_discriminator_source(args.discriminator_model_name_or_path)
+        return
+    student_source = resolve_model_path(model) if isinstance(model, str) else \
+        getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not student_source:
+        raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
+                         "discriminator_model_name_or_path (a local directory or a Hub id).")
+    check_model_source(student_source, what="Discriminator model (the student's own checkpoint)")
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT
+# ---------------------------------------------------------------------------------------------
+
+def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs: dict):
+    """Every check of ``SFTTrainer.__init__`` before TRL loads anything: the datasets as TRL takes
+    them, model and tokenizer, and on chat data a template, the checkpoint's fingerprint and I2 on
+    the first prompt-completion row. Returns ``(model, processing_class, stop_token_ids, data
+    format, (resume given, resume checked))``."""
+    from .trainers.sft import data_format, first_row, option, tokenize_i2_row
+
+    formatting_func = kwargs.get("formatting_func")
+    dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
+    skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
+    for name, dataset in named_splits(train_dataset, eval_dataset):
+        check_dataset(dataset, name, kind="sft", text_field=args.dataset_text_field,
+                      formatting_func=formatting_func, skip_prepare=skip_prepare)
+    model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
+        model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"))
+    fmt = None if formatting_func is not None else data_format(train_dataset)
+    i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
+    if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later
+        templates.require_chat_template(processing_class)
+        if model_id and option(args, "check_template"):
+            templates.check_fingerprint(model_id, processing_class,
+                                        revision=(args.model_init_kwargs or {}).get("revision"))
+        if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
+            tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, option(args, "chat_template_kwargs"))
+    resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")))
+    return model, processing_class, stop_ids, fmt, resume

@@ -1,0 +1,214 @@
+"""Reward names from a recipe to functions, and the dataset columns those functions read: checked
+once, before any weights load (the CLI resolves the names; both the CLI and the trainers'
+preflight check the columns).
+
+* ``resolve_reward_funcs``: each name looked up in the recipe's judges, grpotrl's ``REWARD_FUNCS``
+  (``rules.py``), the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path;
+  ``task:name`` entries give a mapping task -> functions (``MultiTaskGRPOTrainer``).
+* ``check_reward_columns``: every required argument of a reward function, and every column a
+  judge's rubric reads, is a column of the dataset (TRL would fail only after generation).
+* ``check_reward_signal``: a column a reward reads that is empty or None on every row it scores
+  (the reward would be constant: zero signal) is refused; on some rows, a warning naming them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import InputError
+from ..preflight_data import _rows
+from . import rules
+
+logger = logging.getLogger(__name__)
+
+REWARD_FUNCS = {
+    "exact_answer": rules.exact_answer_reward,
+    "format": rules.format_reward,
+    "length": rules.length_penalty,
+    "even_handed": rules.even_handed_reward,
+}
+
+# Keyword arguments TRL's GRPOTrainer passes to every reward function besides the dataset columns.
+_TRAINER_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+
+
+def trl_reward_funcs() -> dict:
+    """The built-in names of TRL's ``trl grpo`` script (``trl/scripts/grpo.py``), with its settings."""
+    from trl.rewards import (accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward,
+                             think_format_reward)
+
+    return {"accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
+            "think_format_reward": think_format_reward,
+            "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)}
+
+
+def _import_reward(path: str):
+    """``my_lib.rewards.custom_reward`` -> that function, as ``trl grpo`` imports it (the working
+    directory is put first on ``sys.path``)."""
+    import importlib
+    import sys
+
+    module_path, _, attr = path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as err:
+        raise InputError(f"Reward {path!r}: cannot import module {module_path!r} ({err}). Put the directory that "
+                         f"holds it on PYTHONPATH (the working directory {os.getcwd()} is searched), or fix the "
+                         "dotted path.") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise InputError(f"Reward {path!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) has no "
+                         f"callable {attr!r}; its callables: {names}.")
+    return func
+
+
+def resolve_reward_funcs(names: list[str] | str | None, judges: dict | None = None,
+                         reward_model: str | None = None) -> list | dict:
+    """Map a recipe's ``reward_funcs`` to functions, looking each name up in this order: the
+    recipe's ``judges`` (``grpotrl.rewards.recipe.parse_judges``), grpotrl's ``REWARD_FUNCS``,
+    the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path
+    (``my_lib.rewards.custom_reward``). ``["exact_answer", "format"]`` -> a list;
+    ``["hallucination:exact_answer", "fairness:even_handed"]`` (``task:name``, every entry) -> a
+    mapping task -> functions, for MultiTaskGRPOTrainer (rows carry the task in ``task_column``).
+    ``reward_model`` (``reward_model_name_or_path``) goes first in the list, as ``trl grpo`` puts it;
+    with per-task rewards it is an error (a reward model scores every row)."""
+    names = [names] if isinstance(names, str) else list(names or [])
+    judges = judges or {}
+    trl_funcs = trl_reward_funcs()
+    known = [*judges, *REWARD_FUNCS, *trl_funcs]
+    if not names and not reward_model:
+        raise InputError(f"GRPO needs at least one reward: set `reward_funcs` to some of {known} (or a dotted path "
+                         "such as my_lib.rewards.custom_reward), or `reward_model_name_or_path`.")
+    shadowed = [n for n in judges if n in REWARD_FUNCS or n in trl_funcs]
+    if shadowed:
+        raise InputError(f"Judge name(s) {shadowed} in `judges` are also built-in reward names; rename the judge(s).")
+    tagged = [":" in n for n in names]
+    if any(tagged) and not all(tagged):
+        raise InputError(f"`reward_funcs` {names} mixes per-task entries (task:name) with plain names: give every "
+                         "entry a task (e.g. hallucination:exact_answer), or none.")
+    unknown = [n for n in names if n.rpartition(":")[2] not in known and "." not in n.rpartition(":")[2]]
+    if unknown:
+        raise InputError(
+            f"Unknown reward function(s) {unknown} in `reward_funcs`. Known: {known} (the recipe's judges, "
+            "grpotrl/rewards/rules.py, trl.rewards), or a dotted import path to your own function such as "
+            "my_lib.rewards.custom_reward; any of them as task:name for rewards per task."
+        )
+
+    def lookup(name):
+        for table in (judges, REWARD_FUNCS, trl_funcs):
+            if name in table:
+                return table[name]
+        return _import_reward(name)
+
+    if not names or not all(tagged):
+        return ([reward_model] if reward_model else []) + [lookup(n) for n in names]
+    if reward_model:
+        raise InputError(f"reward_model_name_or_path {reward_model!r} scores every row, but `reward_funcs` gives "
+                         "rewards per task (task:name). Drop one of them, or wrap the reward model in a function "
+                         "and name it per task.")
+    per_task: dict[str, list] = {}
+    for n in names:
+        task, _, name = n.rpartition(":")
+        per_task.setdefault(task, []).append(lookup(name))
+    return per_task
+
+
+@dataclass
+class RewardNames:
+    """A recipe's rewards by name (``reward_funcs``, ``judges``, ``reward_model_name_or_path``), handed
+    to a GRPO trainer as its ``reward_funcs``: its preflight resolves them (``resolve``) once the
+    model, tokenizer and rows have passed, so those errors come first, as the CLI always ordered them."""
+
+    names: list[str] | str | None
+    judges: dict | None = None
+    reward_model: str | None = None
+
+    @property
+    def per_task(self) -> bool:
+        """Every name is ``task:name``: rewards per task (``MultiTaskGRPOTrainer``)."""
+        names = [self.names] if isinstance(self.names, str) else list(self.names or [])
+        return bool(names) and all(":" in n for n in names)
+
+    def resolve(self, dataset, split_name: str) -> list | dict:
+        """The functions (``resolve_reward_funcs``), with the columns they read checked on ``dataset``."""
+        funcs = resolve_reward_funcs(self.names, self.judges, self.reward_model)
+        if getattr(dataset, "column_names", None):
+            check_reward_columns(funcs, dataset, split_name)
+        return funcs
+
+
+def check_reward_columns(reward_funcs: list | dict, dataset, split_name: str) -> None:
+    """Every required argument of every reward function must be a column of ``dataset``
+    (TRL passes the columns as keyword arguments; a missing one fails only after generation)."""
+    if isinstance(reward_funcs, dict):  # per task: every task's functions
+        reward_funcs = [f for funcs in reward_funcs.values() for f in funcs]
+    for func in reward_funcs:
+        rubric = getattr(func, "rubric", None)  # a judge reads its rubric's columns
+        if rubric is not None and (missing := [c for c in rubric.columns.values() if c not in dataset.column_names]):
+            raise InputError(
+                f"Judge {func.name!r} (rubric {rubric.name!r}) reads the dataset column(s) {missing}, but the "
+                f"{split_name!r} split has columns {dataset.column_names}. Map the rubric's fields to your columns "
+                "with the judge's rubric_columns (e.g. {reference: answer}) or add the column."
+            )
+        if not inspect.isfunction(func):  # reward models and callable objects: TRL checks them
+            continue
+        needed = [
+            p.name for p in inspect.signature(func).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in _TRAINER_REWARD_KWARGS
+        ]
+        missing = [n for n in needed if n not in dataset.column_names]
+        if missing:
+            raise InputError(
+                f"Reward function {func.__name__} needs the dataset column(s) {missing}, but the {split_name!r} "
+                f"split has columns {dataset.column_names}. Add them to the dataset or drop that reward."
+            )
+
+
+def _useless(value) -> bool:
+    return value is None or (isinstance(value, (str, list, dict)) and not (value.strip() if isinstance(value, str)
+                                                                             else value))
+
+
+def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str = "task") -> None:
+    """A dataset column a reward function reads (a required argument named after it) that is
+    None or empty on every row it scores gives that reward nothing to compare with: an
+    ``InputError`` naming the column and the function. Empty on some rows: a warning naming them.
+    Per-task rewards (a mapping task -> functions) are checked on their task's rows."""
+    if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return
+    everyone = list(range(len(dataset)))
+    def listed(funcs) -> list:  # one function, or a list of them, as TRL takes them
+        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+    if isinstance(reward_funcs, Mapping):
+        labels = [str(t) for t in dataset[task_column]] if task_column in dataset.column_names else []
+        scored = [(f, [i for i, t in enumerate(labels) if t == str(task)], f" (task {task!r})")
+                  for task, fs in reward_funcs.items() for f in listed(fs)]
+    else:
+        scored = [(f, everyone, "") for f in listed(reward_funcs)]
+    for func, rows, task in scored:
+        if not inspect.isfunction(func) or not rows:
+            continue
+        for name, p in inspect.signature(func).parameters.items():
+            if p.default is not p.empty or name not in dataset.column_names or name in ("prompt", "completion"):
+                continue
+            values = dataset[name]
+            empty = [i for i in rows if _useless(values[i])]
+            if len(empty) == len(rows):
+                raise InputError(
+                    f"Column {name!r} of the {split_name!r} split, which reward {func.__name__}{task} reads, is empty "
+                    f"or None on every row it scores ({len(rows)} rows): that reward would be the same for every "
+                    "completion and train nothing. Fill the column, or drop that reward."
+                )
+            if empty:
+                logger.warning("Column %r of the %r split, which reward %s%s reads, is empty or None on %d of %d rows "
+                               "(%s): those rows get no signal from it.", name, split_name, func.__name__, task,
+                               len(empty), len(rows), _rows(empty))
