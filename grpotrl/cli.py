@@ -19,11 +19,12 @@ settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the da
 the reward names and judges (parsed, not resolved) -> the output dir -> the trainer, whose
 preflight (``grpotrl/preflight.py``) checks rows, model, tokenizer, chat template, stop tokens,
 rewards (names resolved, the columns they read) and the resume checkpoint, once, before TRL loads
-the model and before any local judge is loaded; so bad input costs seconds, not a model load. Datasets and models are what ``trl grpo`` takes: a
-Hub id goes to ``datasets`` / ``transformers`` unchanged and is downloaded and cached by them
-(offline, read from their cache), so grpotrl downloads what TRL would, nothing more; shipped
-datasets (``quickstart``, ``multitask``, ``gad_toy``) and local files need no network. Rewards are
-named (``rewards.resolve.resolve_reward_funcs``: the recipe's judges, grpotrl's and TRL's built-ins,
+the model and before any local judge is loaded; so bad input costs seconds, not a model load.
+Datasets and models are what ``trl grpo`` takes: a Hub id goes to ``datasets`` / ``transformers``
+unchanged and is downloaded and cached by them (offline, read from their cache), so grpotrl
+downloads what TRL would, nothing more; shipped datasets (``quickstart``, ``multitask``,
+``gad_toy``) and local files need no network. Rewards are named
+(``rewards.resolve.resolve_reward_funcs``: the recipe's judges, grpotrl's and TRL's built-ins,
 dotted import paths, ``task:name`` per task, which trains with ``MultiTaskGRPOTrainer``, as does
 ``cagrad``) or a ``reward_model_name_or_path``; judges are declared in the recipe
 (``grpotrl.rewards.recipe``).

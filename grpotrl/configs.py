@@ -9,7 +9,6 @@ sampled the tokens.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -164,6 +163,13 @@ class HealthFields:
                   "+15% step time on SmolLM2-135M (bench/bench_health.py --logit-steps 1) and B*C*V*4 bytes. "
                   "0: only on guard steps, where the I5 guard's forward provides them for free."},
     )
+
+
+@dataclass
+class DynamicSamplingFields:
+    """DAPO dynamic sampling (``grpotrl/dynamic_sampling.py``), read by ``GRPOTrainer`` and
+    ``MultiTaskGRPOTrainer``; ``GADConfig`` refuses it."""
+
     dynamic_sampling: bool = field(
         default=False,
         metadata={"help": "DAPO dynamic sampling (TRL issue #3708): drop the groups whose rewards are all equal "
@@ -179,6 +185,11 @@ class HealthFields:
 
 @dataclass
 class MultiTaskFields:
+    """``task_column`` labels rows for per-task metrics (every GRPO trainer) and per-task rewards.
+    ``cagrad`` / ``cagrad_c`` are read by ``MultiTaskGRPOTrainer`` only; they sit on every GRPO
+    config (one config class for the CLI's ``grpotrl grpo``), and a trainer that would ignore them
+    refuses them when set (``GRPOTrainer``: ``preflight.check_grpo``; ``GADConfig``: at construction)."""
+
     task_column: str = field(
         default="task",
         metadata={"help": "Dataset column holding each row's task label. When present, metrics are also logged per "
@@ -187,11 +198,12 @@ class MultiTaskFields:
     )
     cagrad: str = field(
         default="off",
-        metadata={"help": "MultiTaskGRPOTrainer only. 'off': one backward of the summed loss. 'exact': CAGrad "
-                  "(Liu et al. 2021) over the per-task policy gradients of all trainable parameters, accumulated "
-                  "over the gradient-accumulation window (K task backward passes + 1 for KL and the entropy "
-                  "bonus, which are added after the combination). 'low_memory': CAGrad weights from the per-task "
-                  "gradients of the last transformer block's trainable parameters only (K short backward passes), "
+        metadata={"help": "MultiTaskGRPOTrainer only (GRPOTrainer and GADTrainer refuse it). 'off': one backward "
+                  "of the summed loss. 'exact': CAGrad (Liu et al. 2021) over the per-task policy gradients of all "
+                  "trainable parameters, accumulated over the gradient-accumulation window (K task backward passes "
+                  "+ 1 for KL and the entropy bonus, which are added after the combination). 'low_memory': CAGrad "
+                  "weights from the per-task gradients of the last transformer block's trainable parameters only (K "
+                  "short backward passes), "
                   "then one weighted backward of everything, weights per microbatch.",
                   "choices": ["off", "exact", "low_memory"]},
     )
@@ -203,7 +215,8 @@ class MultiTaskFields:
 
 
 @dataclass
-class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, trl.GRPOConfig):
+class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields,
+                 trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
@@ -212,8 +225,8 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
     _VALID_DICT_FIELDS = trl.GRPOConfig._VALID_DICT_FIELDS + ["health_rule_actions"]
 
     def __post_init__(self):
+        from .preflight_model import check_grpotrl_fields, check_ranges
         from .recipe_types import check_config_types
-        from .preflight_model import check_ranges
 
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         check_config_types(self)  # a field set to a value its type cannot hold (bf16=2)
@@ -222,66 +235,6 @@ class GRPOConfig(MultiTaskFields, HealthFields, GenerationFields, GuardFields, t
         _checkpointing_by_its_new_name(self)
         super().__post_init__()
         check_grpotrl_fields(self)
-
-
-def check_grpotrl_fields(args) -> None:
-    """grpotrl's own checks of a GRPO config (also run on a ``trl.GRPOConfig`` that
-    ``complete_grpo_config`` completed): each bad value is an ``InputError`` saying what to use."""
-    actions = args.health_rule_actions or {}
-    if args.health_action not in ("auto", *HEALTH_ACTIONS):
-        raise InputError(f"health_action={args.health_action!r}: use 'auto', 'stop', 'warn' or 'off'.")
-    if not isinstance(actions, dict) or any(k not in HEALTH_RULES or v not in HEALTH_ACTIONS
-                                            for k, v in actions.items()):
-        raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
-                         f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
-    if args.sampler_gap_action not in ("warn", "stop", "off"):
-        raise InputError(f"sampler_gap_action={args.sampler_gap_action!r}: use 'warn', 'stop' or 'off'.")
-    if not (isinstance(args.sampler_gap_threshold, (int, float)) and args.sampler_gap_threshold > 0
-            and math.isfinite(args.sampler_gap_threshold)):
-        raise InputError(f"sampler_gap_threshold={args.sampler_gap_threshold!r}: use a finite number of nats > 0 "
-                         "(e.g. 0.1), or sampler_gap_action='off'.")
-    if args.cagrad not in ("off", "exact", "low_memory"):
-        raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
-    if not 0.0 <= args.cagrad_c < 10:
-        raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
-    if args.entropy_coef < 0:
-        raise InputError(f"entropy_coef={args.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
-                         "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
-                         "entropy; use 0 for no bonus.")
-    _check_generation_settings(args)
-    if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
-        raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
-                         "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
-                         "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
-
-
-def _check_generation_settings(args) -> None:
-    """Sampling settings grpotrl would otherwise drop without a word (I6): each is honoured or refused.
-
-    ``generation_kwargs={"repetition_penalty": x}`` (TRL lets it override ``repetition_penalty``) is
-    honoured as ``repetition_penalty = x``, applied response-only like the field (on the transformers
-    path grpotrl replaces transformers' own, which counts the prompt); a different value in both
-    places is refused. Continuous batching runs transformers' own sampler, which takes no logits
-    processors: the response-only penalties and ``min_new_tokens`` cannot be applied there."""
-    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-    given = kwargs.get("repetition_penalty", 1.0)
-    if given != 1.0:
-        if args.repetition_penalty not in (1.0, given):
-            raise InputError(f"repetition_penalty={args.repetition_penalty} and generation_kwargs"
-                             f"['repetition_penalty']={given} disagree: set it once, as repetition_penalty.")
-        args.repetition_penalty = given  # applied response-only (I6), as the field is
-    if args.use_transformers_continuous_batching:
-        unsupported = {name: value for name, value in (
-            ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
-            ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
-            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens"))) if value}
-        if unsupported:
-            raise InputError(
-                f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
-                "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
-                "logits processors, so these would be silently dropped (a repetition penalty there would also count "
-                "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
-                "false) or vLLM, or leave these settings at their defaults.")
 
 
 def complete_grpo_config(args, config_class: type = GRPOConfig):
@@ -296,6 +249,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
+    from .preflight_model import check_grpotrl_fields
+
     check_grpotrl_fields(args)
     return args
 
@@ -312,8 +267,8 @@ def _checkpointing_by_its_new_name(args) -> None:
 @dataclass
 class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
     def __post_init__(self):
-        from .recipe_types import check_config_types
         from .preflight_model import check_ranges
+        from .recipe_types import check_config_types
 
         check_ranges(self)
         check_config_types(self)
@@ -401,8 +356,8 @@ class GADConfig(GRPOConfig):
 
     def __post_init__(self):
         from .losses import kl_estimator_name
-        from .recipe_types import check_config_types
         from .preflight_model import check_ranges
+        from .recipe_types import check_config_types
 
         check_ranges(self)
         check_config_types(self)

@@ -2,6 +2,8 @@
 
 * ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
   mean (a wrong sign, a zero, a NaN), before TRL's own ``__post_init__`` divides by any of them.
+* ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
+  entropy sign I7, sampling settings grpotrl would otherwise drop, I6); run by the configs.
 * ``check_model_dir``: a local checkpoint with ``config.json`` and complete weights (every shard
   of a sharded one; safetensors files not truncated), or a PEFT adapter dir whose base model
   passes the same check (Hub ids: ``grpotrl.hub.check_model_source``).
@@ -80,6 +82,68 @@ def check_ranges(args) -> None:
         if value is not None and not ok(value):
             raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}. Fix it in the recipe, "
                              "on the command line or in the config.")
+
+
+def check_grpotrl_fields(args) -> None:
+    """grpotrl's own checks of a GRPO config (also run on a ``trl.GRPOConfig`` that
+    ``complete_grpo_config`` completed): each bad value is an ``InputError`` saying what to use."""
+    from .configs import HEALTH_ACTIONS, HEALTH_RULES
+
+    actions = args.health_rule_actions or {}
+    if args.health_action not in ("auto", *HEALTH_ACTIONS):
+        raise InputError(f"health_action={args.health_action!r}: use 'auto', 'stop', 'warn' or 'off'.")
+    if not isinstance(actions, dict) or any(k not in HEALTH_RULES or v not in HEALTH_ACTIONS
+                                            for k, v in actions.items()):
+        raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
+                         f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
+    if args.sampler_gap_action not in ("warn", "stop", "off"):
+        raise InputError(f"sampler_gap_action={args.sampler_gap_action!r}: use 'warn', 'stop' or 'off'.")
+    if not (isinstance(args.sampler_gap_threshold, (int, float)) and args.sampler_gap_threshold > 0
+            and math.isfinite(args.sampler_gap_threshold)):
+        raise InputError(f"sampler_gap_threshold={args.sampler_gap_threshold!r}: use a finite number of nats > 0 "
+                         "(e.g. 0.1), or sampler_gap_action='off'.")
+    if args.cagrad not in ("off", "exact", "low_memory"):
+        raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
+    if not 0.0 <= args.cagrad_c < 10:
+        raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
+    if args.entropy_coef < 0:
+        raise InputError(f"entropy_coef={args.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
+                         "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
+                         "entropy; use 0 for no bonus.")
+    _check_generation_settings(args)
+    if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
+        raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
+                         "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
+                         "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+def _check_generation_settings(args) -> None:
+    """Sampling settings grpotrl would otherwise drop without a word (I6): each is honoured or refused.
+
+    ``generation_kwargs={"repetition_penalty": x}`` (TRL lets it override ``repetition_penalty``) is
+    honoured as ``repetition_penalty = x``, applied response-only like the field (on the transformers
+    path grpotrl replaces transformers' own, which counts the prompt); a different value in both
+    places is refused. Continuous batching runs transformers' own sampler, which takes no logits
+    processors: the response-only penalties and ``min_new_tokens`` cannot be applied there."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    given = kwargs.get("repetition_penalty", 1.0)
+    if given != 1.0:
+        if args.repetition_penalty not in (1.0, given):
+            raise InputError(f"repetition_penalty={args.repetition_penalty} and generation_kwargs"
+                             f"['repetition_penalty']={given} disagree: set it once, as repetition_penalty.")
+        args.repetition_penalty = given  # applied response-only (I6), as the field is
+    if args.use_transformers_continuous_batching:
+        unsupported = {name: value for name, value in (
+            ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
+            ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
+            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens"))) if value}
+        if unsupported:
+            raise InputError(
+                f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
+                "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
+                "logits processors, so these would be silently dropped (a repetition penalty there would also count "
+                "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
+                "false) or vLLM, or leave these settings at their defaults.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +253,7 @@ def check_model_args(model_args, model_path: str) -> None:
                 f"load_in_4bit computes in `dtype`, which is {model_args.dtype!r}. Set dtype: float32 (CPU; the "
                 "I5 guard's 1e-5 tolerance holds) or bfloat16 (GPU)."
             )
-    if model_args.use_peft and model_args.lora_target_modules:
+    if model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
         _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
 
 
