@@ -1,5 +1,6 @@
-"""grpotrl's preflight checks (preflight_data, preflight_model, checkpoints, rewards.resolve) and the CLI's pre-flight: every bad input is an ``InputError`` that names
-the bad value, raised before any model is loaded (fast: no weights are read here)."""
+"""grpotrl's preflight checks (preflight_data, preflight_model, checkpoints, rewards.resolve) and the
+CLI's pre-flight: every bad input is an ``InputError`` that names the bad value, raised before any
+model is loaded (fast: no weights are read here)."""
 
 import copy
 import json
