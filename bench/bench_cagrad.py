@@ -109,7 +109,8 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.completion, a.no_reg)
     def i7(variant, res):
-        return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu"
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in res["phases"].items())
+        return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu; cpu s per step: {phases}"
 
     results = _runner.alternate(__file__, VARIANTS, a.rounds,
                                 ["--steps", str(a.steps), "--completion", str(a.completion)]
