@@ -11,7 +11,10 @@ both off with ``--no-reg`` (then exact needs K backward passes, not K + 1). ``pl
 single-objective GRPO on the same config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
 CPU time per step (the steadier measure on a shared machine) after the first step.
 Goals for two tasks: exact <= 1.6, low_memory <= 1.15. Every variant also times the I7 sign
-check from the inside (``guards.check_entropy_sign``, run every step), as a share of step CPU.
+check from the inside (``guards.check_entropy_sign``, run every step), as a share of step CPU,
+and splits each step's CPU time into phases (the profile): rollout (generation, rewards, the
+reference's logprobs), the loss's forward, ``torch.autograd.grad`` (CAGrad's task gradients and
+the I7 slopes), the Trainer's backward, and the rest (loss arithmetic, metrics, optimizer).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
 VARIANTS = ("plain", "exact", "low_memory")
+PHASES = ("rollout", "loss forward", "autograd.grad", "trainer backward")
 
 
 def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
@@ -43,6 +47,35 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
             inside[0] += time.process_time() - t
 
     guards.check_entropy_sign = timed_check
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    phases = dict.fromkeys(PHASES, 0.0)  # CPU seconds per phase, all steps
+
+    def timed(owner, name, phase, only=lambda: True):
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            if not only():
+                return original(*a, **k)
+            t = time.process_time()
+            try:
+                return original(*a, **k)
+            finally:
+                phases[phase] += time.process_time() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(grpotrl.GRPOTrainer, "_generate_and_score_completions", "rollout")
+    timed(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", "loss forward", torch.is_grad_enabled)
+    timed(torch.autograd, "grad", "autograd.grad")
+    first = {}  # the phases after step 1, which pays one-time costs
+
+    class AfterFirst(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:
+                first.update(phases)
     from grpotrl.data import load_multitask
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import even_handed_reward, exact_answer_reward, format_reward
@@ -58,9 +91,11 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
     trainer = grpotrl.MultiTaskGRPOTrainer(
         model=resolve_model_path("smollm2-135m-instruct"), args=args, train_dataset=load_multitask("train"),
         reward_funcs={"hallucination": [exact_answer_reward, format_reward], "fairness": even_handed_reward},
-        callbacks=[timer])
+        callbacks=[timer, AfterFirst()])
+    timed(trainer.accelerator, "backward", "trainer backward")
     trainer.train()
-    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, inside=inside[0])
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, inside=inside[0],
+                   phases={k: (v - first.get(k, 0.0)) / max(len(timer.cpu) - 1, 1) for k, v in phases.items()})
 
 
 def main() -> None:
@@ -74,7 +109,8 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.completion, a.no_reg)
     def i7(variant, res):
-        return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu"
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in res["phases"].items())
+        return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu; cpu s per step: {phases}"
 
     results = _runner.alternate(__file__, VARIANTS, a.rounds,
                                 ["--steps", str(a.steps), "--completion", str(a.completion)]
@@ -91,6 +127,13 @@ def main() -> None:
                                   for b, m in zip(results["plain"], results[variant]))
             print(f"{label}  {variant:10s} {mine:.3f} s / plain {plain:.3f} s = {mine / plain:.3f}  "
                   f"(per round {per_round}; goal <= {goal})")
+    print("\nCPU s per step (steps 2..) by phase; other = loss arithmetic, metrics, optimizer")
+    print(f"{'variant':10s} " + " ".join(f"{p:>16s}" for p in (*PHASES, "other", "total")))
+    for variant in VARIANTS:
+        cpu = _runner.mean_per_step(results, variant, "cpu_times", after_first)
+        ph = {p: statistics.mean(r["phases"][p] for r in results[variant]) for p in PHASES}
+        cells = [*ph.values(), cpu - sum(ph.values()), cpu]
+        print(f"{variant:10s} " + " ".join(f"{c:16.3f}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -213,3 +213,21 @@ def cagrad_coefficients(gram: torch.Tensor, alpha: float, rescale: int = 1) -> t
     coef = torch.full((K,), 1.0 / K, dtype=torch.float64) + lam * w
     coef = coef / {0: 1.0, 1: 1 + alpha**2, 2: 1 + alpha}[rescale]
     return coef.float(), w.float()
+
+
+# ---------------------------------------------------------------- rows computed in pieces
+
+
+def merge_rows(pieces: dict, rows: dict, keep=None) -> torch.Tensor:
+    """A batch computed in pieces, its rows put back in order: ``out[rows[k]] = pieces[k]``
+    (``pieces[k]`` [n_k, ...], ``rows[k]`` [n_k] row indices; together every row once). With
+    ``keep``, only ``pieces[keep]`` stays attached to its graph: a backward from a function of the
+    result then walks that piece's graph alone, not the others' on zero gradients.
+
+    >>> a, b = torch.tensor([[1.0], [3.0]]), torch.tensor([[2.0]])
+    >>> merge_rows({0: a, 1: b}, {0: torch.tensor([0, 2]), 1: torch.tensor([1])}).flatten().tolist()
+    [1.0, 2.0, 3.0]
+    """
+    flat = torch.cat([p if keep is None or k == keep else p.detach() for k, p in pieces.items()])  # [B, ...]
+    order = torch.cat([rows[k] for k in pieces])  # [B]: flat's row i is the batch's row order[i]
+    return flat[torch.argsort(order)]

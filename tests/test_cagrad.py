@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpotrl.losses import cagrad_coefficients, cagrad_weights
+from grpotrl.losses import cagrad_coefficients, cagrad_weights, merge_rows
 
 
 def reference_cagrad(grads: np.ndarray, alpha: float = 0.5, rescale: int = 1) -> np.ndarray:
@@ -103,3 +103,17 @@ def test_more_tasks_match_reference(K):
     grads = rng.normal(size=(6, K))
     grads[:, 0] *= -1.5  # a conflicting, larger task
     assert ours(grads, 0.4) == pytest.approx(reference_cagrad(grads, 0.4), abs=1e-4)
+
+
+def test_merge_rows_puts_rows_back_and_keep_attaches_one_piece_only():
+    """MultiTaskGRPOTrainer's per-task forward: task 0 scored rows 0 and 2, task 1 row 1."""
+    a = torch.tensor([[1.0, 1.0], [3.0, 3.0]], requires_grad=True)  # [n_0=2, C=2]
+    b = torch.tensor([[2.0, 2.0]], requires_grad=True)  # [n_1=1, C=2]
+    rows = {0: torch.tensor([0, 2]), 1: torch.tensor([1])}
+    whole = merge_rows({0: a, 1: b}, rows)  # [B=3, C=2]
+    assert whole[:, 0].tolist() == [1.0, 2.0, 3.0]
+    ga, gb = torch.autograd.grad((whole * torch.tensor([[1.0], [10.0], [100.0]])).sum(), [a, b])
+    assert ga.tolist() == [[1.0, 1.0], [100.0, 100.0]] and gb.tolist() == [[10.0, 10.0]]
+    only_a = merge_rows({0: a, 1: b}, rows, keep=0)  # same values; b's graph is never walked from it
+    assert torch.equal(only_a, whole)
+    assert torch.autograd.grad(only_a.sum(), [a, b], allow_unused=True)[1] is None

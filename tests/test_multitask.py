@@ -6,6 +6,7 @@ low-memory. The entropy tests start from a peaked model (final norm x10: next-to
 """
 
 import asyncio
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -272,6 +273,78 @@ def test_cagrad_update_is_the_combination_computed_by_hand(mode, tiny_llama, grp
     assert _rel(got, swapped) > 0.05
     logs = trainer.state.log_history[0]
     assert [logs["tasks/fairness/cagrad_coef"], logs["tasks/hallucination/cagrad_coef"]] == pytest.approx(w, rel=1e-4)
+
+
+class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
+    """The CAGrad loss as it was before issue 17 (commit 5ab1214), kept as the reference for the
+    update: one forward of every row, and each term TRL's loss on all of it, so that every task
+    term's backward ran through every row (K + 1 full backward passes in exact mode)."""
+
+    _get_per_token_logps_and_entropies = grpotrl.GRPOTrainer._get_per_token_logps_and_entropies
+
+    def _loss_terms(self, model, inputs, coef):
+        import trl
+
+        from grpotrl import guards
+        from grpotrl.trainers.grpo import TASK_KEY
+
+        with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
+            full = grpotrl.GRPOTrainer._compute_loss(self, model, inputs)
+        cached = calls[0]
+        self._pieces = {None: cached}  # the new compute_loss checks each piece's entropies (I7)
+        adv = inputs["advantages"]
+        task = inputs[TASK_KEY].view(-1, *[1] * (adv.dim() - 1))
+        with guards._instance_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
+                self._metrics_dropped():
+            with self._terms(beta=0.0, coef=0.0):
+                terms = {k: trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": adv * (task == k)})
+                         for k in range(len(self.task_names))}
+            with self._terms(beta=self.beta, coef=coef):
+                reg = trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": torch.zeros_like(adv)})
+        self._present = set(inputs[TASK_KEY].unique().tolist())
+        return full, terms, reg
+
+    @contextmanager
+    def _terms(self, beta: float, coef: float):
+        saved = (self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy)
+        self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy = \
+            beta, coef, coef != 0.0, False
+        try:
+            yield
+        finally:
+            self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy = saved
+
+
+def one_sgd_step(cls, mode: str, model: str, grpo_args) -> tuple[list[torch.Tensor], dict]:
+    """Parameter deltas after one plain SGD step (delta = -lr * grad, no Adam normalisation to
+    hide a difference) and the step's logs: KL, entropy bonus, two conflicting tasks, and a
+    window of two microbatches."""
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}?"}], "task": task}
+                              for i in range(4) for task in ("fairness", "hallucination")])
+    args = mode_args(grpo_args, mode, max_steps=1, max_grad_norm=0.0, optim="sgd", learning_rate=1.0,
+                     entropy_coef=0.01, beta=0.04, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                     generation_kwargs={"sequence_bias": [[[X], 7.3]]})
+    trainer = cls(model, reward_funcs={"fairness": more_x, "hallucination": fewer_x}, args=args, train_dataset=data)
+    before = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    trainer.train()
+    after = [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+    return [a - b for a, b in zip(after, before)], trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_cagrad_update_unchanged_by_the_per_task_forward(mode, tiny_llama, grpo_args):
+    """Issue 17: the loss forward runs per task so that a task term's backward walks its own rows
+    only; the update and every logged metric must equal the code before it (BeforeTaskForwards),
+    to 1e-5 relative (the per-task forwards multiply smaller matrices: float rounding only)."""
+    new, new_logs = one_sgd_step(grpotrl.MultiTaskGRPOTrainer, mode, tiny_llama, grpo_args)
+    old, old_logs = one_sgd_step(BeforeTaskForwards, mode, tiny_llama, grpo_args)
+    assert _rel(new, old) < 1e-5, _rel(new, old)
+    assert sum(float(d.abs().sum()) for d in old) > 0  # a real step
+    assert old_logs["cagrad/deviation_from_sum"] > 0.01  # CAGrad really reweighted the tasks
+    assert set(new_logs) == set(old_logs)
+    for key, value in old_logs.items():
+        if isinstance(value, float) and "time" not in key and "runtime" not in key and "per_second" not in key:
+            assert new_logs[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
 def test_low_memory_two_task_run_completes(tiny_llama, grpo_args):

@@ -1,32 +1,7 @@
-"""``grpotrl.MultiTaskGRPOTrainer``: GRPO over rows of several tasks, optionally with CAGrad.
+"""``grpotrl.MultiTaskGRPOTrainer``: GRPO over rows of several tasks, optionally with CAGrad
+(Liu et al., NeurIPS 2021). What it changes about TRL is listed in the class docstring.
 
-Overrides (everything else is ``grpotrl.GRPOTrainer``'s, hence TRL's):
-  * ``__init__``: ``reward_funcs`` may map each task label (``task_column``, default ``task``)
-    to its reward functions (``grpotrl.rewards.tasks``); a task of the data missing from the
-    mapping, a missing column, ``scale_rewards='batch'`` (a std over every task) and CAGrad
-    under DeepSpeed/FSDP are errors before the model loads. Groups never mix tasks (checked
-    on every batch by ``grpotrl.GRPOTrainer``), and metrics come per task.
-  * ``training_step``: in exact mode, combines the window's task gradients after its last
-    backward.
-  * ``compute_loss``: with ``cagrad`` on, one forward; TRL's own ``_compute_loss`` is evaluated
-    on the cached logprobs once as is (metrics, guards, the adaptive entropy controller) and
-    then once per term: each task's policy loss (advantages of the other tasks' rows zeroed,
-    no KL, no entropy bonus) and the regulariser (zero advantages, ``beta * KL - c * H``).
-    The terms must add up to the full loss (checked). CAGrad combines the task terms only:
-      - ``exact``: per-task gradients of all trainable parameters, accumulated over the
-        gradient-accumulation window, combined after its last backward and added to ``.grad``,
-        where the Trainer's own backward of the regulariser puts KL and entropy: K + 1 backward
-        passes, K when there is no regulariser (``beta = 0``, no entropy bonus: the Trainer's
-        backward then carries the last task's gradient);
-      - ``low_memory``: CAGrad weights from the per-task gradients of the last transformer
-        block's trainable parameters only (K backward passes that stop at that block), then
-        one backward of ``sum_k coef_k L_k + regulariser``. The approximation: the weights see
-        the conflict between tasks in one block, not the whole model, and with gradient
-        accumulation they are computed per microbatch.
-    The coefficients are scaled by K, so ``cagrad_c=0`` is exactly the plain summed GRPO
-    gradient (the reference averages the task gradients; only the step size differs).
-
-INVARIANT I7 in these modes: ``d loss / d H == -c`` on every graph that is backpropagated
+INVARIANT I7 in the CAGrad modes: ``d loss / d H == -c`` on every graph that is backpropagated
 (the regulariser in exact mode, the weighted loss in low-memory mode), ``0`` on each task
 term that CAGrad rescales, and in exact mode, on guard steps, the update the combination
 applies raises H to first order when the bonus acts alone (a flipped sign anywhere stops
@@ -48,11 +23,60 @@ import trl
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
-from ..losses import cagrad_coefficients
+from ..losses import cagrad_coefficients, merge_rows
 from .grpo import TASK_KEY, GRPOTrainer
 
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
+    """GRPO over rows labelled by task (``task_column``), optionally with CAGrad (``cagrad``).
+
+    Overrides (everything else is ``grpotrl.GRPOTrainer``'s, hence TRL's):
+      * ``__init__``: ``reward_funcs`` may map each task label to its reward functions
+        (``grpotrl.rewards.tasks``); a task of the data missing from the mapping, a missing
+        column, ``scale_rewards='batch'`` (a std over every task) and CAGrad under DeepSpeed/FSDP
+        are errors before the model loads. Groups never mix tasks (checked on every batch by
+        ``grpotrl.GRPOTrainer``), and metrics come per task.
+      * ``compute_loss`` (CAGrad on, training): the loss split into terms, CAGrad's loss (below).
+      * ``_get_per_token_logps_and_entropies`` (TRL's logprob forward): inside the loss's call
+        only, one forward per task's rows at the batch's padded width, merged back in row order
+        (``losses.merge_rows``), so that a task term's backward walks its own rows' graph only;
+        every other call (and image inputs) is TRL's, unchanged.
+      * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
+        direction to the parameters' ``.grad``.
+
+    At run time, in each CAGrad ``compute_loss``:
+      * ``GRPOTrainer._compute_loss`` is called once, as is (grpotrl's guards, health and
+        metrics around TRL's ``_compute_loss``, the adaptive entropy controller included): the
+        full loss, the one logged.
+      * ``trl.GRPOTrainer._compute_loss`` is called directly once per task (past grpotrl's
+        guards), for the task's policy loss ``L_k``, with: the other tasks' advantages zeroed (a
+        copy of ``inputs``); ``_get_per_token_logps_and_entropies`` shadowed on the instance
+        by a function returning the full loss's forward outputs, only the task's own rows
+        attached to the model (no new forward); TRL's private ``beta``, ``_entropy_bonus_enabled``
+        and ``aux_loss_enabled`` set to 0/False (``_policy_only``) and restored; what it appends to
+        ``_metrics["train"]`` removed (``_metrics_dropped``).
+      * The regulariser is ``full - sum_k L_k`` (``beta * KL - c * H``, plus an MoE aux loss).
+        CAGrad combines the task terms only:
+          - ``exact``: per-task gradients of all trainable parameters (``autograd.grad``, each
+            through its own rows), summed over the gradient-accumulation window, combined after
+            its last backward and added to ``.grad``, where the Trainer's own backward of the
+            regulariser (every row) puts KL and entropy: about two backward passes of the batch
+            in all; one when there is no regulariser (``beta = 0``, no entropy bonus: the
+            Trainer's backward then carries the last task's gradient);
+          - ``low_memory``: CAGrad weights from the per-task gradients of the last transformer
+            block's trainable parameters only (K backward passes, each of its own rows, that stop
+            at that block), then one backward of ``sum_k coef_k L_k + regulariser``. The
+            approximation: the weights see the conflict between tasks in one block, not the whole
+            model, and with gradient accumulation they are computed per microbatch.
+        The coefficients are scaled by K, so ``cagrad_c=0`` is exactly the plain summed GRPO
+        gradient (the reference averages the task gradients; only the step size differs).
+      * Read: TRL's ``beta``, ``aux_loss_enabled``, ``current_gradient_accumulation_steps``,
+        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
+        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``_loss_entropies``.
+        Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
+        ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
+    """
+
     _tag_names = ["trl", "grpo", "grpotrl", "multi-task"]
     _reads_cagrad = True
 
@@ -71,15 +95,22 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the loss
 
+    _split: dict | None = None  # task -> its rows [n_k], set by ``_loss_terms`` for the loss's forward
+    _pieces: dict | None = None  # task -> (logps [n_k, C], entropies [n_k, C], aux) of that forward
+    _split_rows: dict | None = None  # the rows of each piece
+    _whole: tuple | None = None  # the pieces merged, all attached: what the full loss used
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.args.cagrad == "off" or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         coef = self.entropy_coef_in_force()
         full, task_losses, reg = self._loss_terms(model, inputs, coef)
+        pieces, self._pieces, self._whole = self._pieces, None, None
         entropies = self._loss_entropies[0] if self._loss_entropies is not None else None
         for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
-            guards.check_entropy_sign(loss, entropies, 0.0, self.current_gradient_accumulation_steps,
-                                      f"the policy loss of task {self.task_names[k]!r}")
+            for own in (p[1] for p in pieces.values()):  # each task's rows' entropies [n_k, C]
+                guards.check_entropy_sign(loss, own, 0.0, self.current_gradient_accumulation_steps,
+                                          f"the policy loss of task {self.task_names[k]!r}")
         if self.args.cagrad == "exact":
             loss = self._exact_step(model, task_losses, reg, coef)
         else:
@@ -87,44 +118,78 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         self._check_entropy_sign(loss, entropies, coef, f"the CAGrad {self.args.cagrad} loss")
         return loss + (full - loss).detach()  # logs the GRPO loss; backpropagates ``loss``
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """The loss's forward under CAGrad (while ``_split`` is set): one forward per task's rows at
+        the batch's padded width, kept in ``_pieces``; returns the rows merged back in order. Any
+        other call, and image inputs (which TRL slices its own way: one piece of every row), is TRL's."""
+        split, self._split = self._split, None
+        if split is None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+        if args or any(v is not None for n, v in kwargs.items() if n not in _TEXT_ONLY):
+            split = {None: torch.arange(input_ids.size(0), device=input_ids.device)}
+        pieces = {}
+        for k, r in split.items():
+            pieces[k] = super()._get_per_token_logps_and_entropies(
+                model, input_ids if k is None else input_ids[r], attention_mask if k is None else attention_mask[r],
+                logits_to_keep, *args, **kwargs)
+        self._pieces, self._split_rows, self._whole = pieces, split, None
+        self._whole = self._merged(None)
+        return self._whole
+
+    def _merged(self, keep):
+        """(logps, entropies, aux) of the loss's forward in row order; with ``keep`` a task, only its
+        rows' piece is attached to the model (TRL's loss on it backpropagates through those rows)."""
+        keep = keep if keep in self._pieces else None  # an absent task, or one piece of every row
+        if keep is None and self._whole is not None:
+            return self._whole  # the very tensors the full loss used (I7 checks the graph on them)
+        logps, entropies = (merge_rows({k: p[i] for k, p in self._pieces.items()}, self._split_rows, keep)
+                            if next(iter(self._pieces.values()))[i] is not None else None for i in (0, 1))
+        aux = [p[2] for p in self._pieces.values() if p[2] is not None]
+        return logps, entropies, torch.stack(aux).mean() if aux else None
+
     def _loss_terms(self, model, inputs: dict, coef: float):
-        """(full loss, {task: its policy loss}, regulariser) from one forward; the terms are
-        TRL's ``_compute_loss`` on the cached logprobs, their metrics dropped. Every task gets a
-        term on every process, present in this microbatch or not: TRL's loss reduces its metrics
-        across processes, so all must make the same calls (``self._present`` says which tasks
-        have rows here)."""
-        with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
-            full = GRPOTrainer._compute_loss(self, model, inputs)  # guards, health, metrics, entropy controller
-        cached = calls[0]
+        """(full loss, {task: its policy loss}, regulariser); ``coef``, the bonus in force, is for
+        subclasses that rebuild a term (notebook 04's seed regulariser). The full loss is
+        ``GRPOTrainer._compute_loss`` (guards, health, metrics, the adaptive entropy controller),
+        its forward run per task (``_get_per_token_logps_and_entropies``). A task's term is TRL's
+        ``_compute_loss`` again, on that forward's outputs with only the task's own rows attached
+        (no new forward), the other tasks' advantages zeroed, no KL, entropy bonus or MoE aux loss,
+        its metrics dropped; the regulariser is what remains, ``full - sum_k L_k`` =
+        ``beta * KL - c * H (+ aux)`` (a policy loss is 0 on a row whose advantage is 0).
+        Every task gets a term on every process, present in this microbatch or not: TRL's loss
+        reduces its metrics across processes, so all must make the same calls
+        (``self._present``: the tasks with rows here)."""
         advantages = inputs["advantages"]
         task = inputs[TASK_KEY].view(-1, *[1] * (advantages.dim() - 1))  # [B] or [B, 1]
-        with guards._instance_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
-                self._metrics_dropped():
-            with self._terms(beta=0.0, coef=0.0):
-                task_losses = {k: trl.GRPOTrainer._compute_loss(self, model, {**inputs,
-                                                                              "advantages": advantages * (task == k)})
-                               for k in range(len(self.task_names))}
-            with self._terms(beta=self.beta, coef=coef):
-                reg = trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": torch.zeros_like(advantages)})
-        self._present = set(inputs[TASK_KEY].unique().tolist())
-        total = sum(task_losses.values()) + reg
-        if not torch.allclose(total.detach(), full.detach(), rtol=1e-4, atol=1e-6):
-            raise InvariantError("I7", f"the loss terms add up to {float(total):.6g}, not the full loss "
-                                 f"{float(full):.6g}: the per-task split or the regulariser is wrong, so CAGrad "
-                                 "would combine something other than the loss being reported.")
-        return full, task_losses, reg
+        rows = {k: (inputs[TASK_KEY] == k).nonzero().flatten() for k in range(len(self.task_names))}  # [n_k]
+        self._present = {k for k, r in rows.items() if r.numel()}
+        self._split = {k: rows[k] for k in sorted(self._present)}
+        try:
+            full = GRPOTrainer._compute_loss(self, model, inputs)
+        finally:
+            self._split = None
+        with self._metrics_dropped(), self._policy_only():
+            task_losses = {k: self._trl_loss(model, {**inputs, "advantages": advantages * (task == k)}, k)
+                           for k in range(len(self.task_names))}
+        return full, task_losses, full - sum(task_losses.values())
+
+    def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
+        """``trl.GRPOTrainer._compute_loss`` on the loss forward's outputs (``_merged(keep)``), not a new one."""
+        cached = self._merged(keep)
+        with guards._instance_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
+            return trl.GRPOTrainer._compute_loss(self, model, inputs)
 
     @contextmanager
-    def _terms(self, beta: float, coef: float):
-        """TRL's loss with only some terms: KL coefficient ``beta``, entropy bonus ``coef``, no
-        adaptive update (the full-loss call made it)."""
-        saved = (self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy)
-        self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy = \
-            beta, coef, coef != 0.0, False
+    def _policy_only(self):
+        """TRL's loss without its regulariser: ``beta = 0`` (no KL), ``_entropy_bonus_enabled`` off
+        (no bonus, no adaptive update: the full loss's call made it), ``aux_loss_enabled`` off."""
+        saved = self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled
+        self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = 0.0, False, False
         try:
             yield
         finally:
-            self.beta, self.entropy_coef, self._entropy_bonus_enabled, self.use_adaptive_entropy = saved
+            self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = saved
 
     @contextmanager
     def _metrics_dropped(self):
@@ -272,6 +337,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 _DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
                       "(any ZeRO stage) and FSDP own the gradients it combines and are not supported. Use "
                       "recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
+
+
+_TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per-task forward may be given
 
 
 def _trainable(model) -> list[torch.Tensor]:
