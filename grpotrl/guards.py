@@ -10,7 +10,7 @@ Letters: B rows, P padded prompt width, C padded completion width, V vocabulary.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
 
 import torch
 
@@ -18,8 +18,58 @@ from .errors import InvariantError
 from .logprobs import completion_logits, token_logprobs
 from .masking import completion_mask, expected_lengths, position_ids_from_mask
 
+logger = logging.getLogger(__name__)
 
-def boundary_report(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
+
+def due(guard_steps: int, global_step: int) -> bool:
+    """Whether the guards run at ``global_step``: the first ``guard_steps`` steps, every step with -1,
+    never with 0.
+
+    >>> due(2, 1), due(2, 2), due(-1, 10**6), due(0, 0)
+    (True, False, True, False)
+    """
+    return guard_steps < 0 or global_step < guard_steps
+
+
+def dropout_active(model) -> bool:
+    """Whether a training forward of ``model`` samples dropout masks: an ``nn.Dropout`` with p > 0,
+    or an attention module with a float ``attention_dropout`` > 0 (TRL's ``disable_dropout``
+    zeroes the former only)."""
+    return model.training and any(
+        (isinstance(m, torch.nn.Dropout) and m.p > 0)
+        or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)
+        for m in model.modules())
+
+
+def skipped_for_dropout(model, checks: str, said: set) -> bool:
+    """True when ``model``'s training forward samples dropout masks, so no deterministic reference
+    exists for ``checks`` (which compare two forwards): said once per ``checks``, never an error."""
+    if not dropout_active(model):
+        return False
+    if checks not in said:
+        said.add(checks)
+        logger.warning("grpotrl guard: %s not checked while dropout is active in the training forward "
+                       "(disable_dropout=False, TRL's default): the loss then scores another function than the one "
+                       "that sampled. Set disable_dropout=True to check them.", checks)
+    return True
+
+
+def masked_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` in fp32 where ``mask`` is on, 0 elsewhere (a masked -inf cannot poison it): [B, C].
+
+    >>> a, b = torch.tensor([[0.0, -1.0, float("-inf")]]), torch.tensor([[0.5, -1.0, 0.0]])
+    >>> masked_gap(a, b, torch.tensor([[1, 1, 0]]))
+    tensor([[0.5000, 0.0000, 0.0000]])
+    """
+    return torch.where(mask.bool(), (a.detach().float() - b.detach().float()).abs(), 0.0)
+
+
+def worst_token(gap: torch.Tensor) -> tuple[int, int]:
+    """(row, token) of the largest entry of a [B, C] gap (NaN counts as largest)."""
+    return divmod(int(gap.argmax()), gap.size(1)) if gap.numel() else (0, 0)
+
+
+def boundary_snippet(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
     """The view seed 000 asked people to read by eye: prompt tail | completion head, ids and text."""
     tail, head = list(prompt_ids[-width:]), list(completion_ids[:width])
     return (
@@ -98,7 +148,7 @@ def check_extraction(
                 "(cut after the first stop token).\n"
                 f"    extracted: {tokenizer.decode(list(got)[:24], skip_special_tokens=False)!r}\n"
                 f"    generated: {tokenizer.decode(want[:24], skip_special_tokens=False)!r}\n"
-                + boundary_report(tokenizer, prompt, list(got))
+                + boundary_snippet(tokenizer, prompt, list(got))
                 + "\nExtract with `sequences[:, P:]` where P is the padded prompt width, never the count of "
                 "non-pad tokens (left padding puts the prompt at the end of the first P columns).",
             )
@@ -113,7 +163,7 @@ def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: li
             raise InvariantError(
                 "I3",
                 f"row {r}: the loss scores other completion ids than generation returned.\n"
-                + boundary_report(tokenizer, prompt_ids[j], got)
+                + boundary_snippet(tokenizer, prompt_ids[j], got)
                 + f"\n    generated head: {tokenizer.decode(list(want)[:8], skip_special_tokens=False)!r}",
             )
 
@@ -141,7 +191,7 @@ def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: l
                 f"row {i}: the completion given to reward functions starts with the chat header (one of {shown}): "
                 f"{tokenizer.decode(list(completion_ids[i])[:24], skip_special_tokens=False)!r}. The extraction "
                 "boundary includes prompt tokens.\n"
-                + boundary_report(tokenizer, [], completion_ids[i]),
+                + boundary_snippet(tokenizer, [], completion_ids[i]),
             )
 
 
@@ -231,7 +281,7 @@ def check_tool_loop(tokenizer, calls: list[dict], prompt_ids: list[list[int]], c
                 "(each turn cut after its first stop token, with the tool results between).\n"
                 f"    extracted: {tokenizer.decode(list(got)[:32], skip_special_tokens=False)!r}\n"
                 f"    generated: {tokenizer.decode(want[:32], skip_special_tokens=False)!r}\n"
-                + boundary_report(tokenizer, list(prompt), list(got)),
+                + boundary_snippet(tokenizer, list(prompt), list(got)),
             )
         if list(tools) != mask[i]:
             t = next((t for t, (a, b) in enumerate(zip(tools, mask[i])) if a != b), min(len(tools), len(mask[i])))
@@ -353,6 +403,63 @@ def check_completion_mask(
         )
 
 
+# ---------------------------------------------------------------- I1, I3, I4 on a trainer's batch
+
+
+def check_generation(tokenizer, prompt_ids: list, completion_ids: list, completions: list, calls: list[dict],
+                     stop_ids: list[int], *, templated: list[list[int]] | None = None, tool_loop: dict | None = None,
+                     cap: int | None = None, stops: bool = True, reward_headers: list[list[int]] | None = None,
+                     observable: bool = True) -> dict:
+    """I1, I3 and I4 on one generation batch: what TRL's ``_generate`` returned (``prompt_ids``,
+    ``completion_ids``, ``completions``) against the ``generate`` calls recorded while it ran
+    (``trainers._intercept.record_generate``) and the stop set. ``templated``: each prompt through
+    the chat template (I1's reference, when the prompts are chat messages); ``tool_loop``: the
+    ``tool_mask``, ``generation_prompt`` and ``max_completion_length`` of TRL's tool loop (every turn
+    checked, ``check_tool_loop``); ``cap``: generation's length cap (``check_stops``, when ``stops``);
+    ``reward_headers``: the chat headers the reward text must not start with (None: not checked);
+    ``observable``: whether ``generate`` should have been seen (warned when it was not).
+    Returns the record the loss's checks compare against (``check_loss_inputs``)."""
+    record = {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids]}
+    if templated is not None:
+        check_prompts_templated(tokenizer, prompt_ids, templated)
+    if calls and tool_loop is not None:  # one generate call per turn
+        record["loss_mask"] = check_tool_loop(tokenizer, calls, prompt_ids, completion_ids, tool_loop["tool_mask"],
+                                              stop_ids, tool_loop["generation_prompt"],
+                                              tool_loop["max_completion_length"])
+    elif calls:  # the transformers path: compare against what generate really returned
+        gen_in = calls[-1]["input_ids"].cpu()
+        attn = calls[-1]["attention_mask"] if calls[-1]["attention_mask"] is not None else torch.ones_like(gen_in)
+        check_same_prompt(tokenizer, _unpad(gen_in, attn), prompt_ids, range(len(prompt_ids)))
+        check_extraction(tokenizer, gen_in, calls[-1]["output"].cpu(), completion_ids, stop_ids)
+    elif observable:
+        logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
+    if stops:  # I4 from the tokens and the stop set, on every sampler
+        check_stops(tokenizer, completion_ids, stop_ids, cap)
+    if reward_headers is not None:
+        check_reward_text(tokenizer, completion_ids, completions, reward_headers)
+    return record
+
+
+def check_loss_inputs(tokenizer, record: dict, inputs: dict, rows: list[int], stop_ids: list[int],
+                      cap: int | None, truncated_masked: bool) -> None:
+    """I1, I3, I4 on the microbatch the loss uses (``inputs``, rows ``rows`` of the generation batch):
+    the prompt and completion ids generation produced (``record``, from ``check_generation``), and the
+    loss mask: ``completion_mask * tool_mask`` on each generated turn of a tool loop, else the
+    completion mask up to and including the first stop."""
+    completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
+    generated_prompts = [record["prompt_ids"][r] for r in rows]
+    check_same_prompt(tokenizer, generated_prompts, _unpad(inputs["prompt_ids"], inputs["prompt_mask"]), rows)
+    check_same_completions(tokenizer, generated_prompts, [record["completion_ids"][r] for r in rows],
+                           completion_ids, rows)
+    if "loss_mask" in record:  # a tool loop: the loss covers each generated turn, no tool result
+        check_loss_mask(tokenizer, completion_ids, cmask * inputs["tool_mask"], [record["loss_mask"][r] for r in rows],
+                        stop_ids, rows, truncated_masked=truncated_masked)
+    elif "tool_mask" not in inputs:  # (a rollout_func's env_mask: turns not observed, I4 not checked)
+        lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
+        check_completion_mask(tokenizer, completion_ids, cmask, stop_ids, rows, cap, lengths=lengths,
+                              truncated_masked=truncated_masked)
+
+
 # ---------------------------------------------------------------- I5: logprobs at temperature T
 
 
@@ -395,11 +502,11 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     _require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
                     ("the independent log_softmax(logits / T)", reference),
                     *((("the logit scale max|logits / T|", scale),) if scale is not None else ()))
-    gap = torch.where(on, (used.float() - reference.float()).abs(), 0.0)  # [B, C]; masked -inf cannot poison it
+    gap = masked_gap(used, reference, on)  # [B, C]
     scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
     worst = float(scaled.max()) if scaled.numel() else 0.0
     if not worst <= atol:  # NaN fails too
-        i, t = divmod(int(scaled.argmax()), scaled.size(1))
+        i, t = worst_token(scaled)
         raise InvariantError(
             "I5",
             f"row {rows[i]}, completion token {t} ({tokenizer.decode([int(completion_ids[i, t])])!r}): the "
@@ -490,10 +597,10 @@ def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torc
     on = mask.bool()  # [B, C]
     _require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
                     ("the entropy of softmax(logits / T)", reference))
-    gap = torch.where(on, (used.detach().float() - reference.float()).abs(), 0.0)  # [B, C]
+    gap = masked_gap(used, reference, on)  # [B, C]
     worst = float(gap.max()) if gap.numel() else 0.0
     if not worst <= atol:
-        i, t = divmod(int(gap.argmax()), gap.size(1))
+        i, t = worst_token(gap)
         raise InvariantError(
             "I7", f"row {i}, completion token {t}: the entropy the loss used is {float(used[i, t]):.6f} but the "
             f"entropy of softmax(logits / T) there is {float(reference[i, t]):.6f} (gap {worst:.2e} > {atol:.0e}). "
@@ -501,69 +608,6 @@ def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torc
         )
 
 
-@contextmanager
-def record_calls(obj, name: str):
-    """Record the return values of ``obj.name(...)`` for the duration of the block.
-
-    Used to observe the logprobs the loss really used, whichever subclass computed them."""
-    original = getattr(obj, name)
-    results = []
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        results.append(out)
-        return out
-
-    with _instance_attr(obj, name, spy):
-        yield results
-
-
-@contextmanager
-def record_generate(model, extra_kwargs=None):
-    """Record the inputs and outputs of ``model.generate`` for the duration of the block (I3).
-
-    ``extra_kwargs(input_ids) -> dict`` may add keyword arguments to each call (logits
-    processors, ``output_scores``); when it asks for ``return_dict_in_generate`` the caller
-    still gets the plain sequences it asked for."""
-    original = model.generate
-    calls = []
-
-    def spy(*args, **kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        extra = extra_kwargs(input_ids) if extra_kwargs is not None else {}
-        out = original(*args, **{**kwargs, **extra})
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        calls.append({
-            "input_ids": input_ids,
-            "attention_mask": kwargs.get("attention_mask"),
-            "output": sequences,
-            "scores": getattr(out, "scores", None),
-            "extra": extra,
-            "stop_ids": _sampler_stop_ids(model, kwargs),  # what the sampler itself stops on
-        })
-        return sequences if extra.get("return_dict_in_generate") and not kwargs.get("return_dict_in_generate") else out
-
-    with _instance_attr(model, "generate", spy):
-        yield calls
-
-
-def _sampler_stop_ids(model, kwargs: dict) -> list[int]:
-    """The eos ids a ``generate`` call stops on: its ``eos_token_id``, else its generation config's."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    ids = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
-    return [int(i) for i in ([ids] if isinstance(ids, int) else ids or [])]
-
-
-@contextmanager
-def _instance_attr(obj, name: str, value):
-    """Shadow ``obj.name`` with an instance attribute, restoring exactly what was there."""
-    missing = object()
-    before = vars(obj).get(name, missing)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if before is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, before)
+# multitask.py reaches these through guards; they live in trainers/_intercept.py (record_calls, replace_attr)
+from .trainers._intercept import record_calls  # noqa: E402,F401
+from .trainers._intercept import replace_attr as _instance_attr  # noqa: E402,F401

@@ -22,7 +22,8 @@ top-k, top-p and min-p to the processor list it was given, after these processor
 from ``softmax`` of what the whole list returns (transformers 5.23,
 ``GenerationMixin._get_logits_processor`` and ``_sample``). ``SampledLogprobRecorder`` keeps
 ``log_softmax`` of that tensor at the sampled token, one number per row and step, as generation
-goes: inside ``after_warpers(model)`` it runs last, after the warpers. Nothing of size
+goes: inside ``trainers._intercept.inject_recorders_after_warpers(model)`` it runs last, after the
+warpers. Nothing of size
 ``[B, V]`` is kept beyond the step after it was made, so memory is O(B x V), not the
 O(B x C x V) of ``generate(output_scores=True)``, whose ``scores`` hold the same tensors
 (``sampler_logprobs`` reads those; ``tests/test_processors.py`` checks both against a real
@@ -31,14 +32,16 @@ O(B x C x V) of ``generate(output_scores=True)``, whose ``scores`` hold the same
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from .errors import InputError, InvariantError
+
+logger = logging.getLogger(__name__)
 
 
 def _check_prompt_width(prompt_width) -> int:
@@ -323,7 +326,8 @@ class SampledLogprobRecorder(LogitsProcessor):
 
     The same numbers as ``sampler_logprobs`` on ``generate(output_scores=True)``, without keeping
     the ``C`` score tensors ``[B, V]``. It must run last, after transformers' warpers: hand it to
-    ``generate(logits_processor=...)`` inside ``after_warpers(model)``, which puts it there. At
+    ``generate(logits_processor=...)`` inside ``trainers._intercept.inject_recorders_after_warpers(model)``,
+    which puts it there. At
     each step it returns ``scores`` unchanged and keeps a reference to them (the tensor
     ``generate`` samples from, and holds itself until its next step); at the next step, whose
     ``input_ids[:, -1]`` is the token just sampled (or the padding ``generate`` forced on a row
@@ -333,7 +337,7 @@ class SampledLogprobRecorder(LogitsProcessor):
     meaningless (maybe ``-inf``): select them with the completion mask.
 
     >>> rec = SampledLogprobRecorder()
-    >>> rec.placed_last = True  # after_warpers does this
+    >>> rec.placed_last = True  # inject_recorders_after_warpers does this
     >>> _ = rec(torch.tensor([[4]]), torch.tensor([[0.0, 0.0]]))         # step 0, P=1: uniform over V=2
     >>> _ = rec(torch.tensor([[4, 1]]), torch.tensor([[0.0, -math.inf]]))  # sampled 1 at step 0: log 1/2
     >>> rec.logprobs(torch.tensor([[4, 1, 0]])).tolist()                   # sampled 0 at step 1: log 1
@@ -343,7 +347,7 @@ class SampledLogprobRecorder(LogitsProcessor):
     supports_continuous_batching = False  # reads the previous step's token from a static batch
 
     def __init__(self):
-        self.placed_last = False  # set by after_warpers: this recorder runs after every warper
+        self.placed_last = False  # set by inject_recorders_after_warpers: this recorder runs after every warper
         self._prompt_width: int | None = None  # P, the width of the first step's input_ids
         self._width: int | None = None  # width of the last step's input_ids
         self._pending: torch.Tensor | None = None  # [B, V] the last step's final scores
@@ -371,7 +375,8 @@ class SampledLogprobRecorder(LogitsProcessor):
         if not self.placed_last:
             raise InvariantError(
                 "I5", "SampledLogprobRecorder ran before transformers' temperature/top-k/top-p warpers, so it saw "
-                "other scores than the sampler's. Call generate inside grpotrl.processors.after_warpers(model); if "
+                "other scores than the sampler's. Call generate inside "
+                "grpotrl.trainers._intercept.inject_recorders_after_warpers(model); if "
                 "you did, transformers no longer builds its processor list in GenerationMixin._get_logits_processor."
             )
         tokens = sequences[:, self._prompt_width:]  # [B, C]
@@ -388,39 +393,41 @@ class SampledLogprobRecorder(LogitsProcessor):
         return torch.stack(self._steps[: tokens.size(1)], dim=1) if tokens.size(1) else tokens[:, :0].float()  # [B, C]
 
 
-@contextmanager
-def after_warpers(model) -> Iterator[None]:
-    """Within the block, every ``SampledLogprobRecorder`` handed to ``model.generate(logits_processor=...)``
-    runs last, after every processor and warper that ``generate`` adds itself (temperature, top-k,
-    top-p, min-p, watermarking, renormalisation): on the scores it samples from.
+def generation_extras(args, prompt_width: int, stop_ids: list[int]) -> dict:
+    """Keyword arguments a trainer injects into a ``generate`` call on a batch of prompt width
+    ``prompt_width``: the I6 processors ``args`` asks for, and a recorder of the sampler's own
+    logprobs whenever the sampler's distribution can differ from the trainer's (one number per
+    sampled token, not ``output_scores``' ``[B, V]`` per step)."""
+    processors = build_processors(prompt_width, args.presence_penalty, args.frequency_penalty,
+                                  args.repetition_penalty, args.min_new_tokens, stop_ids)
+    if processors or args.hf_importance_sampling_correction:
+        processors.append(SampledLogprobRecorder())  # runs after the warpers: inject_recorders_after_warpers
+    return {"logits_processor": processors} if processors else {}
 
-    transformers puts a caller's processors BEFORE its warpers (``_get_logits_processor``, 5.23).
-    This shadows that method on the model's generating module (the first ``GenerationMixin`` in
-    ``model.modules()``: the model itself, or the base model under PEFT) with one that moves the
-    recorders to the end of the list it returns, and restores it on exit. A recorder used outside
-    the block raises when read instead of returning pre-temperature logprobs.
-    """
-    modules = model.modules() if hasattr(model, "modules") else [model]
-    gen = next((m for m in modules if isinstance(m, GenerationMixin)), None)
-    if gen is None:
-        yield
-        return
-    original = gen._get_logits_processor
 
-    def recorders_last(*args, **kwargs):
-        processors = original(*args, **kwargs)
-        recorders = [p for p in processors if isinstance(p, SampledLogprobRecorder)]
-        for r in recorders:
-            r.placed_last = True
-        return LogitsProcessorList([p for p in processors if not isinstance(p, SampledLogprobRecorder)] + recorders)
+def recorded_logprobs(call: dict, completion_ids: list[list[int]]) -> list[list[float]] | None:
+    """The sampler's own logprobs per completion token from a recorded ``generate`` call
+    (``trainers._intercept.record_generate``) whose injected processors held a recorder; else None."""
+    recorder = next((p for p in call["extra"].get("logits_processor", []) if isinstance(p, SampledLogprobRecorder)),
+                    None)
+    if recorder is None:
+        return None
+    lp = recorder.logprobs(call["output"])  # [B, C]
+    return [lp[i, : len(c)].tolist() for i, c in enumerate(completion_ids)]
 
-    missing = object()
-    before = vars(gen).get("_get_logits_processor", missing)
-    gen._get_logits_processor = recorders_last
-    try:
-        yield
-    finally:
-        if before is missing:
-            del gen._get_logits_processor
-        else:
-            gen._get_logits_processor = before
+
+def min_new_tokens_fired(call: dict | None) -> int:
+    """How often the ``MinNewTokensProcessor`` injected into a recorded ``generate`` call fired (0 if none)."""
+    return next((p.trigger_count for p in reversed((call or {}).get("extra", {}).get("logits_processor", []))
+                 if isinstance(p, MinNewTokensProcessor)), 0)
+
+
+def vllm_penalties(args) -> dict:
+    """The I6 settings vLLM takes as sampling parameters: it counts output tokens only for presence
+    and frequency penalties, so they pass through; its repetition penalty counts the prompt, which
+    I6 rules out: said, not passed."""
+    if args.repetition_penalty != 1.0:
+        logger.warning("vLLM's repetition_penalty counts prompt tokens too (INVARIANT I6); prefer "
+                       "presence_penalty / frequency_penalty, which vLLM applies to output tokens only.")
+    return {k: v for k, v in (("presence_penalty", args.presence_penalty),
+                              ("frequency_penalty", args.frequency_penalty), ("min_tokens", args.min_new_tokens)) if v}

@@ -43,14 +43,14 @@ def test_per_sample_entropy_min_p10_by_hand():
     # row 4 has no token (left out). min 0.1; p10 = 0.1 + 0.1 * (4 - 1) * (2.0 - 0.1) = 0.67
     H = torch.tensor([[0.0, 0.2, 9.0], [2.0, 2.0, 2.0], [3.0, 0.0, 0.0], [4.0, 4.0, 0.0], [7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
-    s = health.sample_entropy_stats(H, mask)
+    s = health.summarise_samples(health.per_sample_mean(H, mask))
     assert s["entropy/sample_min"] == pytest.approx(0.1)
     assert s["entropy/sample_p10"] == pytest.approx(0.67)
     assert s["entropy/sample_mean"] == pytest.approx((0.1 + 2 + 3 + 4) / 4)
 
 
 def test_per_sample_entropy_empty_batch_is_nan_not_an_error():
-    s = health.sample_entropy_stats(torch.ones(2, 3), torch.zeros(2, 3))
+    s = health.summarise_samples(health.per_sample_mean(torch.ones(2, 3), torch.zeros(2, 3)))
     assert all(math.isnan(v) for v in s.values())
 
 
@@ -79,7 +79,7 @@ def test_a_tool_loops_turn_ends_are_not_extra_stop_tokens(smollm2_tokenizer):
     assert health.count_ids(ids, counted, [2]).tolist() == [1]
     batch = {"prompt_ids": torch.tensor([[1, 5]]), "prompt_mask": torch.ones(1, 2), "completion_ids": ids,
              "lengths": torch.tensor([len(turn1 + tool + turn2)]), "stop_mask": counted}
-    text = health.boundary_report(tok, batch, [2], n=1)
+    text = health.batch_boundary_report(tok, batch, [2], n=1)
     assert "1 in the completion" in text and "!!" not in text
 
 
@@ -216,7 +216,7 @@ def test_boundary_report_shows_both_sides_and_counts(smollm2_tokenizer):
         "lengths": torch.tensor([len(c_ok), len(c_header)]),
         "rewards": torch.tensor([1.0, 0.0]),
     }
-    text = health.boundary_report(tok, batch, [2], health.chat_headers(tok), n=2)
+    text = health.batch_boundary_report(tok, batch, [2], health.chat_headers(tok), n=2)
     assert "pad id 2 (a stop id: left padding is not counted" in text
     # the default system prompt and the user turn each end with <|im_end|>: 2 in the prompt
     assert "+ 2 left padding" in text and "stop tokens: 2 in the prompt, 1 in the completion" in text
