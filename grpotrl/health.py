@@ -304,6 +304,17 @@ def chat_headers(tokenizer, chat_template: str | None = None, new_turn: bool = T
     return unique
 
 
+def reward_headers(tokenizer, chat_template: str | None, **template_kwargs) -> list[list[int]]:
+    """I3's headers (``guards.check_reward_text``): the generation prompt the prompt ends with, when
+    the template writes one ([] otherwise: a new turn, or a header the model writes itself after a
+    template without one, is the chat_header rule's business)."""
+    from . import templates
+
+    if chat_template is None or not templates.generation_prompt_ids(tokenizer, chat_template, **template_kwargs):
+        return []
+    return chat_headers(tokenizer, chat_template, new_turn=False, **template_kwargs)
+
+
 # ---------------------------------------------------------------- rewards
 
 

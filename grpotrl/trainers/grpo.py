@@ -123,11 +123,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         self._chat_headers = health.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
-        # I3's: the generation prompt the prompt ends with, when the template writes one (a new turn, or a
-        # header the model writes itself after a template without one, is the chat_header rule's business)
-        self._reward_headers = health.chat_headers(self._tokenizer, self._template, new_turn=False,
-                                                   **self.chat_template_kwargs) if self._template is not None \
-            and templates.generation_prompt_ids(self._tokenizer, self._template, **self.chat_template_kwargs) else []
+        self._reward_headers = health.reward_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
         callbacks.add_health_callbacks(self, args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
