@@ -161,8 +161,8 @@ class GADTrainer(GRPOTrainer):
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
         self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
-        reward_funcs = [self._d_reward] + ([_reward_column("kl_penalty", self.kl_reward)] if args.use_kl_in_reward
-                                           else [])
+        kl_column = [_reward_column("kl_penalty", self.kl_reward)] if args.use_kl_in_reward else []
+        reward_funcs = [self._d_reward] + kl_column
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if self.is_fsdp_enabled:
