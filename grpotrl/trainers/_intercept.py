@@ -4,7 +4,8 @@ The trainers override TRL hooks by subclassing (their docstrings list them). Whe
 what TRL or transformers computed *inside* a hook -- the rewards TRL's ``_calculate_rewards``
 returned, the logprobs the loss really used, what ``model.generate`` saw -- or needs to hand
 ``generate`` something TRL does not, the trainers wrap a method on the instance for the length of
-one call and restore it after. The names say which kind each is:
+one call and restore it after (one exception: ``inject_position_ids``, a forward pre-hook for the
+model's lifetime). The names say which kind each is:
 
 * ``record_*``: the wrapped call runs unchanged; its arguments or results are kept for a check.
 * ``inject_*``: the call runs with something added (keyword arguments, a reordered processor list,
