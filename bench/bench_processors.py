@@ -38,7 +38,8 @@ def main() -> None:
 
     from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
-    from grpotrl.processors import SampledLogprobRecorder, build_processors
+    from grpotrl.processors import build_processors
+    from grpotrl.sampled_logprobs import SampledLogprobRecorder
     from grpotrl.trainers._intercept import inject_recorders_after_warpers
     from grpotrl.templates import stop_token_ids
 

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .errors import InvariantError
-from .guards import _require_finite, masked_gap, worst_token
+from .guards_logprobs import _require_finite, masked_gap, worst_token
 from .losses import importance_sampling_ratio
 
 logger = logging.getLogger(__name__)

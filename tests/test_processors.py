@@ -12,8 +12,8 @@ from transformers import (LlamaForCausalLM, LogitsProcessorList, RepetitionPenal
 
 from grpotrl import InvariantError
 from grpotrl.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
-                                RepetitionPenaltyProcessor, SampledLogprobRecorder, build_processors,
-                                generated_counts, processed_logprob, sampler_logprobs)
+                                RepetitionPenaltyProcessor, build_processors, generated_counts)
+from grpotrl.sampled_logprobs import SampledLogprobRecorder, processed_logprob, sampler_logprobs
 from grpotrl.trainers._intercept import inject_recorders_after_warpers
 
 EOS = PAD = 2  # SmolLM2: <|im_end|>, eos and pad

@@ -57,12 +57,13 @@ import torch
 import trl
 from accelerate.utils import gather_object
 
-from .. import callbacks, dynamic_sampling, guards, health, identity, templates
+from .. import boundary, callbacks, dynamic_sampling, guards, health, identity, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..logprobs import entropy_from_logits
 from ..preflight_data import check_reward_signal
-from ..processors import build_processors, generation_extras, min_new_tokens_fired, recorded_logprobs, vllm_penalties
+from ..processors import build_processors, min_new_tokens_fired, vllm_penalties
+from ..sampled_logprobs import generation_extras, recorded_logprobs
 from . import _intercept
 from ._common import CheckedResume, pin_quantized_kernels, prepare_model_and_tokenizer
 from ._intercept import TRLGenerate
@@ -122,8 +123,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
-        self._chat_headers = health.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
-        self._reward_headers = health.reward_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        self._chat_headers = boundary.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        self._reward_headers = boundary.reward_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
         callbacks.add_health_callbacks(self, args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
@@ -144,7 +145,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         return not self.use_vllm and not self.use_transformers_continuous_batching and self.rollout_func is None
 
     def _generation_extras(self, input_ids) -> dict:
-        """What ``_generate`` injects into each ``generate`` call (``processors.generation_extras``)."""
+        """What ``_generate`` injects into each ``generate`` call (``sampled_logprobs.generation_extras``)."""
         return generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
 
     def _generate(self, prompts: list):
@@ -262,8 +263,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         first ``health_report_steps`` steps; call it any time."""
         if self._last_batch is None:
             return "grpotrl boundary report: no generation batch yet"
-        return health.batch_boundary_report(self._tokenizer, self._last_batch, self.eos_token_ids,
-                                            self._chat_headers, n)
+        return boundary.batch_boundary_report(self._tokenizer, self._last_batch, self.eos_token_ids,
+                                              self._chat_headers, n)
 
     def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
                          task: torch.Tensor | None = None) -> None:
