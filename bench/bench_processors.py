@@ -8,7 +8,7 @@ and sampling settings (T=0.9, like the recipes); the variants alternate within e
 (off, on, on + record, off, ...) so machine noise hits all of them. "on" is
 ``build_processors`` with presence 0.5, frequency 0.5, repetition 1.1 and min_new_tokens 8
 over the model's stop ids; "on + record" also records the sampler's logprobs as generation
-goes (``SampledLogprobRecorder`` inside ``after_warpers``), the extra work the HF path does
+goes (``SampledLogprobRecorder`` inside ``inject_recorders_after_warpers``), the extra work the HF path does
 to log the sampler/trainer gap. Stopping on eos is turned off so every variant
 generates exactly rows x tokens tokens and the times compare per token; the processors still
 block the stop ids for the first 8 tokens. Two generate times on a shared machine are noisy,
@@ -38,7 +38,9 @@ def main() -> None:
 
     from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
-    from grpotrl.processors import SampledLogprobRecorder, after_warpers, build_processors
+    from grpotrl.processors import build_processors
+    from grpotrl.sampled_logprobs import SampledLogprobRecorder
+    from grpotrl.trainers._intercept import inject_recorders_after_warpers
     from grpotrl.templates import stop_token_ids
 
     path = resolve_model_path("smollm2-135m-instruct")
@@ -61,7 +63,7 @@ def main() -> None:
             kw["logits_processor"].append(SampledLogprobRecorder())
         torch.manual_seed(0)
         t = time.perf_counter()
-        with torch.no_grad(), after_warpers(model):
+        with torch.no_grad(), inject_recorders_after_warpers(model):
             seq = model.generate(**batch, do_sample=True, temperature=0.9, top_k=0, top_p=1.0,
                                  max_new_tokens=a.tokens, pad_token_id=tok.pad_token_id, **kw)
             if variant == "on + record":

@@ -207,3 +207,20 @@ class NonFiniteRule(HealthRule):
     def check(self):
         seen, self._seen = self._seen, None
         return seen
+
+
+def add_health_callbacks(trainer, args) -> None:
+    """The boundary report (``health_report_steps``) and every health rule not turned off, added
+    to ``trainer``; NonFiniteRule, when on, gets the step's losses in ``trainer._step_losses``."""
+    if args.health_report_steps:
+        trainer.add_callback(BoundaryReport(trainer, args.health_report_steps))
+    rules = [NonFiniteRule(trainer), HeaderRule(trainer),
+             OneTokenRule(trainer, args.health_patience, args.health_max_one_token_share),
+             EntropyRule(trainer, args.health_patience, args.health_min_entropy)]
+    if args.health_flat_reward_steps:
+        rules.append(FlatRewardRule(trainer, args.health_flat_reward_steps))
+    for rule in rules:
+        if rule.action != "off":
+            trainer.add_callback(rule)
+    if rules[0].action != "off":  # NonFiniteRule reads the step's losses
+        trainer._step_losses = []

@@ -5,7 +5,8 @@ gradient, but it still counts in the loss's normalisers (the token count ``num_i
 of TRL's default ``loss_type='dapo'``, the row count of ``'grpo'``) and still carries the KL
 and entropy terms: it dilutes the update. Dynamic sampling removes such groups' rows from the
 batch and refills it with groups of fresh prompts, for up to a capped number of extra
-generation rounds. ``grpotrl.GRPOTrainer`` runs the rounds; this module picks and merges rows.
+generation rounds. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``; the pure functions
+before it pick and merge rows.
 
 Simplified on purpose: refill prompts are drawn uniformly from ``train_dataset`` (seeded by
 step and round, the same on every process), not from the next batches of the epoch; a batch
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .health import zero_std_groups
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [B, P], left-padded
 COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -116,3 +118,60 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
             raise InputError(f"dynamic_sampling cannot merge the batch field {key!r} (shape {tuple(first.shape)}): "
                              "it supports text-only GRPO batches. Turn dynamic_sampling off for this run.")
     return out
+
+
+# ---------------------------------------------------------------- the rounds, on a GRPOTrainer
+
+
+def refill(trainer, output: dict, rewards: torch.Tensor, row_key: str) -> dict:
+    """Drop zero-variance groups of ``output`` (TRL's scored generation batch, rows tagged
+    ``row_key``; ``rewards`` [B_global]) from the loss and refill with fresh prompts, for up to
+    ``dynamic_sampling_max_rounds`` extra rounds of ``trainer._score_round``. Decisions use the
+    gathered rewards, so every process takes the same rounds. Logs ``dynamic_sampling/*``."""
+    acc, G = trainer.accelerator, trainer.num_generations
+    target = rewards.numel() // G  # groups per generation batch, all processes
+    batches, zero_std = [output], [zero_std_groups(rewards, G)]
+    record = trainer._guard_record
+    rounds = 0
+    while rounds < trainer.args.dynamic_sampling_max_rounds:
+        missing = target - int(sum((~z).sum() for z in zero_std))
+        if missing <= 0:
+            break
+        rounds += 1
+        while (missing * G) % acc.num_processes:  # rows must split evenly over the processes
+            missing += 1
+        out, r = trainer._score_round(refill_prompts(trainer, missing, rounds))
+        out[row_key] = out[row_key] + sum(b[row_key].numel() for b in batches)
+        if record is not None and trainer._guard_record is not None:
+            record = {k: record[k] + trainer._guard_record[k] for k in record}
+        batches.append(out)
+        zero_std.append(zero_std_groups(r, G))
+    keeps = keep_groups(zero_std, target)
+    kept = sum(int(k.sum()) for k in keeps)
+    generated = sum(z.numel() for z in zero_std)
+    metrics = trainer._metrics["train"]
+    metrics["dynamic_sampling/dropped_share"].append(1 - kept / generated if kept else 0.0)
+    metrics["dynamic_sampling/rounds"].append(rounds)
+    metrics["dynamic_sampling/filled_share"].append(kept / target)
+    trainer._guard_record = record
+    if kept == 0:  # nothing has a gradient: train on the first batch as plain GRPO would
+        return output
+    rows = torch.cat([local_rows(k, G, acc.process_index, b[row_key].numel())
+                      for k, b in zip(keeps, batches)])  # [B_local_all_rounds]
+    counts = acc.gather(rows.sum().reshape(1).to(acc.device)).tolist()
+    rows = fill_rows(rows, min(common_count(counts, trainer.args.steps_per_generation), rows.numel()))
+    merged = select_rows(concat_rows(batches, trainer._tokenizer.pad_token_id), rows)
+    loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)  # [B, C]
+    merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
+    return merged
+
+
+def refill_prompts(trainer, groups: int, round_: int) -> list[dict]:
+    """This process's share of ``groups`` fresh prompts x G, drawn from train_dataset with a
+    generator seeded by (seed, step, round): the same draw on every process."""
+    gen = torch.Generator().manual_seed(hash((trainer.args.seed, trainer.state.global_step, round_)) % 2**63)
+    idx = torch.randint(len(trainer.train_dataset), (groups,), generator=gen).tolist()
+    rows = [trainer.train_dataset[i] for i in idx for _ in range(trainer.num_generations)]
+    local = len(rows) // trainer.accelerator.num_processes
+    start = trainer.accelerator.process_index * local
+    return rows[start:start + local]

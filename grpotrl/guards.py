@@ -1,35 +1,47 @@
-"""Run-time checks of INVARIANTS.md I1-I5 and I7 on the tensors a trainer really uses.
+"""Run-time checks of INVARIANTS.md I1, I3 and I4 on the tensors a trainer really uses, and the
+one namespace the trainers call every guard through.
 
 Each check compares what the trainer did against an independent recomputation and raises
 ``InvariantError`` naming the invariant, showing the offending sample (decoded text around
 the prompt/completion boundary, special tokens visible) and saying what to do. The trainers
-call them on the first ``guard_steps`` steps; the functions are plain and testable alone.
+call them on the first ``guard_steps`` steps (``due``); the functions are plain and testable alone.
 
-Letters: B rows, P padded prompt width, C padded completion width, V vocabulary.
+Here: I1 (one prompt for generation and loss), I3 (the completion is ``sequence[:, P:]``), I4
+(the completion mask), and ``check_generation`` / ``check_loss_inputs``, which run them on a
+generation batch and on the loss's microbatch. The tool loop's turns are checked in
+``guards_tool_loop``, the logprobs (I5) and the entropy bonus (I7) in ``guards_logprobs``; both
+are re-exported at the end of this module.
+
+Letters: B rows, P padded prompt width, C padded completion width.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
 
 import torch
 
+from .boundary import boundary_snippet, starts_with_header
 from .errors import InvariantError
-from .logprobs import completion_logits, token_logprobs
-from .masking import completion_mask, expected_lengths, position_ids_from_mask
+from .guards_tool_loop import check_loss_mask, check_tool_loop
+from .masking import completion_mask, expected_lengths, unpad
+
+# The trainers (multitask.py too) call every check as ``guards.<name>``, and tests/dist_worker.py counts
+# the calls here and bench/bench_cagrad.py times check_entropy_sign here: I5/I7 are re-exported.
+from .guards_logprobs import (  # noqa: F401
+    check_entropy_sign, check_entropy_values, check_logprobs, recompute_logprobs, skipped_for_dropout)
+
+logger = logging.getLogger(__name__)
 
 
-def boundary_report(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
-    """The view seed 000 asked people to read by eye: prompt tail | completion head, ids and text."""
-    tail, head = list(prompt_ids[-width:]), list(completion_ids[:width])
-    return (
-        f"    prompt tail: {tokenizer.decode(tail, skip_special_tokens=False)!r}  ids {tail}\n"
-        f"    completion head: {tokenizer.decode(head, skip_special_tokens=False)!r}  ids {head}"
-    )
+def due(guard_steps: int, global_step: int) -> bool:
+    """Whether the guards run at ``global_step``: the first ``guard_steps`` steps, every step with -1,
+    never with 0.
 
-
-def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    >>> due(2, 1), due(2, 2), due(-1, 10**6), due(0, 0)
+    (True, False, True, False)
+    """
+    return guard_steps < 0 or global_step < guard_steps
 
 
 # ---------------------------------------------------------------- I1: one prompt for all
@@ -98,7 +110,7 @@ def check_extraction(
                 "(cut after the first stop token).\n"
                 f"    extracted: {tokenizer.decode(list(got)[:24], skip_special_tokens=False)!r}\n"
                 f"    generated: {tokenizer.decode(want[:24], skip_special_tokens=False)!r}\n"
-                + boundary_report(tokenizer, prompt, list(got))
+                + boundary_snippet(tokenizer, prompt, list(got))
                 + "\nExtract with `sequences[:, P:]` where P is the padded prompt width, never the count of "
                 "non-pad tokens (left padding puts the prompt at the end of the first P columns).",
             )
@@ -113,7 +125,7 @@ def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: li
             raise InvariantError(
                 "I3",
                 f"row {r}: the loss scores other completion ids than generation returned.\n"
-                + boundary_report(tokenizer, prompt_ids[j], got)
+                + boundary_snippet(tokenizer, prompt_ids[j], got)
                 + f"\n    generated head: {tokenizer.decode(list(want)[:8], skip_special_tokens=False)!r}",
             )
 
@@ -121,10 +133,8 @@ def check_same_completions(tokenizer, prompt_ids: list[list[int]], generated: li
 def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: list,
                       headers: list[list[int]]) -> None:
     """I3: the text reward functions see is the decoded completion, and the completion does not
-    start with the chat header (``headers``: token ids, ``health.chat_headers``; matched as those
+    start with the chat header (``headers``: token ids, ``boundary.chat_headers``; matched as those
     ids or their exact text, so ``assistants can help`` is not the ChatML header ``assistant\\n``)."""
-    from .health import starts_with_header
-
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     for i, (text, seen) in enumerate(zip(texts, completions)):
         seen_text = seen[-1]["content"] if isinstance(seen, list) else seen
@@ -141,130 +151,7 @@ def check_reward_text(tokenizer, completion_ids: list[list[int]], completions: l
                 f"row {i}: the completion given to reward functions starts with the chat header (one of {shown}): "
                 f"{tokenizer.decode(list(completion_ids[i])[:24], skip_special_tokens=False)!r}. The extraction "
                 "boundary includes prompt tokens.\n"
-                + boundary_report(tokenizer, [], completion_ids[i]),
-            )
-
-
-# ---------------------------------------------------------------- I1, I3, I4 on TRL's tool loop
-
-
-def _turn_error(tokenizer, row: int, turn: int, got: list[int], want: list[int] | None, what: str) -> InvariantError:
-    """I1 on a tool loop's turn ``turn`` (0 = the first): what generate saw against what it should have."""
-    if want is None:
-        shown = f"    generate saw (end): {tokenizer.decode(got[-32:], skip_special_tokens=False)!r}\n"
-    else:
-        n = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        shown = (f"    generate saw: {tokenizer.decode(got[max(0, n - 12):n + 24], skip_special_tokens=False)!r}\n"
-                 f"    expected:     {tokenizer.decode(want[max(0, n - 12):n + 24], skip_special_tokens=False)!r}\n"
-                 f"    (they differ from token {n} on)\n")
-    return InvariantError(
-        "I1",
-        f"row {row}, turn {turn + 1}: {what}.\n{shown}"
-        "On a tool loop the first turn's prompt is the chat template's, and each next turn's prompt is the previous "
-        "prompt, the model's completion up to and including its stop token, then the tool result ending with the "
-        "generation prompt, as tokens (never a re-tokenization of decoded text).",
-    )
-
-
-def check_tool_loop(tokenizer, calls: list[dict], prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                    tool_mask: list[list[int]], stop_ids: list[int], generation_prompt: list[int],
-                    max_completion_length: int) -> list[list[int]]:
-    """I1, I3 and I4 on a multi-turn tool loop, from what ``generate`` really saw and returned in each turn.
-
-    ``calls`` are the recorded ``generate`` calls in order: the first holds every row's prompt; each
-    later one the rows that called a tool, in row order. Checks that the first turn's inputs are
-    ``prompt_ids`` (I1); that each later turn's input of a row is its previous input + its completion
-    of that turn (cut after the first stop, I4) + a tool result ending with ``generation_prompt``
-    (I1); that each row's completion is everything after its prompt (I3), the last turn cut to the
-    ``max_completion_length`` budget as TRL does; and that ``tool_mask`` is 1 exactly on the tokens
-    the model generated and 0 on tool results. Returns those expected loss masks, one per row."""
-    seq = [list(p) for p in prompt_ids]  # each row's sequence so far: prompt, turns, tool results
-    mask: list[list[int]] = [[] for _ in prompt_ids]  # per completion token: 1 generated, 0 tool result
-    turns = [0] * len(prompt_ids)
-    active = list(range(len(prompt_ids)))
-    for k, call in enumerate(calls):
-        ids = call["input_ids"].cpu()
-        attn = call["attention_mask"].cpu() if call["attention_mask"] is not None else torch.ones_like(ids)
-        inputs = _unpad(ids, attn)
-        raw = call["output"].cpu()[:, ids.size(1):]  # [B_k, C_k]
-        keep = completion_mask(raw, stop_ids).bool()  # [B_k, C_k]
-        if k == 0 and len(inputs) != len(seq):
-            raise InvariantError("I1", f"the first generate call of the tool loop got {len(inputs)} rows for "
-                                 f"{len(seq)} prompts.")
-        j, rows = 0, []  # j: the next candidate in ``active`` (TRL keeps the tool rows in row order)
-        for r, got in enumerate(inputs):
-            if k == 0:
-                i = r
-                if got != seq[i]:
-                    raise _turn_error(tokenizer, i, 0, got, seq[i], "the prompt ids given to generation are not "
-                                      "the prompt ids the loss uses")
-            else:
-                start = j
-                while j < len(active) and got[:len(seq[active[j]])] != seq[active[j]]:
-                    j += 1
-                if j == len(active):
-                    i = active[min(start, len(active) - 1)]
-                    raise _turn_error(tokenizer, i, k, got, seq[i], "the prompt ids given to generation do not "
-                                      "continue any row's previous prompt + completion")
-                i, j = active[j], j + 1
-                suffix = got[len(seq[i]):]
-                if not suffix or (generation_prompt and suffix[-len(generation_prompt):] != generation_prompt):
-                    raise _turn_error(tokenizer, i, k, got, None, "the prompt ids given to generation continue the "
-                                      "previous turn with no tool result, or one that does not end with the "
-                                      f"generation prompt {tokenizer.decode(generation_prompt)!r}")
-                seq[i] += suffix
-                mask[i] += [0] * len(suffix)
-            turn = raw[r][keep[r]].tolist()
-            seq[i] += turn
-            mask[i] += [1] * len(turn)
-            turns[i] += 1
-            rows.append(i)
-        active = rows
-    for i, (prompt, got, tools) in enumerate(zip(prompt_ids, completion_ids, tool_mask)):
-        want = seq[i][len(prompt):]
-        if turns[i] > 1:  # TRL cuts the last turn to the completion budget
-            want, mask[i] = want[:max_completion_length], mask[i][:max_completion_length]
-        if list(got) != want:
-            raise InvariantError(
-                "I3",
-                f"row {i}: the completion is not what generate produced after the prompt over {turns[i]} turn(s) "
-                "(each turn cut after its first stop token, with the tool results between).\n"
-                f"    extracted: {tokenizer.decode(list(got)[:32], skip_special_tokens=False)!r}\n"
-                f"    generated: {tokenizer.decode(want[:32], skip_special_tokens=False)!r}\n"
-                + boundary_report(tokenizer, list(prompt), list(got)),
-            )
-        if list(tools) != mask[i]:
-            t = next((t for t, (a, b) in enumerate(zip(tools, mask[i])) if a != b), min(len(tools), len(mask[i])))
-            raise InvariantError(
-                "I4",
-                f"row {i}: tool_mask is wrong at completion position {t}: the loss must cover exactly the tokens the "
-                "model generated (each turn up to and including its stop token) and none of the tool results.\n"
-                f"    tool_mask: {list(tools)[max(0, t - 4):t + 8]}\n    expected:  {mask[i][max(0, t - 4):t + 8]}\n"
-                f"    around:    {tokenizer.decode(list(got)[max(0, t - 4):t + 8], skip_special_tokens=False)!r}",
-            )
-    return mask
-
-
-def check_loss_mask(tokenizer, completion_ids: torch.Tensor, loss_mask: torch.Tensor, expected: list[list[int]],
-                    stop_ids: list[int], rows, truncated_masked: bool = False) -> None:
-    """I4 on the loss's microbatch of a tool loop: ``completion_mask * tool_mask`` is 1 exactly on
-    the tokens the model generated (``expected``, from ``check_tool_loop``), 0 on tool results and
-    padding; with ``mask_truncated_completions`` a row that did not end on a stop token is all 0."""
-    for j, (r, want) in enumerate(zip(rows, expected)):
-        ids = completion_ids[j].tolist()
-        full = list(want) + [0] * (len(ids) - len(want))
-        if truncated_masked and want and ids[len(want) - 1] not in set(stop_ids) | {tokenizer.pad_token_id}:
-            full = [0] * len(ids)
-        got = loss_mask[j].long().tolist()
-        if got != full:
-            t = next(t for t, (a, b) in enumerate(zip(got, full)) if a != b)
-            raise InvariantError(
-                "I4",
-                f"row {r}: the loss mask (completion_mask * tool_mask) is wrong at completion position {t} "
-                f"(token {ids[t]} {tokenizer.decode([ids[t]], skip_special_tokens=False)!r}).\n"
-                f"    mask used: {got[max(0, t - 4):t + 8]}\n    expected:  {full[max(0, t - 4):t + 8]}\n"
-                "The loss covers each turn the model generated, up to and including its stop token, and no tool "
-                "result.",
+                + boundary_snippet(tokenizer, [], completion_ids[i]),
             )
 
 
@@ -353,217 +240,59 @@ def check_completion_mask(
         )
 
 
-# ---------------------------------------------------------------- I5: logprobs at temperature T
+# ---------------------------------------------------------------- I1, I3, I4 on a trainer's batch
 
 
-@torch.no_grad()
-def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
-                       temperature: float, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
-    """Independent I5 reference: a plain forward with generate's position ids, dropout off,
-    ``log_softmax(logits / T)`` at the logit of input position ``P + t - 1``.
-
-    Returns the logprobs [B, C] and the logit scale ``max |logits / T|`` per token [B, C]:
-    fp32 rounding of a logprob grows with it, and the I5 tolerance is relative to it. With
-    ``return_logits`` also the completion logits [B, C, V] (the health signals read them)."""
-    was_training = model.training
-    model.eval()
-    try:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            logits_to_keep=completion_width + 1,
-        )
-    finally:
-        model.train(was_training)
-    logits = completion_logits(out.logits, completion_width)  # [B, C, V]
-    scale = logits.float().abs().amax(-1) / temperature  # [B, C]
-    logprobs = token_logprobs(logits, input_ids[:, -completion_width:], temperature)  # [B, C]
-    return (logprobs, scale, logits) if return_logits else (logprobs, scale)
-
-
-def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
-                   completion_ids: torch.Tensor, temperature: float, atol: float, rows,
-                   scale: torch.Tensor | None = None) -> float:
-    """I5: the logprobs the loss used agree with the reference on every masked-in token, to
-    ``atol`` times the logit scale ``max |logits / T|`` where that exceeds 1 (fp32 rounding of
-    a log-softmax over a 49k vocabulary grows with the logits: on SmolLM2 the fused head and a
-    plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
-    used = used.detach()
-    on = mask.bool()  # [B, C]
-    _require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
-                    ("the independent log_softmax(logits / T)", reference),
-                    *((("the logit scale max|logits / T|", scale),) if scale is not None else ()))
-    gap = torch.where(on, (used.float() - reference.float()).abs(), 0.0)  # [B, C]; masked -inf cannot poison it
-    scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
-    worst = float(scaled.max()) if scaled.numel() else 0.0
-    if not worst <= atol:  # NaN fails too
-        i, t = divmod(int(scaled.argmax()), scaled.size(1))
-        raise InvariantError(
-            "I5",
-            f"row {rows[i]}, completion token {t} ({tokenizer.decode([int(completion_ids[i, t])])!r}): the "
-            f"loss used logprob {float(used[i, t]):.6f}, but log_softmax(logits / T={temperature})[token] "
-            f"with generate's position ids is {float(reference[i, t]):.6f} (gap {float(gap[i, t]):.2e}, "
-            f"{worst:.1e} relative to the logit scale > {atol:.0e}).\n"
-            "The loss must score tokens with the distribution that sampled them: divide the logits by the "
-            "sampling temperature, take the logit at position P + t - 1, use the attention mask's position ids "
-            "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
-        )
-    return worst
+def check_generation(tokenizer, prompt_ids: list, completion_ids: list, completions: list, calls: list[dict],
+                     stop_ids: list[int], *, templated: list[list[int]] | None = None, tool_loop: dict | None = None,
+                     cap: int | None = None, stops: bool = True, reward_headers: list[list[int]] | None = None,
+                     observable: bool = True) -> dict:
+    """I1, I3 and I4 on one generation batch: what TRL's ``_generate`` returned (``prompt_ids``,
+    ``completion_ids``, ``completions``) against the ``generate`` calls recorded while it ran
+    (``trainers._intercept.record_generate``) and the stop set. ``templated``: each prompt through
+    the chat template (I1's reference, when the prompts are chat messages); ``tool_loop``: the
+    ``tool_mask``, ``generation_prompt`` and ``max_completion_length`` of TRL's tool loop (every turn
+    checked, ``check_tool_loop``); ``cap``: generation's length cap (``check_stops``, when ``stops``);
+    ``reward_headers``: the chat headers the reward text must not start with (None: not checked);
+    ``observable``: whether ``generate`` should have been seen (warned when it was not).
+    Returns the record the loss's checks compare against (``check_loss_inputs``)."""
+    record = {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids]}
+    if templated is not None:
+        check_prompts_templated(tokenizer, prompt_ids, templated)
+    if calls and tool_loop is not None:  # one generate call per turn
+        record["loss_mask"] = check_tool_loop(tokenizer, calls, prompt_ids, completion_ids, tool_loop["tool_mask"],
+                                              stop_ids, tool_loop["generation_prompt"],
+                                              tool_loop["max_completion_length"])
+    elif calls:  # the transformers path: compare against what generate really returned
+        gen_in = calls[-1]["input_ids"].cpu()
+        attn = calls[-1]["attention_mask"] if calls[-1]["attention_mask"] is not None else torch.ones_like(gen_in)
+        check_same_prompt(tokenizer, unpad(gen_in, attn), prompt_ids, range(len(prompt_ids)))
+        check_extraction(tokenizer, gen_in, calls[-1]["output"].cpu(), completion_ids, stop_ids)
+    elif observable:
+        logger.warning("grpotrl guard: could not observe `generate`; I3 is checked on the text only.")
+    if stops:  # I4 from the tokens and the stop set, on every sampler
+        check_stops(tokenizer, completion_ids, stop_ids, cap)
+    if reward_headers is not None:
+        check_reward_text(tokenizer, completion_ids, completions, reward_headers)
+    return record
 
 
-def _require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
-    """A guard cannot verify a comparison with NaN or inf in it: any non-finite value at a
-    masked-in position of the named [B, C] tensors fails, naming the tensor, row and token
-    (masked-out positions are never compared, so they may hold anything)."""
-    for what, values in named:
-        bad = on & ~torch.isfinite(values.detach().float())  # [B, C]
-        if bad.any():
-            i, t = (int(x) for x in bad.nonzero()[0])
-            token = repr(tokenizer.decode([int(completion_ids[i, t])])) if tokenizer is not None else "?"
-            raise InvariantError(
-                invariant, f"row {rows[i] if rows is not None else i}, completion token {t} ({token}): {what} is "
-                f"{float(values[i, t])} ({int(bad.sum())} such values on tokens in the loss). A guard cannot compare "
-                "a non-finite value, and the loss would train on it: look for a NaN/inf in the logits (overflow in "
-                "half precision, a division by a zero temperature, a -inf from a logits processor on a sampled token).")
+def check_loss_inputs(tokenizer, record: dict, inputs: dict, rows: list[int], stop_ids: list[int],
+                      cap: int | None, truncated_masked: bool) -> None:
+    """I1, I3, I4 on the microbatch the loss uses (``inputs``, rows ``rows`` of the generation batch):
+    the prompt and completion ids generation produced (``record``, from ``check_generation``), and the
+    loss mask: ``completion_mask * tool_mask`` on each generated turn of a tool loop, else the
+    completion mask up to and including the first stop."""
+    completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
+    generated_prompts = [record["prompt_ids"][r] for r in rows]
+    check_same_prompt(tokenizer, generated_prompts, unpad(inputs["prompt_ids"], inputs["prompt_mask"]), rows)
+    check_same_completions(tokenizer, generated_prompts, [record["completion_ids"][r] for r in rows],
+                           completion_ids, rows)
+    if "loss_mask" in record:  # a tool loop: the loss covers each generated turn, no tool result
+        check_loss_mask(tokenizer, completion_ids, cmask * inputs["tool_mask"], [record["loss_mask"][r] for r in rows],
+                        stop_ids, rows, truncated_masked=truncated_masked)
+    elif "tool_mask" not in inputs:  # (a rollout_func's env_mask: turns not observed, I4 not checked)
+        lengths = torch.tensor([len(record["completion_ids"][r]) for r in rows], device=completion_ids.device)
+        check_completion_mask(tokenizer, completion_ids, cmask, stop_ids, rows, cap, lengths=lengths,
+                              truncated_masked=truncated_masked)
 
-
-# ---------------------------------------------------------------- I7: the entropy bonus's sign
-
-
-def entropy_slope(loss: torch.Tensor, entropies: torch.Tensor, accumulation: float = 1.0) -> float:
-    """``d loss / d H`` on the graph that will be backpropagated, for ``H`` the mean entropy of
-    the tokens the loss reads: the derivative along "every token's entropy rises by one"
-    (``sum_t d loss / d H_t``), times the gradient-accumulation factor the loss was divided by.
-    Only the path from ``loss`` back to the entropy node is walked (a few elementwise ops),
-    never the model. 0 when the loss does not depend on the entropies.
-
-    >>> H = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [B=1, C=2]
-    >>> round(entropy_slope(1.0 - 0.1 * H.mean(), H), 6)  # policy - c H with c = 0.1
-    -0.1
-    """
-    if not entropies.requires_grad:
-        return 0.0
-    (g,) = torch.autograd.grad(loss, entropies, retain_graph=True, allow_unused=True)
-    return 0.0 if g is None else float(g.sum()) * accumulation
-
-
-def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef: float, accumulation: float,
-                       where: str) -> float:
-    """I7: ``loss = policy + beta * KL - c * H``, so ``d loss / d H`` must be ``-c`` (to 1e-4 of
-    max(c, 1)). Returns the measured slope; raises naming ``where`` otherwise."""
-    if entropies is None:
-        if coef:
-            raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
-                                 "no entropies (compute_entropy=False?), so the bonus cannot act.")
-        return 0.0
-    if not coef >= 0:  # NaN fails too
-        raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
-                             "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy (seed 004). Keep "
-                             "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
-    slope = entropy_slope(loss, entropies, accumulation)
-    if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
-        if slope != slope or abs(slope) == float("inf"):
-            problem = "the slope is not finite (a NaN/inf in the loss or the entropies), so it cannot be verified"
-        elif coef and slope == 0.0:
-            problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
-        elif coef and slope * coef > 0:
-            problem = ("the entropy term enters with a FLIPPED sign, so every step lowers entropy "
-                       "(seed 004: entropy collapsed from ~1 to 0.005)")
-        else:
-            problem = "the entropy term enters with the wrong weight"
-        raise InvariantError(
-            "I7",
-            f"{where}: on the graph being backpropagated d loss / d H = {slope:+.6g}, but the entropy bonus "
-            f"coefficient is c = {coef:g}, so it must be {-coef:+.6g}: {problem}.\n"
-            "The loss must be policy + beta * KL - c * H with c >= 0 encouraging exploration. Fix the sign where "
-            "the entropy term is built; do not switch modes to hide it.",
-        )
-    return slope
-
-
-def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float) -> None:
-    """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
-    every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
-    (so a negated or rescaled "entropy" cannot pass the sign check)."""
-    on = mask.bool()  # [B, C]
-    _require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
-                    ("the entropy of softmax(logits / T)", reference))
-    gap = torch.where(on, (used.detach().float() - reference.float()).abs(), 0.0)  # [B, C]
-    worst = float(gap.max()) if gap.numel() else 0.0
-    if not worst <= atol:
-        i, t = divmod(int(gap.argmax()), gap.size(1))
-        raise InvariantError(
-            "I7", f"row {i}, completion token {t}: the entropy the loss used is {float(used[i, t]):.6f} but the "
-            f"entropy of softmax(logits / T) there is {float(reference[i, t]):.6f} (gap {worst:.2e} > {atol:.0e}). "
-            "The entropy bonus must act on the policy's own entropy at the sampling temperature.",
-        )
-
-
-@contextmanager
-def record_calls(obj, name: str):
-    """Record the return values of ``obj.name(...)`` for the duration of the block.
-
-    Used to observe the logprobs the loss really used, whichever subclass computed them."""
-    original = getattr(obj, name)
-    results = []
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        results.append(out)
-        return out
-
-    with _instance_attr(obj, name, spy):
-        yield results
-
-
-@contextmanager
-def record_generate(model, extra_kwargs=None):
-    """Record the inputs and outputs of ``model.generate`` for the duration of the block (I3).
-
-    ``extra_kwargs(input_ids) -> dict`` may add keyword arguments to each call (logits
-    processors, ``output_scores``); when it asks for ``return_dict_in_generate`` the caller
-    still gets the plain sequences it asked for."""
-    original = model.generate
-    calls = []
-
-    def spy(*args, **kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        extra = extra_kwargs(input_ids) if extra_kwargs is not None else {}
-        out = original(*args, **{**kwargs, **extra})
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        calls.append({
-            "input_ids": input_ids,
-            "attention_mask": kwargs.get("attention_mask"),
-            "output": sequences,
-            "scores": getattr(out, "scores", None),
-            "extra": extra,
-            "stop_ids": _sampler_stop_ids(model, kwargs),  # what the sampler itself stops on
-        })
-        return sequences if extra.get("return_dict_in_generate") and not kwargs.get("return_dict_in_generate") else out
-
-    with _instance_attr(model, "generate", spy):
-        yield calls
-
-
-def _sampler_stop_ids(model, kwargs: dict) -> list[int]:
-    """The eos ids a ``generate`` call stops on: its ``eos_token_id``, else its generation config's."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    ids = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
-    return [int(i) for i in ([ids] if isinstance(ids, int) else ids or [])]
-
-
-@contextmanager
-def _instance_attr(obj, name: str, value):
-    """Shadow ``obj.name`` with an instance attribute, restoring exactly what was there."""
-    missing = object()
-    before = vars(obj).get(name, missing)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if before is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, before)

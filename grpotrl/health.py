@@ -12,7 +12,7 @@ completion width, V vocabulary, K top-k.
 What TRL already logs and is reused rather than recomputed: the token-mean ``entropy``,
 ``completions/mean_length|min_length|max_length``, ``completions/clipped_ratio``,
 ``frac_reward_zero_std`` (the share of zero-variance groups), ``reward``, ``kl`` and the clip
-ratios.
+ratios. The chat-header test and the boundary report a person reads live in ``grpotrl.boundary``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .boundary import starts_with_header
 from .masking import completion_mask
 
 # ---------------------------------------------------------------- per-token and per-sample entropy
@@ -37,23 +38,16 @@ def per_sample_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1) / n.masked_fill(n == 0, float("nan"))  # [B]
 
 
-def sample_entropy_stats(entropies: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Per-sample mean entropy (over the completion mask), summarised across samples.
-
-    TRL logs the token mean; a few collapsed samples hide in it. ``min`` and ``p10`` (the 10th
-    percentile, linear interpolation) show them. Rows with an empty mask are left out.
+def summarise_samples(per_sample: torch.Tensor) -> dict[str, float]:
+    """min / p10 / mean of per-sample entropies [B] (``per_sample_mean`` over the completion mask;
+    NaN rows dropped; NaN when none is left). TRL logs the token mean; a few collapsed samples hide
+    in it. ``min`` and ``p10`` (the 10th percentile, linear interpolation) show them.
 
     >>> H = torch.tensor([[0.0, 0.0, 9.0], [1.0, 3.0, 0.0], [4.0, 4.0, 4.0]])  # [B=3, C=3]
     >>> m = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])  # per-sample means 0, 2, 4
-    >>> sample_entropy_stats(H, m)  # p10 = 0 + 0.1 * (3 - 1) * (2 - 0)
+    >>> summarise_samples(per_sample_mean(H, m))  # p10 = 0 + 0.1 * (3 - 1) * (2 - 0)
     {'entropy/sample_min': 0.0, 'entropy/sample_p10': 0.4000000059604645, 'entropy/sample_mean': 2.0}
     """
-    per_sample = per_sample_mean(entropies.detach().float(), mask)  # [B]
-    return summarise_samples(per_sample)
-
-
-def summarise_samples(per_sample: torch.Tensor) -> dict[str, float]:
-    """min / p10 / mean of per-sample entropies [B] (NaN rows dropped; NaN when none is left)."""
     x = per_sample[~torch.isnan(per_sample)]  # [B']
     if x.numel() == 0:
         return {"entropy/sample_min": math.nan, "entropy/sample_p10": math.nan, "entropy/sample_mean": math.nan}
@@ -97,6 +91,24 @@ def logit_stats(logits: torch.Tensor, temperature: float = 1.0, k: int = 5) -> d
         "logits/top1_prob": top_probs[..., 0],
         f"logits/top{k}_mass": top_probs.sum(-1),
     }
+
+
+def logit_signal_sums(logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logit_stats`` summed over the completion mask: [len(LOGIT_SIGNALS), 2] rows of (sum, count),
+    summable across processes (``means_of_sums`` turns the total into the logged means)."""
+    return torch.stack(list(masked_means(logit_stats(logits, temperature), mask).values()))
+
+
+LOGIT_SIGNALS = ("logits/max", "logits/top1_top2_gap", "logits/top1_prob", "logits/top5_mass")
+
+
+def means_of_sums(names, totals: torch.Tensor) -> dict[str, float]:
+    """``{name: sum / count}`` from [K, 2] (sum, count) rows; NaN for a count of 0.
+
+    >>> means_of_sums(["a", "b"], torch.tensor([[3.0, 2.0], [1.0, 0.0]]))
+    {'a': 1.5, 'b': nan}
+    """
+    return {name: total / count if count else float("nan") for name, (total, count) in zip(names, totals.tolist())}
 
 
 def masked_means(per_token: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -144,6 +156,13 @@ def generated_stop_counts(raw: torch.Tensor, stop_ids: list[int], sampler_stop_i
     return count_ids(raw, span, stop_ids)  # [B]
 
 
+def generated_stops_of(call: dict, stop_ids: list[int]) -> torch.Tensor:
+    """``generated_stop_counts`` [B] of a recorded ``generate`` call (``trainers._intercept.record_generate``):
+    its raw output after the prompt, against the stop ids the sampler itself stopped on."""
+    raw = call["output"][:, call["input_ids"].size(1):]  # [B, C] everything sampled, padding after its stop
+    return generated_stop_counts(raw, stop_ids, call["stop_ids"])
+
+
 def stop_count_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     """The completion tokens on which a stop token is counted: the loss tokens, except the last
     token of each tool-loop turn that a tool result follows (its stop ends the turn, as it must).
@@ -159,6 +178,43 @@ def stop_count_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return mask * ~turn_end  # [B, C]
 
 
+def stop_rows(tokenizer, batch: dict, lengths: torch.Tensor, generated_stops: torch.Tensor | None, stop_ids: list[int],
+              headers: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of a generation batch (TRL's ``_generate_and_score_completions`` output ``batch``;
+    ``lengths`` [B] tokens returned per row): the stop tokens in its prompt (left padding excluded)
+    and in its completion, and whether the completion starts with a chat header, as [B, 3] floats;
+    also the mask the completion's stops were counted on [B, C] and those counts [B]. Completion
+    stops are ``generated_stops`` where given (generate's raw output, past the cut), else those in
+    every token returned (a tool loop: each turn's own stop is left out, ``stop_count_mask``)."""
+    completion_ids = batch["completion_ids"]  # [B, C]
+    header = torch.tensor(starts_with_header(tokenizer, completion_ids[:, :32].tolist(), headers),
+                          device=completion_ids.device)  # [B]
+    if "tool_mask" in batch:
+        stop_mask = stop_count_mask(batch["completion_mask"] * batch["tool_mask"])  # [B, C]
+    else:  # every token the sampler returned (vLLM and continuous batching return them all)
+        t = torch.arange(completion_ids.size(1), device=completion_ids.device)
+        stop_mask = (t < lengths.to(t.device).unsqueeze(1)).long()  # [B, C]
+    completion_stops = count_ids(completion_ids, stop_mask, stop_ids) if generated_stops is None \
+        else generated_stops  # [B]
+    per_row = torch.stack([count_ids(batch["prompt_ids"], batch["prompt_mask"], stop_ids), completion_stops,
+                           header.long()], dim=1).float()  # [B, 3]
+    return per_row, stop_mask, completion_stops
+
+
+def batch_metrics(per_row: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """The logged stop-token, header and zero-reward signals of a generation batch from the gathered
+    ``stop_rows`` [B, 3] and rewards [B].
+
+    >>> batch_metrics(torch.tensor([[2.0, 1.0, 0.0], [2.0, 3.0, 1.0]]), torch.tensor([0.0, 1.0]))
+    {'stops/prompt_mean': 2.0, 'stops/completion_mean': 2.0, 'stops/completion_max': 3.0, \
+'completions/header_share': 0.5, 'rewards/zero_share': 0.5}
+    """
+    means = per_row.mean(0).tolist()  # [3]
+    return {"stops/prompt_mean": means[0], "stops/completion_mean": means[1],
+            "stops/completion_max": per_row[:, 1].max().item(), "completions/header_share": means[2],
+            "rewards/zero_share": zero_reward_share(rewards)}
+
+
 def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, float]:
     """Share of completions with exactly 1 token and with ``max_length`` tokens (hit the cap).
 
@@ -172,66 +228,19 @@ def length_shares(lengths: torch.Tensor, max_length: int | None) -> dict[str, fl
     return out
 
 
-def starts_with_header(tokenizer, completions: list[list[int]], headers: list[list[int]]) -> list[bool]:
-    """Whether each completion (token ids) starts with one of the chat ``headers`` (token ids,
-    from ``chat_headers``): as those very ids, or as their exact text with special tokens shown
-    and every character of the header included, its closing newline too (a header the model
-    spelled with other tokens counts; a word that merely begins like the role name does not:
-    ``assistants can help`` and ``assistantship`` are no ChatML header, ``assistant\\n4`` is)."""
-    headers = [list(h) for h in headers if h]
-    if not headers:
-        return [False] * len(completions)
-    texts = [tokenizer.decode(h, skip_special_tokens=False) for h in headers]
-    width = 2 * max(len(h) for h in headers) + 8  # a header spelled with shorter tokens still fits
-    out = []
-    for ids in completions:
-        ids = list(ids)
-        head = tokenizer.decode(ids[:width], skip_special_tokens=False).lstrip()
-        out.append(any(ids[:len(h)] == h or head.startswith(t) for h, t in zip(headers, texts)))
+def completion_shape(world: torch.Tensor, max_length: int | None, min_new_tokens: int) -> dict[str, float]:
+    """``length_shares`` of every process's completions and, with ``min_new_tokens``, how often its
+    processor fired per completion, from the gathered rows [world, B + 1]: B lengths, then the count.
+
+    >>> completion_shape(torch.tensor([[1, 4, 1], [8, 8, 0]]), 8, 2)
+    {'completions/one_token_share': 0.25, 'completions/max_length_share': 0.5, \
+'generation/min_new_tokens_trigger_rate': 0.25}
+    """
+    lengths = world[:, :-1].flatten()  # [B_global]
+    out = length_shares(lengths, max_length)
+    if min_new_tokens:
+        out["generation/min_new_tokens_trigger_rate"] = world[:, -1].sum().item() / max(lengths.numel(), 1)
     return out
-
-
-def chat_headers(tokenizer, chat_template: str | None = None, new_turn: bool = True,
-                 **template_kwargs) -> list[list[int]]:
-    """The chat header a response must not start with, as token ids (for ``starts_with_header``).
-
-    The assistant header is what the template writes before an assistant message: the
-    generation prompt when the template supports ``add_generation_prompt``, else the text
-    between the user turn and the assistant's content. Returned: its ids
-    (``<|im_start|>assistant\\n``); its leading special token alone when ``new_turn`` (a new turn
-    of any role: ``<|im_start|>``, Llama-3's ``<|start_header_id|>``); and its text without
-    special tokens up to and including the first line break (``assistant\\n``; Llama-3's
-    ``assistant\\n``, Qwen3's ``assistant\\n`` also when ``enable_thinking=False`` appends an
-    empty think block), tokenized. None without a chat template (plain-text prompts)."""
-    from . import templates
-
-    tok = templates._tok(tokenizer)
-    if templates.chat_template_of(tokenizer, chat_template) is None:
-        return []
-    ids = templates.generation_prompt_ids(tok, chat_template, **template_kwargs)
-    if not ids:  # the template ignores add_generation_prompt: read the header off an assistant turn
-        probe = "grpotrl-header-probe"
-        user = [{"role": "user", "content": "x"}]
-        without = tok.apply_chat_template(user, tokenize=False, chat_template=chat_template, **template_kwargs)
-        turn = tok.apply_chat_template(user + [{"role": "assistant", "content": probe}], tokenize=False,
-                                       chat_template=chat_template, **template_kwargs)
-        text = turn[len(without):].split(probe, 1)[0] if turn.startswith(without) and probe in turn else ""
-        ids = tok(text, add_special_tokens=False)["input_ids"] if text else []
-    if not ids:
-        return []
-    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    out = [list(ids)]
-    if new_turn and ids[0] in special:
-        out.append(list(ids[:1]))
-    bare = tok.decode(ids, skip_special_tokens=True).lstrip()
-    line = bare[: bare.index("\n") + 1] if "\n" in bare else bare
-    if line.strip():
-        out.append(list(tok(line, add_special_tokens=False)["input_ids"]))
-    unique = []
-    for h in out:
-        if h not in unique:
-            unique.append(h)
-    return unique
 
 
 # ---------------------------------------------------------------- rewards
@@ -315,48 +324,3 @@ def task_means(tasks: list[str], values: torch.Tensor, name: str) -> dict[str, f
     {'tasks/a/entropy': 1.0, 'tasks/b/entropy': 2.0}
     """
     return {f"tasks/{task}/{name}": torch.nanmean(x).item() for task, x in _by_task(tasks, values)}
-
-
-# ---------------------------------------------------------------- the boundary report (seed 000, by eye)
-
-
-def boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[str] = (), n: int = 4,
-                    width: int = 8) -> str:
-    """For the first ``n`` rows of a generation batch: the decoded prompt tail and completion
-    head with special tokens shown, the ids on both sides of the boundary, and the stop-token
-    counts (prompt without its left padding, completion as the loss sees it).
-
-    ``batch`` holds ``prompt_ids``/``prompt_mask`` [B, P] (left-padded), ``completion_ids`` [B, C]
-    and ``lengths`` [B] (tokens generated per row), optionally ``rewards`` [B], ``stop_mask``
-    [B, C] (``stop_count_mask``: where completion stops count; a tool loop's turn ends do not) and
-    ``generated_stops`` [B] (``generated_stop_counts``: stops the model wrote, past the cut too)."""
-    from .guards import boundary_report as ids_and_text
-
-    pad = tokenizer.pad_token_id
-    stops = set(stop_ids)
-    B = batch["prompt_ids"].size(0)
-    lines = [f"grpotrl boundary report: {min(n, B)} of {B} rows; stop ids {sorted(stops)}, pad id {pad}"
-             + (" (a stop id: left padding is not counted as stop tokens)" if pad in stops else "")]
-    for i in range(min(n, B)):
-        prompt_mask = batch["prompt_mask"][i].bool()  # [P]
-        prompt = batch["prompt_ids"][i][prompt_mask].tolist()
-        counted = batch.get("stop_mask")
-        completion = batch["completion_ids"][i][: int(batch["lengths"][i])].tolist()
-        n_pad = int((~prompt_mask).sum())
-        prompt_stops = sum(t in stops for t in prompt)
-        completion_stops = sum(t in stops for t, m in zip(completion, counted[i].tolist() if counted is not None
-                                                           else [1] * len(completion)) if m)
-        if batch.get("generated_stops") is not None:  # what the model generated, past the cut completion too
-            completion_stops = int(batch["generated_stops"][i])
-        reward = batch.get("rewards")
-        title = f"  row {i}" + (f" (reward {float(reward[i]):.3f})" if reward is not None else "")
-        lines.append(f"{title}: prompt {len(prompt)} tokens + {n_pad} left padding, completion {len(completion)} "
-                     f"tokens; stop tokens: {prompt_stops} in the prompt, {completion_stops} in the completion")
-        lines.append(ids_and_text(tokenizer, prompt, completion, width))
-        if headers and starts_with_header(tokenizer, [completion], list(headers))[0]:
-            lines.append("    !! the completion starts with the chat header: the model writes the header itself "
-                         "(template without a generation prompt, or SFT on another template)")
-        if completion_stops > 1:
-            lines.append(f"    !! {completion_stops} stop tokens generated in one completion: generation does not stop "
-                         "on every stop id (the model went on past its end of turn)")
-    return "\n".join(lines)

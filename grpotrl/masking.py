@@ -91,3 +91,12 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+
+
+def unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's ids where ``mask`` is on, as lists: a padded batch [B, L] back to its rows.
+
+    >>> unpad(torch.tensor([[0, 0, 5, 6], [7, 8, 9, 0]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]]))
+    [[5, 6], [7, 8, 9]]
+    """
+    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]

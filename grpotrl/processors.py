@@ -15,30 +15,22 @@ Each processor takes ``prompt_width`` = ``input_ids.shape[1]`` of the batch hand
 ``generate``: build them per ``generate`` call (``build_processors``). ``__call__`` never
 modifies its inputs; it returns new scores, or ``scores`` itself when it has nothing to do.
 The one piece of state is ``MinNewTokensProcessor.triggered``, the per-row record the
-trigger-rate metric needs.
-
-The sampler's own logprobs (I5): with ``do_sample=True``, ``generate`` appends temperature,
-top-k, top-p and min-p to the processor list it was given, after these processors, and samples
-from ``softmax`` of what the whole list returns (transformers 5.23,
-``GenerationMixin._get_logits_processor`` and ``_sample``). ``SampledLogprobRecorder`` keeps
-``log_softmax`` of that tensor at the sampled token, one number per row and step, as generation
-goes: inside ``after_warpers(model)`` it runs last, after the warpers. Nothing of size
-``[B, V]`` is kept beyond the step after it was made, so memory is O(B x V), not the
-O(B x C x V) of ``generate(output_scores=True)``, whose ``scores`` hold the same tensors
-(``sampler_logprobs`` reads those; ``tests/test_processors.py`` checks both against a real
-``generate``).
+trigger-rate metric needs. The sampler's own logprobs (I5), which ``generate`` takes with
+these processors, are recorded by ``grpotrl.sampled_logprobs``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
-from .errors import InputError, InvariantError
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
 
 
 def _check_prompt_width(prompt_width) -> int:
@@ -275,152 +267,18 @@ def build_processors(
     return processors
 
 
-def sampler_logprobs(scores: Sequence[torch.Tensor], sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
-    """The sampler's own per-token logprobs ``log_softmax(processed score)[token]``: ``[B, C]``.
-
-    The reference form, from scores ``generate`` kept (``C x [B, V]`` in memory); training uses
-    ``SampledLogprobRecorder``, which computes the same numbers as generation goes.
-
-    ``scores`` and ``sequences`` are ``generate(..., do_sample=True, output_scores=True,
-    return_dict_in_generate=True)``'s fields of those names: ``C`` tensors ``[B, V]`` after
-    every processor and warper (temperature included), and ``[B, P + C]``. Columns after a
-    row's first stop token hold padding that ``generate`` forced rather than sampled; their
-    values are meaningless and may be ``-inf``: select with the completion mask
-    (``torch.where``), do not multiply by it. Within the mask every value is finite, since a
-    sampled token had probability > 0.
-
-    >>> seq = torch.tensor([[4, 1, 0]])  # P=1: sampled 1, then 0
-    >>> s = [torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -math.inf]])]
-    >>> sampler_logprobs(s, seq, prompt_width=1).tolist()  # log 1/2, log 1
-    [[-0.6931471824645996, 0.0]]
-    """
-    _check_prompt_width(prompt_width)
-    tokens = sequences[:, prompt_width:]  # [B, C]
-    if tokens.size(1) != len(scores):
-        raise InputError(
-            f"sampler_logprobs got {len(scores)} score steps for {tokens.size(1)} completion columns "
-            f"(sequences width {sequences.size(1)} - prompt_width {prompt_width}). Pass generate's own "
-            "`scores` and `sequences` from the same call, with P = the padded prompt width."
-        )
-    if not scores:
-        return torch.zeros(sequences.size(0), 0, device=sequences.device)
-    return torch.stack([processed_logprob(s, tokens[:, t]) for t, s in enumerate(scores)], dim=1)  # [B, C]
+def min_new_tokens_fired(call: dict | None) -> int:
+    """How often the ``MinNewTokensProcessor`` injected into a recorded ``generate`` call fired (0 if none)."""
+    return next((p.trigger_count for p in reversed((call or {}).get("extra", {}).get("logits_processor", []))
+                 if isinstance(p, MinNewTokensProcessor)), 0)
 
 
-def processed_logprob(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(scores)[token]`` per row, in fp32: ``scores`` ``[B, V]``, ``tokens`` ``[B]`` -> ``[B]``.
-
-    >>> s = torch.tensor([[0.0, 0.0], [0.0, -math.inf]])  # row 0 uniform over 2, row 1 all on id 0
-    >>> processed_logprob(s, torch.tensor([1, 0])).tolist()  # log 1/2, log 1
-    [-0.6931471824645996, 0.0]
-    """
-    scores = scores.float()  # [B, V]
-    return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)  # [B]
-
-
-class SampledLogprobRecorder(LogitsProcessor):
-    """The sampler's own logprob of every sampled token, kept as ``generate`` goes: ``[B, C]``.
-
-    The same numbers as ``sampler_logprobs`` on ``generate(output_scores=True)``, without keeping
-    the ``C`` score tensors ``[B, V]``. It must run last, after transformers' warpers: hand it to
-    ``generate(logits_processor=...)`` inside ``after_warpers(model)``, which puts it there. At
-    each step it returns ``scores`` unchanged and keeps a reference to them (the tensor
-    ``generate`` samples from, and holds itself until its next step); at the next step, whose
-    ``input_ids[:, -1]`` is the token just sampled (or the padding ``generate`` forced on a row
-    that had stopped), it keeps that token's processed logprob (``[B]``) and lets the scores go.
-    ``logprobs(sequences)`` gathers the last step's once ``generate`` has returned. Build one per
-    ``generate`` call. As with ``sampler_logprobs``, columns after a row's first stop token are
-    meaningless (maybe ``-inf``): select them with the completion mask.
-
-    >>> rec = SampledLogprobRecorder()
-    >>> rec.placed_last = True  # after_warpers does this
-    >>> _ = rec(torch.tensor([[4]]), torch.tensor([[0.0, 0.0]]))         # step 0, P=1: uniform over V=2
-    >>> _ = rec(torch.tensor([[4, 1]]), torch.tensor([[0.0, -math.inf]]))  # sampled 1 at step 0: log 1/2
-    >>> rec.logprobs(torch.tensor([[4, 1, 0]])).tolist()                   # sampled 0 at step 1: log 1
-    [[-0.6931471824645996, 0.0]]
-    """
-
-    supports_continuous_batching = False  # reads the previous step's token from a static batch
-
-    def __init__(self):
-        self.placed_last = False  # set by after_warpers: this recorder runs after every warper
-        self._prompt_width: int | None = None  # P, the width of the first step's input_ids
-        self._width: int | None = None  # width of the last step's input_ids
-        self._pending: torch.Tensor | None = None  # [B, V] the last step's final scores
-        self._steps: list[torch.Tensor] = []  # one [B] per step before it
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        width = input_ids.size(1)
-        if self._width is None:
-            self._prompt_width = width
-        elif width != self._width + 1:
-            raise InputError(
-                f"SampledLogprobRecorder saw input_ids of width {width} after {self._width}: it was reused across "
-                "generate calls. Build a new one per call."
-            )
-        self._width = width
-        if self._pending is not None:
-            self._steps.append(processed_logprob(self._pending, input_ids[:, -1]))  # [B]
-        self._pending = scores  # [B, V], dropped at the next step
-        return scores
-
-    def logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
-        """``[B, C]`` for the ``sequences`` ``[B, P + C]`` that ``generate`` returned."""
-        if self._prompt_width is None:  # generate sampled nothing
-            return torch.zeros(sequences.size(0), 0, device=sequences.device)
-        if not self.placed_last:
-            raise InvariantError(
-                "I5", "SampledLogprobRecorder ran before transformers' temperature/top-k/top-p warpers, so it saw "
-                "other scores than the sampler's. Call generate inside grpotrl.processors.after_warpers(model); if "
-                "you did, transformers no longer builds its processor list in GenerationMixin._get_logits_processor."
-            )
-        tokens = sequences[:, self._prompt_width:]  # [B, C]
-        if self._pending is not None and len(self._steps) < tokens.size(1):
-            self._steps.append(processed_logprob(self._pending, tokens[:, len(self._steps)]))  # [B]
-            self._pending = None
-        if len(self._steps) < tokens.size(1):
-            raise InputError(
-                f"SampledLogprobRecorder saw {len(self._steps) + (self._pending is not None)} generation steps, but "
-                f"the sequences hold {tokens.size(1)} completion columns after P={self._prompt_width}. Pass the "
-                "sequences of the generate call the recorder ran in."
-            )
-        # generate may run steps that it then undoes (transformers' DeferredStopCheck): always the last ones
-        return torch.stack(self._steps[: tokens.size(1)], dim=1) if tokens.size(1) else tokens[:, :0].float()  # [B, C]
-
-
-@contextmanager
-def after_warpers(model) -> Iterator[None]:
-    """Within the block, every ``SampledLogprobRecorder`` handed to ``model.generate(logits_processor=...)``
-    runs last, after every processor and warper that ``generate`` adds itself (temperature, top-k,
-    top-p, min-p, watermarking, renormalisation): on the scores it samples from.
-
-    transformers puts a caller's processors BEFORE its warpers (``_get_logits_processor``, 5.23).
-    This shadows that method on the model's generating module (the first ``GenerationMixin`` in
-    ``model.modules()``: the model itself, or the base model under PEFT) with one that moves the
-    recorders to the end of the list it returns, and restores it on exit. A recorder used outside
-    the block raises when read instead of returning pre-temperature logprobs.
-    """
-    modules = model.modules() if hasattr(model, "modules") else [model]
-    gen = next((m for m in modules if isinstance(m, GenerationMixin)), None)
-    if gen is None:
-        yield
-        return
-    original = gen._get_logits_processor
-
-    def recorders_last(*args, **kwargs):
-        processors = original(*args, **kwargs)
-        recorders = [p for p in processors if isinstance(p, SampledLogprobRecorder)]
-        for r in recorders:
-            r.placed_last = True
-        return LogitsProcessorList([p for p in processors if not isinstance(p, SampledLogprobRecorder)] + recorders)
-
-    missing = object()
-    before = vars(gen).get("_get_logits_processor", missing)
-    gen._get_logits_processor = recorders_last
-    try:
-        yield
-    finally:
-        if before is missing:
-            del gen._get_logits_processor
-        else:
-            gen._get_logits_processor = before
+def vllm_penalties(args) -> dict:
+    """The I6 settings vLLM takes as sampling parameters: it counts output tokens only for presence
+    and frequency penalties, so they pass through; its repetition penalty counts the prompt, which
+    I6 rules out: said, not passed."""
+    if args.repetition_penalty != 1.0:
+        logger.warning("vLLM's repetition_penalty counts prompt tokens too (INVARIANT I6); prefer "
+                       "presence_penalty / frequency_penalty, which vLLM applies to output tokens only.")
+    return {k: v for k, v in (("presence_penalty", args.presence_penalty),
+                              ("frequency_penalty", args.frequency_penalty), ("min_tokens", args.min_new_tokens)) if v}

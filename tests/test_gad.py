@@ -564,7 +564,7 @@ def test_kl_in_reward_is_minus_its_coef_times_the_summed_kl(tiny_llama, gad_args
                    for c in completion_ids]
     for estimator in KL_ESTIMATORS:
         setattr(trainer.args, "kl_in_reward_estimator" if separate else "kl_estimator", estimator)
-        rewards = trainer.kl_penalty(rows, completions, completion_ids)
+        rewards = trainer.kl_reward(rows, completions, completion_ids)
         with torch.no_grad():
             kl = _independent_kl(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                  inputs["completion_mask"], estimator)  # [B, C]

@@ -9,6 +9,7 @@ from conftest import arithmetic_prompts, length_reward
 
 import grpotrl
 from grpotrl import guards
+from grpotrl.trainers import _intercept
 
 
 class Observed(grpotrl.GRPOTrainer):
@@ -131,7 +132,7 @@ def test_guard_record_helpers_restore_attributes(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    with guards.record_generate(model) as calls:
+    with _intercept.record_generate(model) as calls:
         model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
     assert len(calls) == 1 and calls[0]["output"].shape[1] == 5
     assert "generate" not in vars(model)

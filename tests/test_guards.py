@@ -139,9 +139,9 @@ def test_I5_guard_passes_a_correct_custom_hook(tiny_llama, grpo_args):
 
 def test_I5_guard_catches_trl_positions_on_absolute_position_model(tiny_gpt2, grpo_args, monkeypatch):
     """TRL's logprob forward uses positions 0..L-1; generate used cumsum(mask) - 1. GPT-2 shows it."""
-    import grpotrl.trainers.grpo as grpo_module
+    import grpotrl.trainers._intercept as intercept
 
-    monkeypatch.setattr(grpo_module, "_positions_from_attention_mask", lambda module, args, kwargs: (args, kwargs))
+    monkeypatch.setattr(intercept, "_positions_from_attention_mask", lambda module, args, kwargs: (args, kwargs))
     with pytest.raises(InvariantError, match=r"(?s)\[I5\]"):
         _run(grpotrl.GRPOTrainer, tiny_gpt2, grpo_args())
 

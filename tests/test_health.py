@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpotrl import InvariantError, guards, health, templates
+from grpotrl import InvariantError, boundary, guards, health, templates
 
 
 def test_logit_stats_max_gap_and_top5_mass_by_hand():
@@ -43,14 +43,14 @@ def test_per_sample_entropy_min_p10_by_hand():
     # row 4 has no token (left out). min 0.1; p10 = 0.1 + 0.1 * (4 - 1) * (2.0 - 0.1) = 0.67
     H = torch.tensor([[0.0, 0.2, 9.0], [2.0, 2.0, 2.0], [3.0, 0.0, 0.0], [4.0, 4.0, 0.0], [7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
-    s = health.sample_entropy_stats(H, mask)
+    s = health.summarise_samples(health.per_sample_mean(H, mask))
     assert s["entropy/sample_min"] == pytest.approx(0.1)
     assert s["entropy/sample_p10"] == pytest.approx(0.67)
     assert s["entropy/sample_mean"] == pytest.approx((0.1 + 2 + 3 + 4) / 4)
 
 
 def test_per_sample_entropy_empty_batch_is_nan_not_an_error():
-    s = health.sample_entropy_stats(torch.ones(2, 3), torch.zeros(2, 3))
+    s = health.summarise_samples(health.per_sample_mean(torch.ones(2, 3), torch.zeros(2, 3)))
     assert all(math.isnan(v) for v in s.values())
 
 
@@ -79,7 +79,7 @@ def test_a_tool_loops_turn_ends_are_not_extra_stop_tokens(smollm2_tokenizer):
     assert health.count_ids(ids, counted, [2]).tolist() == [1]
     batch = {"prompt_ids": torch.tensor([[1, 5]]), "prompt_mask": torch.ones(1, 2), "completion_ids": ids,
              "lengths": torch.tensor([len(turn1 + tool + turn2)]), "stop_mask": counted}
-    text = health.boundary_report(tok, batch, [2], n=1)
+    text = boundary.batch_boundary_report(tok, batch, [2], n=1)
     assert "1 in the completion" in text and "!!" not in text
 
 
@@ -145,7 +145,7 @@ def qwen3_tokenizer(smollm2_path):
 
 
 def _starts(tok, texts, headers):
-    return health.starts_with_header(tok, [tok.encode(t, add_special_tokens=False) for t in texts], headers)
+    return boundary.starts_with_header(tok, [tok.encode(t, add_special_tokens=False) for t in texts], headers)
 
 
 # I3 / chat_header rule: a word that begins like the role name is no header (it stopped good runs)
@@ -154,25 +154,26 @@ NOT_HEADERS = ["assistants can help", "assistantship is a role", " assistants", 
 
 def test_I3_chatml_header_is_detected_as_tokens_not_as_a_word_prefix(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    headers = health.chat_headers(tok)
+    headers = boundary.chat_headers(tok)
     assert [tok.decode(h) for h in headers] == ["<|im_start|>assistant\n", "<|im_start|>", "assistant\n"]
     assert _starts(tok, ["<|im_start|>assistant\n4", "assistant\n4", " assistant\n\n4", "<|im_start|>user\nhi"],
                    headers) == [True, True, True, True]
     assert _starts(tok, NOT_HEADERS, headers) == [False] * len(NOT_HEADERS)
     # the old text-prefix rule called these headers: "assistants can help".startswith("assistant")
-    assert health.starts_with_header(tok, [tok.encode("assistant", add_special_tokens=False) + [2]], headers) == [False]
+    assert boundary.starts_with_header(tok, [tok.encode("assistant", add_special_tokens=False) + [2]],
+                                       headers) == [False]
 
 
 def test_chat_headers_when_the_template_has_no_generation_prompt(smollm2_tokenizer):
     """A template that ignores add_generation_prompt: the header is read off an assistant turn."""
     template = smollm2_tokenizer.chat_template.replace("{% if add_generation_prompt %}", "{% if false %}")
-    headers = health.chat_headers(smollm2_tokenizer, template)
+    headers = boundary.chat_headers(smollm2_tokenizer, template)
     assert [smollm2_tokenizer.decode(h) for h in headers] == ["<|im_start|>assistant\n", "<|im_start|>", "assistant\n"]
 
 
 def test_I3_llama3_header_is_detected_as_tokens(llama3_tokenizer):
     tok = llama3_tokenizer
-    headers = health.chat_headers(tok)
+    headers = boundary.chat_headers(tok)
     assert [tok.decode(h) for h in headers] == ["<|start_header_id|>assistant<|end_header_id|>\n\n",
                                                 "<|start_header_id|>", "assistant\n"]
     assert _starts(tok, ["<|start_header_id|>assistant<|end_header_id|>\n\nHi", "<|start_header_id|>user",
@@ -183,7 +184,7 @@ def test_I3_llama3_header_is_detected_as_tokens(llama3_tokenizer):
 @pytest.mark.parametrize("thinking", [True, False])
 def test_I3_qwen3_header_is_detected_as_tokens_with_and_without_thinking(qwen3_tokenizer, thinking):
     tok = qwen3_tokenizer
-    headers = health.chat_headers(tok, enable_thinking=thinking)
+    headers = boundary.chat_headers(tok, enable_thinking=thinking)
     full = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
     assert [tok.decode(h) for h in headers] == [full, "<|im_start|>", "assistant\n"]
     assert _starts(tok, [full + "4", "<|im_start|>assistant\n4", "assistant\n<think>"], headers) == [True] * 3
@@ -194,7 +195,7 @@ def test_I3_qwen3_header_is_detected_as_tokens_with_and_without_thinking(qwen3_t
 
 def test_I3_reward_text_check_passes_words_that_begin_like_the_role(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    headers = health.chat_headers(tok, new_turn=False)
+    headers = boundary.chat_headers(tok, new_turn=False)
     ids = [tok.encode(t, add_special_tokens=False) + [2] for t in ("assistants can help", "assistantship")]
     texts = tok.batch_decode(ids, skip_special_tokens=True)
     guards.check_reward_text(tok, ids, texts, headers)  # the old check raised [I3] on both
@@ -216,7 +217,7 @@ def test_boundary_report_shows_both_sides_and_counts(smollm2_tokenizer):
         "lengths": torch.tensor([len(c_ok), len(c_header)]),
         "rewards": torch.tensor([1.0, 0.0]),
     }
-    text = health.boundary_report(tok, batch, [2], health.chat_headers(tok), n=2)
+    text = boundary.batch_boundary_report(tok, batch, [2], boundary.chat_headers(tok), n=2)
     assert "pad id 2 (a stop id: left padding is not counted" in text
     # the default system prompt and the user turn each end with <|im_end|>: 2 in the prompt
     assert "+ 2 left padding" in text and "stop tokens: 2 in the prompt, 1 in the completion" in text

@@ -68,6 +68,30 @@ def test_raw_ratio_stats_by_hand():
     assert s["token/outside_share"] == pytest.approx(3 / 5) and s["seq/max"] == pytest.approx(0.25)
 
 
+def test_sampler_gap_stats_in_one_pass_across_processes():
+    """sampler_gap_local reduces with masks on the device (no host sync); sampler_gap_metrics combines
+    the processes' rows with one: |used - sampler| mean of means and max of maxes, each ratio statistic
+    over the processes where it is finite (a process with no loss token has none)."""
+    torch.manual_seed(0)
+    used, trainer, sampler = (torch.randn(3, 5) - 2 for _ in range(3))
+    sampler[0, 1] = -math.inf  # the sampler could not have drawn it: out of every mean
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    local = identity.sampler_gap_local(used, trainer, sampler, mask)
+    gap = (used - sampler).abs()[mask.bool()]
+    gap = gap[torch.isfinite(gap)]  # 7 finite tokens
+    raw = identity.raw_ratio_stats(trainer, sampler, mask)
+    assert local[:2].tolist() == pytest.approx([gap.mean().item(), gap.max().item()])
+    assert local[2:].tolist() == pytest.approx(list(raw.values()))
+    empty = identity.sampler_gap_local(used, trainer, sampler, torch.zeros_like(mask))
+    assert empty[:2].tolist() == [0.0, 0.0] and math.isnan(empty[2])  # token/mean: no token
+    m = identity.sampler_gap_metrics(torch.stack([local, empty]))  # [world=2, 11]
+    assert m["sampling/sampler_trainer_logp_gap/mean"] == pytest.approx(gap.mean().item() / 2)
+    assert m["sampling/sampler_trainer_logp_gap/max"] == pytest.approx(gap.max().item())
+    assert m["sampling/raw_ratio/token/min"] == pytest.approx(raw["token/min"])
+    assert m["sampling/raw_ratio/seq/max"] == pytest.approx(raw["seq/max"])
+    assert m["sampling/raw_ratio/token/outside_share"] == pytest.approx(raw["token/outside_share"] / 2)
+
+
 # ------------------------------------------------------------------ I10 in the trainer
 
 def test_I10_healthy_run_logs_kl_0_and_ratio_1_at_step_0(tiny_llama, grpo_args):

@@ -285,16 +285,16 @@ class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
     def _loss_terms(self, model, inputs, coef):
         import trl
 
-        from grpotrl import guards
+        from grpotrl.trainers import _intercept
         from grpotrl.trainers.grpo import TASK_KEY
 
-        with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
+        with _intercept.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             full = grpotrl.GRPOTrainer._compute_loss(self, model, inputs)
         cached = calls[0]
         self._pieces = {None: cached}  # the new compute_loss checks each piece's entropies (I7)
         adv = inputs["advantages"]
         task = inputs[TASK_KEY].view(-1, *[1] * (adv.dim() - 1))
-        with guards._instance_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
+        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
                 self._metrics_dropped():
             with self._terms(beta=0.0, coef=0.0):
                 terms = {k: trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": adv * (task == k)})

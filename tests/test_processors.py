@@ -12,8 +12,9 @@ from transformers import (LlamaForCausalLM, LogitsProcessorList, RepetitionPenal
 
 from grpotrl import InvariantError
 from grpotrl.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
-                                RepetitionPenaltyProcessor, SampledLogprobRecorder, after_warpers, build_processors,
-                                generated_counts, processed_logprob, sampler_logprobs)
+                                RepetitionPenaltyProcessor, build_processors, generated_counts)
+from grpotrl.sampled_logprobs import SampledLogprobRecorder, processed_logprob, sampler_logprobs
+from grpotrl.trainers._intercept import inject_recorders_after_warpers
 
 EOS = PAD = 2  # SmolLM2: <|im_end|>, eos and pad
 ENDOFTEXT = 0  # SmolLM2's <|endoftext|>, a second stop id
@@ -256,14 +257,14 @@ def test_I5_recorder_reads_the_last_step_after_generate_and_refuses_misuse():
 
 
 def test_I5_recorder_outside_after_warpers_is_an_error(tiny_llama, smollm2_tokenizer):
-    """Without after_warpers the recorder runs before temperature/top-k: its numbers would be wrong."""
+    """Without inject_recorders_after_warpers the recorder runs before temperature/top-k: its numbers would be wrong."""
     model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
     rec = SampledLogprobRecorder()
     out = model.generate(**_left_padded(smollm2_tokenizer, 2), do_sample=True, temperature=0.7, max_new_tokens=2,
                          pad_token_id=PAD, logits_processor=LogitsProcessorList([rec]))
     with pytest.raises(InvariantError, match=r"\[I5\].*after_warpers"):
         rec.logprobs(out)
-    with after_warpers(model):
+    with inject_recorders_after_warpers(model):
         assert "_get_logits_processor" in vars(model)
     assert "_get_logits_processor" not in vars(model)  # restored: the class's method again
 
@@ -295,7 +296,7 @@ def test_I5_recorder_equals_output_scores_path(tiny_llama, smollm2_tokenizer, na
                          output_scores=True, return_dict_in_generate=True)
     rec = SampledLogprobRecorder()
     torch.manual_seed(0)
-    with after_warpers(model):
+    with inject_recorders_after_warpers(model):
         seq = model.generate(**batch, **kw, logits_processor=LogitsProcessorList([*build_processors(P, **procs_kw),
                                                                                   rec]))
     assert torch.equal(seq, ref.sequences)  # recording changes nothing in the sampling
@@ -314,14 +315,14 @@ def test_I5_recorder_equals_output_scores_path(tiny_llama, smollm2_tokenizer, na
 
 
 def test_I5_recorder_under_peft_records_on_the_base_model(tiny_llama, smollm2_tokenizer):
-    """PeftModel.generate runs the base model's generate: after_warpers shadows the base model."""
+    """PeftModel.generate runs the base model's generate: inject_recorders_after_warpers shadows the base model."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_llama),
                            LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).eval()
     batch = _left_padded(smollm2_tokenizer, 2)
     rec = SampledLogprobRecorder()
-    with after_warpers(model):
+    with inject_recorders_after_warpers(model):
         seq = model.generate(**batch, do_sample=True, temperature=0.7, max_new_tokens=3, pad_token_id=PAD,
                              logits_processor=LogitsProcessorList([rec]))
     assert rec.logprobs(seq).shape == (2, seq.size(1) - batch["input_ids"].size(1))
@@ -358,7 +359,7 @@ def test_I5_sampler_logprobs_memory_flat_in_completion_length(tiny_llama, smollm
 
     def run(n, procs=(), **extra):
         torch.manual_seed(0)
-        with torch.no_grad(), after_warpers(model):
+        with torch.no_grad(), inject_recorders_after_warpers(model):
             out = model.generate(**batch, max_new_tokens=n, logits_processor=LogitsProcessorList(procs), **kw, **extra)
         seq = getattr(out, "sequences", out)
         if procs and isinstance(procs[-1], SampledLogprobRecorder):

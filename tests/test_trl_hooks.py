@@ -1,9 +1,12 @@
 """Fails loudly if a TRL hook grpotrl overrides or relies on changes name or signature.
 
 grpotrl is pinned to trl 1.16.x (setup.cfg). When TRL moves, this file says which hook moved
-before any trainer silently stops being guarded."""
+before any trainer silently stops being guarded: every TRL hook the trainers override, every TRL
+method or model method grpotrl wraps at run time (``grpotrl/trainers/_intercept.py``), every
+private TRL attribute it reads or sets, and the layout of the tuples it indexes."""
 
 import inspect
+import re
 
 import trl
 
@@ -29,6 +32,11 @@ GRPO_HOOKS = {
     "save_model": ["self", "output_dir", "_internal_call"],
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    # GADTrainer's (create_scheduler and the optimizer save/load are transformers.Trainer's)
+    "_prepare_inputs": ["self", "generation_batch"],
+    "create_scheduler": ["self", "num_training_steps", "optimizer"],
+    "_save_optimizer_and_scheduler": ["self", "output_dir"],
 }
 SFT_HOOKS = {
     "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
@@ -65,8 +73,11 @@ def test_fused_head_still_used_for_logprobs():
 
 
 def test_our_overrides_keep_the_signatures():
-    for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "save_model"):
+    for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model"):
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
+    for name in ("_calculate_rewards", "_generate_and_score_completions", "_compute_loss", "training_step",
+                 "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):
+        assert _params(grpotrl.GADTrainer, name) == GRPO_HOOKS[name], f"GADTrainer.{name}"
     for name in ("compute_loss", "_prepare_dataset", "save_model"):
         assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name]
 
@@ -102,8 +113,8 @@ def test_returned_loss_is_backpropagated_unscaled():
 
 
 def test_generate_builds_its_processor_list_in_get_logits_processor():
-    """processors.after_warpers shadows ``_get_logits_processor`` so the sampler-logprob recorder
-    runs after transformers' warpers (issue 17); generate must still build its list there, from
+    """_intercept.inject_recorders_after_warpers shadows ``_get_logits_processor`` so the sampler-logprob
+    recorder runs after transformers' warpers (issue 17); generate must still build its list there, from
     the caller's ``logits_processor``, and sample from what that list returns."""
     from transformers import GenerationMixin
 
@@ -112,3 +123,105 @@ def test_generate_builds_its_processor_list_in_get_logits_processor():
     sample = inspect.getsource(GenerationMixin._sample)
     assert "next_token_scores = logits_processor(input_ids, next_token_logits)" in sample
     assert "probs = nn.functional.softmax(next_token_scores, dim=-1)" in sample
+
+
+def test_generate_return_tuple_layout():
+    """``_intercept.TRLGenerate`` names the positions of ``_generate``'s tuple (grpotrl replaces its
+    ``logprobs`` and reads ``prompt_ids``, ``completion_ids``, ``tool_mask``, ``completions``): TRL
+    must still return, and unpack, exactly these in this order."""
+    from grpotrl.trainers._intercept import TRLGenerate
+
+    fields = list(TRLGenerate._fields)
+    assert fields == ["prompt_ids", "completion_ids", "tool_mask", "completions", "logprobs", "extra_fields", "images",
+                      "tool_images"]
+    assert "return " + ", ".join(fields) in inspect.getsource(trl.GRPOTrainer._generate)
+    src = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    unpacked = src[:src.index(") = self._generate(prompts)")].rsplit("(", 1)[1]
+    assert [x.strip() for x in unpacked.split(",") if x.strip()] == [
+        "prompt_ids_list", "completion_ids_list", "tool_mask_list", "completions", "sampling_per_token_logps_list",
+        "extra_fields", "images", "tool_images"]
+
+
+def test_methods_wrapped_at_run_time_are_still_called_where_grpotrl_wraps_them():
+    """``_intercept.record_calls`` on ``_calculate_rewards`` (inside ``_generate_and_score_completions``, its
+    result [N_global, n_funcs] gathered) and on ``_get_per_token_logps_and_entropies`` (inside
+    ``_compute_loss``, ``(logps, entropies, ...)``); ``record_generate`` on the unwrapped policy's
+    ``generate`` (inside ``_generate``, through ``_generate_single_turn`` and the tool loop)."""
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in score
+    rewards = inspect.getsource(trl.GRPOTrainer._calculate_rewards)
+    assert "rewards_per_func = gather(rewards_per_func)\n        return rewards_per_func" in rewards
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(" in loss
+    single = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    assert "unwrapped_model.generate(" in single and "self.model_wrapped" in single
+
+
+def test_private_trl_state_grpotrl_reads_and_sets():
+    """Attributes of trl.GRPOTrainer that grpotrl.GRPOTrainer reads (or, for eos_token_ids,
+    generation_kwargs and the vLLM generation kwargs, extends) after TRL's __init__."""
+    init = inspect.getsource(trl.GRPOTrainer.__init__)
+    for needle in ("self.eos_token_ids = ", "self.generation_config = ", "self.generation_kwargs = ",
+                   "self.rollout_func = ", "self.use_transformers_continuous_batching = ", "self._is_vlm = ",
+                   "self.environment_factories = ", "self._env_tools = ", "self.vllm_generation = ",
+                   "self.mask_truncated_completions = ", "self.reward_weights = ", "self.chat_template_kwargs = ",
+                   "self.num_generations = ", "self.temperature = ", "self.max_completion_length = ",
+                   "self.ref_model = ", "self._metrics = ", "self.loss_type = ", "self.importance_sampling_level = "):
+        assert needle in init, f"trl.GRPOTrainer.__init__ no longer sets {needle!r}"
+    prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
+    assert "self._batch_environments" in inspect.getsource(trl.GRPOTrainer) and "self._buffered_inputs" in prepare
+
+
+def test_gad_relies_on_trl_training_step_bookkeeping():
+    """GADTrainer.training_step (discriminator warmup) runs ``_prepare_inputs`` without a loss and
+    restates TRL's step bookkeeping: ``_step`` counts microsteps for the generation schedule, and
+    ``step_time`` is logged from ``_current_train_step_time`` once per accumulation window."""
+    src = inspect.getsource(trl.GRPOTrainer.training_step)
+    for needle in ("self._step += 1", "self._current_train_step_time += time_after - time_before",
+                   "if self._step % self.current_gradient_accumulation_steps == 0:",
+                   'self._metrics["train"]["step_time"].append(self._current_train_step_time)',
+                   "self._current_train_step_time = 0.0"):
+        assert needle in src, f"trl.GRPOTrainer.training_step no longer has {needle!r}"
+    prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
+    assert "self._generate_and_score_completions(" in prepare and "self._step % " in prepare
+    gad = inspect.getsource(grpotrl.GADTrainer.training_step)
+    assert "self._prepare_inputs(inputs)" in gad and "self._step += 1" in gad
+
+
+def test_gad_kl_reduction_restates_trl_per_loss_type():
+    """``gad._aggregate_like_trl`` adds GAD's KL term reduced exactly as TRL reduces its per-token loss
+    (and multiplies it by TRL's ``coef_1`` with ``use_bias_correction_kl``): TRL's reductions must read
+    as they did, one per loss_type grpotrl knows."""
+    from grpotrl.trainers import gad
+
+    src = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    for needle in (
+        'if self.loss_type in ["grpo", "sapo"]:',
+        "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+        'elif self.loss_type == "bnpo":', "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+        'elif self.loss_type == "dr_grpo":',
+        "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
+        'elif self.loss_type in ["cispo", "dapo", "vespo"]:',
+        'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+        "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+        'elif self.loss_type == "luspo":', "loss = (per_token_loss * mask).sum(-1).mean()",
+        "normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0",
+        "if self.args.use_bias_correction_kl:", "coef_1 = torch.exp(log_importance_weights)",
+        "log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)",
+    ):
+        assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
+    known = {"grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo"}
+    assert all(f'"{k}"' in inspect.getsource(gad._aggregate_like_trl) for k in known)
+    start = src.index('if self.loss_type in ["grpo", "sapo"]:')
+    reduced = src[start:src.index('raise ValueError(f"Unknown loss type', start)]  # the reduction's branches
+    trl_types = set(re.findall(r'"(\w+)"', " ".join(re.findall(r"self\.loss_type (?:==|in) ([^:]+):", reduced))))
+    assert trl_types == known, f"TRL's loss types changed: {sorted(trl_types ^ known)}"
+
+
+def test_gad_reference_forward_and_adapter_helper():
+    """GAD computes reference logprobs with TRL's ``_get_per_token_logps_and_entropies`` under
+    ``trl.trainer.utils.use_adapter`` (PEFT: adapter off, or the ``ref`` adapter), as TRL does."""
+    from trl.trainer.utils import use_adapter
+
+    assert list(inspect.signature(use_adapter).parameters) == ["model", "adapter_name"]
+    assert "use_adapter(" in inspect.getsource(trl.GRPOTrainer)

@@ -22,20 +22,35 @@ its AdamW step; KL in the reward adds a no-grad policy and reference forward ove
 batch; ``full`` materialises [B, C, V] logits of both models per microbatch (the policy's from
 the loss's own forward, plus one reference forward).
 
-Overrides (everything else is grpotrl.GRPOTrainer's, hence TRL's):
+Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
+everything else is TRL's):
   * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
     after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
-    ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused).
-  * ``_calculate_rewards``: the D step above; returns rewards gathered across processes, one
-    column per reward function: ``discriminator`` (and ``kl_penalty`` with ``use_kl_in_reward``).
+    ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
+    to 0 (the KL is GAD's own).
+  * ``_calculate_rewards``: the D step above (``gad_engine``); returns rewards gathered across
+    processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
+    ``kl_reward``, with ``use_kl_in_reward``).
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
-  * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used.
-  * ``training_step``: during warmup, generates and updates D only; the student gets no grad.
+  * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used, reduced as
+    TRL reduces its per-token loss for ``loss_type`` (``_aggregate_like_trl``, restated from TRL 1.16)
+    and times TRL's importance ratio with ``use_bias_correction_kl``.
+  * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
+    update) and TRL's step bookkeeping (``_step``, ``_current_train_step_time``, ``step_time``)
+    only; the student gets no grad.
   * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
   * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
     checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
     state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
     restores both.
+
+Wraps at run time (``trainers/_intercept.py``), besides grpotrl.GRPOTrainer's:
+  * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss``: records the logprobs the
+    policy loss used (the KL is taken on them, with their graph).
+  * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``:
+    records its last hidden states, which the LM head turns into the logits of the loss's own forward.
+Calls TRL's ``_get_per_token_logps_and_entropies`` for reference logprobs (tests/test_trl_hooks.py
+pins every private TRL name used here).
 
 Student SFT warmup on teacher responses (the paper's first stage) is a separate run on the
 same template (I2): ``grpotrl sft --config recipes/smollm2/sft_gad_warmup.yaml``, then GAD
@@ -46,20 +61,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import time
 
 import torch
 from trl.trainer.utils import use_adapter
 
-from .. import guards, templates
+from .. import templates
 from ..configs import GADConfig
-from ..discriminator import DiscriminatorReward, bradley_terry_loss, completion_texts, load_discriminator, pad_sequences
+from ..discriminator import DiscriminatorReward, load_discriminator, pad_sequences
 from ..errors import InputError, InvariantError
 from ..losses import kl_full, kl_penalty
 from ..masking import position_ids_from_mask
 from ..preflight import check_gad
+from . import _intercept
 from .gad_engine import D_DIR, prepare_discriminator
 from .grpo import GRPOTrainer
 
@@ -87,19 +102,6 @@ def _aggregate_like_trl(trainer, x: torch.Tensor, mask: torch.Tensor, inputs: di
     raise InputError(f"GAD's KL loss does not know loss_type={kind!r}.")
 
 
-@contextlib.contextmanager
-def _capture_backbone_output(causal_lm):
-    """Collect the backbone's last hidden states [B, L, H] of every forward in the block (the
-    graph tensors: logits built on them backpropagate into the loss's own forward)."""
-    inner = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-    seen = []
-    handle = inner.base_model.register_forward_hook(lambda m, a, out: seen.append(out.last_hidden_state))
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
 class GADTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "gad", "grpotrl"]
     _resume_kind = "gad"
@@ -113,7 +115,8 @@ class GADTrainer(GRPOTrainer):
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
         self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
-        reward_funcs = [self._d_reward] + ([self.kl_penalty] if args.use_kl_in_reward else [])
+        kl_column = [_reward_column("kl_penalty", self.kl_reward)] if args.use_kl_in_reward else []
+        reward_funcs = [self._d_reward] + kl_column
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if self.is_fsdp_enabled:
@@ -149,92 +152,16 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ discriminator step
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        mode = "train" if self.model.training else "eval"
-        scores = self._discriminator_step(inputs, prompts, completions, completion_ids_list,
-                                          update=mode == "train")  # [N]
+        # D scores the student (before this batch's update, as verl's GAD) and steps in train mode
+        scores, metrics = self._d.score_and_step(
+            self._d_reward, inputs, prompts, completions, completion_ids_list, update=self.model.training,
+            check_alone=self._guard_now() and self.args.disable_dropout)  # [N]
+        self._append(metrics)
         columns = [scores]
         if self.args.use_kl_in_reward:
-            columns.append(torch.tensor(self.kl_penalty(prompts, completions, completion_ids_list),
+            columns.append(torch.tensor(self.kl_reward(prompts, completions, completion_ids_list),
                                         dtype=torch.float32, device=scores.device))
         return self.accelerator.gather(torch.stack(columns, dim=1))  # [N_global, n_funcs]
-
-    def _discriminator_step(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
-                            update: bool) -> torch.Tensor:
-        """Score each student response and its row's teacher response with D; with ``update``,
-        step D on the Bradley-Terry loss. Returns the student scores [N] of D before the step."""
-        mode = "train" if update else "eval"
-        reward = self._d_reward
-        student_parts = reward.parts(prompts, completion_texts(completions), reward.finished(completion_ids))
-        # one teacher sequence per distinct (prompt, teacher_response): a group shares it
-        keys = [json.dumps(p, sort_keys=True) + "\x00" + x["teacher_response"] for p, x in zip(prompts, inputs)]
-        first: dict[str, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        slot = {k: j for j, k in enumerate(first)}
-        teacher_of = [slot[k] for k in keys]  # row -> index into teacher_parts
-        order = list(first.values())  # teacher_parts[j] comes from row order[j]
-        teacher_parts = reward.parts([prompts[i] for i in order], [inputs[i]["teacher_response"] for i in order])
-
-        device = self.accelerator.device
-        n, chunk = len(student_parts), self.args.per_device_train_batch_size
-        student_scores = torch.empty(n, device=device)
-        teacher_scores = torch.empty(len(teacher_parts), device=device)
-        sums = torch.zeros(3, device=device)  # loss sum, correct pairs, pairs
-        d = self.discriminator
-        d.train(update)
-        starts = list(range(0, n, chunk))
-        for j, start in enumerate(starts):
-            rows = list(range(start, min(start + chunk, n)))
-            needed = sorted({teacher_of[r] for r in rows})
-            parts = [student_parts[r] for r in rows] + [teacher_parts[t] for t in needed]
-            batch = reward.batch(parts, device=device)  # a prompt several rows share runs once
-            last = j == len(starts) - 1
-            sync = self._d.accumulate(last) if update else contextlib.nullcontext()
-            grad = torch.enable_grad() if update else torch.no_grad()
-            with sync, grad, self.accelerator.autocast():
-                scores = d(**batch)  # [rows + teachers]
-                s = scores[: len(rows)]  # [rows]
-                t = scores[len(rows):][[needed.index(teacher_of[r]) for r in rows]]  # [rows] each row's teacher
-                loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
-                if update:
-                    self._d.backward(loss)
-            if j == 0 and self._guard_now() and self.args.disable_dropout:
-                self._check_score_alone([p + r for p, r in parts], scores.detach())
-            student_scores[rows] = s.detach()
-            teacher_scores[needed] = scores[len(rows):].detach()
-            sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
-        if update:
-            self._d.step()
-
-        stats = torch.cat([sums, torch.stack([teacher_scores.sum(), torch.tensor(float(len(teacher_scores)),
-                                                                                  device=device),
-                                              student_scores.sum()])])
-        total = self.accelerator.gather(stats).view(-1, 6).sum(0).tolist()
-        self._metrics[mode]["gad/d_loss"].append(total[0] / total[2])
-        self._metrics[mode]["gad/d_acc"].append(total[1] / total[2])
-        self._metrics[mode]["gad/teacher_score"].append(total[3] / total[4])
-        self._metrics[mode]["gad/student_score"].append(total[5] / total[2])
-        return student_scores
-
-    def _check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor) -> None:
-        """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
-        from its prompt when the batch is packed, ``scoring_batch``), score the same alone."""
-        shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
-        last = len(seqs) - 1 if len(seqs) - 1 != shortest else 0
-        for k in (shortest, last):  # always two forwards (ZeRO-3: every process must run as many)
-            with torch.no_grad(), self.accelerator.autocast():
-                alone = self.discriminator(*pad_sequences([seqs[k]], self._tokenizer.pad_token_id,
-                                                          device=batched.device))[0]
-            gap = (alone - batched[k]).abs().item()
-            tol = 2e-5 * max(1.0, abs(alone.item())) * (100 if self.args.bf16 else 1)  # fp32 batch-shape noise
-            if gap > tol:
-                tok = self._tokenizer
-                raise InvariantError(
-                    "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
-                    f"inside its batch (padded, or packed with shared prompts; gap {gap:.2e} > {tol:.1e}): it does "
-                    f"not read the last real token of the sequence alone. Sequence end: {tok.decode(seqs[k][-12:])!r}. "
-                    "A custom discriminator must pool by the attention mask (grpotrl.discriminator.Discriminator "
-                    "does); a packed batch needs an attention that takes its 4D mask as given (sdpa, eager).")
 
     # ------------------------------------------------------------------ KL to the reference policy
 
@@ -273,8 +200,8 @@ class GADTrainer(GRPOTrainer):
             out.append(kl_full(logits, ref_logits, self.temperature))
         return torch.cat(out)
 
-    def kl_penalty(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        """Reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
+    def kl_reward(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
+        """The reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
         current policy (``kl_in_reward_estimator``; both default to the loss's ``beta`` and
         ``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
         tok = self._tokenizer
@@ -303,8 +230,9 @@ class GADTrainer(GRPOTrainer):
         if not self._kl_in_loss:
             return super()._compute_loss(model, inputs)
         full = self.args.kl_estimator == "full"
-        capture = _capture_backbone_output(self.accelerator.unwrap_model(model)) if full else contextlib.nullcontext([])
-        with guards.record_calls(self, "_get_per_token_logps_and_entropies") as calls, capture as hidden:
+        capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full \
+            else contextlib.nullcontext([])
+        with _intercept.record_calls(self, "_get_per_token_logps_and_entropies") as calls, capture as hidden:
             loss = super()._compute_loss(model, inputs)
         logp = calls[0][0]  # [B, C] the policy logprobs the loss was built from (graph tensor)
         mask = inputs["completion_mask"]  # [B, C] GAD has no tools, hence no tool_mask
@@ -403,6 +331,15 @@ class GADTrainer(GRPOTrainer):
             return
         # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
+
+
+def _reward_column(name: str, fn):
+    """``fn`` as a reward function TRL logs under ``name`` (``rewards/<name>/mean``)."""
+    def column(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    column.__name__ = column.__qualname__ = name
+    return column
 
 
 def _after(delay: int, lr_lambda, step: int) -> float:

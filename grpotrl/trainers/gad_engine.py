@@ -1,5 +1,6 @@
 """How GADTrainer's discriminator D is prepared, stepped and checkpointed under the launch the
-student runs under: one object per way, the same five calls.
+student runs under: one object per way, the same five calls, and the D step on them
+(``_Engine.score_and_step``: score student and teacher responses, step D on the Bradley-Terry loss).
 
 * ``TorchDiscriminator``: single process and DDP. ``accelerator.prepare_model`` (DDP-wrapped when
   there are several processes) and a plain ``torch.optim.AdamW``, not accelerate's: an
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import InputError
+from ..discriminator import bradley_terry_loss, completion_texts, pad_sequences
+from ..errors import InputError, InvariantError
 
 D_DIR = "discriminator"
 D_WEIGHTS = "model.safetensors"
@@ -43,7 +46,81 @@ def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
 
 
 class _Engine:
-    """What both engines share: the full weights written once, by the main process."""
+    """What both engines share: the D step, and the full weights written once, by the main process."""
+
+    def score_and_step(self, reward, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
+                       update: bool, check_alone: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score each student response and its row's teacher response (``inputs[i]["teacher_response"]``)
+        with D through ``reward`` (a ``DiscriminatorReward``: parts, packed batches); with ``update``,
+        step D on the Bradley-Terry loss. ``check_alone``: I9 on the first chunk (``check_score_alone``).
+        Returns the student scores [N] of D before the step, and the gad/* metrics over every process."""
+        student_parts = reward.parts(prompts, completion_texts(completions), reward.finished(completion_ids))
+        # one teacher sequence per distinct (prompt, teacher_response): a group shares it
+        keys = [json.dumps(p, sort_keys=True) + "\x00" + x["teacher_response"] for p, x in zip(prompts, inputs)]
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        slot = {k: j for j, k in enumerate(first)}
+        teacher_of = [slot[k] for k in keys]  # row -> index into teacher_parts
+        order = list(first.values())  # teacher_parts[j] comes from row order[j]
+        teacher_parts = reward.parts([prompts[i] for i in order], [inputs[i]["teacher_response"] for i in order])
+
+        device = self.accelerator.device
+        n, chunk = len(student_parts), self.args.per_device_train_batch_size
+        student_scores = torch.empty(n, device=device)
+        teacher_scores = torch.empty(len(teacher_parts), device=device)
+        sums = torch.zeros(3, device=device)  # loss sum, correct pairs, pairs
+        d = self.model
+        d.train(update)
+        starts = list(range(0, n, chunk))
+        for j, start in enumerate(starts):
+            rows = list(range(start, min(start + chunk, n)))
+            needed = sorted({teacher_of[r] for r in rows})
+            parts = [student_parts[r] for r in rows] + [teacher_parts[t] for t in needed]
+            batch = reward.batch(parts, device=device)  # a prompt several rows share runs once
+            last = j == len(starts) - 1
+            sync = self.accumulate(last) if update else contextlib.nullcontext()
+            grad = torch.enable_grad() if update else torch.no_grad()
+            with sync, grad, self.accelerator.autocast():
+                scores = d(**batch)  # [rows + teachers]
+                s = scores[: len(rows)]  # [rows]
+                t = scores[len(rows):][[needed.index(teacher_of[r]) for r in rows]]  # [rows] each row's teacher
+                loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
+                if update:
+                    self.backward(loss)
+            if j == 0 and check_alone:
+                self.check_score_alone([p + r for p, r in parts], scores.detach(), reward.tokenizer)
+            student_scores[rows] = s.detach()
+            teacher_scores[needed] = scores[len(rows):].detach()
+            sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
+        if update:
+            self.step()
+
+        stats = torch.cat([sums, torch.stack([teacher_scores.sum(), torch.tensor(float(len(teacher_scores)),
+                                                                                  device=device),
+                                              student_scores.sum()])])
+        total = self.accelerator.gather(stats).view(-1, 6).sum(0).tolist()
+        return student_scores, {"gad/d_loss": total[0] / total[2], "gad/d_acc": total[1] / total[2],
+                                "gad/teacher_score": total[3] / total[4], "gad/student_score": total[5] / total[2]}
+
+    def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, tokenizer) -> None:
+        """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
+        from its prompt when the batch is packed, ``scoring_batch``), score the same alone."""
+        shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
+        last = len(seqs) - 1 if len(seqs) - 1 != shortest else 0
+        for k in (shortest, last):  # always two forwards (ZeRO-3: every process must run as many)
+            with torch.no_grad(), self.accelerator.autocast():
+                alone = self.model(*pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device))[0]
+            gap = (alone - batched[k]).abs().item()
+            tol = 2e-5 * max(1.0, abs(alone.item())) * (100 if self.args.bf16 else 1)  # fp32 batch-shape noise
+            if gap > tol:
+                raise InvariantError(
+                    "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
+                    f"inside its batch (padded, or packed with shared prompts; gap {gap:.2e} > {tol:.1e}): it does "
+                    f"not read the last real token of the sequence alone. Sequence end: "
+                    f"{tokenizer.decode(seqs[k][-12:])!r}. A custom discriminator must pool by the attention mask "
+                    "(grpotrl.discriminator.Discriminator does); a packed batch needs an attention that takes its 4D "
+                    "mask as given (sdpa, eager).")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -24,6 +24,7 @@ from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..losses import cagrad_coefficients, merge_rows
+from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
 
 
@@ -177,7 +178,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
         """``trl.GRPOTrainer._compute_loss`` on the loss forward's outputs (``_merged(keep)``), not a new one."""
         cached = self._merged(keep)
-        with guards._instance_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
+        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
             return trl.GRPOTrainer._compute_loss(self, model, inputs)
 
     @contextmanager

@@ -26,6 +26,10 @@ Overrides (everything else is TRL's):
     the ``chat_template_kwargs`` the data was rendered with and whether any template rendered it.
   * ``train`` / ``_load_from_checkpoint`` (``_common.CheckedResume``): a resume checkpoint is
     checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
+
+Wraps nothing of TRL at run time. Changes to the model: at init, bitsandbytes' quantized layers
+are pinned to their training kernel (``_common.pin_quantized_kernels``: a forward pre-hook on
+8-bit layers, no repacking on 4-bit ones), so eval-mode forwards compute what training does.
 """
 
 from __future__ import annotations
@@ -176,8 +180,9 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     # --- guard --------------------------------------------------------------------------------
 
     def _guard_now(self) -> bool:
-        n = option(self.args, "guard_steps")
-        return n < 0 or self.state.global_step < n
+        from ..guards import due
+
+        return due(option(self.args, "guard_steps"), self.state.global_step)
 
     def _label_claims(self) -> dict:
         """What ``check_sft_labels`` can verify on this run's I2 rows (computed once)."""

@@ -1,0 +1,211 @@
+"""Run-time checks of INVARIANTS.md I5 and I7: the logprobs and entropies the loss used.
+
+I5: the logprobs the loss used equal an independent ``log_softmax(logits / T)`` recomputation
+(``recompute_logprobs``: a plain forward with generate's position ids, dropout off), to a
+tolerance relative to the logit scale. I7: the entropy bonus enters the backpropagated loss as
+``- c * H`` (``check_entropy_sign`` differentiates the loss along the entropy node), and that
+node is the policy's own entropy (``check_entropy_values``). Also the helpers these comparisons
+share (``masked_gap``, ``worst_token``, ``_require_finite``; ``identity.py`` reuses them) and the
+dropout test that skips them when no deterministic reference exists. ``grpotrl.guards``
+re-exports the checks: the trainers call them from there.
+
+Letters: B rows, C padded completion width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .errors import InvariantError
+from .logprobs import completion_logits, token_logprobs
+from .masking import position_ids_from_mask
+
+logger = logging.getLogger(__name__)
+
+
+def dropout_active(model) -> bool:
+    """Whether a training forward of ``model`` samples dropout masks: an ``nn.Dropout`` with p > 0,
+    or an attention module with a float ``attention_dropout`` > 0 (TRL's ``disable_dropout``
+    zeroes the former only)."""
+    return model.training and any(
+        (isinstance(m, torch.nn.Dropout) and m.p > 0)
+        or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)
+        for m in model.modules())
+
+
+def skipped_for_dropout(model, checks: str, said: set) -> bool:
+    """True when ``model``'s training forward samples dropout masks, so no deterministic reference
+    exists for ``checks`` (which compare two forwards): said once per ``checks``, never an error."""
+    if not dropout_active(model):
+        return False
+    if checks not in said:
+        said.add(checks)
+        logger.warning("grpotrl guard: %s not checked while dropout is active in the training forward "
+                       "(disable_dropout=False, TRL's default): the loss then scores another function than the one "
+                       "that sampled. Set disable_dropout=True to check them.", checks)
+    return True
+
+
+def masked_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` in fp32 where ``mask`` is on, 0 elsewhere (a masked -inf cannot poison it): [B, C].
+
+    >>> a, b = torch.tensor([[0.0, -1.0, float("-inf")]]), torch.tensor([[0.5, -1.0, 0.0]])
+    >>> masked_gap(a, b, torch.tensor([[1, 1, 0]]))
+    tensor([[0.5000, 0.0000, 0.0000]])
+    """
+    return torch.where(mask.bool(), (a.detach().float() - b.detach().float()).abs(), 0.0)
+
+
+def worst_token(gap: torch.Tensor) -> tuple[int, int]:
+    """(row, token) of the largest entry of a [B, C] gap (NaN counts as largest)."""
+    return divmod(int(gap.argmax()), gap.size(1)) if gap.numel() else (0, 0)
+
+
+# ---------------------------------------------------------------- I5: logprobs at temperature T
+
+
+@torch.no_grad()
+def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
+                       temperature: float, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
+    """Independent I5 reference: a plain forward with generate's position ids, dropout off,
+    ``log_softmax(logits / T)`` at the logit of input position ``P + t - 1``.
+
+    Returns the logprobs [B, C] and the logit scale ``max |logits / T|`` per token [B, C]:
+    fp32 rounding of a logprob grows with it, and the I5 tolerance is relative to it. With
+    ``return_logits`` also the completion logits [B, C, V] (the health signals read them)."""
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=completion_width + 1,
+        )
+    finally:
+        model.train(was_training)
+    logits = completion_logits(out.logits, completion_width)  # [B, C, V]
+    scale = logits.float().abs().amax(-1) / temperature  # [B, C]
+    logprobs = token_logprobs(logits, input_ids[:, -completion_width:], temperature)  # [B, C]
+    return (logprobs, scale, logits) if return_logits else (logprobs, scale)
+
+
+def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
+                   completion_ids: torch.Tensor, temperature: float, atol: float, rows,
+                   scale: torch.Tensor | None = None) -> float:
+    """I5: the logprobs the loss used agree with the reference on every masked-in token, to
+    ``atol`` times the logit scale ``max |logits / T|`` where that exceeds 1 (fp32 rounding of
+    a log-softmax over a 49k vocabulary grows with the logits: on SmolLM2 the fused head and a
+    plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
+    used = used.detach()
+    on = mask.bool()  # [B, C]
+    _require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
+                    ("the independent log_softmax(logits / T)", reference),
+                    *((("the logit scale max|logits / T|", scale),) if scale is not None else ()))
+    gap = masked_gap(used, reference, on)  # [B, C]
+    scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
+    worst = float(scaled.max()) if scaled.numel() else 0.0
+    if not worst <= atol:  # NaN fails too
+        i, t = worst_token(scaled)
+        raise InvariantError(
+            "I5",
+            f"row {rows[i]}, completion token {t} ({tokenizer.decode([int(completion_ids[i, t])])!r}): the "
+            f"loss used logprob {float(used[i, t]):.6f}, but log_softmax(logits / T={temperature})[token] "
+            f"with generate's position ids is {float(reference[i, t]):.6f} (gap {float(gap[i, t]):.2e}, "
+            f"{worst:.1e} relative to the logit scale > {atol:.0e}).\n"
+            "The loss must score tokens with the distribution that sampled them: divide the logits by the "
+            "sampling temperature, take the logit at position P + t - 1, use the attention mask's position ids "
+            "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
+        )
+    return worst
+
+
+def _require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
+    """A guard cannot verify a comparison with NaN or inf in it: any non-finite value at a
+    masked-in position of the named [B, C] tensors fails, naming the tensor, row and token
+    (masked-out positions are never compared, so they may hold anything)."""
+    for what, values in named:
+        bad = on & ~torch.isfinite(values.detach().float())  # [B, C]
+        if bad.any():
+            i, t = (int(x) for x in bad.nonzero()[0])
+            token = repr(tokenizer.decode([int(completion_ids[i, t])])) if tokenizer is not None else "?"
+            raise InvariantError(
+                invariant, f"row {rows[i] if rows is not None else i}, completion token {t} ({token}): {what} is "
+                f"{float(values[i, t])} ({int(bad.sum())} such values on tokens in the loss). A guard cannot compare "
+                "a non-finite value, and the loss would train on it: look for a NaN/inf in the logits (overflow in "
+                "half precision, a division by a zero temperature, a -inf from a logits processor on a sampled token).")
+
+
+# ---------------------------------------------------------------- I7: the entropy bonus's sign
+
+
+def entropy_slope(loss: torch.Tensor, entropies: torch.Tensor, accumulation: float = 1.0) -> float:
+    """``d loss / d H`` on the graph that will be backpropagated, for ``H`` the mean entropy of
+    the tokens the loss reads: the derivative along "every token's entropy rises by one"
+    (``sum_t d loss / d H_t``), times the gradient-accumulation factor the loss was divided by.
+    Only the path from ``loss`` back to the entropy node is walked (a few elementwise ops),
+    never the model. 0 when the loss does not depend on the entropies.
+
+    >>> H = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [B=1, C=2]
+    >>> round(entropy_slope(1.0 - 0.1 * H.mean(), H), 6)  # policy - c H with c = 0.1
+    -0.1
+    """
+    if not entropies.requires_grad:
+        return 0.0
+    (g,) = torch.autograd.grad(loss, entropies, retain_graph=True, allow_unused=True)
+    return 0.0 if g is None else float(g.sum()) * accumulation
+
+
+def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef: float, accumulation: float,
+                       where: str) -> float:
+    """I7: ``loss = policy + beta * KL - c * H``, so ``d loss / d H`` must be ``-c`` (to 1e-4 of
+    max(c, 1)). Returns the measured slope; raises naming ``where`` otherwise."""
+    if entropies is None:
+        if coef:
+            raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
+                                 "no entropies (compute_entropy=False?), so the bonus cannot act.")
+        return 0.0
+    if not coef >= 0:  # NaN fails too
+        raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
+                             "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy (seed 004). Keep "
+                             "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
+    slope = entropy_slope(loss, entropies, accumulation)
+    if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
+        if slope != slope or abs(slope) == float("inf"):
+            problem = "the slope is not finite (a NaN/inf in the loss or the entropies), so it cannot be verified"
+        elif coef and slope == 0.0:
+            problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
+        elif coef and slope * coef > 0:
+            problem = ("the entropy term enters with a FLIPPED sign, so every step lowers entropy "
+                       "(seed 004: entropy collapsed from ~1 to 0.005)")
+        else:
+            problem = "the entropy term enters with the wrong weight"
+        raise InvariantError(
+            "I7",
+            f"{where}: on the graph being backpropagated d loss / d H = {slope:+.6g}, but the entropy bonus "
+            f"coefficient is c = {coef:g}, so it must be {-coef:+.6g}: {problem}.\n"
+            "The loss must be policy + beta * KL - c * H with c >= 0 encouraging exploration. Fix the sign where "
+            "the entropy term is built; do not switch modes to hide it.",
+        )
+    return slope
+
+
+def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float) -> None:
+    """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
+    every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
+    (so a negated or rescaled "entropy" cannot pass the sign check)."""
+    on = mask.bool()  # [B, C]
+    _require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
+                    ("the entropy of softmax(logits / T)", reference))
+    gap = masked_gap(used, reference, on)  # [B, C]
+    worst = float(gap.max()) if gap.numel() else 0.0
+    if not worst <= atol:
+        i, t = worst_token(gap)
+        raise InvariantError(
+            "I7", f"row {i}, completion token {t}: the entropy the loss used is {float(used[i, t]):.6f} but the "
+            f"entropy of softmax(logits / T) there is {float(reference[i, t]):.6f} (gap {worst:.2e} > {atol:.0e}). "
+            "The entropy bonus must act on the policy's own entropy at the sampling temperature.",
+        )
