@@ -27,6 +27,10 @@ import typing
 from .errors import InputError
 
 _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a recipe or a plain Python call holds
+# Fields whose documented types go beyond their annotation: TRL/transformers convert these in
+# __post_init__ (GRPOConfig: scale_rewards True -> "group", False -> "none"; TrainingArguments:
+# fsdp=True), so a drop-in must take them too (TRL's own tests pass scale_rewards=True/False).
+ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool}
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
 
@@ -134,8 +138,14 @@ def _fields(dataclass_types) -> dict:
     for cls in dataclass_types:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            out.setdefault(f.name, hints.get(f.name, typing.Any))
+            out.setdefault(f.name, _annotation(f.name, hints))
     return out
+
+
+def _annotation(name: str, hints: dict):
+    """The type a field holds: its annotation, widened by ``ALSO_TAKES``."""
+    tp = hints.get(name, typing.Any)
+    return tp | ALSO_TAKES[name] if name in ALSO_TAKES and tp is not typing.Any else tp
 
 
 def _problem(name: str, value, tp) -> str:
@@ -172,8 +182,8 @@ def check_config_types(config) -> None:
         value = getattr(config, f.name, None)
         if _same(value, default) or not isinstance(value, _PLAIN):
             continue  # left as it was, or an object the user built on purpose (AcceleratorConfig, ...)
-        if not matches(value, hints[f.name]):
-            bad.append(_problem(f.name, value, hints[f.name]))
+        if not matches(value, _annotation(f.name, hints)):
+            bad.append(_problem(f.name, value, _annotation(f.name, hints)))
     if bad:
         raise InputError(f"{type(config).__name__}: " + "; ".join(bad) + ".")
 

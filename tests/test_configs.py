@@ -86,6 +86,20 @@ def test_trl_config_is_checked_like_grpotrls(tmp_path):
     assert complete_grpo_config(ours) is ours and vars(ours).keys() == before.keys() and ours.guard_steps == 5
 
 
+@pytest.mark.parametrize("value, expected", [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_type_check_takes_what_trls_config_documents_beyond_its_annotation(tmp_path, value, expected):
+    """TRL documents ``scale_rewards`` as ``str`` or ``bool`` and maps the bools in ``__post_init__``
+    (TRL's own test_train_scale_rewards passes True/False); grpotrl's type check takes the same, in Python
+    and in a recipe, and still refuses what TRL would not take."""
+    from grpotrl.recipe_types import check_recipe_types
+
+    for cls in (trl.GRPOConfig, grpotrl.GRPOConfig):
+        assert cls(output_dir=str(tmp_path), use_cpu=True, scale_rewards=value).scale_rewards == expected
+    check_recipe_types({"scale_rewards": value}, [grpotrl.GRPOConfig], "recipe.yaml")
+    with pytest.raises(grpotrl.InputError, match="scale_rewards: 2 is an int"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, scale_rewards=2)
+
+
 def test_multitask_trainer_takes_a_trl_config(tiny_llama, tmp_path):
     from datasets import Dataset
 
