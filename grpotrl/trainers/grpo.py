@@ -3,8 +3,8 @@
 Overrides (everything else is TRL's):
   * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
     (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
-    dataset (an ``IterableDataset`` on its first rows) and the checkpoint's template
-    fingerprint (I2) before TRL loads anything; refuses ``cagrad`` settings it would ignore (only
+    dataset (an ``IterableDataset`` on its first rows), rewards and the checkpoint's template
+    fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too); refuses ``cagrad`` settings it would ignore (only
     ``MultiTaskGRPOTrainer`` reads them); stops generation on every stop id; adds the health callbacks.
   * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
     row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
