@@ -41,7 +41,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
       * ``_get_per_token_logps_and_entropies`` (TRL's logprob forward): inside the loss's call
         only, one forward per task's rows at the batch's padded width, merged back in row order
         (``losses.merge_rows``), so that a task term's backward walks its own rows' graph only;
-        every other call (and image inputs) is TRL's, unchanged.
+        every other call (and image inputs) is TRL's, unchanged. In one process only: under DDP
+        the ranks hold different tasks and each DDP forward is a collective, so the loss's forward
+        stays one forward of every row there.
       * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
         direction to the parameters' ``.grad``.
 
@@ -166,6 +168,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         rows = {k: (inputs[TASK_KEY] == k).nonzero().flatten() for k in range(len(self.task_names))}  # [n_k]
         self._present = {k for k, r in rows.items() if r.numel()}
         self._split = {k: rows[k] for k in sorted(self._present)}
+        if self.accelerator.num_processes > 1:  # one forward: ranks hold different tasks, and a DDP forward is a
+            self._split = {None: torch.arange(advantages.size(0), device=advantages.device)}  # collective (buffers)
         try:
             full = GRPOTrainer._compute_loss(self, model, inputs)
         finally:
