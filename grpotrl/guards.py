@@ -10,7 +10,7 @@ Here: I1 (one prompt for generation and loss), I3 (the completion is ``sequence[
 (the completion mask), and ``check_generation`` / ``check_loss_inputs``, which run them on a
 generation batch and on the loss's microbatch. The tool loop's turns are checked in
 ``guards_tool_loop``, the logprobs (I5) and the entropy bonus (I7) in ``guards_logprobs``; both
-are re-exported at the end of this module.
+are imported here, so ``guards.check_*`` names every check.
 
 Letters: B rows, P padded prompt width, C padded completion width.
 """

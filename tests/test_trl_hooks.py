@@ -100,10 +100,12 @@ def test_entropy_bonus_state_grpotrl_reads_and_toggles():
     src = inspect.getsource(trl.GRPOTrainer._compute_loss)
     for needle in ("self._entropy_bonus_enabled", "self.use_adaptive_entropy", "self._last_world_entropy",
                    "self.entropy_coef", "self.beta", "loss = loss - apply_coef * entropy_loss",
-                   "self._get_per_token_logps_and_entropies(", "advantages = inputs[\"advantages\"]"):
+                   "self._get_per_token_logps_and_entropies(", "advantages = inputs[\"advantages\"]",
+                   "if self.aux_loss_enabled:"):
         assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
     init = inspect.getsource(trl.GRPOTrainer.__init__)
     assert "self._entropy_bonus_enabled = " in init and "self._last_world_entropy = " in init
+    assert "self.aux_loss_enabled = " in init  # MultiTaskGRPOTrainer._policy_only turns the MoE aux loss off per term
 
 
 def test_returned_loss_is_backpropagated_unscaled():
