@@ -15,8 +15,8 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    reachable or cached), tokenizer files, the tokenizer (loaded as TRL loads it), a chat
    template where the data is conversational, the stop tokens; a loaded quantized model needs
    LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
-4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``) and the columns they
-   read; multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward
+4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``); the columns every
+   reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too); multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward
    models by path, I6 generation settings, settings this trainer would ignore, reward columns
    empty everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
 5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, the same
@@ -33,7 +33,7 @@ from .checkpoints import check_output_dir, resume_checkpoint
 from .errors import InputError
 from .preflight_data import check_dataset, check_prompt_lengths
 from .preflight_model import check_discriminator_source, check_ranges, check_tokenizer_files
-from .rewards.resolve import RewardNames, check_reward_signal
+from .rewards.resolve import RewardNames, check_reward_columns, check_reward_signal
 
 _NOT_GIVEN = object()
 
@@ -100,21 +100,18 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     revision = None
     if model is None or isinstance(model, str):
         model = resolve_model_path(model)
-        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+        revision = init_kwargs.get("revision")
+        _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), peft_config,
+                                        "model_init_kwargs['quantization_config'] asks for")
         check_model_source(model, revision)
         model_id = model
         gen_config = generation_config(model, revision)
     else:
         model_id = get_config_model_id(model.config) or None
         gen_config = getattr(model, "generation_config", None)
-        bits = quantized_bits(model)
-        if bits and peft_config is None and not hasattr(model, "peft_config"):  # _NOT_GIVEN: not checked
-            raise InputError(
-                f"The model is loaded in {bits}-bit (bitsandbytes) and no peft_config was given, so the trainer "
-                f"would fully fine-tune a quantized model, whose {bits}-bit weights cannot take an update. Pass "
-                "`peft_config=peft.LoraConfig(...)` (QLoRA: LoRA adapters on the frozen quantized base; from a "
-                "recipe: `use_peft: true`), or load the model without quantization_config."
-            )
+        if not hasattr(model, "peft_config"):  # a PEFT model trains its adapters
+            _refuse_quantized_full_finetune(quantized_bits(model), peft_config, "the model is loaded in")
         pin_quantized_kernels(model)
     if processing_class is None:
         if model_id is None:
@@ -132,6 +129,24 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
+
+
+def _config_bits(quantization_config) -> int | None:
+    """4 or 8 when a ``quantization_config`` (a ``BitsAndBytesConfig`` or its dict) loads in bitsandbytes."""
+    get = quantization_config.get if isinstance(quantization_config, Mapping) else \
+        lambda name: getattr(quantization_config, name, False)
+    return 4 if get("load_in_4bit") else 8 if get("load_in_8bit") else None
+
+
+def _refuse_quantized_full_finetune(bits: int | None, peft_config, what: str) -> None:
+    """A quantized model without LoRA: transformers' Trainer would refuse it only after the load."""
+    if bits and peft_config is None:  # _NOT_GIVEN: the trainer does not say, so not checked
+        raise InputError(
+            f"{what[0].upper()}{what[1:]} {bits}-bit (bitsandbytes) weights and no peft_config was given, so the "
+            f"trainer would fully fine-tune a quantized model, whose {bits}-bit weights cannot take an update. Pass "
+            "`peft_config=peft.LoraConfig(...)` (QLoRA: LoRA adapters on the frozen quantized base; from a "
+            "recipe: `use_peft: true`), or load the model without quantization_config."
+        )
 
 
 def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None):
@@ -169,7 +184,10 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
         templates.check_fingerprint(model_id, processing_class, revision=(args.model_init_kwargs or {}).get("revision"),
                                     chat_template_kwargs=template_kwargs)
     if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
-        reward_funcs = reward_funcs.resolve(train_dataset, split_name(train_dataset, "train"))
+        reward_funcs = reward_funcs.resolve()
+    if kwargs.get("environment_factory") is None:  # an environment's reset may supply what rows lack
+        for name, dataset in named_splits(train_dataset, eval_dataset):  # the columns the rewards read
+            check_reward_columns(reward_funcs, dataset, name)
     if getattr(trainer, "_task_rewards", False):  # MultiTaskGRPOTrainer
         check_tasks(reward_funcs, args, train_dataset, eval_dataset)
     elif isinstance(reward_funcs, Mapping):

@@ -79,6 +79,33 @@ def test_trainer_refuses_a_quantized_model_without_peft_config(tiny_llama, smoll
                                     peft_config=None)
 
 
+@pytest.mark.parametrize("given", ["object", "dict"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_python_api_refuses_a_quantized_path_without_peft_config_before_the_load(tiny_llama, grpo_args, monkeypatch,
+                                                                                bits, given):
+    """From Python, a model path with ``model_init_kwargs={"quantization_config": ...}`` and no
+    peft_config: refused in __init__ before any weights load (transformers' Trainer would refuse
+    it only after loading); with a LoraConfig the same settings get past the check (to the load)."""
+    from peft import LoraConfig
+    from transformers import PreTrainedModel
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", reached)
+    config = BitsAndBytesConfig(load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+    init = {"quantization_config": config if given == "object" else config.to_dict(), "dtype": torch.float32}
+    args = grpo_args(model_init_kwargs=init)
+    with pytest.raises(InputError, match=rf"quantization_config'\] asks for {bits}-bit .* no peft_config .*LoraConfig"):
+        grpotrl.GRPOTrainer(tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts(4))
+    with pytest.raises(Reached):
+        grpotrl.GRPOTrainer(tiny_llama, reward_funcs=length_reward, args=grpo_args(model_init_kwargs=init),
+                            train_dataset=arithmetic_prompts(4), peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+
+
 # ---------------------------------------------------------------------------------------------
 # One kernel per layer: what sampled is what the loss and the I5 guard score
 # ---------------------------------------------------------------------------------------------

@@ -381,6 +381,29 @@ def test_reward_needing_a_missing_column_is_caught_before_training():
         resolve.check_reward_columns([rules.exact_answer_reward], ds, "train")
 
 
+@pytest.mark.parametrize("per_task", [False, True], ids=["GRPOTrainer", "MultiTaskGRPOTrainer"])
+def test_python_api_checks_the_columns_rewards_and_judges_read_before_the_load(tiny_llama, grpo_args, no_model_load,
+                                                                                per_task):
+    """A reward function or judge passed from Python (not named in a recipe) that reads a column the
+    data lacks is refused in __init__, before any weights load; TRL would fail after generation."""
+    from grpotrl import GRPOTrainer, MultiTaskGRPOTrainer
+    from grpotrl.rewards.judges import HttpJudge
+    from grpotrl.rewards.rubrics import HALLUCINATION
+
+    judge = HttpJudge(HALLUCINATION, base_url="http://127.0.0.1:9/v1", model="judge", name="facts")
+    train = Dataset.from_list([{"prompt": USER, "solution": "12", "task": "a"}] * 4)
+    cls, funcs = (MultiTaskGRPOTrainer, {"a": judge}) if per_task else (GRPOTrainer, [rules.format_reward, judge])
+    with pytest.raises(InputError, match=r"Judge 'facts' \(rubric 'hallucination'\) reads the dataset column\(s\) "
+                                         r"\['reference'\]"):
+        cls(tiny_llama, reward_funcs=funcs, args=grpo_args(), train_dataset=train)
+    evals = Dataset.from_list([{"prompt": USER, "task": "a"}] * 4)  # train has 'answer'; the eval split does not
+    funcs = {"a": rules.exact_answer_reward} if per_task else rules.exact_answer_reward
+    with pytest.raises(InputError, match=r"exact_answer_reward needs the dataset column\(s\) \['answer'\], but the "
+                                         r"'eval' split"):
+        cls(tiny_llama, reward_funcs=funcs, args=grpo_args(), eval_dataset=evals,
+            train_dataset=Dataset.from_list([{"prompt": USER, "answer": "12", "task": "a"}] * 4))
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI: parse errors and the order of checks
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Reward names from a recipe to functions, and the dataset columns those functions read: checked
-once, before any weights load (the CLI resolves the names; both the CLI and the trainers'
-preflight check the columns).
+once, before any weights load, by the trainers' preflight (``grpotrl/preflight.py``), whether the
+rewards come from a recipe (``RewardNames``) or from Python.
 
 * ``resolve_reward_funcs``: each name looked up in the recipe's judges, grpotrl's ``REWARD_FUNCS``
   (``rules.py``), the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path;
@@ -33,7 +33,8 @@ REWARD_FUNCS = {
 }
 
 # Keyword arguments TRL's GRPOTrainer passes to every reward function besides the dataset columns.
-_TRAINER_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+_TRAINER_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                          "environments"}
 
 
 def trl_reward_funcs() -> dict:
@@ -136,20 +137,26 @@ class RewardNames:
         names = [self.names] if isinstance(self.names, str) else list(self.names or [])
         return bool(names) and all(":" in n for n in names)
 
-    def resolve(self, dataset, split_name: str) -> list | dict:
-        """The functions (``resolve_reward_funcs``), with the columns they read checked on ``dataset``."""
-        funcs = resolve_reward_funcs(self.names, self.judges, self.reward_model)
-        if getattr(dataset, "column_names", None):
-            check_reward_columns(funcs, dataset, split_name)
-        return funcs
+    def resolve(self) -> list | dict:
+        """The functions (``resolve_reward_funcs``); the preflight then checks the columns they read."""
+        return resolve_reward_funcs(self.names, self.judges, self.reward_model)
 
 
-def check_reward_columns(reward_funcs: list | dict, dataset, split_name: str) -> None:
+def _listed(funcs) -> list:
+    """One reward function, or a list of them, as TRL takes them."""
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+
+def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:
     """Every required argument of every reward function must be a column of ``dataset``
-    (TRL passes the columns as keyword arguments; a missing one fails only after generation)."""
-    if isinstance(reward_funcs, dict):  # per task: every task's functions
-        reward_funcs = [f for funcs in reward_funcs.values() for f in funcs]
-    for func in reward_funcs:
+    (TRL passes the columns as keyword arguments; a missing one fails only after generation).
+    ``reward_funcs``: one function, a list, or a mapping task -> function(s). A dataset whose
+    columns are not known (an ``IterableDataset`` without features) is not checked."""
+    if not getattr(dataset, "column_names", None):
+        return
+    if isinstance(reward_funcs, Mapping):  # per task: every task's functions
+        reward_funcs = [f for funcs in reward_funcs.values() for f in _listed(funcs)]
+    for func in _listed(reward_funcs):
         rubric = getattr(func, "rubric", None)  # a judge reads its rubric's columns
         if rubric is not None and (missing := [c for c in rubric.columns.values() if c not in dataset.column_names]):
             raise InputError(
@@ -185,15 +192,12 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return
     everyone = list(range(len(dataset)))
-    def listed(funcs) -> list:  # one function, or a list of them, as TRL takes them
-        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
-
     if isinstance(reward_funcs, Mapping):
         labels = [str(t) for t in dataset[task_column]] if task_column in dataset.column_names else []
         scored = [(f, [i for i, t in enumerate(labels) if t == str(task)], f" (task {task!r})")
-                  for task, fs in reward_funcs.items() for f in listed(fs)]
+                  for task, fs in reward_funcs.items() for f in _listed(fs)]
     else:
-        scored = [(f, everyone, "") for f in listed(reward_funcs)]
+        scored = [(f, everyone, "") for f in _listed(reward_funcs)]
     for func, rows, task in scored:
         if not inspect.isfunction(func) or not rows:
             continue
