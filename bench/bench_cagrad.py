@@ -11,7 +11,8 @@ both off with ``--no-reg`` (then exact needs K backward passes, not K + 1). ``pl
 single-objective GRPO on the same config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
 CPU time per step (the steadier measure on a shared machine) after the first step.
 Goals for two tasks: exact <= 1.6, low_memory <= 1.15. Every variant also times the I7 sign
-check from the inside (``guards.check_entropy_sign``, run every step), as a share of step CPU,
+check from the inside (``guards_logprobs.entropy_slopes``, every slope the checks measure, run every
+step), as a share of step CPU,
 and splits each step's CPU time into phases (the profile): rollout (generation, rewards, the
 reference's logprobs), the loss's forward, ``torch.autograd.grad`` (CAGrad's task gradients and
 the I7 slopes), the Trainer's backward, and the rest (loss arithmetic, metrics, optimizer).
@@ -34,10 +35,10 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
     import time
 
     import grpotrl
-    from grpotrl import guards
+    from grpotrl import guards, guards_logprobs
 
     inside = [0.0]  # CPU seconds in the I7 sign check
-    check = guards.check_entropy_sign
+    check = guards_logprobs.entropy_slopes
 
     def timed_check(*a, **k):
         t = time.process_time()
@@ -46,7 +47,7 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
         finally:
             inside[0] += time.process_time() - t
 
-    guards.check_entropy_sign = timed_check
+    guards_logprobs.entropy_slopes = guards.entropy_slopes = timed_check
     import torch
     import trl
     from transformers import TrainerCallback

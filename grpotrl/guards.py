@@ -27,9 +27,10 @@ from .guards_tool_loop import check_loss_mask, check_tool_loop
 from .masking import completion_mask, expected_lengths, unpad
 
 # The trainers (multitask.py too) call every check as ``guards.<name>``, and tests/dist_worker.py counts
-# the calls here and bench/bench_cagrad.py times check_entropy_sign here: I5/I7 are re-exported.
+# the calls here: I5/I7 are re-exported.
 from .guards_logprobs import (  # noqa: F401
-    check_entropy_sign, check_entropy_values, check_logprobs, recompute_logprobs, skipped_for_dropout)
+    check_entropy_sign, check_entropy_values, check_logprobs, check_slope, entropy_slopes, recompute_logprobs,
+    skipped_for_dropout)
 
 logger = logging.getLogger(__name__)
 

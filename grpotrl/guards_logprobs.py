@@ -142,21 +142,38 @@ def _require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor,
 # ---------------------------------------------------------------- I7: the entropy bonus's sign
 
 
+def entropy_slopes(loss: torch.Tensor, pieces: list[torch.Tensor], accumulation: float = 1.0) -> list[float]:
+    """``d loss / d H`` on the graph that will be backpropagated, for ``H`` the mean entropy of the
+    tokens the loss reads, once per entropy tensor in ``pieces`` (e.g. each task's rows), in one
+    backward pass and one host sync: the derivative along "every token's entropy in that piece rises
+    by one" (``sum_t d loss / d H_t``), times the gradient-accumulation factor the loss was divided
+    by. Only the path from ``loss`` back to the entropy nodes is walked (a few elementwise ops),
+    never the model. 0 for a piece the loss does not depend on.
+
+    >>> H = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [B=1, C=2]
+    >>> G = torch.tensor([[0.2, 0.4]], requires_grad=True)
+    >>> [round(s, 6) for s in entropy_slopes(1.0 - 0.1 * H.mean() + 0.0 * G.sum(), [H, G])]
+    [-0.1, 0.0]
+    """
+    live = [i for i, h in enumerate(pieces) if h.requires_grad]
+    slopes = [0.0] * len(pieces)
+    if not live:
+        return slopes
+    grads = torch.autograd.grad(loss, [pieces[i] for i in live], retain_graph=True, allow_unused=True)
+    sums = torch.stack([g.sum() if g is not None else torch.zeros((), device=loss.device) for g in grads])  # [n]
+    for i, value in zip(live, sums.tolist()):
+        slopes[i] = value * accumulation
+    return slopes
+
+
 def entropy_slope(loss: torch.Tensor, entropies: torch.Tensor, accumulation: float = 1.0) -> float:
-    """``d loss / d H`` on the graph that will be backpropagated, for ``H`` the mean entropy of
-    the tokens the loss reads: the derivative along "every token's entropy rises by one"
-    (``sum_t d loss / d H_t``), times the gradient-accumulation factor the loss was divided by.
-    Only the path from ``loss`` back to the entropy node is walked (a few elementwise ops),
-    never the model. 0 when the loss does not depend on the entropies.
+    """``entropy_slopes`` of one entropy tensor.
 
     >>> H = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [B=1, C=2]
     >>> round(entropy_slope(1.0 - 0.1 * H.mean(), H), 6)  # policy - c H with c = 0.1
     -0.1
     """
-    if not entropies.requires_grad:
-        return 0.0
-    (g,) = torch.autograd.grad(loss, entropies, retain_graph=True, allow_unused=True)
-    return 0.0 if g is None else float(g.sum()) * accumulation
+    return entropy_slopes(loss, [entropies], accumulation)[0]
 
 
 def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef: float, accumulation: float,
@@ -168,11 +185,16 @@ def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef:
             raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
                                  "no entropies (compute_entropy=False?), so the bonus cannot act.")
         return 0.0
+    return check_slope(entropy_slope(loss, entropies, accumulation), coef, where)
+
+
+def check_slope(slope: float, coef: float, where: str) -> float:
+    """I7 on a measured ``d loss / d H`` (``entropy_slopes``): it must be ``-c`` with ``c >= 0``, to
+    1e-4 of max(c, 1); a NaN or inf fails. Returns ``slope``."""
     if not coef >= 0:  # NaN fails too
         raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
                              "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy (seed 004). Keep "
                              "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
-    slope = entropy_slope(loss, entropies, accumulation)
     if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
         if slope != slope or abs(slope) == float("inf"):
             problem = "the slope is not finite (a NaN/inf in the loss or the entropies), so it cannot be verified"

@@ -163,6 +163,29 @@ def test_I7_seed_flipped_sign_is_stopped(mode, cls, term, tiny_llama, grpo_args)
     assert term in str(err.value)
 
 
+class RowOfNoTask(grpotrl.MultiTaskGRPOTrainer):
+    """A wrong split: one row's advantage is in the full loss but in no task's term (as a row whose
+    label matches no task would be), so the regulariser ``full - sum_k L_k`` carries its policy loss."""
+
+    def _trl_loss(self, model, inputs, keep):
+        if keep is not None:
+            advantages = inputs["advantages"].clone()
+            advantages[advantages.abs().argmax()] = 0.0
+            inputs = {**inputs, "advantages": advantages}
+        return super()._trl_loss(model, inputs, keep)
+
+
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_I7_task_terms_must_add_up_to_the_policy_loss(mode, tiny_llama, grpo_args):
+    """Guard steps: sum_k L_k == TRL's policy loss of the whole microbatch (the healthy run is every
+    other CAGrad test here, guards on every step); a row left out of every term is stopped."""
+    args = mode_args(grpo_args, mode, entropy_coef=0.1, beta=0.04, max_steps=1)
+    trainer = make_trainer(mode, tiny_llama, args, {"fairness": longer, "hallucination": shorter}, cls=RowOfNoTask)
+    with pytest.raises(InvariantError, match=r"I7.*task terms add up to .* but the policy loss of the whole "
+                                             r"microbatch is"):
+        trainer.train()
+
+
 # a token the sampler is biased towards (bias 7.3 / T 0.7 against ~49k others: ~40% of tokens),
 # so its count varies within groups
 X = 1000

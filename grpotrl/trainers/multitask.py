@@ -3,9 +3,10 @@
 
 INVARIANT I7 in the CAGrad modes: ``d loss / d H == -c`` on every graph that is backpropagated
 (the regulariser in exact mode, the weighted loss in low-memory mode), ``0`` on each task
-term that CAGrad rescales, and in exact mode, on guard steps, the update the combination
-applies raises H to first order when the bonus acts alone (a flipped sign anywhere stops
-training with an ``InvariantError`` naming the term).
+term that CAGrad rescales, and on guard steps the task terms add up to the policy loss of the
+whole batch (so the regulariser carries no policy loss) and, in exact mode, the update the
+combination applies raises H to first order when the bonus acts alone (a flipped sign anywhere
+stops training with an ``InvariantError`` naming the term).
 
 Supported: one process or DDP (task gradients are averaged over processes before the Gram
 matrix). Not supported: DeepSpeed (any ZeRO stage: its engine owns the gradients) and FSDP;
@@ -58,7 +59,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         attached to the model (no new forward); TRL's private ``beta``, ``_entropy_bonus_enabled``
         and ``aux_loss_enabled`` set to 0/False (``_policy_only``) and restored; what it appends to
         ``_metrics["train"]`` removed (``_metrics_dropped``).
-      * The regulariser is ``full - sum_k L_k`` (``beta * KL - c * H``, plus an MoE aux loss).
+      * The regulariser is ``full - sum_k L_k`` (``beta * KL - c * H``, plus an MoE aux loss); on
+        guard steps ``trl.GRPOTrainer._compute_loss`` runs once more (same forward, every advantage
+        kept, regulariser off) and ``sum_k L_k`` must equal it (``_check_terms_add_up``, I7).
         CAGrad combines the task terms only:
           - ``exact``: per-task gradients of all trainable parameters (``autograd.grad``, each
             through its own rows), summed over the gradient-accumulation window, combined after
@@ -110,10 +113,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         full, task_losses, reg = self._loss_terms(model, inputs, coef)
         pieces, self._pieces, self._whole = self._pieces, None, None
         entropies = self._loss_entropies[0] if self._loss_entropies is not None else None
+        owns = [p[1] for p in pieces.values() if p[1] is not None]  # each task's rows' entropies [n_k, C]
         for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
-            for own in (p[1] for p in pieces.values()):  # each task's rows' entropies [n_k, C]
-                guards.check_entropy_sign(loss, own, 0.0, self.current_gradient_accumulation_steps,
-                                          f"the policy loss of task {self.task_names[k]!r}")
+            for slope in guards.entropy_slopes(loss, owns, self.current_gradient_accumulation_steps):
+                guards.check_slope(slope, 0.0, f"the policy loss of task {self.task_names[k]!r}")
         if self.args.cagrad == "exact":
             loss = self._exact_step(model, task_losses, reg, coef)
         else:
@@ -177,6 +180,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         with self._metrics_dropped(), self._policy_only():
             task_losses = {k: self._trl_loss(model, {**inputs, "advantages": advantages * (task == k)}, k)
                            for k in range(len(self.task_names))}
+            if self._guard_now():
+                _check_terms_add_up(task_losses, self._trl_loss(model, inputs, None), self.task_names)
         return full, task_losses, full - sum(task_losses.values())
 
     def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
@@ -337,6 +342,22 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         plain = (ones @ gram @ ones).clamp(min=1e-30)
         deviation = ((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt()
         metrics["cagrad/deviation_from_sum"].append(deviation.item())
+
+
+def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str]) -> None:
+    """I7 (guard steps): the task terms must add up to TRL's policy loss of the whole microbatch
+    (every advantage kept, no KL, bonus or aux loss), or the regulariser ``full - sum_k L_k`` would
+    silently carry policy loss (rows of no task) past CAGrad's combination. A NaN or inf fails."""
+    terms = torch.stack([loss.detach().double() for loss in task_losses.values()])  # [K]
+    total, whole = float(terms.sum()), float(policy.detach())
+    tolerance = 1e-6 + 1e-5 * float(terms.abs().sum())  # fp32 sums in another order
+    if not abs(total - whole) <= tolerance:  # NaN fails too
+        listed = ", ".join(f"{names[k]}: {float(v):+.6g}" for k, v in zip(task_losses, terms))
+        raise InvariantError("I7", f"the CAGrad task terms add up to {total:+.8g} ({listed}), but the policy loss of "
+                             f"the whole microbatch is {whole:+.8g} (tolerance {tolerance:.2g}). The regulariser "
+                             "(full loss - the task terms) would carry the difference: policy loss on rows of no "
+                             "task, or a NaN/inf, outside CAGrad's combination. Check the task labels "
+                             "(task_column) and the rows of each term.")
 
 
 _DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
