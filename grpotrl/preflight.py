@@ -56,8 +56,15 @@ def datasets_of(*datasets):
 
 
 def split_name(dataset, default: str) -> str:
-    """The split ``dataset`` was loaded as (the recipe's ``dataset_train_split``), else ``default``."""
-    return str(getattr(dataset, "split", None) or default)
+    """The split ``dataset`` was loaded as (``Dataset.split``, or the recipe's ``dataset_train_split``
+    / ``dataset_test_split`` as ``data.pick_split`` picked it), else ``default``."""
+    from .data import SPLIT_NAMES
+
+    try:
+        picked = SPLIT_NAMES.get(dataset)
+    except TypeError:
+        picked = None
+    return str(getattr(dataset, "split", None) or picked or default)
 
 
 def named_splits(train_dataset, eval_dataset) -> list[tuple[str, object]]:
@@ -149,9 +156,11 @@ def _refuse_quantized_full_finetune(bits: int | None, peft_config, what: str) ->
         )
 
 
-def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None):
-    """Step 5: ``(args.resume_from_checkpoint, the checked checkpoint path or None)``."""
-    given = getattr(args, "resume_from_checkpoint", None)
+def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None,
+                 given=_NOT_GIVEN):
+    """Step 5: ``(given, the checked checkpoint path or None)``; ``given`` defaults to
+    ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
+    given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
         templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs)

@@ -168,6 +168,19 @@ def test_cli_dataset_error_comes_before_the_model_load(tmp_path, smollm2_path, n
                          "--reward_funcs", "exact_answer"])
 
 
+def test_cli_data_errors_name_the_split_as_the_recipe_does(tmp_path, tiny_llama, no_model_load):
+    """A save_to_disk folder's splits (and the shipped ones) carry no name of their own
+    (``Dataset.split`` is None): an error about the eval rows names the recipe's
+    ``dataset_test_split``, not 'eval'."""
+    saved = tmp_path / "saved"
+    test = [{**r, "prompt": []} for r in rows("dev")]  # no message to answer
+    DatasetDict({"train": Dataset.from_list(rows("train")), "dev": Dataset.from_list(test)}).save_to_disk(str(saved))
+    with pytest.raises(InputError, match=r"'dev' split"):
+        cli.run("grpo", ["--model_name_or_path", tiny_llama, "--dataset_name", str(saved),
+                         "--dataset_test_split", "dev", "--eval_strategy", "steps", "--output_dir",
+                         str(tmp_path / "out"), "--use_cpu", "true", "--reward_funcs", "exact_answer"])
+
+
 def test_cli_sft_takes_chat_template_path_for_a_tokenizer_without_one(tmp_path, tiny_llama, no_model_load):
     """The "no chat template" error tells the user to give SFT one with `chat_template_path`: the CLI
     takes that path (TRL installs the template), and only conversational data needs a template."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 from ..errors import InputError
@@ -134,13 +135,24 @@ def load_splits(name: str, config: str | None = None):
         ) from None
 
 
+# The split each dataset was picked as, for error messages (``Dataset.split`` is None for data files
+# and save_to_disk folders): dataset -> its split name, as long as the dataset lives.
+SPLIT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def pick_split(splits, split: str, name: str):
-    """``splits[split]``, or an ``InputError`` naming the splits there are."""
+    """``splits[split]``, or an ``InputError`` naming the splits there are; the name is remembered
+    (``SPLIT_NAMES``) so that later errors about its rows name the split as the recipe does."""
     if split not in splits:
         single = " (a single data file is the 'train' split only)" if os.path.isfile(os.path.expanduser(name)) else ""
         raise InputError(f"Dataset {name!r} has splits {list(splits)}, not {split!r}{single}. Set "
                          "dataset_train_split / dataset_test_split to one of those (or eval_strategy: 'no').")
-    return splits[split]
+    dataset = splits[split]
+    try:
+        SPLIT_NAMES[dataset] = split
+    except TypeError:  # not weak-referenceable: errors fall back to the split's role (train, eval)
+        pass
+    return dataset
 
 
 def _first_line(err: BaseException) -> str:

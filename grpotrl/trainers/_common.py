@@ -14,8 +14,7 @@ import logging
 import sys
 from contextlib import contextmanager
 
-from .. import templates
-from ..checkpoints import check_finished_run, resume_checkpoint
+from ..checkpoints import check_finished_run, resume_requested
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +93,21 @@ class CheckedResume:
         ``trainer_state.json`` at its root) is refused unless resuming or ``overwrite_output_dir=True``.
         ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
         here, it is resumed from as checked, not checked again."""
+        from ..preflight import check_resume
+
         given, checked = getattr(self, "_checked_resume", (None, None))
-        if given not in (None, False) and resume_from_checkpoint == given:
+        if resume_requested(given) and resume_from_checkpoint == given:
             resume_from_checkpoint = checked  # the preflight's, before the weights loaded
+        elif resume_requested(resume_from_checkpoint):  # the preflight's check_resume, on the value given here
+            use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+            template_kwargs = None if self._resume_kind == "sft" else (self.args.chat_template_kwargs or {})
+            _, resume_from_checkpoint = check_resume(
+                self.args, self._resume_kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
+                template_kwargs, given=resume_from_checkpoint)
         else:
-            if resume_from_checkpoint in (None, False) and not overwrite_output_dir:
+            if not overwrite_output_dir:
                 check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
-            if resume_from_checkpoint not in (None, False):
-                use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
-                resume_from_checkpoint = resume_checkpoint(resume_from_checkpoint, self.args, self._resume_kind,
-                                                           use_peft)
-                if resume_from_checkpoint and getattr(self.args, "check_template", True):
-                    templates.check_fingerprint(resume_from_checkpoint, getattr(self, "_tokenizer", None)
-                                                or self.processing_class)
+            resume_from_checkpoint = None
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
