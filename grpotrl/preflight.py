@@ -195,7 +195,8 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
     if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
         reward_funcs = reward_funcs.resolve()
     if kwargs.get("environment_factory") is None:  # an environment's reset may supply what rows lack
-        for name, dataset in named_splits(train_dataset, eval_dataset):  # the columns the rewards read
+        scored_eval = eval_dataset if args.eval_strategy != "no" else None  # TRL never scores an unused eval set
+        for name, dataset in named_splits(train_dataset, scored_eval):  # the columns the rewards read
             check_reward_columns(reward_funcs, dataset, name)
     if getattr(trainer, "_task_rewards", False):  # MultiTaskGRPOTrainer
         check_tasks(reward_funcs, args, train_dataset, eval_dataset)

@@ -400,6 +400,9 @@ def test_python_api_checks_the_columns_rewards_and_judges_read_before_the_load(t
     funcs = {"a": rules.exact_answer_reward} if per_task else rules.exact_answer_reward
     with pytest.raises(InputError, match=r"exact_answer_reward needs the dataset column\(s\) \['answer'\], but the "
                                          r"'eval' split"):
+        cls(tiny_llama, reward_funcs=funcs, args=grpo_args(eval_strategy="steps", eval_steps=1), eval_dataset=evals,
+            train_dataset=Dataset.from_list([{"prompt": USER, "answer": "12", "task": "a"}] * 4))
+    with pytest.raises(AssertionError, match="loaded before"):  # an eval set TRL never scores: no column is read
         cls(tiny_llama, reward_funcs=funcs, args=grpo_args(), eval_dataset=evals,
             train_dataset=Dataset.from_list([{"prompt": USER, "answer": "12", "task": "a"}] * 4))
 
