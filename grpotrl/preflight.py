@@ -36,6 +36,9 @@ from .preflight_model import check_discriminator_source, check_ranges, check_tok
 from .rewards.resolve import RewardNames, check_reward_columns, check_reward_signal
 
 _NOT_GIVEN = object()
+CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
+                            "(any ZeRO stage) and FSDP own the gradients it combines and are not supported. Use "
+                            "recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
 
 
 def _is_conversational(dataset) -> bool:
@@ -278,9 +281,7 @@ def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
             raise InputError(f"cagrad={args.cagrad!r} combines per-task gradients, but the data has one task "
                              f"({labels}); use cagrad: off.")
         if sharded_launch(args):  # the config's or `accelerate launch`'s
-            from .trainers.multitask import _DISTRIBUTED_ERROR
-
-            raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
+            raise InputError(CAGRAD_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         if args.use_liger_kernel:
             raise InputError("cagrad needs TRL's _compute_loss (use_liger_kernel=True bypasses it); turn one off.")
     missing = [t for t in labels if t not in {str(k) for k in reward_funcs}] if isinstance(reward_funcs, Mapping) \

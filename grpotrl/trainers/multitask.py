@@ -24,6 +24,7 @@ import trl
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
+from ..preflight import CAGRAD_DISTRIBUTED_ERROR
 from ..losses import cagrad_coefficients, merge_rows
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
@@ -93,7 +94,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise InputError(_DISTRIBUTED_ERROR.format(mode=args.cagrad))
+            raise InputError(CAGRAD_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
         self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
         self._present: set[int] = set()  # tasks with rows in the current microbatch
@@ -358,11 +359,6 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
                              "(full loss - the task terms) would carry the difference: policy loss on rows of no "
                              "task, or a NaN/inf, outside CAGrad's combination. Check the task labels "
                              "(task_column) and the rows of each term.")
-
-
-_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
-                      "(any ZeRO stage) and FSDP own the gradients it combines and are not supported. Use "
-                      "recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
 
 
 _TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per-task forward may be given
