@@ -16,9 +16,10 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    template where the data is conversational, the stop tokens; a loaded quantized model needs
    LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
 4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``); the columns every
-   reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too); multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward
-   models by path, I6 generation settings, settings this trainer would ignore, reward columns
-   empty everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
+   reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too);
+   multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
+   by path, I6 generation settings, settings this trainer would ignore, reward columns empty
+   everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
 5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, the same
    template (I2); ``train()`` then resumes from it without checking it again.
 Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
@@ -36,9 +37,9 @@ from .preflight_model import check_discriminator_source, check_ranges, check_tok
 from .rewards.resolve import RewardNames, check_reward_columns, check_reward_signal
 
 _NOT_GIVEN = object()
-CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); DeepSpeed "
-                            "(any ZeRO stage) and FSDP own the gradients it combines and are not supported. Use "
-                            "recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
+CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); "
+                            "DeepSpeed (any ZeRO stage) and FSDP own the gradients it combines and are not "
+                            "supported. Use recipes/accelerate/ddp.yaml, or cagrad: off under ZeRO.")
 
 
 def _is_conversational(dataset) -> bool:
@@ -121,7 +122,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         model_id = get_config_model_id(model.config) or None
         gen_config = getattr(model, "generation_config", None)
         if not hasattr(model, "peft_config"):  # a PEFT model trains its adapters
-            _refuse_quantized_full_finetune(quantized_bits(model), peft_config, "the model is loaded in")
+            _refuse_quantized_full_finetune(quantized_bits(model), peft_config, "The model is loaded in")
         pin_quantized_kernels(model)
     if processing_class is None:
         if model_id is None:
@@ -152,7 +153,7 @@ def _refuse_quantized_full_finetune(bits: int | None, peft_config, what: str) ->
     """A quantized model without LoRA: transformers' Trainer would refuse it only after the load."""
     if bits and peft_config is None:  # _NOT_GIVEN: the trainer does not say, so not checked
         raise InputError(
-            f"{what[0].upper()}{what[1:]} {bits}-bit (bitsandbytes) weights and no peft_config was given, so the "
+            f"{what} {bits}-bit (bitsandbytes) weights and no peft_config was given, so the "
             f"trainer would fully fine-tune a quantized model, whose {bits}-bit weights cannot take an update. Pass "
             "`peft_config=peft.LoraConfig(...)` (QLoRA: LoRA adapters on the frozen quantized base; from a "
             "recipe: `use_peft: true`), or load the model without quantization_config."
