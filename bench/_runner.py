@@ -34,6 +34,12 @@ def step_timer():
     return StepTimer()
 
 
+def completion_lengths(trainer) -> list[float]:
+    """The mean completion length TRL logged at each step (``completions/mean_length``): two variants'
+    step times compare the same work only where these agree (same seed, same sampled tokens)."""
+    return [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+
+
 def report(**result) -> None:
     """The child's one line of output."""
     print("RESULT " + json.dumps(result), flush=True)

@@ -35,7 +35,8 @@ def child(variant: str, steps: int, guard_steps: int, shape: tuple[int, int, int
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak)
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
+                   lengths=_runner.completion_lengths(trainer))
 
 
 def main() -> None:
@@ -72,6 +73,9 @@ def main() -> None:
         print(f"cpu time of a guarded step / plain: {guarded:.3f}; of an unguarded step: {free:.3f}")
         for n in (50, 200, 1000):
             print(f"  projected run-time ratio for a {n}-step run: {(g * guarded + (n - g) * free) / n:.3f}")
+    same = all(p["lengths"] == q["lengths"] for p, q in zip(results["trl"], results["grpotrl"]))
+    print(f"completion lengths per step {'identical' if same else 'DIFFER (the ratios compare different work)'}: "
+          f"trl {results['trl'][0]['lengths']} grpotrl {results['grpotrl'][0]['lengths']}")
     print(f"step time  trl {med('trl'):.3f} s  grpotrl {med('grpotrl'):.3f} s  ratio {med('grpotrl') / med('trl'):.3f}"
           "  (goal <= 1.03)")
     print(f"cpu time   trl {med('trl', 'cpu_times'):.3f} s  grpotrl {med('grpotrl', 'cpu_times'):.3f} s  "
