@@ -213,7 +213,7 @@ def run(command: str, argv: list[str]) -> None:
     ################
     transformers.set_seed(training_args.seed)
     trainer_cls = {"sft": grpotrl.SFTTrainer, "grpo": grpotrl.GRPOTrainer, "gad": grpotrl.GADTrainer}[command]
-    if command == "grpo" and (rewards["reward_funcs"].per_task or training_args.cagrad != "off"):
+    if command == "grpo" and (rewards["reward_funcs"].by_task or training_args.cagrad != "off"):
         trainer_cls = grpotrl.MultiTaskGRPOTrainer  # rewards per task, CAGrad
     trainer = trainer_cls(
         model=model_path,

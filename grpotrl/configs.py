@@ -249,8 +249,9 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
-    from .preflight_model import check_grpotrl_fields
+    from .preflight_model import check_grpotrl_fields, check_ranges
 
+    check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own
     check_grpotrl_fields(args)
     return args
 

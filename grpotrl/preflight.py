@@ -296,22 +296,22 @@ def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
 # GAD
 # ---------------------------------------------------------------------------------------------
 
-def check_teacher_responses(dataset, split_name: str = "train") -> None:
+def check_teacher_responses(dataset, split: str = "train") -> None:
     """GAD rows need a non-empty ``teacher_response`` string and a chat-message ``prompt``."""
     if dataset is None or not hasattr(dataset, "column_names"):
         return
     if "teacher_response" not in dataset.column_names:
         raise InputError(
-            f"GAD needs a 'teacher_response' column (the teacher's answer as text), but the {split_name!r} split has "
+            f"GAD needs a 'teacher_response' column (the teacher's answer as text), but the {split!r} split has "
             f"columns {dataset.column_names}. A row looks like {{\"prompt\": [{{\"role\": \"user\", \"content\": "
             "\"What is 7 + 5?\"}], \"teacher_response\": \"12\"}. Add the column or map your rows into that shape."
         )
     for i, (prompt, text) in enumerate(zip(dataset["prompt"], dataset["teacher_response"])):
         if not isinstance(text, str) or not text.strip():
-            raise InputError(f"Row {i} of the {split_name!r} split has teacher_response={text!r}; GAD needs the "
+            raise InputError(f"Row {i} of the {split!r} split has teacher_response={text!r}; GAD needs the "
                              "teacher's answer as a non-empty string. Fix or drop that row.")
         if not isinstance(prompt, list):
-            raise InputError(f"Row {i} of the {split_name!r} split has a {type(prompt).__name__} prompt; GAD scores "
+            raise InputError(f"Row {i} of the {split!r} split has a {type(prompt).__name__} prompt; GAD scores "
                              "teacher and student through the chat template (I9), so prompts must be chat messages.")
 
 

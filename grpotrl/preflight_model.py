@@ -1,9 +1,10 @@
 """The model and its settings, checked once before any weights load (config files and headers only).
 
 * ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
-  mean (a wrong sign, a zero, a NaN), before TRL's own ``__post_init__`` divides by any of them.
+  mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN), before TRL's own
+  ``__post_init__`` divides by any of them.
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
-  entropy sign I7, sampling settings grpotrl would otherwise drop, I6); run by the configs.
+  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6); run by the configs.
 * ``check_model_dir``: a local checkpoint with ``config.json`` and complete weights (every shard
   of a sharded one; safetensors files not truncated), or a PEFT adapter dir whose base model
   passes the same check (Hub ids: ``grpotrl.hub.check_model_source``).
@@ -106,10 +107,6 @@ def check_grpotrl_fields(args) -> None:
         raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
     if not 0.0 <= args.cagrad_c < 10:
         raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
-    if args.entropy_coef < 0:
-        raise InputError(f"entropy_coef={args.entropy_coef}: the entropy bonus is loss = policy + beta*KL - c*H "
-                         "with c >= 0 encouraging exploration (INVARIANT I7). A negative c would minimise "
-                         "entropy; use 0 for no bonus.")
     _check_generation_settings(args)
     if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "

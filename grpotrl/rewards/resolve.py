@@ -132,7 +132,7 @@ class RewardNames:
     reward_model: str | None = None
 
     @property
-    def per_task(self) -> bool:
+    def by_task(self) -> bool:
         """Every name is ``task:name``: rewards per task (``MultiTaskGRPOTrainer``)."""
         names = [self.names] if isinstance(self.names, str) else list(self.names or [])
         return bool(names) and all(":" in n for n in names)
