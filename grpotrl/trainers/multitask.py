@@ -252,7 +252,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         tasks = list(range(len(self.task_names)))
         carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
         bufs = [carried if k == self._carrier else [self._reduced(b) for b in self._task_grads[k]] for k in tasks]
-        gram = torch.stack([torch.stack([sum(map(_dot, a, b)) for b in bufs]) for a in bufs])  # [K, K]
+        gram = _gram(bufs)  # [K, K]
         weights = self._cagrad_weights(tasks, gram)  # [K]
         shares = [w - (k == self._carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
         direction = [sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
@@ -370,6 +370,21 @@ def _trainable(model) -> list[torch.Tensor]:
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double()).sum()
+
+
+def _gram(bufs: list[list[torch.Tensor]]) -> torch.Tensor:
+    """``[K, K]`` float64 inner products of K gradients, each a list of per-parameter tensors: one
+    dot product per pair (``_dot`` is symmetric to the bit), mirrored.
+
+    >>> _gram([[torch.tensor([1.0, 0.0])], [torch.tensor([1.0, 2.0])]]).tolist()
+    [[1.0, 1.0], [1.0, 5.0]]
+    """
+    k = len(bufs)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for i in range(k):
+        for j in range(i, k):
+            gram[i, j] = gram[j, i] = sum(map(_dot, bufs[i], bufs[j]))
+    return gram
 
 
 def _last_block_params(model) -> list[torch.Tensor]:
