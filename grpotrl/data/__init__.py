@@ -147,12 +147,8 @@ def pick_split(splits, split: str, name: str):
         single = " (a single data file is the 'train' split only)" if os.path.isfile(os.path.expanduser(name)) else ""
         raise InputError(f"Dataset {name!r} has splits {list(splits)}, not {split!r}{single}. Set "
                          "dataset_train_split / dataset_test_split to one of those (or eval_strategy: 'no').")
-    dataset = splits[split]
-    try:
-        SPLIT_NAMES[dataset] = split
-    except TypeError:  # not weak-referenceable: errors fall back to the split's role (train, eval)
-        pass
-    return dataset
+    SPLIT_NAMES[splits[split]] = split  # a datasets.Dataset / IterableDataset: weak-referenceable
+    return splits[split]
 
 
 def _first_line(err: BaseException) -> str:

@@ -181,8 +181,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         with self._metrics_dropped(), self._policy_only():
             task_losses = {k: self._trl_loss(model, {**inputs, "advantages": advantages * (task == k)}, k)
                            for k in range(len(self.task_names))}
-            if self._guard_now():
-                _check_terms_add_up(task_losses, self._trl_loss(model, inputs, None), self.task_names)
+            if self._guard_now():  # a value to compare, no graph kept for it
+                with torch.no_grad():
+                    whole = self._trl_loss(model, inputs, None)
+                _check_terms_add_up(task_losses, whole, self.task_names)
         return full, task_losses, full - sum(task_losses.values())
 
     def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
