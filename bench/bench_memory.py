@@ -11,14 +11,18 @@ the sampler's logprobs). A step generates ``prompts x generations`` completions 
 microbatches of at most 8 rows, ``_runner.shape_config``); the stop ids are suppressed, so
 every completion is exactly ``length`` tokens and memory compares per length.
 
-Two peaks per run: the GENERATION peak, the most memory the first ``generate`` call allocates
-above what was live when it started (CUDA: ``max_memory_allocated``; CPU: the running sum of the
-torch profiler's allocation and free events, which slows that one call down), and the PROCESS
-peak (CUDA: ``max_memory_allocated``; CPU: peak RSS), which training's backward usually sets.
+Two peaks per run. The GENERATION peak: the most memory a ``generate`` call after the first
+allocates above what was live when it started (the first call also pages in the weights, which
+the loader maps from disk, and sets up the kernels' buffers: a one-off, ~500 MiB on CPU). CUDA:
+``max_memory_allocated``. CPU: the call's peak RSS above its RSS at the start, the peak reset
+through ``/proc/self/clear_refs`` and read from ``/proc/self/status`` (Linux; costs the call
+nothing); the children run with ``MALLOC_MMAP_THRESHOLD_=131072``, so every buffer over 128 KiB
+is a mapping of its own that leaves the RSS when freed. The PROCESS peak (CUDA:
+``max_memory_allocated``; CPU: peak RSS) is usually set by training's backward.
 Issue 17's regression (``output_scores``: ``length`` x [rows, vocab] fp32 held to the end of
 ``generate``) shows in the generation peak, growing with the length; the goal is on / off <= 1.05
 at every length, flat. Printed as a table; drawn as a PNG when matplotlib is installed.
-Step times are those of the steps after the first (the first one's generate is profiled on CPU).
+Step times are those of the steps after the first.
 Run ``PYTHONPATH=.`` from the checkout so the grpotrl measured is this one, not an installed copy.
 """
 
@@ -33,15 +37,19 @@ import _runner  # bench/_runner.py: the timer and the alternating driver
 VARIANTS = ("trl", "off", "on")
 
 
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def generation_peak(model, record: list):
-    """Wrap ``model.generate`` so its first call records its allocation peak in ``record``."""
+    """Wrap ``model.generate`` so every call appends its allocation peak to ``record``."""
     import torch
 
     original = model.generate
 
     def measured(*args, **kwargs):
-        if record:
-            return original(*args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
@@ -49,16 +57,10 @@ def generation_peak(model, record: list):
             out = original(*args, **kwargs)
             record.append(torch.cuda.max_memory_allocated() - start)
             return out
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = original(*args, **kwargs)
-        running = peak = 0
-        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                                if e.name() == "[memory]"):
-            running += nbytes
-            peak = max(peak, running)
-        record.append(peak)
+        before = _status_bytes("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")  # Linux: VmHWM (peak RSS) := current RSS
+        out = original(*args, **kwargs)
+        record.append(_status_bytes("VmHWM") - before)
         return out
 
     model.generate = measured
@@ -85,14 +87,14 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
                      min_new_tokens=min(8, length // 2)) if variant == "on" else {}
     trainer = _runner.quickstart_trainer(variant, common, [timer], **penalties)
-    gen_peak: list[int] = []
-    generation_peak(trainer.model, gen_peak)
+    gen_peaks: list[int] = []
+    generation_peak(trainer.model, gen_peaks)
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
-                   generation_peak_bytes=gen_peak[0], mean_length=statistics.mean(lengths) if lengths else None)
+                   generation_peak_bytes=max(gen_peaks[1:]), mean_length=statistics.mean(lengths) if lengths else None)
 
 
 def draw(path: str, lengths: list[int], gen: dict, proc: dict, title: str) -> str:
@@ -133,9 +135,12 @@ def main() -> None:
     p.add_argument("--child", choices=VARIANTS)
     p.add_argument("--length", type=int)
     a = p.parse_args()
+    if a.steps < 2:
+        p.error("--steps must be at least 2: the generation peak is read from the calls after the first")
     if a.child:
         return child(a.child, a.length, a.prompts, a.generations, a.steps)
 
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # read by glibc at the children's start
     gen, proc, times = ({v: {} for v in VARIANTS} for _ in range(3))
     for n in a.lengths:
         print(f"--- completion length {n}", flush=True)
@@ -156,7 +161,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     title = (f"SmolLM2-135M, {a.prompts} prompts x {a.generations} generations, {a.steps} steps, "
              f"{a.rounds} round(s), {where}")
-    print(f"\n{title}\npeak MiB (generation = first generate call; process = whole run)")
+    print(f"\n{title}\npeak MiB (generation = most of any generate call after the first; process = whole run)")
     print(f"{'length':>6}  {'gen trl':>8} {'gen off':>8} {'gen on':>8} {'on/off':>6}   "
           f"{'proc trl':>8} {'proc off':>8} {'proc on':>8} {'off/trl':>7} {'on/off':>6}   {'step on/off':>11}")
     for n in a.lengths:
@@ -164,6 +169,14 @@ def main() -> None:
         print(f"{n:6d}  " + " ".join(f"{gen[v][n] / 2**20:8.1f}" for v in VARIANTS)
               + f" {gen['on'][n] / gen['off'][n]:6.3f}   " + " ".join(f"{proc[v][n] / 2**20:8.0f}" for v in VARIANTS)
               + f" {proc['off'][n] / proc['trl'][n]:7.3f} {proc['on'][n] / proc['off'][n]:6.3f}   {step}")
+    from transformers import AutoConfig
+
+    from grpotrl.models import resolve_model_path
+
+    vocab = AutoConfig.from_pretrained(resolve_model_path("smollm2-135m-instruct")).vocab_size
+    rows = a.prompts * a.generations
+    print("for scale, what generate(output_scores=True) would hold by the end (length x [rows, vocab] fp32): "
+          + ", ".join(f"{n}: {n * rows * vocab * 4 / 2**20:.0f} MiB" for n in a.lengths))
     print("goal: on / off <= 1.05 at every length (generation and process), flat as the length grows")
     print(draw(a.png, a.lengths, gen, proc, title))
 
