@@ -28,6 +28,7 @@ Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from . import templates
 from .checkpoints import check_output_dir, resume_checkpoint
@@ -160,15 +161,25 @@ def _refuse_quantized_full_finetune(bits: int | None, peft_config, what: str) ->
         )
 
 
+class ResumeCheck(NamedTuple):
+    """What ``check_resume`` checked: the value given, the checkpoint path it resolved to (None: no
+    resume), and how, so that ``train(resume_from_checkpoint=other)`` checks ``other`` the same way."""
+
+    given: object
+    checkpoint: str | None
+    kind: str  # "sft", "grpo" or "gad": which files a complete checkpoint holds
+    chat_template_kwargs: dict | None  # compared with the checkpoint's fingerprint (None: SFT, compared on rows)
+
+
 def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None,
-                 given=_NOT_GIVEN):
-    """Step 5: ``(given, the checked checkpoint path or None)``; ``given`` defaults to
-    ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
+                 given=_NOT_GIVEN) -> ResumeCheck:
+    """Step 5: the resume checkpoint checked complete and on this run's template; ``given`` defaults
+    to ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
     given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
         templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs)
-    return given, checkpoint
+    return ResumeCheck(given, checkpoint, kind, chat_template_kwargs)
 
 
 def _uses_peft(model, peft_config) -> bool:
@@ -183,7 +194,7 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
     """Every check of ``GRPOTrainer.__init__`` (GAD's and multi-task's run theirs first) before TRL
     loads anything; then the local judges load (``rewards.recipe.LocalJudgeSpec``) and rewards per
     task become TRL's flat list. Returns ``(model, processing_class, reward_funcs, stop_token_ids,
-    (resume given, resume checked))``."""
+    ResumeCheck)``."""
     from .rewards.recipe import load_local_judges
     from .rewards.tasks import per_task
 
@@ -365,7 +376,7 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     """Every check of ``SFTTrainer.__init__`` before TRL loads anything: the datasets as TRL takes
     them, model and tokenizer, and on chat data a template, the checkpoint's fingerprint and I2 on
     the first prompt-completion row. Returns ``(model, processing_class, stop_token_ids, data
-    format, (resume given, resume checked))``."""
+    format, ResumeCheck)``."""
     from .trainers.sft import data_format, first_row, option, tokenize_i2_row
 
     formatting_func = kwargs.get("formatting_func")

@@ -254,3 +254,37 @@ def test_resuming_inside_a_generation_batch_warns_that_it_cannot_be_exact(caplog
     assert not caplog.records
     _warn_mid_generation("out/checkpoint-3", args, "grpo")
     assert "inside a generation batch" in caplog.text and "multiples of 2 optimizer steps" in caplog.text
+
+
+def test_I2_train_resume_from_another_checkpoint_compares_this_runs_chat_template_kwargs(runs, tiny_llama, tmp_path,
+                                                                                           monkeypatch):
+    """``train(resume_from_checkpoint=X)`` with X not the config's value: X is checked as the preflight
+    checks its own (complete, and I2 with the run's ``chat_template_kwargs``) before TRL resumes."""
+    import transformers
+    from conftest import arithmetic_prompts, length_reward
+    from test_sft_trainer import TOY_TEMPLATE
+    from transformers import AutoTokenizer
+
+    import grpotrl
+    from grpotrl import InvariantError, templates
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = TOY_TEMPLATE  # its generation prompt reads enable_thinking
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(runs[1] / f"checkpoint-{K}", checkpoint)
+    templates.save_fingerprint(str(checkpoint), tok, chat_template_kwargs=[{"enable_thinking": False}])
+    resumed_from = []
+    monkeypatch.setattr(transformers.Trainer, "train", lambda self, resume_from_checkpoint=None, *a, **k:
+                        resumed_from.append(resume_from_checkpoint))
+
+    def trainer(**kwargs):
+        args = grpotrl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                                  max_completion_length=8, max_steps=1, report_to="none", use_cpu=True, **kwargs)
+        return grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, processing_class=tok,
+                                   train_dataset=arithmetic_prompts(8))
+
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*enable_thinking.*false.*this run's \{\}"):
+        trainer().train(resume_from_checkpoint=str(checkpoint))
+    assert resumed_from == []  # refused before TRL's train
+    trainer(chat_template_kwargs={"enable_thinking": False}).train(resume_from_checkpoint=str(checkpoint))
+    assert resumed_from == [str(checkpoint)]

@@ -95,15 +95,14 @@ class CheckedResume:
         here, it is resumed from as checked, not checked again."""
         from ..preflight import check_resume
 
-        given, checked = getattr(self, "_checked_resume", (None, None))
-        if resume_requested(given) and resume_from_checkpoint == given:
-            resume_from_checkpoint = checked  # the preflight's, before the weights loaded
-        elif resume_requested(resume_from_checkpoint):  # the preflight's check_resume, on the value given here
+        done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
+        if resume_requested(done.given) and resume_from_checkpoint == done.given:
+            resume_from_checkpoint = done.checkpoint  # checked then: not again
+        elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
             use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
-            template_kwargs = None if self._resume_kind == "sft" else (self.args.chat_template_kwargs or {})
-            _, resume_from_checkpoint = check_resume(
-                self.args, self._resume_kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
-                template_kwargs, given=resume_from_checkpoint)
+            resume_from_checkpoint = check_resume(
+                self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
+                done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
         else:
             if not overwrite_output_dir:
                 check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model

@@ -375,18 +375,22 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _gram(bufs: list[list[torch.Tensor]]) -> torch.Tensor:
-    """``[K, K]`` float64 inner products of K gradients, each a list of per-parameter tensors: one
-    dot product per pair (``_dot`` is symmetric to the bit), mirrored.
+    """``[K, K]`` float64 inner products of K gradients, each a list of per-parameter tensors: per
+    parameter, its K gradients cast to float64 once (``[K, n]``) and multiplied by their transpose
+    (one pass over the parameter for all K(K+1)/2 pairs), summed over parameters; the upper
+    triangle mirrored, so the matrix is exactly symmetric.
 
     >>> _gram([[torch.tensor([1.0, 0.0])], [torch.tensor([1.0, 2.0])]]).tolist()
     [[1.0, 1.0], [1.0, 5.0]]
     """
-    k = len(bufs)
-    gram = torch.zeros(k, k, dtype=torch.float64)
-    for i in range(k):
-        for j in range(i, k):
-            gram[i, j] = gram[j, i] = sum(map(_dot, bufs[i], bufs[j]))
-    return gram
+    gram = None
+    for grads in zip(*bufs):  # one parameter's gradient in every task
+        g = torch.empty(len(grads), grads[0].numel(), dtype=torch.float64, device=grads[0].device)  # [K, n]
+        for row, grad in zip(g, grads):
+            row.copy_(grad.reshape(-1))
+        gram = g @ g.T if gram is None else gram + g @ g.T  # [K, K]
+    gram = gram.triu()
+    return (gram + gram.triu(1).T).cpu()
 
 
 def _last_block_params(model) -> list[torch.Tensor]:
