@@ -62,7 +62,7 @@ def child(variant: str, steps: int, guard_steps: int, shape: tuple[int, int, int
                   max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
                   bf16=False, disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04)
     timer = _runner.step_timer()
-    prof, stepper = op_profiler(unguarded_from(guard_steps, steps)) if profile_ops else (None, None)
+    prof, stepper = op_profiler(steps_before_profile(guard_steps, steps)) if profile_ops else (None, None)
     trainer = _runner.quickstart_trainer(variant, common, [timer, *([stepper] if prof else [])],
                                          guard_steps=guard_steps)
     trainer.train()
@@ -73,9 +73,9 @@ def child(variant: str, steps: int, guard_steps: int, shape: tuple[int, int, int
                    lengths=_runner.completion_lengths(trainer), ops=ops)
 
 
-def unguarded_from(guard_steps: int, steps: int) -> int:
-    """The first step no guard runs on (the step after the last guarded one, so that no work a guard
-    step leaves behind falls into it)."""
+def steps_before_profile(guard_steps: int, steps: int) -> int:
+    """How many steps the op profile skips: the guarded ones and the step after the last of them
+    (so that no work a guard step leaves behind falls into the profile)."""
     first = (steps if guard_steps < 0 else guard_steps) + 1
     if first >= steps:
         sys.exit(f"--profile-ops needs unguarded steps: --steps {steps} with --guard-steps {guard_steps} leaves none "
@@ -107,7 +107,7 @@ def main() -> None:
     if a.child:
         return child(a.child, a.steps, a.guard_steps, (a.prompts, a.generations, a.length), a.profile_ops)
     if a.profile_ops:
-        first = unguarded_from(a.guard_steps, a.steps)
+        first = steps_before_profile(a.guard_steps, a.steps)
         results = _runner.alternate(__file__, ("trl", "grpotrl"), 1,
                                     ["--steps", str(a.steps), "--guard-steps", str(a.guard_steps), "--profile-ops",
                                      *_runner.shape_args(a)])

@@ -11,13 +11,15 @@ the sampler's logprobs). A step generates ``prompts x generations`` completions 
 microbatches of at most 8 rows, ``_runner.shape_config``); the stop ids are suppressed, so
 every completion is exactly ``length`` tokens and memory compares per length.
 
-Two peaks per run. The GENERATION peak: the most memory a ``generate`` call after the first
-allocates above what was live when it started (the first call also pages in the weights, which
-the loader maps from disk, and sets up the kernels' buffers: a one-off, ~500 MiB on CPU). CUDA:
-``max_memory_allocated``. CPU: the call's peak RSS above its RSS at the start, the peak reset
-through ``/proc/self/clear_refs`` and read from ``/proc/self/status`` (Linux; costs the call
-nothing); the children run with ``MALLOC_MMAP_THRESHOLD_=131072``, so every buffer over 128 KiB
-is a mapping of its own that leaves the RSS when freed. The PROCESS peak (CUDA:
+Two peaks per run. The GENERATION peak: the memory a ``generate`` call allocates above what
+was live when it started, the median over the calls after the first (the first call also pages
+in the weights, which the loader maps from disk, and sets up the kernels' buffers: a one-off,
+~500 MiB on CPU), and the median over rounds. CUDA: ``max_memory_allocated``. CPU: the call's
+peak RSS above its RSS at the start, the peak reset through ``/proc/self/clear_refs`` and read
+from ``/proc/self/status`` (Linux; costs the call nothing). Before each call the freed heap is
+handed back (``malloc_trim(0)``), and the children run with ``MALLOC_MMAP_THRESHOLD_=131072``, so
+every buffer over 128 KiB is a mapping of its own that leaves the RSS when freed: what a call
+allocates shows as RSS instead of reusing pages an earlier call left resident. The PROCESS peak (CUDA:
 ``max_memory_allocated``; CPU: peak RSS) is usually set by training's backward.
 Issue 17's regression (``output_scores``: ``length`` x [rows, vocab] fp32 held to the end of
 ``generate``) shows in the generation peak, growing with the length; the goal is on / off <= 1.05
@@ -29,6 +31,8 @@ Run ``PYTHONPATH=.`` from the checkout so the grpotrl measured is this one, not 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 
@@ -48,6 +52,7 @@ def generation_peak(model, record: list):
     import torch
 
     original = model.generate
+    libc = ctypes.CDLL("libc.so.6")
 
     def measured(*args, **kwargs):
         if torch.cuda.is_available():
@@ -57,6 +62,8 @@ def generation_peak(model, record: list):
             out = original(*args, **kwargs)
             record.append(torch.cuda.max_memory_allocated() - start)
             return out
+        gc.collect()
+        libc.malloc_trim(0)  # hand freed heap back, so that every call starts from the same kind of RSS
         before = _status_bytes("VmRSS")
         open("/proc/self/clear_refs", "w").write("5")  # Linux: VmHWM (peak RSS) := current RSS
         out = original(*args, **kwargs)
@@ -94,7 +101,7 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
-                   generation_peak_bytes=max(gen_peaks[1:]), mean_length=statistics.mean(lengths) if lengths else None)
+                   generation_peak_bytes=statistics.median(gen_peaks[1:]), mean_length=statistics.mean(lengths) if lengths else None)
 
 
 def draw(path: str, lengths: list[int], gen: dict, proc: dict, title: str) -> str:
@@ -151,7 +158,7 @@ def main() -> None:
             describe=lambda v, r: (f"  generation peak {r['generation_peak_bytes'] / 2**20:.0f} MiB"
                                    f"  process peak {r['peak_bytes'] / 2**20:.0f} MiB  mean length {r['mean_length']}"))
         for v in VARIANTS:
-            gen[v][n] = max(r["generation_peak_bytes"] for r in results[v])
+            gen[v][n] = statistics.median(r["generation_peak_bytes"] for r in results[v])
             proc[v][n] = max(r["peak_bytes"] for r in results[v])
             later = [t for r in results[v] for t in r["step_times"][1:]]
             times[v][n] = statistics.mean(later) if later else None
@@ -161,7 +168,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     title = (f"SmolLM2-135M, {a.prompts} prompts x {a.generations} generations, {a.steps} steps, "
              f"{a.rounds} round(s), {where}")
-    print(f"\n{title}\npeak MiB (generation = most of any generate call after the first; process = whole run)")
+    print(f"\n{title}\npeak MiB (generation = median over the generate calls after the first; process = whole run)")
     print(f"{'length':>6}  {'gen trl':>8} {'gen off':>8} {'gen on':>8} {'on/off':>6}   "
           f"{'proc trl':>8} {'proc off':>8} {'proc on':>8} {'off/trl':>7} {'on/off':>6}   {'step on/off':>11}")
     for n in a.lengths:

@@ -438,6 +438,16 @@ def test_groups_mixing_tasks_are_stopped():
         _check_groups_single_task(torch.tensor([0, 0, 0, 1]), 2, ["a", "b"])
 
 
+def test_cagrad_with_no_trainable_parameter_is_a_named_error():
+    from grpotrl.trainers.multitask import _trainable
+
+    model = torch.nn.Linear(2, 2)
+    assert len(_trainable(model)) == 2
+    model.requires_grad_(False)
+    with pytest.raises(InputError, match="requires_grad=False"):
+        _trainable(model)
+
+
 def test_per_task_rewards_see_only_their_rows_sync_and_async():
     seen = []
 

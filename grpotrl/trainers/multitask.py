@@ -367,7 +367,11 @@ _TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per
 
 
 def _trainable(model) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise InputError("CAGrad combines the tasks' gradients of the trainable parameters, but the model has none "
+                         "(every parameter has requires_grad=False): unfreeze some, or give a peft_config")
+    return params
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
