@@ -85,6 +85,21 @@ def check_ranges(args) -> None:
                              "on the command line or in the config.")
 
 
+def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
+    """``generation_kwargs[name]``, where given and not the field's default 1.0, becomes ``args.<name>``:
+    checked against ``RANGES`` first, refused where the field is set to another value."""
+    if name not in kwargs or kwargs[name] == 1.0:  # 1.0: the default of both fields (a NaN is not equal)
+        return
+    given = kwargs[name]
+    ok, what = RANGES[name]
+    if not ok(given):
+        raise InputError(f"generation_kwargs['{name}']={given!r}: it must be {what}.")
+    if getattr(args, name) not in (1.0, given):
+        raise InputError(f"{name}={getattr(args, name)} and generation_kwargs['{name}']={given} disagree ({why}): "
+                         f"set it once, as {name}.")
+    setattr(args, name, given)
+
+
 def check_grpotrl_fields(args) -> None:
     """grpotrl's own checks of a GRPO config (also run on a ``trl.GRPOConfig`` that
     ``complete_grpo_config`` completed): each bad value is an ``InputError`` saying what to use."""
@@ -115,20 +130,21 @@ def check_grpotrl_fields(args) -> None:
 
 
 def _check_generation_settings(args) -> None:
-    """Sampling settings grpotrl would otherwise drop without a word (I6): each is honoured or refused.
+    """Sampling settings grpotrl would otherwise drop or contradict without a word: each is honoured
+    or refused.
 
-    ``generation_kwargs={"repetition_penalty": x}`` (TRL lets it override ``repetition_penalty``) is
-    honoured as ``repetition_penalty = x``, applied response-only like the field (on the transformers
-    path grpotrl replaces transformers' own, which counts the prompt); a different value in both
-    places is refused. Continuous batching runs transformers' own sampler, which takes no logits
+    TRL lets ``generation_kwargs`` override the sampling fields. Two of them grpotrl reads elsewhere,
+    so a value given there becomes the field (checked like the field), and a different value in both
+    places is refused: ``repetition_penalty``, applied response-only like the field (I6; on the
+    transformers path grpotrl replaces transformers' own, which counts the prompt), and
+    ``temperature``, at which the logprobs are computed (I5: TRL computes them at the field's
+    temperature, so ``generation_kwargs={"temperature": 0.7}`` alone sampled at 0.7 and trained on
+    logprobs at 1.0). Continuous batching runs transformers' own sampler, which takes no logits
     processors: the response-only penalties and ``min_new_tokens`` cannot be applied there."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-    given = kwargs.get("repetition_penalty", 1.0)
-    if given != 1.0:
-        if args.repetition_penalty not in (1.0, given):
-            raise InputError(f"repetition_penalty={args.repetition_penalty} and generation_kwargs"
-                             f"['repetition_penalty']={given} disagree: set it once, as repetition_penalty.")
-        args.repetition_penalty = given  # applied response-only (I6), as the field is
+    _adopt_generation_kwarg(args, kwargs, "repetition_penalty", "I6: the penalty counts response tokens only")
+    _adopt_generation_kwarg(args, kwargs, "temperature", "I5: completions would be sampled at one temperature "
+                            "and their logprobs computed at the other")
     if args.use_transformers_continuous_batching:
         unsupported = {name: value for name, value in (
             ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),

@@ -151,6 +151,28 @@ def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_
                            generation_kwargs={"repetition_penalty": 1.3})
 
 
+@pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
+def test_I5_generation_kwargs_temperature_becomes_the_field_or_is_refused(tmp_path, config):
+    """generation_kwargs' temperature is the temperature the logprobs are computed at (I5): taken as the
+    field when the field is at its default, refused when the two disagree, checked like the field."""
+    from grpotrl.configs import complete_grpo_config
+
+    def make(**kw):
+        return complete_grpo_config(config(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw))
+
+    assert make(generation_kwargs={"temperature": 0.7}).temperature == 0.7
+    assert make(temperature=0.7, generation_kwargs={"temperature": 0.7}).temperature == 0.7
+    assert make(temperature=0.7, generation_kwargs={"top_k": 5}).temperature == 0.7
+    with pytest.raises(grpotrl.InputError, match=r"temperature=0.9 and generation_kwargs\['temperature'\]=0.7 "
+                                                 r"disagree \(I5"):
+        make(temperature=0.9, generation_kwargs={"temperature": 0.7})
+    for bad in (float("nan"), 0.0, -1.0, "0.7"):
+        with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['temperature'\]=.*must be a finite"):
+            make(generation_kwargs={"temperature": bad})
+    with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['repetition_penalty'\]=nan"):
+        make(generation_kwargs={"repetition_penalty": float("nan")})
+
+
 def test_I4_generation_kwargs_eos_token_id_is_a_stop_id_too(tiny_llama, tmp_path):
     """generation_kwargs' eos_token_id was overwritten by grpotrl's stop set; it is now added to it."""
     args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,

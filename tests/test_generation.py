@@ -56,6 +56,17 @@ def test_I5_sampler_logprobs_equal_trainer_logprobs_without_processors(tiny_llam
     assert ratios and all(abs(r - 1) < 1e-3 for r in ratios)
 
 
+def test_I5_generation_kwargs_temperature_is_the_logprobs_temperature(tiny_llama, grpo_args):
+    """TRL lets generation_kwargs override the sampling temperature and still computes the logprobs at
+    the field's (1.0 here): completions drawn at 0.7 were trained on logprobs at 1.0 (the seeds'
+    "logprobs without temperature"). It becomes the field: the sampler's logprobs, recorded as generate
+    went, agree with the loss's."""
+    trainer = _train(tiny_llama, grpo_args(temperature=1.0, generation_kwargs={"temperature": 0.7},
+                                           hf_importance_sampling_correction=True))
+    assert trainer.args.temperature == trainer.temperature == trainer.generation_config.temperature == 0.7
+    assert max(_logged(trainer, "sampling/sampler_trainer_logp_gap/max")) < 1e-4
+
+
 def test_I6_min_new_tokens_keeps_every_completion_long_enough(tiny_llama, grpo_args):
     trainer = _train(tiny_llama, grpo_args(max_steps=2, min_new_tokens=4))
     lengths = [int(m.sum()) for b in trainer.seen for m in b["completion_mask"]]
