@@ -190,7 +190,16 @@ def test_sampler_matching_the_trainer_logs_raw_ratios_of_1_and_no_warning(tiny_l
 
 @pytest.mark.parametrize("behind_the_trainer", [{"temperature": 2.0}, {"top_k": 3}])
 def test_sampler_at_another_temperature_or_top_k_trips_the_gate(tiny_llama, grpo_args, caplog, behind_the_trainer):
-    trainer = _sampled(tiny_llama, grpo_args, generation_kwargs=behind_the_trainer)
+    """A sampler the config no longer describes: generate's config changed after the trainer was built
+    (``generation_kwargs={"temperature": ...}`` itself becomes the config's temperature, or is refused
+    when it disagrees: tests/test_configs.py)."""
+    def sampled(**kw):
+        trainer = _sampled(tiny_llama, grpo_args, generation_kwargs={}, **kw)
+        for name, value in behind_the_trainer.items():
+            setattr(trainer.generation_config, name, value)
+        return trainer
+
+    trainer = sampled()
     with caplog.at_level(logging.WARNING, logger="grpotrl"):
         trainer.train()  # default: warn once, train on
     assert caplog.text.count("sampler/trainer mismatch") == 1
@@ -198,7 +207,7 @@ def test_sampler_at_another_temperature_or_top_k_trips_the_gate(tiny_llama, grpo
     assert abs(_logged(trainer, "sampling/raw_ratio/token/mean")[0] - 1.0) > 0.01
     assert _logged(trainer, "sampling/raw_ratio/token/max")[0] > 1.1 or _logged(
         trainer, "sampling/raw_ratio/token/min")[0] < 0.9
-    stop = _sampled(tiny_llama, grpo_args, generation_kwargs=behind_the_trainer, sampler_gap_action="stop")
+    stop = sampled(sampler_gap_action="stop")
     with pytest.raises(InvariantError, match=r"\[I5\].*sampler/trainer mismatch.*generation_kwargs"):
         stop.train()
 
