@@ -438,6 +438,40 @@ def test_groups_mixing_tasks_are_stopped():
         _check_groups_single_task(torch.tensor([0, 0, 0, 1]), 2, ["a", "b"])
 
 
+def test_low_memory_proxy_gradients_skip_the_head_weight_gradient_and_restore_it():
+    """``skip_head_weight_grad``: the block's autograd.grad to the last block gives the same gradients
+    with TRL's fused head computing no weight gradient; after the block, the backward still fills the
+    head weight's .grad, equal to a graph never switched."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from grpotrl.trainers._intercept import skip_head_weight_grad
+
+    torch.manual_seed(0)
+    block, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 7, bias=False)
+    x, targets = torch.randn(5, 4), torch.tensor([0, 6, 2, 3, 1])
+
+    def losses():
+        logps = ChunkedLogProbFunction.apply(block(x), head.weight, None, targets, 0.7, 4)[0]
+        return (logps[:2].sum(), logps[2:].sum() * 0.5)
+
+    plain = losses()
+    want = [torch.autograd.grad(loss, list(block.parameters()), retain_graph=True) for loss in plain]
+    sum(plain).backward()
+    want_head, head.weight.grad = head.weight.grad.clone(), None
+    switched_losses = losses()
+    node = switched_losses[0].grad_fn.next_functions[0][0].next_functions[0][0]  # sum <- slice <- fused head
+    with skip_head_weight_grad(list(switched_losses), list(block.parameters())) as switched:
+        assert switched == 1 and node.needs_input_grad[1] is False
+        got = [torch.autograd.grad(loss, list(block.parameters()), retain_graph=True) for loss in switched_losses]
+    assert node.needs_input_grad[1] is True
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+    sum(switched_losses).backward()
+    assert torch.equal(head.weight.grad, want_head)
+    with skip_head_weight_grad(list(losses()), [head.weight]) as switched:  # the weight asked for: left alone
+        assert switched == 0
+
+
 def test_cagrad_with_no_trainable_parameter_is_a_named_error():
     from grpotrl.trainers.multitask import _trainable
 

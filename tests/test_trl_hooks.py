@@ -72,6 +72,31 @@ def test_fused_head_still_used_for_logprobs():
     assert "fused_lm_head=True" in src
 
 
+def test_fused_head_backward_reads_needs_input_grad_when_it_runs():
+    """``_intercept.skip_head_weight_grad`` (CAGrad low_memory) relies on TRL's fused head: its backward
+    node's name, the weight and bias at input/saved positions 1 and 2, and a backward that reads
+    ``ctx.needs_input_grad`` when it runs, returning no weight gradient when that flag is off."""
+    import torch
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from grpotrl.trainers._intercept import FUSED_HEAD_NODE, HEAD_BIAS, HEAD_WEIGHT
+
+    assert list(inspect.signature(ChunkedLogProbFunction.forward).parameters)[:4] == ["ctx", "hidden", "weight",
+                                                                                     "bias"]
+    hidden, weight, bias = torch.randn(3, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True), torch.randn(6)
+    logps = ChunkedLogProbFunction.apply(hidden, weight, bias, torch.tensor([0, 5, 2]), 1.0, 4)[0]
+    node = logps.grad_fn
+    assert type(node).__name__ == FUSED_HEAD_NODE
+    assert node.saved_tensors[HEAD_WEIGHT] is weight and torch.equal(node.saved_tensors[HEAD_BIAS], bias)
+    assert node.needs_input_grad[:3] == (True, True, False)
+    with torch.no_grad():  # as the autograd engine runs a backward
+        full = node.apply(torch.ones(3), None)
+        assert full[HEAD_WEIGHT] is not None
+        node.needs_input_grad = (True, False, *node.needs_input_grad[2:])
+        skipped = node.apply(torch.ones(3), None)
+    assert skipped[HEAD_WEIGHT] is None and torch.equal(skipped[0], full[0])
+
+
 def test_our_overrides_keep_the_signatures():
     for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model"):
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]

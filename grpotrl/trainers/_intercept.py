@@ -10,6 +10,7 @@ model's lifetime). The names say which kind each is:
 * ``record_*``: the wrapped call runs unchanged; its arguments or results are kept for a check.
 * ``inject_*``: the call runs with something added (keyword arguments, a reordered processor list,
   position ids).
+* ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``.
 
 ``TRLGenerate`` names the positions of the tuple TRL's ``_generate`` returns
 (``tests/test_trl_hooks.py`` pins the layout).
@@ -155,3 +156,40 @@ def record_backbone_output(causal_lm) -> Iterator[list]:
         yield seen
     finally:
         handle.remove()
+
+
+# TRL's fused LM head (trl.kernels.chunked_logprob.ChunkedLogProbFunction, trl 1.16): its backward node,
+# and the positions of the head's weight and bias among its inputs and saved tensors (tests/test_trl_hooks.py)
+FUSED_HEAD_NODE, HEAD_WEIGHT, HEAD_BIAS = "ChunkedLogProbFunctionBackward", 1, 2
+
+
+@contextmanager
+def skip_head_weight_grad(roots: list, inputs: list) -> Iterator[int]:
+    """For ``torch.autograd.grad(root, inputs)`` calls in the block that need no gradient of the LM
+    head's weight or bias: TRL's fused head computes in its backward the gradient of every input that
+    required one at forward time (``ctx.needs_input_grad``), whatever the call asks for -- a dense
+    ``[V, H]`` matrix for the weight, which ``autograd.grad`` then drops. Each fused-head node the
+    roots' graphs reach gets the weight's and bias's flags switched off for the block and restored
+    after (the Trainer's own backward of the same graph needs the weight's gradient). Nodes whose
+    weight or bias is one of ``inputs`` are left as they are. Yields how many nodes it switched."""
+    wanted = {t.data_ptr() for t in inputs}
+    seen, stack, switched = set(), [r.grad_fn for r in roots if r.grad_fn is not None], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == FUSED_HEAD_NODE:
+            saved = node.saved_tensors
+            head = [t for t in saved[HEAD_WEIGHT:HEAD_BIAS + 1] if t is not None]
+            if not any(t.data_ptr() in wanted for t in head):
+                switched.append((node, node.needs_input_grad))
+            continue  # the backbone below the head is not searched
+        stack.extend(fn for fn, _ in node.next_functions)
+    for node, flags in switched:
+        node.needs_input_grad = tuple(False if i in (HEAD_WEIGHT, HEAD_BIAS) else f for i, f in enumerate(flags))
+    try:
+        yield len(switched)
+    finally:
+        for node, flags in switched:
+            node.needs_input_grad = flags

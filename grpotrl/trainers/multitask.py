@@ -301,11 +301,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         per-task gradients (this microbatch)."""
         tasks = list(range(len(self.task_names)))  # every task, so processes reduce the same tensors
         flat = []
-        for k in tasks:
-            grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
-                     if k in self._present else [None] * len(self._proxy))
-            flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                                                 for p, g in zip(self._proxy, grads)])))
+        with _intercept.skip_head_weight_grad([task_losses[k] for k in self._present], self._proxy):
+            for k in tasks:
+                grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
+                         if k in self._present else [None] * len(self._proxy))
+                flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                                                     for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
         gram = G @ G.T  # [K, K]
         weights = self._cagrad_weights(tasks, gram)
