@@ -72,7 +72,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             Trainer's backward then carries the last task's gradient);
           - ``low_memory``: CAGrad weights from the per-task gradients of the last transformer
             block's trainable parameters only (K backward passes, each of its own rows, that stop
-            at that block), then one backward of ``sum_k coef_k L_k + regulariser``. The
+            at that block; during them TRL's fused LM head nodes have the weight's and bias's
+            ``needs_input_grad`` switched off and restored after, ``_intercept.skip_head_weight_grad``,
+            so no ``[V, H]`` weight gradient is computed and dropped), then one backward of
+            ``sum_k coef_k L_k + regulariser``. The
             approximation: the weights see the conflict between tasks in one block, not the whole
             model, and with gradient accumulation they are computed per microbatch.
         The coefficients are scaled by K, so ``cagrad_c=0`` is exactly the plain summed GRPO
