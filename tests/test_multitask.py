@@ -370,13 +370,27 @@ def test_cagrad_update_unchanged_by_the_per_task_forward(mode, tiny_llama, grpo_
             assert new_logs[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
-def test_low_memory_two_task_run_completes(tiny_llama, grpo_args):
+def test_low_memory_two_task_run_completes(tiny_llama, grpo_args, monkeypatch):
+    """... and its per-task gradient passes really run with TRL's fused head weight gradient switched off
+    (the saving of ``_intercept.skip_head_weight_grad`` reaches the trainer's own graph)."""
+    from grpotrl.trainers import _intercept
+
+    switched, skip = [], _intercept.skip_head_weight_grad
+
+    @contextmanager
+    def counted(roots, inputs):
+        with skip(roots, inputs) as n:
+            switched.append(n)
+            yield n
+
+    monkeypatch.setattr(_intercept, "skip_head_weight_grad", counted)
     args = mode_args(grpo_args, "low_memory", entropy_coef=0.01, beta=0.02, max_steps=2,
                      gradient_accumulation_steps=2)
     trainer = make_trainer("low_memory", tiny_llama, args, {"fairness": longer, "hallucination": shorter})
     trainer.train()
     logs = trainer.state.log_history[-2]
     assert "cagrad/min_cosine" in logs and "tasks/hallucination/cagrad_coef" in logs
+    assert switched and min(switched) >= 1, f"fused-head nodes switched per microbatch: {switched}"
 
 
 # ---------------------------------------------------------------- errors before the model loads
