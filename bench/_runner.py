@@ -47,10 +47,12 @@ def report(**result) -> None:
 
 def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[str], describe=None) -> dict:
     """Run ``script --child V *args`` for each variant, ``rounds`` times, alternating; return
-    ``{variant: [result, ...]}``. ``describe(variant, result)`` adds to each progress line."""
+    ``{variant: [result, ...]}``. Round r starts at variant r (mod their number), so no variant
+    always runs right after the same one (a process's exit can slow the next start's first
+    steps). ``describe(variant, result)`` adds to each progress line."""
     results = {v: [] for v in variants}
     for r in range(rounds):
-        for variant in variants:
+        for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
             out = subprocess.run([sys.executable, script, "--child", variant, *args], capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:

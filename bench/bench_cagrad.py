@@ -3,13 +3,18 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_cagrad.py            # SmolLM2, 6 steps x 2 rounds
     .venv/bin/python bench/bench_cagrad.py --steps 8 --rounds 3 --completion 64
 
-Variants, each in a fresh subprocess, alternated (plain, exact, low_memory, plain, ...) so
-machine noise hits all: the same MultiTaskGRPOTrainer on the shipped two-task data
+Variants, each in a fresh subprocess, alternated (plain, exact, low_memory; then exact,
+low_memory, plain; ...) so machine noise hits all: the same MultiTaskGRPOTrainer on the shipped two-task data
 (fairness + hallucination rows, rule rewards), 4 prompts x 4 generations a step, guards off,
 with ``cagrad`` off / exact / low_memory, KL (beta 0.04) and an entropy bonus (0.01) on, or
 both off with ``--no-reg`` (then exact needs K backward passes, not K + 1). ``plain`` is
 single-objective GRPO on the same config: one backward of the summed loss, as TRL does. Compared: mean wall time and process
 CPU time per step (the steadier measure on a shared machine) after the first step.
+The learning rate is 0 unless ``--learning-rate`` says otherwise: every step still computes and
+applies its update (AdamW's arithmetic is the same), but the weights stay put, so every variant
+samples the same completions and the ratios compare the same work (the bench prints whether the
+completion lengths agree). With a learning rate > 0 the variants' weights differ after step 1,
+they sample other completions, and the rollout's length and time drift between them.
 Goals for two tasks: exact <= 1.6, low_memory <= 1.15. Every variant also times the I7 sign
 check from the inside (``guards_logprobs.entropy_slopes``, every slope the checks measure, run every
 step), as a share of step CPU,
@@ -30,7 +35,7 @@ VARIANTS = ("plain", "exact", "low_memory")
 PHASES = ("rollout", "loss forward", "autograd.grad", "trainer backward")
 
 
-def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
+def child(variant: str, steps: int, completion: int, no_reg: bool, lr: float) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import time
 
@@ -86,7 +91,7 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
         max_completion_length=completion, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True,
         save_strategy="no", seed=0, temperature=0.9, beta=0.0 if no_reg else 0.04,
         entropy_coef=0.0 if no_reg else 0.01, guard_steps=0,
-        gradient_checkpointing=False, health_report_steps=0, learning_rate=1e-6,
+        gradient_checkpointing=False, health_report_steps=0, learning_rate=lr,
         cagrad="off" if variant == "plain" else variant)
     timer = _runner.step_timer()
     trainer = grpotrl.MultiTaskGRPOTrainer(
@@ -96,6 +101,7 @@ def child(variant: str, steps: int, completion: int, no_reg: bool) -> None:
     timed(trainer.accelerator, "backward", "trainer backward")
     trainer.train()
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, inside=inside[0],
+                   lengths=_runner.completion_lengths(trainer),
                    phases={k: (v - first.get(k, 0.0)) / max(len(timer.cpu) - 1, 1) for k, v in phases.items()})
 
 
@@ -105,21 +111,28 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")
     p.add_argument("--no-reg", action="store_true", help="beta=0 and no entropy bonus (exact: K backward passes)")
+    p.add_argument("--learning-rate", type=float, default=0.0,
+                   help="0 (default) keeps every variant on the same weights, hence the same completions: equal work")
     p.add_argument("--child", choices=VARIANTS)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.completion, a.no_reg)
+        return child(a.child, a.steps, a.completion, a.no_reg, a.learning_rate)
     def i7(variant, res):
         phases = ", ".join(f"{k} {v:.2f}" for k, v in res["phases"].items())
         return f"  I7 check {res['inside'] / sum(res['cpu_times']):.3%} of step cpu; cpu s per step: {phases}"
 
     results = _runner.alternate(__file__, VARIANTS, a.rounds,
-                                ["--steps", str(a.steps), "--completion", str(a.completion)]
+                                ["--steps", str(a.steps), "--completion", str(a.completion),
+                                 "--learning-rate", repr(a.learning_rate)]
                                 + (["--no-reg"] if a.no_reg else []), describe=i7)
     after_first = slice(1, None)  # the first step pays one-time costs (allocations, buffers)
 
     print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} no_reg={a.no_reg} "
-          f"(means over steps 2..{a.steps})")
+          f"learning_rate={a.learning_rate:g} (means over steps 2..{a.steps})")
+    for variant in VARIANTS[1:]:
+        same = all(p["lengths"] == q["lengths"] for p, q in zip(results["plain"], results[variant]))
+        print(f"completion lengths per step, plain vs {variant}: {'identical' if same else 'DIFFER (different work)'}: "
+              f"{results['plain'][0]['lengths']} vs {results[variant][0]['lengths']}")
     for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
         plain = _runner.mean_per_step(results, "plain", key, after_first)
         for variant, goal in (("exact", 1.6), ("low_memory", 1.15)):
