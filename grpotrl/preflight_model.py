@@ -86,16 +86,17 @@ def check_ranges(args) -> None:
 
 
 def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
-    """``generation_kwargs[name]``, where given and not the field's default 1.0, becomes ``args.<name>``:
-    checked against ``RANGES`` first, refused where the field is set to another value."""
-    if name not in kwargs or kwargs[name] == 1.0:  # 1.0: the default of both fields (a NaN is not equal)
+    """``generation_kwargs[name]``, where given, becomes ``args.<name>``: checked against ``RANGES``
+    first, refused where the field is set to another value than its default 1.0 (``temperature=0.7``
+    with ``generation_kwargs={"temperature": 1.0}`` too: TRL would sample at 1.0)."""
+    if name not in kwargs:
         return
-    given = kwargs[name]
+    given, field = kwargs[name], getattr(args, name)
     ok, what = RANGES[name]
     if not ok(given):
         raise InputError(f"generation_kwargs['{name}']={given!r}: it must be {what}.")
-    if getattr(args, name) not in (1.0, given):
-        raise InputError(f"{name}={getattr(args, name)} and generation_kwargs['{name}']={given} disagree ({why}): "
+    if field not in (1.0, given):  # 1.0: the default of both fields
+        raise InputError(f"{name}={field} and generation_kwargs['{name}']={given} disagree ({why}): "
                          f"set it once, as {name}.")
     setattr(args, name, given)
 

@@ -166,6 +166,14 @@ def test_I5_generation_kwargs_temperature_becomes_the_field_or_is_refused(tmp_pa
     with pytest.raises(grpotrl.InputError, match=r"temperature=0.9 and generation_kwargs\['temperature'\]=0.7 "
                                                  r"disagree \(I5"):
         make(temperature=0.9, generation_kwargs={"temperature": 0.7})
+    # generation_kwargs' 1.0 is a value too: TRL samples at it, while the logprobs would be at 0.7
+    with pytest.raises(grpotrl.InputError, match=r"temperature=0.7 and generation_kwargs\['temperature'\]=1.0 "
+                                                 r"disagree \(I5"):
+        make(temperature=0.7, generation_kwargs={"temperature": 1.0})
+    with pytest.raises(grpotrl.InputError, match=r"repetition_penalty=1.2 and generation_kwargs\['repetition_penalty'\]"
+                                                 r"=1.0 disagree \(I6"):
+        make(repetition_penalty=1.2, generation_kwargs={"repetition_penalty": 1.0})
+    assert make(generation_kwargs={"temperature": 1.0}).temperature == 1.0
     for bad in (float("nan"), 0.0, -1.0, "0.7"):
         with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['temperature'\]=.*must be a finite"):
             make(generation_kwargs={"temperature": bad})
