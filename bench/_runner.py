@@ -48,8 +48,8 @@ def report(**result) -> None:
 def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[str], describe=None) -> dict:
     """Run ``script --child V *args`` for each variant, ``rounds`` times, alternating; return
     ``{variant: [result, ...]}``. Round r starts at variant r (mod their number), so no variant
-    always runs right after the same one (a process's exit can slow the next start's first
-    steps). ``describe(variant, result)`` adds to each progress line."""
+    always runs in the same slot (on this VM one child in a run can be 10-20% slower in every
+    phase, its identical rollout too). ``describe(variant, result)`` adds to each progress line."""
     results = {v: [] for v in variants}
     for r in range(rounds):
         for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
