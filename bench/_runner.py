@@ -40,6 +40,14 @@ def completion_lengths(trainer) -> list[float]:
     return [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
 
 
+def same_lengths(results: dict, a: str, b: str) -> str:
+    """One line saying whether variants ``a`` and ``b`` sampled completions of the same lengths in every
+    round (``lengths`` in their results), with round 0's lengths: else their ratios compare different work."""
+    same = all(p["lengths"] == q["lengths"] for p, q in zip(results[a], results[b]))
+    return (f"completion lengths per step, {a} vs {b}: {'identical' if same else 'DIFFER (different work)'}: "
+            f"{results[a][0]['lengths']} vs {results[b][0]['lengths']}")
+
+
 def report(**result) -> None:
     """The child's one line of output."""
     print("RESULT " + json.dumps(result), flush=True)

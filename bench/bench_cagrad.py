@@ -130,9 +130,7 @@ def main() -> None:
     print(f"\nsteps={a.steps} rounds={a.rounds} completion={a.completion} no_reg={a.no_reg} "
           f"learning_rate={a.learning_rate:g} (means over steps 2..{a.steps})")
     for variant in VARIANTS[1:]:
-        same = all(p["lengths"] == q["lengths"] for p, q in zip(results["plain"], results[variant]))
-        print(f"completion lengths per step, plain vs {variant}: {'identical' if same else 'DIFFER (different work)'}: "
-              f"{results['plain'][0]['lengths']} vs {results[variant][0]['lengths']}")
+        print(_runner.same_lengths(results, "plain", variant))
     for key, label in (("step_times", "step time"), ("cpu_times", "cpu time ")):
         plain = _runner.mean_per_step(results, "plain", key, after_first)
         for variant, goal in (("exact", 1.6), ("low_memory", 1.15)):

@@ -148,9 +148,7 @@ def main() -> None:
               + ", ".join(f"{r:.3f}" for r in rounds))
         for n in (50, 200, 1000):
             print(f"  projected run-time ratio for a {n}-step run: {(g * guarded + (n - g) * free) / n:.3f}")
-    same = all(p["lengths"] == q["lengths"] for p, q in zip(results["trl"], results["grpotrl"]))
-    print(f"completion lengths per step {'identical' if same else 'DIFFER (the ratios compare different work)'}: "
-          f"trl {results['trl'][0]['lengths']} grpotrl {results['grpotrl'][0]['lengths']}")
+    print(_runner.same_lengths(results, "trl", "grpotrl"))
     goal = "  (goal <= 1.03)" if a.guard_steps >= 0 else "  (no goal: guards at every step)"
     print(f"step time  trl {med('trl'):.3f} s  grpotrl {med('grpotrl'):.3f} s  ratio {med('grpotrl') / med('trl'):.3f}"
           + goal)
