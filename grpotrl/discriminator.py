@@ -65,6 +65,21 @@ def pool_last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return hidden[torch.arange(hidden.size(0), device=hidden.device), index]
 
 
+def score_tolerance(score: float, dtype: torch.dtype) -> float:
+    """Largest ``|D(x alone) - D(x in its batch)|`` that I9 takes for batch-shape rounding: in fp32
+    ``2e-5 x max(1, |score|)`` (measured on CPU), in bf16/fp16 four machine epsilons of that dtype
+    ``x max(1, |score|)`` (bf16: 0.031). The two forwards differ only in batch shape, so their
+    kernels round differently; on an H100 in bf16 SmolLM2's scores differed by 0.0078, one bf16
+    epsilon. A score read at the wrong token differs by the whole signal, not by a rounding step.
+
+    >>> score_tolerance(0.5, torch.float32), score_tolerance(3.0, torch.bfloat16)
+    (2e-05, 0.09375)
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return 4 * torch.finfo(dtype).eps * max(1.0, abs(score))
+    return 2e-5 * max(1.0, abs(score))
+
+
 def bradley_terry_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     """``mean(-log sigmoid(D(teacher) - D(student)))`` over pairs; [N], [N] -> scalar.
 

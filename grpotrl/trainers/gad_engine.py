@@ -27,7 +27,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..discriminator import bradley_terry_loss, completion_texts, pad_sequences
+from ..discriminator import bradley_terry_loss, completion_texts, pad_sequences, score_tolerance
 from ..errors import InputError, InvariantError
 
 D_DIR = "discriminator"
@@ -112,7 +112,7 @@ class _Engine:
             with torch.no_grad(), self.accelerator.autocast():
                 alone = self.model(*pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device))[0]
             gap = (alone - batched[k]).abs().item()
-            tol = 2e-5 * max(1.0, abs(alone.item())) * (100 if self.args.bf16 else 1)  # fp32 batch-shape noise
+            tol = score_tolerance(alone.item(), self._compute_dtype())
             if gap > tol:
                 raise InvariantError(
                     "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
@@ -121,6 +121,12 @@ class _Engine:
                     f"{tokenizer.decode(seqs[k][-12:])!r}. A custom discriminator must pool by the attention mask "
                     "(grpotrl.discriminator.Discriminator does); a packed batch needs an attention that takes its 4D "
                     "mask as given (sdpa, eager).")
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The precision D's forward runs in: the mixed-precision setting, else its weights' dtype."""
+        if self.args.bf16 or self.args.fp16:
+            return torch.bfloat16 if self.args.bf16 else torch.float16
+        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -311,7 +311,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
                 flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
                                                      for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
-        gram = G @ G.T  # [K, K]
+        gram = (G @ G.T).cpu()  # [K, K]: the combination is solved on CPU, as on the exact path
         weights = self._cagrad_weights(tasks, gram)
         self._log_cagrad(tasks, gram, weights)
         return sum(w * task_losses[k] for w, k in zip(weights.tolist(), tasks)) + reg

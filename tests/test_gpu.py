@@ -1,0 +1,73 @@
+"""The shipped recipes on a CUDA GPU in bf16, guards on every step, as a user launches them:
+``grpotrl CMD --config recipes/smollm2/... --use_cpu false --bf16 true``, and the GRPO recipe under
+``accelerate launch`` with DeepSpeed ZeRO-2 and ZeRO-3 (one process).
+
+Skipped without CUDA (CI has none): run on a GPU machine with ``pytest -q tests/test_gpu.py``. Each
+case is a bug class the CPU suite cannot see: a tensor left on the CPU beside CUDA ones (CAGrad
+low-memory's Gram matrix, found here on an H100), or a guard tolerance set for fp32 that bf16's
+rounding trips (GAD's I9 check: 0.0078 between two batch shapes, one bf16 epsilon).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ["--use_cpu", "false", "--bf16", "true", "--dtype", "bfloat16", "--guard_steps", "-1",
+       "--disable_tqdm", "true"]
+
+
+def cli(args: list[str], output_dir: Path, launcher: list[str] | None = None) -> list[dict]:
+    cmd = [*(launcher or [sys.executable]), "-m", "grpotrl.cli", *args, *GPU, "--output_dir", str(output_dir)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu") / "sft"
+    logs = cli(["sft", "--config", "recipes/smollm2/sft_quickstart.yaml", "--max_steps", "10"], out)
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in logs if "loss" in e)
+    return out
+
+
+@pytest.mark.parametrize("extra", [["--beta", "0.04"], ["--beta", "0.04", "--loss_type", "dapo"],
+                                   ["--use_peft", "true", "--lora_r", "8", "--beta", "0.04"]],
+                         ids=["grpo-kl", "dapo-kl", "lora-kl"])
+def test_grpo_recipe_on_cuda_bf16_with_every_guard(sft_model, tmp_path, extra):
+    logs = cli(["grpo", "--config", "recipes/smollm2/grpo_quickstart.yaml", "--model_name_or_path", str(sft_model),
+                "--max_steps", "3", *extra], tmp_path / "out")
+    assert sum("reward" in e for e in logs) == 3
+
+
+@pytest.mark.parametrize("cagrad", ["exact", "low_memory"])
+def test_cagrad_recipe_on_cuda_bf16(tmp_path, cagrad):
+    # low_memory: its per-task Gram matrix was on the GPU and the CAGrad weights on the CPU (a RuntimeError)
+    logs = cli(["grpo", "--config", "recipes/smollm2/grpo_multitask_cagrad.yaml", "--cagrad", cagrad,
+                "--max_steps", "2"], tmp_path / "out")
+    assert any("cagrad/deviation_from_sum" in e for e in logs)
+
+
+def test_gad_recipe_on_cuda_bf16_passes_I9_at_bf16_rounding(tmp_path):
+    # I9's tolerance was fp32's x 100 (2e-3): two batch shapes differ by one bf16 epsilon (7.8e-3) on an H100
+    logs = cli(["gad", "--config", "recipes/smollm2/gad_quickstart.yaml", "--max_steps", "3"], tmp_path / "out")
+    assert any("gad/d_acc" in e for e in logs)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_grpo_recipe_under_deepspeed_on_one_gpu(sft_model, tmp_path, stage):
+    launcher = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+                f"recipes/accelerate/{stage}.yaml", "--num_processes", "1"]
+    logs = cli(["grpo", "--config", "recipes/smollm2/grpo_quickstart.yaml", "--model_name_or_path", str(sft_model),
+                "--max_steps", "2", "--beta", "0.04"], tmp_path / "out", launcher=launcher)
+    assert sum("reward" in e for e in logs) == 2
