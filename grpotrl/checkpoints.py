@@ -11,6 +11,11 @@
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
   ``check_finished_run`` (the Python API: only a finished run is refused).
 * ``_weights_problem`` / ``_files``: also what ``preflight_model.check_model_dir`` reports.
+* ``check_resume_architecture``: a checkpoint written by a model of another architecture (its
+  ``config.json`` fields; LoRA: ``adapter_config.json``'s rank, target modules and base model), an
+  ``InputError`` naming the field and both values before the weights load.
+* ``disk_full_named``: a full disk while a checkpoint or the model is written, a ``DiskFullError``
+  naming the file and the last complete checkpoint (torch itself says only "unexpected pos").
 """
 
 from __future__ import annotations
@@ -197,9 +202,9 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
             )
         raise InputError(
             f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
-            f"wrote it was probably killed (or ran out of disk) while saving, and resuming from it would load part of the state. "
-            f"Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left as it "
-            "is (delete it yourself once you no longer need it)."
+            "wrote it was probably killed (or ran out of disk) while saving, and resuming from it would load part of "
+            f"the state. Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left "
+            "as it is (delete it yourself once you no longer need it)."
         )
 
 

@@ -20,8 +20,9 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
    by path, I6 generation settings, settings this trainer would ignore, reward columns empty
    everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
-5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, the same
-   template (I2); ``train()`` then resumes from it without checking it again.
+5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, written by a
+   model of this run's architecture (``config.json``; LoRA: rank, target modules, base model), the
+   same template (I2); ``train()`` then resumes from it without checking it again.
 Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 """
 
