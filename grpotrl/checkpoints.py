@@ -11,20 +11,28 @@
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
   ``check_finished_run`` (the Python API: only a finished run is refused).
 * ``_weights_problem`` / ``_files``: also what ``preflight_model.check_model_dir`` reports.
+* ``check_resume_architecture``: a checkpoint written by a model of another architecture (its
+  ``config.json`` fields; LoRA: ``adapter_config.json``'s rank, target modules and base model), an
+  ``InputError`` naming the field and both values before the weights load.
+* ``disk_full_named``: a full disk while a checkpoint or the model is written, a ``DiskFullError``
+  naming the file and the last complete checkpoint (torch itself says only "unexpected pos").
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import struct
 import zipfile
+from contextlib import contextmanager
 
 from . import templates
-from .errors import InputError
+from .errors import DiskFullError, HealthStop, InputError, InvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +202,9 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
             )
         raise InputError(
             f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
-            f"wrote it was probably killed while saving, and resuming from it would load part of the state. "
-            f"Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left as it "
-            "is (delete it yourself once you no longer need it)."
+            "wrote it was probably killed (or ran out of disk) while saving, and resuming from it would load part of "
+            f"the state. Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left "
+            "as it is (delete it yourself once you no longer need it)."
         )
 
 
@@ -333,3 +341,196 @@ def _warn_mid_generation(checkpoint: str, args, kind: str) -> None:
             "steps_per_generation x num_iterations); the resumed run samples that batch afresh, so it will not "
             "match an uninterrupted run. Checkpoints at multiples of %d optimizer steps resume exactly.",
             checkpoint, every, every // math.gcd(every, args.gradient_accumulation_steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model a checkpoint was written by (config.json / adapter_config.json, before weights load)
+# ---------------------------------------------------------------------------------------------
+
+# what decides the shapes of the weights and optimizer state a checkpoint holds, by transformers'
+# canonical names (a config class maps its own: GPT-2's ``n_embd`` is ``hidden_size``)
+ARCHITECTURE_FIELDS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                       "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "num_local_experts", "tie_word_embeddings")
+
+
+def read_config(path: str | None) -> dict | None:
+    """The JSON object in ``path`` (a ``config.json``), or None when there is none or it is unreadable."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def architecture(config) -> dict:
+    """``ARCHITECTURE_FIELDS`` of ``config`` (a ``PretrainedConfig``, or a ``config.json`` dict: read
+    through its config class, so the class's defaults and aliases apply; no remote code is run). A
+    field the config does not define is None."""
+    if isinstance(config, dict):
+        from transformers import CONFIG_MAPPING
+
+        model_type = config.get("model_type")
+        if model_type in CONFIG_MAPPING:
+            try:
+                config = CONFIG_MAPPING[model_type].from_dict(config)
+            except Exception:  # a config its own class refuses: compare the fields as written
+                pass
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    fields = {name: get(name) for name in ARCHITECTURE_FIELDS}
+    if fields["architectures"] is not None:
+        fields["architectures"] = list(fields["architectures"])
+    return fields
+
+
+def architecture_differences(saved, model) -> list[tuple[str, object, object]]:
+    """``(field, saved value, model value)`` for each ``ARCHITECTURE_FIELDS`` entry both configs define
+    and disagree on."""
+    a, b = architecture(saved), architecture(model)
+    return [(name, a[name], b[name]) for name in ARCHITECTURE_FIELDS
+            if a[name] is not None and b[name] is not None and a[name] != b[name]]
+
+
+def _listed(differences: list[tuple[str, object, object]], where: str) -> str:
+    return "; ".join(f"{name} is {saved!r} in {where} but {model!r} in this run's model"
+                     for name, saved, model in differences)
+
+
+def _modules(target_modules) -> list[str] | None:
+    """LoRA ``target_modules`` as a sorted list of names; None for a regex, "all-linear" or unset (not compared)."""
+    return sorted(target_modules) if isinstance(target_modules, (list, tuple, set)) else None
+
+
+def check_resume_architecture(checkpoint: str, model_config, model_name: str | None, peft_config=None) -> None:
+    """Raise ``InputError`` when ``checkpoint`` was written by a model of another architecture than this
+    run's (``model_config``: its ``PretrainedConfig`` or ``config.json`` dict), before any weights load.
+
+    Full weights: the checkpoint's ``config.json`` against the model's, field by field
+    (``ARCHITECTURE_FIELDS``). A LoRA adapter: its ``adapter_config.json``'s ``r`` and
+    ``target_modules`` against this run's ``peft_config`` (where it names them), and the config of its
+    ``base_model_name_or_path`` (when that is a directory here) against the model's. The Trainer would
+    otherwise load the model first and fail in the state dict or the optimizer (a traceback). A
+    checkpoint without ``config.json`` is not compared."""
+    name = model_name or "(the model passed in)"
+    adapter = read_config(os.path.join(checkpoint, "adapter_config.json"))
+    if adapter is None:
+        saved = read_config(os.path.join(checkpoint, "config.json"))
+        differences = architecture_differences(saved, model_config) if saved is not None else []
+        if differences:
+            raise InputError(
+                f"Checkpoint {checkpoint!r} was written by a model of another architecture than this run's {name}: "
+                f"{_listed(differences, 'its config.json')}. Its weights and optimizer state cannot load into this "
+                "model. Resume with the model that wrote it (model_name_or_path), or drop resume_from_checkpoint "
+                "to start fresh from this model."
+            )
+        return
+    where = os.path.join(checkpoint, "adapter_config.json")
+    pairs = (("r", adapter.get("r"), getattr(peft_config, "r", None)),
+             ("target_modules", _modules(adapter.get("target_modules")),
+              _modules(getattr(peft_config, "target_modules", None))))
+    lora = [(key, saved, run) for key, saved, run in pairs if saved is not None and run is not None and saved != run]
+    if lora:
+        raise InputError(
+            f"LoRA checkpoint {checkpoint!r} holds adapters of another shape than this run makes: "
+            + "; ".join(f"lora {k} is {s!r} in {where} but {r!r} in this run's settings" for k, s, r in lora)
+            + ". Resume with the LoRA settings that wrote it (lora_r, lora_target_modules), or drop "
+            "resume_from_checkpoint to start fresh."
+        )
+    base = adapter.get("base_model_name_or_path")
+    base_config = read_config(os.path.join(os.path.expanduser(base), "config.json")) if base else None
+    differences = architecture_differences(base_config, model_config) if base_config is not None else []
+    if differences:
+        raise InputError(
+            f"LoRA checkpoint {checkpoint!r} was trained on {base!r}, a model of another architecture than this "
+            f"run's {name}: {_listed(differences, os.path.join(base, 'config.json'))}. Its adapters cannot load "
+            f"into this model. Resume with model_name_or_path {base!r}, or drop resume_from_checkpoint to start "
+            "fresh."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk while a checkpoint (or the final model) is written
+# ---------------------------------------------------------------------------------------------
+
+NEARLY_FULL_BYTES = 16 * 2**20  # torch.save's failed write says only "unexpected pos": this little free is the cause
+DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def _chain(err: BaseException):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _nearest_dir(path: str) -> str:
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path or "."
+
+
+def is_disk_full(err: BaseException, directory: str) -> bool:
+    """Whether ``err``, raised while writing into ``directory``, is a full disk: an ``OSError`` ENOSPC or
+    EDQUOT anywhere in its chain, a message saying so (safetensors: "No space left on device (os error
+    28)"), or a write error of torch (its ``PytorchStreamWriter``: "unexpected pos", no errno) or of the
+    OS with under ``NEARLY_FULL_BYTES`` left on that filesystem."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(e) for text in DISK_FULL_TEXT):
+            return True
+    if isinstance(err, (OSError, RuntimeError)):
+        return shutil.disk_usage(_nearest_dir(directory)).free < NEARLY_FULL_BYTES
+    return False
+
+
+def _file_being_written(err: BaseException, directory: str) -> str:
+    """The file a failed save was writing: the error's own ``filename``, else the newest file under
+    ``directory`` when it is cut short, else its weights when they are missing (safetensors deletes
+    what it could not finish), else the directory."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+    files = [os.path.join(root, n) for root, _, names in os.walk(directory) for n in names]
+    if files:
+        newest = max(files, key=os.path.getmtime)
+        if _file_problem(os.path.dirname(newest), os.path.basename(newest)):
+            return newest
+    kind = "adapter" if os.path.isfile(os.path.join(directory, "adapter_config.json")) else "model"
+    if os.path.isdir(directory) and _weights_problem(directory, kind):
+        return os.path.join(directory, WEIGHT_FILES[kind][0])
+    return f"a file in {directory}"
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
+@contextmanager
+def disk_full_named(directory: str, run_dir: str, what: str, required: tuple[str, ...] = ()):
+    """Turn a full disk while the block writes into ``directory`` (a ``checkpoint-N`` or the final
+    model's dir) into ``DiskFullError``: the file being written, "no space left on device", the space
+    free, and the last complete checkpoint in ``run_dir`` to resume from (or "none yet"), with the
+    original as ``__cause__``. Deletes nothing: an incomplete ``checkpoint-N`` stays, and a resume
+    refuses it (``check_resume_checkpoint``). Any other error passes through unchanged."""
+    try:
+        yield
+    except (InputError, InvariantError, HealthStop):
+        raise
+    except Exception as err:
+        if not is_disk_full(err, directory):
+            raise
+        complete = [c for c in _complete_checkpoints(run_dir, required)
+                    if os.path.abspath(os.path.join(run_dir, c)) != os.path.abspath(directory)]
+        last = os.path.join(run_dir, complete[-1]) if complete else None
+        left = (f" {directory} is incomplete and left as it is (a resume refuses it; delete it once you have room)."
+                if os.path.basename(os.path.normpath(directory)).startswith("checkpoint-") else "")
+        then = (f"then resume with --resume_from_checkpoint {last} (a checkpoint takes about "
+                f"{_size(last) / 2**20:.0f} MiB)" if last else "then run again")
+        raise DiskFullError(
+            f"No space left on device while writing {_file_being_written(err, directory)} ({what}; "
+            f"{shutil.disk_usage(_nearest_dir(directory)).free / 2**20:.1f} MiB free there).{left} Last complete "
+            f"checkpoint: {last or 'none yet'}. Free space or set output_dir to a disk with room, {then}."
+        ) from err

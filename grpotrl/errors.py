@@ -27,3 +27,10 @@ class HealthStop(RuntimeError):
         self.rule, self.step, self.checkpoint = rule, step, checkpoint
         where = f" Checkpoint saved to {checkpoint} (resume_from_checkpoint works)." if checkpoint else ""
         super().__init__(f"[health: {rule}] step {step}: {message}{where}")
+
+
+class DiskFullError(InputError):
+    """A checkpoint or the final model could not be written: no space left on the device. The message
+    names the file, the last complete checkpoint and what to do; the write's own error is the
+    ``__cause__``. An ``InputError`` so the CLI prints it as one line: the fix (free space, another
+    ``output_dir``) is the user's, as for bad input, though compute was spent."""

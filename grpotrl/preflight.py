@@ -20,8 +20,9 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
    by path, I6 generation settings, settings this trainer would ignore, reward columns empty
    everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
-5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, the same
-   template (I2); ``train()`` then resumes from it without checking it again.
+5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, written by a
+   model of this run's architecture (``config.json``; LoRA: rank, target modules, base model), the
+   same template (I2); ``train()`` then resumes from it without checking it again.
 Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from . import templates
-from .checkpoints import check_output_dir, resume_checkpoint
+from .checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
 from .errors import InputError
 from .preflight_data import check_dataset, check_prompt_lengths
 from .preflight_model import check_discriminator_source, check_ranges, check_tokenizer_files
@@ -172,14 +173,33 @@ class ResumeCheck(NamedTuple):
 
 
 def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None,
-                 given=_NOT_GIVEN) -> ResumeCheck:
-    """Step 5: the resume checkpoint checked complete and on this run's template; ``given`` defaults
-    to ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
+                 given=_NOT_GIVEN, model=None, peft_config=None) -> ResumeCheck:
+    """Step 5: the resume checkpoint checked complete, written by a model of this run's architecture
+    (``model``: its path or Hub id, or the loaded model; None: not compared) and on this run's
+    template; ``given`` defaults to ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)``
+    passes its own)."""
     given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
+    if checkpoint and model is not None:
+        _check_resume_architecture(checkpoint, model, args, peft_config)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
         templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs)
     return ResumeCheck(given, checkpoint, kind, chat_template_kwargs)
+
+
+def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> None:
+    """``checkpoints.check_resume_architecture`` against the model's config: its ``config.json`` read
+    by name (no weights) for a path or Hub id, ``model.config`` for a loaded model."""
+    from .hub import model_file
+
+    if isinstance(model, str):
+        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        config = read_config(model_file(model, "config.json", revision))
+        if config is not None:
+            check_resume_architecture(checkpoint, config, model, peft_config)
+    elif getattr(model, "config", None) is not None:
+        check_resume_architecture(checkpoint, model.config, getattr(model.config, "_name_or_path", None),
+                                  peft_config)
 
 
 def _uses_peft(model, peft_config) -> bool:
@@ -231,7 +251,7 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
     # a reward column empty everywhere (per task: on the task's own rows)
     check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
     resume = check_resume(args, trainer._resume_kind, processing_class, _uses_peft(model_in, peft_config),
-                          template_kwargs)
+                          template_kwargs, model=model, peft_config=peft_config)
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
         reward_funcs = per_task(reward_funcs, args.task_column)
@@ -396,5 +416,6 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
                                         revision=(args.model_init_kwargs or {}).get("revision"))
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, option(args, "chat_template_kwargs"))
-    resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")))
+    resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")),
+                          model=model, peft_config=kwargs.get("peft_config"))
     return model, processing_class, stop_ids, fmt, resume

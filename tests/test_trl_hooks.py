@@ -44,6 +44,7 @@ SFT_HOOKS = {
     "save_model": ["self", "output_dir", "_internal_call"],
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "_save_checkpoint": ["self", "model", "trial"],  # _common.CheckedResume: a full disk named
 }
 
 
@@ -105,6 +106,9 @@ def test_our_overrides_keep_the_signatures():
         assert _params(grpotrl.GADTrainer, name) == GRPO_HOOKS[name], f"GADTrainer.{name}"
     for name in ("compute_loss", "_prepare_dataset", "save_model"):
         assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name]
+    for name in ("_save_checkpoint", "_load_from_checkpoint"):  # _common.CheckedResume
+        assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name], f"GRPOTrainer.{name}"
+        assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name], f"SFTTrainer.{name}"
 
 
 def test_sft_preparation_state_grpotrl_reads():

@@ -4,17 +4,21 @@ quantized (QLoRA) models need, the checked resume, and how the run is sharded.
 * ``pin_quantized_kernels``: bitsandbytes' CPU kernels compute the same function in train and
   eval mode; ``trainable_dtypes_kept``: a resumed QLoRA adapter keeps the dtype TRL gave it.
 * ``CheckedResume``: ``train(resume_from_checkpoint=...)`` checked (``checkpoints.resume_checkpoint``)
-  unless the preflight already checked that checkpoint; a finished run is not trained over.
+  unless the preflight already checked that checkpoint; a finished run is not trained over; a full
+  disk while saving is one clear error (``checkpoints.disk_full_named``).
 * ``sharded_launch``: DeepSpeed or FSDP, known before anything loads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
-from ..checkpoints import check_finished_run, resume_requested
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..checkpoints import check_finished_run, check_resume_architecture, resume_requested
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,9 @@ class CheckedResume:
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
     dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
-    (``train(overwrite_output_dir=True)``). Overrides ``train`` and ``_load_from_checkpoint``."""
+    (``train(overwrite_output_dir=True)``); a checkpoint of another architecture is refused before its
+    weights load; a full disk while a checkpoint is written is a ``DiskFullError`` naming the file and
+    the last complete checkpoint. Overrides ``train``, ``_load_from_checkpoint`` and ``_save_checkpoint``."""
 
     _resume_kind = "grpo"
 
@@ -110,8 +116,34 @@ class CheckedResume:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with trainable_dtypes_kept(model if model is not None else self.model):
+        """TRL's, after the checkpoint's config is compared with the model's (the preflight did so before
+        the model loaded; ``train(resume_from_checkpoint=other)`` gets it here, still before the
+        checkpoint's weights load), keeping the trainable parameters' dtypes."""
+        model = model if model is not None else self.model
+        unwrapped = self.accelerator.unwrap_model(model)
+        peft_config = (getattr(unwrapped, "peft_config", None) or {}).get("default")
+        check_resume_architecture(resume_from_checkpoint, unwrapped.config,
+                                  getattr(unwrapped.config, "_name_or_path", None), peft_config)
+        with trainable_dtypes_kept(model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's, with a full disk turned into ``DiskFullError`` (``checkpoints.disk_full_named``: the file,
+        the last complete checkpoint) instead of torch's "unexpected pos"; the incomplete
+        ``checkpoint-N`` is left as it is, and a resume refuses it."""
+        step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        with self.disk_full_named(os.path.join(self.args.output_dir, step),
+                                  f"the checkpoint of step {self.state.global_step}"):
+            super()._save_checkpoint(model, trial)
+
+    def disk_full_named(self, directory: str, what: str, in_checkpoint: bool = False):
+        """``checkpoints.disk_full_named`` for a write of this trainer into ``directory``; nothing when
+        ``in_checkpoint`` (``save_model(_internal_call=True)``: ``_save_checkpoint`` names the checkpoint)."""
+        from ..checkpoints import disk_full_named, resume_files
+
+        if in_checkpoint:
+            return nullcontext()
+        return disk_full_named(directory, self.args.output_dir, what, resume_files(self.args, self._resume_kind))
 
 
 def sharded_launch(args) -> str | None:

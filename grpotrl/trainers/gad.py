@@ -318,8 +318,9 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
-        self._d.save_weights(os.path.join(output_dir or self.args.output_dir, D_DIR))  # every process: ZeRO-3 gathers
+        with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
+            super().save_model(output_dir, _internal_call)
+            self._d.save_weights(os.path.join(output_dir or self.args.output_dir, D_DIR))  # every process: ZeRO-3
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

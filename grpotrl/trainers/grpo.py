@@ -384,10 +384,11 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints (I2)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template,
-                                       chat_template_kwargs=[self.chat_template_kwargs or {}])
+        with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
+            super().save_model(output_dir, _internal_call)
+            if self.args.should_save:
+                templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template,
+                                           chat_template_kwargs=[self.chat_template_kwargs or {}])
 
 
 def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:

@@ -204,11 +204,12 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                                     num_items_in_batch=num_items_in_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer,
-                                       chat_template_kwargs=self._template_kwargs,
-                                       trained_on_template=self._trained_on_template)
+        with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
+            super().save_model(output_dir, _internal_call)
+            if self.args.should_save:
+                templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer,
+                                           chat_template_kwargs=self._template_kwargs,
+                                           trained_on_template=self._trained_on_template)
 
 
 def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: list[list[int]] | None = None,
