@@ -249,14 +249,14 @@ def run(command: str, argv: list[str]) -> None:
 
 def summary(command: str, log_history: list[dict], window: int = 5) -> str:
     """Mean of the first and last ``window`` logged values of the metrics that tell progress.
-    A non-finite value (inf, NaN) is no number to average: it is left out and counted, and a
-    metric that was never finite says so instead of printing ``inf``.
+    NaN is TRL's "no row scored" and is left out like None; +-inf is no number to average either:
+    it is left out and counted, and a metric that was never finite says so instead of printing ``inf``.
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
     >>> summary("grpo", [{"reward": None}, {"reward": 0.5}, {"reward": "n/a"}])  # a step whose judges scored no row
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
-    >>> summary("grpo", [{"reward": float("inf")}, {"reward": 0.5}])
+    >>> summary("grpo", [{"reward": float("inf")}, {"reward": 0.5}, {"reward": float("nan")}])
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps); 1 logged value not finite (inf), left out'
     >>> summary("grpo", [{"reward": float("inf")}, {"reward": float("-inf")}])
     'reward: not finite at any of the 2 logged steps (inf, -inf): nothing to average'
@@ -264,10 +264,10 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
-    for key in keys:  # None: no row scored; anything but a number (a string, a list) is left out too
+    for key in keys:  # None, NaN: no row scored; anything but a number (a string, a list) is left out too
         logged = [entry[key] for entry in log_history if isinstance(entry, dict) and _real(entry.get(key))]
         values = [v for v in logged if _number(v)]
-        odd = [v for v in logged if not _number(v)]  # inf, -inf, NaN
+        odd = [v for v in logged if math.isinf(v)]
         kinds = ", ".join(dict.fromkeys(str(float(v)) for v in odd))
         if values:
             first, last = values[:window], values[-window:]
