@@ -6,9 +6,9 @@ read the values of the optimizer step that just ended and act on them:
 
 * ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
   ``health_report_steps`` steps (seed 000's "check the first 2 steps by eye").
-* Health rules, each a ``HealthRule``. Two only fire on a broken run and stop it by default:
-  ``NonFiniteRule`` (loss or grad norm NaN/inf), ``HeaderRule`` (a completion starts with the
-  chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
+* Health rules, each a ``HealthRule``. Three only fire on a broken run and stop it by default:
+  ``NonFiniteRule`` (loss or grad norm NaN/inf), ``NonFiniteRewardRule`` (a reward function
+  returned +-inf), ``HeaderRule`` (a completion starts with the chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
   yes/no task has 1-token answers; a hard task starts with every reward 0) and warn by default,
   training on as TRL would: ``OneTokenRule`` (1-token share above
   ``health_max_one_token_share``), ``EntropyRule`` (mean entropy below ``health_min_entropy``),
@@ -209,12 +209,38 @@ class NonFiniteRule(HealthRule):
         return seen
 
 
+class NonFiniteRewardRule(HealthRule):
+    """A reward function returned +-inf on some row. TRL 1.16 would give that row's whole group a
+    NaN advantage and zero it (the group trains nothing; when every group has such a row the step
+    trains nothing at all) and log ``reward: inf``. While the rule is on (stop or warn), the trainer
+    (``GRPOTrainer._calculate_rewards``) counts each such value as missing -- NaN, as TRL reads a
+    ``None``: left out of the group baseline, the rest of the group trains -- and logs
+    ``rewards/<name>/nonfinite_share``; ``stop`` then stops after that step with a checkpoint.
+    'off' leaves TRL's handling as it is. A NaN is TRL's "no score" (what ``None`` becomes) and is
+    not counted here."""
+
+    name = "nonfinite_reward"
+    default_action = "stop"
+    advice = ("A reward must be a finite number, or None for 'no score' (left out of its group's baseline). "
+              "Those values were counted as missing. Fix the reward function (a division by zero, log(0), a "
+              "score of float('inf') for 'perfect'), or set health_rule_actions: {nonfinite_reward: warn} to train "
+              "on with them counted as missing.")
+
+    def check(self):
+        names = getattr(self.trainer, "reward_func_names", [])
+        shares = [v for name in names for v in self.step_values(f"rewards/{name}/nonfinite_share")]
+        if not shares:
+            return None
+        found, self.trainer._nonfinite_rewards = self.trainer._nonfinite_rewards, []
+        return max(shares) > 0, max(shares), "; ".join(dict.fromkeys(found))
+
+
 def add_health_callbacks(trainer, args) -> None:
     """The boundary report (``health_report_steps``) and every health rule not turned off, added
     to ``trainer``; NonFiniteRule, when on, gets the step's losses in ``trainer._step_losses``."""
     if args.health_report_steps:
         trainer.add_callback(BoundaryReport(trainer, args.health_report_steps))
-    rules = [NonFiniteRule(trainer), HeaderRule(trainer),
+    rules = [NonFiniteRule(trainer), NonFiniteRewardRule(trainer), HeaderRule(trainer),
              OneTokenRule(trainer, args.health_patience, args.health_max_one_token_share),
              EntropyRule(trainer, args.health_patience, args.health_min_entropy)]
     if args.health_flat_reward_steps:

@@ -35,12 +35,14 @@ from __future__ import annotations
 import grpotrl  # noqa: I001  first: sets OMP_WAIT_POLICY before torch is imported
 
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 
 from grpotrl import recipe_types
 from grpotrl.errors import HealthStop, InputError
+from grpotrl.rewards.judges import JudgeError
 from grpotrl.rewards.resolve import REWARD_FUNCS
 
 COMMANDS = ("sft", "grpo", "gad")
@@ -247,29 +249,64 @@ def run(command: str, argv: list[str]) -> None:
 
 def summary(command: str, log_history: list[dict], window: int = 5) -> str:
     """Mean of the first and last ``window`` logged values of the metrics that tell progress.
+    NaN is TRL's "no row scored" and is left out like None; +-inf is no number to average either:
+    it is left out and counted, and a metric that was never finite says so instead of printing ``inf``.
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
     >>> summary("grpo", [{"reward": None}, {"reward": 0.5}, {"reward": "n/a"}])  # a step whose judges scored no row
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
+    >>> summary("grpo", [{"reward": float("inf")}, {"reward": 0.5}, {"reward": float("nan")}])
+    'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps); 1 logged value not finite (inf), left out'
+    >>> summary("grpo", [{"reward": float("inf")}, {"reward": float("-inf")}])
+    'reward: not finite at any of the 2 logged steps (inf, -inf): nothing to average'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
     lines = []
-    for key in keys:  # None: no row scored; anything but a number (a string, a list, NaN) is left out too
-        values = [entry[key] for entry in log_history if isinstance(entry, dict) and _number(entry.get(key))]
+    for key in keys:  # None, NaN: no row scored; anything but a number (a string, a list) is left out too
+        logged = [entry[key] for entry in log_history if isinstance(entry, dict) and _real(entry.get(key))]
+        values = [v for v in logged if _number(v)]
+        odd = [v for v in logged if math.isinf(v)]
+        kinds = ", ".join(dict.fromkeys(str(float(v)) for v in odd))
         if values:
             first, last = values[:window], values[-window:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
-                         f"{sum(last) / len(last):.3f} (last {len(last)} steps)")
+                         f"{sum(last) / len(last):.3f} (last {len(last)} steps)"
+                         + (f"; {len(odd)} logged value{'s' * (len(odd) > 1)} not finite ({kinds}), left out"
+                            if odd else ""))
+        elif odd:
+            lines.append(f"{key}: not finite at any of the {len(odd)} logged steps ({kinds}): nothing to average")
     return "\n".join(lines) or "nothing logged"
 
 
+def _real(value) -> bool:
+    """A number, finite or not (not a bool, None or a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+    """A finite number: not NaN, not +-inf."""
+    return _real(value) and math.isfinite(value)
+
+
+# Exit codes of main(); a test pins each.
+EXIT_INPUT, EXIT_HEALTH_STOP, EXIT_JUDGE_STOP = 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``grpotrl CMD ...``. What it prints and exits with when it does not finish:
+
+    * exit 2, ``grpotrl CMD: error: ...``: bad input (``InputError``), found before the model
+      loads wherever it is knowable then (recipe keys and values, rubric files, reward functions,
+      datasets, the output dir);
+    * exit 3, ``grpotrl CMD: stopped: [health: RULE] ...``: a health rule set to stop (loss or
+      gradient NaN/inf, a reward function returning +-inf, a chat header, ...) stopped training
+      after saving a resumable checkpoint, which the line names (``HealthStop``);
+    * exit 4, ``grpotrl CMD: stopped: judge ...``: a judge gave no score for ``max_failed_batches``
+      batches in a row (``grpotrl.rewards.judges.JudgeError``); checkpoints saved before are kept;
+    * anything else is a bug or a failure outside grpotrl's checks: Python's traceback, exit 1.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*COMMANDS, "report"):
         print(USAGE, file=sys.stderr)
@@ -283,10 +320,13 @@ def main(argv: list[str] | None = None) -> None:
             run(argv[0], argv[1:])
     except InputError as err:  # bad input: the message says what to do, a traceback adds nothing
         print(f"grpotrl {argv[0]}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_INPUT) from None
     except HealthStop as err:  # a health rule stopped training after saving a checkpoint
         print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
-        raise SystemExit(3) from None
+        raise SystemExit(EXIT_HEALTH_STOP) from None
+    except JudgeError as err:  # a judge's documented stop (max_failed_batches): the message says what to check
+        print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_JUDGE_STOP) from None
 
 
 if __name__ == "__main__":

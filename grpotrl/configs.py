@@ -106,7 +106,7 @@ class GenerationFields:
     )
 
 
-HEALTH_RULES = ("non_finite", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
+HEALTH_RULES = ("non_finite", "nonfinite_reward", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
 HEALTH_ACTIONS = ("stop", "warn", "off")
 
 
@@ -116,7 +116,7 @@ class HealthFields:
         default="auto",
         metadata={"help": "What the health rules (grpotrl.callbacks) do when they fire. 'auto': the rules that "
                   "only fire on a broken run stop it (non_finite: loss or grad norm NaN/inf, the bad update not "
-                  "applied; chat_header: a completion starts with the chat header), the rules that may be the task "
+                  "applied; nonfinite_reward: a reward function returned +-inf, counted as missing; chat_header: a completion starts with the chat header), the rules that may be the task "
                   "itself warn and training goes on, as TRL would (entropy_collapse, one_token, flat_rewards). "
                   "'stop' / 'warn' / 'off': every rule does that. A stop saves a resumable checkpoint with the "
                   "Trainer's own saving and raises grpotrl.HealthStop naming the rule, the values and the step; a "

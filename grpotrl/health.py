@@ -256,6 +256,32 @@ def group_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torc
     return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))  # [B]
 
 
+def nonfinite_rewards(rewards_per_func: torch.Tensor, names: list[str]) -> tuple[dict[str, float], list[str]]:
+    """The +-inf rewards of a scored batch [B, K] (K reward functions, in TRL's ``reward_func_names``
+    order): the share of rows each function scored +-inf, keyed ``rewards/<name>/nonfinite_share``,
+    and for each function that did, a sentence naming it, how many rows and an example row (its
+    index in the gathered batch, as in TRL's completions table). NaN is not counted: TRL turns a
+    function's ``None`` into NaN before anyone sees it, so a NaN is TRL's "no score" either way.
+
+    >>> r = torch.tensor([[1.0, float("inf")], [float("nan"), 0.5], [2.0, float("-inf")]])  # [B=3, K=2]
+    >>> shares, found = nonfinite_rewards(r, ["a", "b"])
+    >>> shares  # b: rows 0 and 2 of 3
+    {'rewards/a/nonfinite_share': 0.0, 'rewards/b/nonfinite_share': 0.6666666666666666}
+    >>> found
+    ["reward function 'b' returned a non-finite value on 2 of 3 rows (e.g. row 0: inf)"]
+    """
+    bad = torch.isinf(rewards_per_func)  # [B, K]
+    n = rewards_per_func.size(0)
+    shares = {f"rewards/{name}/nonfinite_share": bad[:, k].sum().item() / max(n, 1) for k, name in enumerate(names)}
+    found = []
+    for k, name in enumerate(names):
+        rows = bad[:, k].nonzero().flatten().tolist()
+        if rows:
+            found.append(f"reward function {name!r} returned a non-finite value on {len(rows)} of {n} rows "
+                         f"(e.g. row {rows[0]}: {rewards_per_func[rows[0], k].item()})")
+    return shares, found
+
+
 def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """[B / G] True for each group whose (non-NaN) rewards are all equal: advantage 0 for every
     member, so no policy gradient (TRL's ``frac_reward_zero_std`` is their share).

@@ -15,7 +15,9 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    reachable or cached), tokenizer files, the tokenizer (loaded as TRL loads it), a chat
    template where the data is conversational, the stop tokens; a loaded quantized model needs
    LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
-4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``); the columns every
+4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``); every reward callable
+   as TRL calls it (``rewards.resolve.check_reward_callables``: not a class, a non-callable or a
+   builtin without TRL's keywords); the columns every
    reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too);
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
    by path, I6 generation settings, settings this trainer would ignore, reward columns empty
@@ -36,7 +38,7 @@ from .checkpoints import check_output_dir, check_resume_architecture, read_confi
 from .errors import InputError
 from .preflight_data import check_dataset, check_prompt_lengths
 from .preflight_model import check_discriminator_source, check_ranges, check_tokenizer_files
-from .rewards.resolve import RewardNames, check_reward_columns, check_reward_signal
+from .rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
 
 _NOT_GIVEN = object()
 CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); "
@@ -229,6 +231,8 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
                                     chat_template_kwargs=template_kwargs)
     if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
         reward_funcs = reward_funcs.resolve()
+    check_reward_callables(reward_funcs, getattr(train_dataset, "column_names", None),  # callable as TRL calls them
+                           environments=kwargs.get("environment_factory") is not None)
     if kwargs.get("environment_factory") is None:  # an environment's reset may supply what rows lack
         scored_eval = eval_dataset if args.eval_strategy != "no" else None  # TRL never scores an unused eval set
         for name, dataset in named_splits(train_dataset, scored_eval):  # the columns the rewards read

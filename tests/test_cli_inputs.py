@@ -684,3 +684,72 @@ def test_prompt_length_check_on_a_large_dataset_tokenizes_only_prompts_that_coul
     with pytest.raises(InputError, match=r"context of 512 tokens .*: row 3, with 6\d\d tokens"):
         preflight_data.check_prompt_lengths(data, "train", smollm2_tokenizer, tiny_llama)
     assert len(seen) == 1  # the three short prompts were not rendered
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 28 (5b, 5c): a rubric file that is not plain YAML, a reward that is not a reward function:
+# one error line before the model loads (they were tracebacks, (c) only after load and generation)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("tag.yaml", b"!!python/object/apply:os.system ['touch PWNED']\n",
+     r"tag\.yaml\): not plain YAML: could not determine a constructor for the tag .*python/object/apply:os\.system"
+     r"' at line 1, column 1\. A rubric file holds plain values .* remove the tag\."),
+    ("syntax.yaml", b"system: [unclosed\ntemplate: x\n",
+     r"syntax\.yaml\): not valid YAML: expected ',' or '\]', but got ':' at line 2, column 9\. Fix the file"),
+    ("list.yaml", b"- system: a\n- template: b\n",
+     r"list\.yaml\): the file holds a list, not a mapping of Rubric fields .* at the top level\."),
+    ("latin1.yaml", "system: caf\u00e9\ntemplate: x\n".encode("latin-1"),
+     r"latin1\.yaml\): the file is not UTF-8 text \(byte 0xe9 at offset 11\)\. Save it as UTF-8\."),
+    ("types.json", b'{"system": ["a"], "template": "{prompt} {completion}", "low": "1"}',
+     r"types\.json\): field\(s\) system \(list\), low \(str\) of the wrong type"),
+    ("brace.yaml", b"system: s\ntemplate: '{prompt {completion}'\n",
+     r": the rubric's template is not a format string \(unexpected '\{' in field name\)"),
+])
+def test_I8_rubric_file_that_is_not_plain_yaml_is_one_error_before_the_load(name, content, expected, tmp_path,
+                                                                              smollm2_path, no_model_load, capsys):
+    (tmp_path / name).write_bytes(content)
+    judges = {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "rubric": str(tmp_path / name)}}
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, judges=judges, reward_funcs=["j"])])
+    assert re.search(r"grpotrl grpo: error: judges\.j.*" + expected, line), line
+    assert not (tmp_path / "PWNED").exists() and not (ROOT / "PWNED").exists()
+
+
+class CallableClass:
+    def __call__(self, prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+
+def no_keywords(prompts, completions):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("func, expected", [
+    (os.system, r"Reward posix\.system\(command\) cannot be called as TRL calls a reward function, with the keywords "
+                r"prompts, completions, .*\(got an unexpected keyword argument 'prompts'\)\. Give it the signature "
+                r"def my_reward\(prompts, completions, \*\*kwargs\)"),
+    (getattr, r"Reward builtins\.getattr: its signature cannot be read \(a builtin or C function\).*Wrap it in a "
+              r"Python function def my_reward\(prompts, completions, \*\*kwargs\)"),
+    (CallableClass, r"Reward test_cli_inputs\.CallableClass is a class, not a reward function: .*Pass an instance "
+                    r"\(CallableClass\(\.\.\.\)\)"),
+    (3, r"A reward in reward_funcs is 3 \(of type int\), not a function"),
+    (no_keywords, r"no_keywords\(prompts, completions\) cannot be called as TRL calls a reward function.*"
+                  r"\(got an unexpected keyword argument "),
+])
+def test_a_reward_that_trl_cannot_call_is_refused_before_the_load(func, expected, tmp_path, tiny_llama,
+                                                                  no_model_load):
+    """Issue 28 (5c): os.system passed the pre-load check and failed after the model loaded and generated."""
+    import grpotrl
+
+    with pytest.raises(InputError, match=expected):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=[func],
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))
+    # a callable instance and a function with TRL's keywords pass the same check
+    resolve.check_reward_callables([CallableClass(), rules.exact_answer_reward], ["prompt", "answer"])
+
+
+def test_cli_reward_builtin_by_dotted_path_is_one_error_before_the_load(tmp_path, smollm2_path, no_model_load, capsys):
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, reward_funcs=["os.system"])])
+    assert re.search(r"grpotrl grpo: error: Reward posix\.system\(command\) cannot be called as TRL calls a reward "
+                     r"function", line), line

@@ -167,17 +167,11 @@ def _rubric(value, columns, judge: str, where: str) -> Rubric:
         path = os.path.expanduser(value)
         if not os.path.isfile(path):
             raise InputError(f"{where}.rubric: file {value!r} does not exist (absolute: {os.path.abspath(path)}).")
-        with open(path) as f:
-            text = f.read()
+        text = _read_text(path, f"{where}.rubric ({value})")
         if value.endswith((".txt", ".md")):
             rubric = _custom(judge, text)
         else:
-            import yaml
-
-            fields = yaml.safe_load(text)  # JSON is YAML
-            if not isinstance(fields, dict):
-                raise InputError(f"{where}.rubric: {value!r} must hold a mapping of Rubric fields (name, system, "
-                                 "template, examples, columns, low, high).")
+            fields = _plain_yaml(text, f"{where}.rubric ({value})")  # JSON is YAML
             rubric = _rubric_from_fields(fields, judge, f"{where}.rubric ({value})")
     elif not any(c.isspace() for c in value.strip()):
         close = difflib.get_close_matches(value, list(RUBRICS), n=1)
@@ -191,12 +185,55 @@ def _rubric(value, columns, judge: str, where: str) -> Rubric:
             raise InputError(f"{where}.rubric_columns must map template fields to dataset columns, e.g. "
                              "{reference: answer}.")
         rubric = dataclasses.replace(rubric, columns={str(k): str(v) for k, v in columns.items()})
-    fields = {f for _, f, _, _ in string.Formatter().parse(rubric.template) if f}
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(rubric.template) if f}
+    except ValueError as err:  # "{unclosed", a lone "}"
+        raise InputError(f"{where}: the rubric's template is not a format string ({err}). Write its fields as "
+                         "{prompt}, {completion}, ... and double a literal brace ({{ or }}).") from None
     if fields != {"prompt", "completion"} | set(rubric.columns):
         raise InputError(f"{where}: the rubric's template fills {sorted(fields)}, but it knows prompt, completion "
                          f"and the columns {sorted(rubric.columns)}: map every other template field to a dataset "
                          "column in rubric_columns, e.g. {reference: answer}.")
     return rubric
+
+
+def _read_text(path: str, where: str) -> str:
+    """A rubric file's text, read as UTF-8 whatever the locale."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise InputError(f"{where}: the file is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}). Save it as UTF-8.") from None
+    except OSError as err:
+        raise InputError(f"{where}: cannot read the file: {err.strerror}.") from None
+
+
+def _plain_yaml(text: str, where: str) -> dict:
+    """A rubric file's mapping of fields, read with ``yaml.safe_load``: plain YAML or JSON only --
+    a Python tag (``!!python/object``) is refused, never run -- and a mapping at the top."""
+    import yaml
+
+    try:
+        fields = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as err:
+        raise InputError(f"{where}: not plain YAML: {_yaml_problem(err)}. A rubric file holds plain values "
+                         "(strings, numbers, lists, mappings) only: remove the tag.") from None
+    except yaml.YAMLError as err:
+        raise InputError(f"{where}: not valid YAML: {_yaml_problem(err)}. Fix the file (quote text holding "
+                         "':' or '#', indent with spaces).") from None
+    if not isinstance(fields, dict):
+        raise InputError(f"{where}: the file holds a {type(fields).__name__}, not a mapping of Rubric fields "
+                         f"(name, system, template, examples, columns, low, high). Write `system: ...` and "
+                         "`template: ...` at the top level.")
+    return fields
+
+
+def _yaml_problem(err) -> str:
+    """``yaml``'s problem and where it is, on one line."""
+    mark = getattr(err, "problem_mark", None)
+    place = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or err}{place}".replace("\n", " ")
 
 
 def _custom(judge: str, criterion: str) -> Rubric:
@@ -210,8 +247,26 @@ def _rubric_from_fields(fields: dict, judge: str, where: str) -> Rubric:
         raise InputError(f"{where}: a rubric needs `system` and `template` and takes {sorted(known)}; got "
                          f"{sorted(fields)}.")
     fields.setdefault("name", judge)
+    wrong = [f"{k} ({type(fields[k]).__name__})" for k, kind in _RUBRIC_TYPES.items()
+             if k in fields and fields[k] is not None and not _is(fields[k], kind)]
+    if wrong:
+        raise InputError(f"{where}: field(s) {', '.join(wrong)} of the wrong type: name, system and template are "
+                         "text, examples a list of mappings, columns a mapping of template field -> column, low "
+                         "and high integers.")
     fields["examples"] = tuple(fields.get("examples") or ())
     return Rubric(**fields)
+
+
+_RUBRIC_TYPES = {"name": str, "system": str, "template": str, "examples": list, "columns": dict, "low": int,
+                 "high": int}
+
+
+def _is(value, kind) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, (list, tuple)) and all(isinstance(x, Mapping) for x in value)
+    return isinstance(value, Mapping) if kind is dict else isinstance(value, kind)
 
 
 def load_local_judges(reward_funcs, device):

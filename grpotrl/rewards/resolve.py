@@ -5,6 +5,10 @@ rewards come from a recipe (``RewardNames``) or from Python.
 * ``resolve_reward_funcs``: each name looked up in the recipe's judges, grpotrl's ``REWARD_FUNCS``
   (``rules.py``), the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path;
   ``task:name`` entries give a mapping task -> functions (``MultiTaskGRPOTrainer``).
+* ``check_reward_callables``: every reward is something TRL can call as it does,
+  ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+  log_metric=..., **columns)``: not a class, not a non-callable, not a builtin whose signature
+  cannot be read or does not take those keywords (TRL would fail after the model loaded and generated).
 * ``check_reward_columns``: every required argument of a reward function, and every column a
   judge's rubric reads, is a column of the dataset (TRL would fail only after generation).
 * ``check_reward_signal``: a column a reward reads that is empty or None on every row it scores
@@ -145,6 +149,56 @@ class RewardNames:
 def _listed(funcs) -> list:
     """One reward function, or a list of them, as TRL takes them."""
     return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+
+REWARD_SIGNATURE = "def my_reward(prompts, completions, **kwargs) -> list[float | None]"
+
+
+def check_reward_callables(reward_funcs, columns: list[str] | None = None, environments: bool = False) -> None:
+    """Every reward function can be called the way TRL 1.16's ``_calculate_rewards`` calls it:
+    ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+    log_metric=..., **row)`` with a keyword per dataset column in ``columns`` (all but prompt,
+    completion, completion_ids; ``environments=`` with an ``environment_factory``), or else an
+    ``InputError`` naming it and the signature required. Reward models (a path or Hub id, an
+    ``nn.Module``) and local judges not loaded yet are TRL's / grpotrl's to check. A required
+    argument named after a column the dataset lacks is ``check_reward_columns``' error, not this one.
+    ``reward_funcs``: one function, a list, or a mapping task -> function(s)."""
+    import torch
+
+    from .recipe import LocalJudgeSpec
+
+    if isinstance(reward_funcs, Mapping):
+        reward_funcs = [f for funcs in reward_funcs.values() for f in _listed(funcs)]
+    trl_kwargs = ["prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                  *(["environments"] if environments else [])]  # in this order, so the error names the first
+    row = [c for c in (columns or []) if c not in ("prompt", "completion", "completion_ids")]
+    for func in _listed(reward_funcs):
+        if isinstance(func, (str, torch.nn.Module, LocalJudgeSpec)):
+            continue
+        name = getattr(func, "__qualname__", None) or type(func).__name__
+        where = f"Reward {getattr(func, '__module__', None) or '?'}.{name}"
+        if inspect.isclass(func):
+            raise InputError(f"{where} is a class, not a reward function: TRL would call {name}(prompts=..., "
+                             f"completions=...) and get an instance, not rewards. Pass an instance ({name}(...)) "
+                             f"whose __call__ is {REWARD_SIGNATURE}, or a function.")
+        if not callable(func):
+            raise InputError(f"A reward in reward_funcs is {func!r:.80} (of type {type(func).__name__}), not a "
+                             f"function. A reward is a function {REWARD_SIGNATURE}, a reward model's path, or a judge.")
+        try:
+            signature = inspect.signature(func)
+        except (ValueError, TypeError):
+            raise InputError(f"{where}: its signature cannot be read (a builtin or C function), so nothing shows "
+                             f"that it takes TRL's keywords. Wrap it in a Python function {REWARD_SIGNATURE}.") from None
+        params = signature.parameters.values()
+        required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                  p.KEYWORD_ONLY)]
+        try:  # a required argument no column fills: check_reward_columns names the column
+            signature.bind(**dict.fromkeys([*trl_kwargs, *row, *required]))
+        except TypeError as err:
+            raise InputError(f"{where}{signature} cannot be called as TRL calls a reward function, with the "
+                             f"keywords prompts, completions, completion_ids, trainer_state, log_extra, log_metric and "
+                             f"one per dataset column ({err}). Give it the signature {REWARD_SIGNATURE} (take the "
+                             "columns you need by name before **kwargs).") from None
 
 
 def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:

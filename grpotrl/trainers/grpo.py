@@ -14,6 +14,9 @@ Overrides (everything else is TRL's):
     call (a later turn's prompt is the previous prompt + completion + tool result, ``tool_mask`` covers
     the model's turns only). A ``rollout_func`` generates its own way and is not observed. On the
     transformers path puts the sampler's own logprobs where TRL keeps vLLM's. Logs completion shape.
+  * ``_calculate_rewards``: a +-inf reward is counted (``rewards/<name>/nonfinite_share``) and made
+    missing (NaN, as TRL reads ``None``) for the ``nonfinite_reward`` health rule, which stops the
+    run by default; TRL alone zeroes the whole group's advantages and logs ``reward: inf``.
   * ``_generate_and_score_completions``: tags each row so the loss can be traced back to its
     generation; logs the batch's health signals (``health``); runs DAPO dynamic sampling when asked
     (``dynamic_sampling.refill``); applies the optional importance-sampling correction on the
@@ -110,6 +113,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         self._chat_headers = boundary.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
         self._reward_headers = boundary.reward_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        self._nonfinite_rewards: list[str] = []  # what +-inf rewards this step held, for NonFiniteRewardRule
+        self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
         callbacks.add_health_callbacks(self, args)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
@@ -208,6 +213,20 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards [B_global, K], with every +-inf made missing (NaN, as TRL reads a ``None``:
+        left out of the group baseline) and counted for the ``nonfinite_reward`` health rule
+        (``rewards/<name>/nonfinite_share``). TRL alone would zero the whole group's advantages and
+        log ``reward: inf``. With the rule 'off', TRL's values as they are."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._nonfinite_reward_action == "off":
+            return rewards_per_func
+        shares, found = health.nonfinite_rewards(rewards_per_func, self.reward_func_names)
+        self._append(shares)
+        if self.model.training:
+            self._nonfinite_rewards.extend(found)
+        return rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan"))  # [B_global, K]
 
     def _score_round(self, inputs) -> tuple[dict, torch.Tensor]:
         """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global]."""
