@@ -4,7 +4,8 @@ quantized (QLoRA) models need, the checked resume, and how the run is sharded.
 * ``pin_quantized_kernels``: bitsandbytes' CPU kernels compute the same function in train and
   eval mode; ``trainable_dtypes_kept``: a resumed QLoRA adapter keeps the dtype TRL gave it.
 * ``CheckedResume``: ``train(resume_from_checkpoint=...)`` checked (``checkpoints.resume_checkpoint``)
-  unless the preflight already checked that checkpoint; a finished run is not trained over.
+  unless the preflight already checked that checkpoint; a finished run is not trained over; the
+  ``output_dir`` is locked against a second run from ``train()`` to ``end()`` (``run_lock``).
 * ``sharded_launch``: DeepSpeed or FSDP, known before anything loads.
 """
 
@@ -15,6 +16,7 @@ import sys
 from contextlib import contextmanager
 
 from ..checkpoints import check_finished_run, resume_requested
+from ..run_lock import lock_output_dir, release_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +86,25 @@ class CheckedResume:
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
     dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
-    (``train(overwrite_output_dir=True)``). Overrides ``train`` and ``_load_from_checkpoint``."""
+    (``overwrite_output_dir``: the config's field or ``train``'s argument); a second run into the
+    same ``output_dir`` is refused (``run_lock``: locked from ``train()`` until ``end()`` or the process
+    exits, so ``save_model`` after ``train`` is covered). Overrides ``train``, ``end`` and
+    ``_load_from_checkpoint``."""
 
     _resume_kind = "grpo"
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=False):
-        """TRL's ``train``, after the resume checks; a finished run in ``output_dir`` (final weights and
-        ``trainer_state.json`` at its root) is refused unless resuming or ``overwrite_output_dir=True``.
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=None):
+        """TRL's ``train``, after the ``output_dir`` lock and the resume checks; a finished run in ``output_dir``
+        (final weights and ``trainer_state.json`` at its root) is refused unless resuming or overwriting
+        (``overwrite_output_dir``: this argument, else the config's field).
         ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
         here, it is resumed from as checked, not checked again."""
         from ..preflight import check_resume
 
+        # before anything is written; a no-op when this process holds it already (the CLI took it)
+        lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
+        if overwrite_output_dir is None:
+            overwrite_output_dir = getattr(self.args, "overwrite_output_dir", False)  # a trl config may lack it
         done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
         if resume_requested(done.given) and resume_from_checkpoint == done.given:
             resume_from_checkpoint = done.checkpoint  # checked then: not again
@@ -108,6 +118,14 @@ class CheckedResume:
                 check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
             resume_from_checkpoint = None
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def end(self):
+        """transformers' ``end`` (trackers finished, process group destroyed), then the ``output_dir`` lock
+        released: the run, with the ``save_model`` / ``save_state`` / ``push_to_hub`` before it, is over."""
+        try:
+            super().end()
+        finally:
+            release_output_dir(self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         with trainable_dtypes_kept(model if model is not None else self.model):
