@@ -219,7 +219,8 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
 
 
 OVERWRITE_HOW = ("overwrite_output_dir: true in the recipe, --overwrite_output_dir true on the command line, "
-                 "GRPOConfig(overwrite_output_dir=True) (SFTConfig, GADConfig alike) or train(overwrite_output_dir=True)")
+                 "GRPOConfig(overwrite_output_dir=True) (SFTConfig, GADConfig alike) or "
+                 "train(overwrite_output_dir=True)")
 
 
 def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:

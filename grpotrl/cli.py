@@ -175,7 +175,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.preflight_model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
-    from grpotrl.run_lock import lock_output_dir
+    from grpotrl.run_lock import lock_output_dir, release_output_dir
 
     ################
     # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight.py)
@@ -206,8 +206,12 @@ def run(command: str, argv: list[str]) -> None:
     # and nothing of an earlier run is replaced unless asked (the trainer checks the resume checkpoint)
     ################
     lock_output_dir(training_args.output_dir, training_args.process_index, training_args.world_size)
-    check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
-                     overwrite=training_args.overwrite_output_dir)
+    try:
+        check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
+                         overwrite=training_args.overwrite_output_dir)
+    except InputError:
+        release_output_dir(training_args.output_dir)  # refused: output_dir is left as it was found
+        raise
 
     ################
     # Trainer: its preflight checks model, tokenizer, data, rewards and resume checkpoint, then TRL loads

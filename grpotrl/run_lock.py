@@ -35,16 +35,19 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".grpotrl.lock"
 _CONTENTION = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}
-_held: dict[str, int | None] = {}  # output_dir (real path) -> the lock's fd; None: locked by the main rank, or unlockable
+# output_dir (its real path) -> this process's lock fd; None: the main rank holds it, or it cannot be locked
+_held: dict[str, int | None] = {}
 
 
-def lock_output_dir(path: str, process_index: int = 0, num_processes: int = 1) -> None:
+def lock_output_dir(path: str, process_index: int = 0, num_processes: int = 1) -> bool:
     """Make this run the only one writing into ``path`` (created if missing), or raise ``InputError``
     naming the run that holds it. ``process_index`` / ``num_processes``: this rank and the world
-    size under a multi-process launch (rank 0 decides, the others receive its outcome)."""
+    size under a multi-process launch (rank 0 decides, the others receive its outcome). Returns
+    whether this call took it (False: this process held it already), so that a caller whose own
+    checks then refuse the run can release it and leave ``output_dir`` as it found it."""
     directory = os.path.realpath(os.path.expanduser(path))
     if directory in _held:  # this process took it already (the CLI, then train()), on every rank alike
-        return
+        return False
     outcome = _take(path, directory) if process_index == 0 else None
     if num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -55,6 +58,7 @@ def lock_output_dir(path: str, process_index: int = 0, num_processes: int = 1) -
     if outcome is not None:
         raise InputError(outcome)
     _held.setdefault(directory, None)
+    return True
 
 
 def release_output_dir(path: str) -> None:

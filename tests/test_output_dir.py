@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from grpotrl import checkpoints
 from grpotrl.errors import InputError
-from grpotrl.run_lock import LOCK_FILE
+
+LOCK_FILE = ".grpotrl.lock"  # grpotrl.run_lock.LOCK_FILE: a dot-file inside output_dir
 
 PAUSED = """
 import os, sys, time
@@ -219,6 +220,7 @@ def test_overwrite_output_dir_from_a_trlparser_scripts_recipe_lifts_the_refusal(
     assert grpotrl.GADConfig(output_dir=str(out), use_cpu=True, overwrite_output_dir=True).overwrite_output_dir
 
     trl_args = trl.GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, max_steps=1, report_to="none",
+                              gradient_checkpointing=False,
                               per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     refused = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
                                   args=trl_args)

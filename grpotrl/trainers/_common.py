@@ -16,6 +16,7 @@ import sys
 from contextlib import contextmanager
 
 from ..checkpoints import check_finished_run, resume_requested
+from ..errors import InputError
 from ..run_lock import lock_output_dir, release_output_dir
 
 logger = logging.getLogger(__name__)
@@ -102,21 +103,26 @@ class CheckedResume:
         from ..preflight import check_resume
 
         # before anything is written; a no-op when this process holds it already (the CLI took it)
-        lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
+        took = lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
         if overwrite_output_dir is None:
             overwrite_output_dir = getattr(self.args, "overwrite_output_dir", False)  # a trl config may lack it
-        done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
-        if resume_requested(done.given) and resume_from_checkpoint == done.given:
-            resume_from_checkpoint = done.checkpoint  # checked then: not again
-        elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
-            use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
-            resume_from_checkpoint = check_resume(
-                self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
-                done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
-        else:
-            if not overwrite_output_dir:
-                check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
-            resume_from_checkpoint = None
+        try:
+            done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
+            if resume_requested(done.given) and resume_from_checkpoint == done.given:
+                resume_from_checkpoint = done.checkpoint  # checked then: not again
+            elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
+                use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+                resume_from_checkpoint = check_resume(
+                    self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
+                    done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
+            else:
+                if not overwrite_output_dir:
+                    check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
+                resume_from_checkpoint = None
+        except InputError:
+            if took:  # refused before anything was written: output_dir is left as it was found
+                release_output_dir(self.args.output_dir)
+            raise
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def end(self):
