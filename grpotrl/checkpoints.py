@@ -9,7 +9,8 @@
   everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
   when the step falls inside one of TRL's generation batches (no exact resume then).
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
-  ``check_finished_run`` (the Python API: only a finished run is refused).
+  ``check_finished_run`` (the Python API: only a finished run is refused); both name every way to
+  set ``overwrite_output_dir`` (``OVERWRITE_HOW``). The run lock itself is ``run_lock.py``.
 * ``_weights_problem`` / ``_files``: also what ``preflight_model.check_model_dir`` reports.
 * ``check_resume_architecture``: a checkpoint written by a model of another architecture (its
   ``config.json`` fields; LoRA: ``adapter_config.json``'s rank, target modules and base model), an
@@ -33,6 +34,7 @@ from contextlib import contextmanager
 
 from . import templates
 from .errors import DiskFullError, HealthStop, InputError, InvariantError
+from .run_lock import LOCK_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ def _weights_problem(directory: str, kind: str = "model") -> str | None:
 
 
 def _files(directory: str) -> str:
-    names = sorted(os.listdir(directory))
+    names = sorted(n for n in os.listdir(directory) if n != LOCK_FILE)  # the run lock (run_lock.py) is grpotrl's
     return ", ".join(names[:12]) + (f", ... ({len(names)} files)" if len(names) > 12 else "") if names else "nothing"
 
 
@@ -224,17 +226,25 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     return last
 
 
+OVERWRITE_HOW = ("overwrite_output_dir: true in the recipe, --overwrite_output_dir true on the command line, "
+                 "GRPOConfig(overwrite_output_dir=True) (SFTConfig, GADConfig alike) or "
+                 "train(overwrite_output_dir=True)")
+
+
 def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
     """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
     (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
     README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
-    saying so. A file where a directory should be is always an error. Reads names only."""
+    saying so. A file where a directory should be is always an error. Reads names only; the run
+    lock (``run_lock.LOCK_FILE``, live or left by a killed run) does not count."""
     directory = os.path.expanduser(path)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
-    if resume or overwrite or not os.path.isdir(directory) or not os.listdir(directory):
+    if resume or overwrite or not os.path.isdir(directory):
         return
-    names = set(os.listdir(directory))
+    names = set(os.listdir(directory)) - {LOCK_FILE}
+    if not names:
+        return
     checkpoints = _checkpoints(directory)
     finished = [n for n in ("trainer_state.json", *WEIGHT_FILES["model"], *WEIGHT_FILES["adapter"]) if n in names]
     if finished or checkpoints:
@@ -251,14 +261,15 @@ def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -
         what = f"files grpotrl did not write ({_files(directory)})"
     raise InputError(
         f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
-        "that run with resume_from_checkpoint: true, or set overwrite_output_dir: true to replace it."
+        f"that run with resume_from_checkpoint: true (--resume_from_checkpoint true), or replace it: {OVERWRITE_HOW}."
     )
 
 
 def check_finished_run(path: str) -> None:
     """The Python API's output_dir rule: raise ``InputError`` when ``path`` holds a finished run
     (final weights and ``trainer_state.json`` at its root, what ``save_model`` + ``save_state``
-    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints)."""
+    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints).
+    The message names every way to lift it: a script's user may own only the recipe or the command line."""
     directory = os.path.expanduser(path)
     if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
         return
@@ -274,8 +285,8 @@ def check_finished_run(path: str) -> None:
         steps = ""
     raise InputError(
         f"output_dir {path!r} holds a finished run{steps} ({', '.join(weights)}, trainer_state.json); training into it "
-        "would replace its model and log history. Use a new output_dir, resume it with "
-        "train(resume_from_checkpoint=True), or pass train(overwrite_output_dir=True) to replace it."
+        "would replace its model and log history. Use a new output_dir, resume it (resume_from_checkpoint: true, "
+        f"--resume_from_checkpoint true or train(resume_from_checkpoint=True)), or replace it: {OVERWRITE_HOW}."
     )
 
 

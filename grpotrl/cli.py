@@ -16,7 +16,8 @@ with the closest known names; so is a value its field's type cannot hold (``reci
 
 Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model path and its load
 settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
-the reward names and judges (parsed, not resolved) -> the output dir -> the trainer, whose
+the reward names and judges (parsed, not resolved) -> the output dir (locked: one run at a time;
+then checked: nothing replaced unless asked) -> the trainer, whose
 preflight (``grpotrl/preflight.py``) checks rows, model, tokenizer, chat template, stop tokens,
 rewards (names resolved, the columns they read) and the resume checkpoint, once, before TRL loads
 the model and before any local judge is loaded; so bad input costs seconds, not a model load.
@@ -52,7 +53,9 @@ USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n 
 @dataclass
 class ScriptArguments:
     """The dataset fields of ``trl.ScriptArguments``, by the same names (its streaming and
-    bias-buffer switches are left out: grpotrl checks every row before training)."""
+    bias-buffer switches are left out: grpotrl checks every row before training).
+    ``overwrite_output_dir`` is a field of grpotrl's configs (transformers 5 dropped it from
+    ``TrainingArguments``), so TrlParser scripts built on them parse it too."""
 
     dataset_name: str = field(
         default="quickstart",
@@ -64,11 +67,6 @@ class ScriptArguments:
     )
     dataset_config: str | None = field(
         default=None, metadata={"help": "Dataset configuration name (the `name` argument of `datasets.load_dataset`)."}
-    )
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Replace what output_dir holds (a finished run, checkpoints, other files). Without it, a "
-                  "non-empty output_dir is an error before anything loads, unless the run resumes from it."},
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(
@@ -179,6 +177,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.preflight_model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
+    from grpotrl.run_lock import lock_output_dir, release_output_dir
 
     ################
     # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight.py)
@@ -205,10 +204,16 @@ def run(command: str, argv: list[str]) -> None:
                                               script_args.reward_model_name_or_path)
 
     ################
-    # Output dir: nothing of an earlier run is replaced unless asked (the trainer checks the resume checkpoint)
+    # Output dir: one run at a time (a second is refused, naming the first; held until trainer.end() or exit),
+    # and nothing of an earlier run is replaced unless asked (the trainer checks the resume checkpoint)
     ################
-    check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
-                     overwrite=script_args.overwrite_output_dir)
+    lock_output_dir(training_args.output_dir, training_args.process_index, training_args.world_size)
+    try:
+        check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
+                         overwrite=training_args.overwrite_output_dir)
+    except InputError:
+        release_output_dir(training_args.output_dir)  # refused: output_dir is left as it was found
+        raise
 
     ################
     # Trainer: its preflight checks model, tokenizer, data, rewards and resume checkpoint, then TRL loads

@@ -22,6 +22,20 @@ def _has_accelerator() -> bool:
 
 
 @dataclass
+class OutputDirFields:
+    """``TrainingArguments.overwrite_output_dir`` as transformers 4 had it (transformers 5 dropped it): a
+    recipe key, a command-line flag and a config field, so a script's user can lift the refusal too."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace what output_dir holds. Without it the CLI refuses a non-empty output_dir (a "
+                  "finished run, checkpoints, other files) before anything loads, and train() refuses an output_dir "
+                  "holding a finished run (final weights and trainer_state.json), unless the run resumes from it. "
+                  "Never lifts the lock of a run still writing there."},
+    )
+
+
+@dataclass
 class TemplateGuardFields:
     guard_steps: int = field(
         default=2,
@@ -215,7 +229,7 @@ class MultiTaskFields:
 
 
 @dataclass
-class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields,
+class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields, OutputDirFields,
                  trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
@@ -266,7 +280,7 @@ def _checkpointing_by_its_new_name(args) -> None:
 
 
 @dataclass
-class SFTConfig(SFTFields, TemplateGuardFields, trl.SFTConfig):
+class SFTConfig(SFTFields, TemplateGuardFields, OutputDirFields, trl.SFTConfig):
     def __post_init__(self):
         from .preflight_model import check_ranges
         from .recipe_types import check_config_types

@@ -4,7 +4,8 @@ quantized (QLoRA) models need, the checked resume, and how the run is sharded.
 * ``pin_quantized_kernels``: bitsandbytes' CPU kernels compute the same function in train and
   eval mode; ``trainable_dtypes_kept``: a resumed QLoRA adapter keeps the dtype TRL gave it.
 * ``CheckedResume``: ``train(resume_from_checkpoint=...)`` checked (``checkpoints.resume_checkpoint``)
-  unless the preflight already checked that checkpoint; a finished run is not trained over; a full
+  unless the preflight already checked that checkpoint; a finished run is not trained over; the
+  ``output_dir`` is locked against a second run from ``train()`` to ``end()`` (``run_lock``); a full
   disk while saving is one clear error (``checkpoints.disk_full_named``).
 * ``sharded_launch``: DeepSpeed or FSDP, known before anything loads.
 """
@@ -19,6 +20,8 @@ from contextlib import contextmanager, nullcontext
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import check_finished_run, check_resume_architecture, resume_requested
+from ..errors import InputError
+from ..run_lock import lock_output_dir, release_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -88,32 +91,53 @@ class CheckedResume:
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
     dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
-    (``train(overwrite_output_dir=True)``); a checkpoint of another architecture is refused before its
-    weights load; a full disk while a checkpoint is written is a ``DiskFullError`` naming the file and
-    the last complete checkpoint. Overrides ``train``, ``_load_from_checkpoint`` and ``_save_checkpoint``."""
+    (``overwrite_output_dir``: the config's field or ``train``'s argument); a second run into the
+    same ``output_dir`` is refused (``run_lock``: locked from ``train()`` until ``end()`` or the process
+    exits, so ``save_model`` after ``train`` is covered); a checkpoint of another architecture is
+    refused before its weights load; a full disk while a checkpoint is written is a ``DiskFullError``
+    naming the file and the last complete checkpoint. Overrides ``train``, ``end``,
+    ``_load_from_checkpoint`` and ``_save_checkpoint``."""
 
     _resume_kind = "grpo"
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=False):
-        """TRL's ``train``, after the resume checks; a finished run in ``output_dir`` (final weights and
-        ``trainer_state.json`` at its root) is refused unless resuming or ``overwrite_output_dir=True``.
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=None):
+        """TRL's ``train``, after the ``output_dir`` lock and the resume checks; a finished run in ``output_dir``
+        (final weights and ``trainer_state.json`` at its root) is refused unless resuming or overwriting
+        (``overwrite_output_dir``: this argument, else the config's field).
         ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
         here, it is resumed from as checked, not checked again."""
         from ..preflight import check_resume
 
-        done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
-        if resume_requested(done.given) and resume_from_checkpoint == done.given:
-            resume_from_checkpoint = done.checkpoint  # checked then: not again
-        elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
-            use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
-            resume_from_checkpoint = check_resume(
-                self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
-                done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
-        else:
-            if not overwrite_output_dir:
-                check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
-            resume_from_checkpoint = None
+        # before anything is written; a no-op when this process holds it already (the CLI took it)
+        took = lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
+        if overwrite_output_dir is None:
+            overwrite_output_dir = getattr(self.args, "overwrite_output_dir", False)  # a trl config may lack it
+        try:
+            done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
+            if resume_requested(done.given) and resume_from_checkpoint == done.given:
+                resume_from_checkpoint = done.checkpoint  # checked then: not again
+            elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
+                use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+                resume_from_checkpoint = check_resume(
+                    self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
+                    done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
+            else:
+                if not overwrite_output_dir:
+                    check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
+                resume_from_checkpoint = None
+        except InputError:
+            if took:  # refused before anything was written: output_dir is left as it was found
+                release_output_dir(self.args.output_dir)
+            raise
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def end(self):
+        """transformers' ``end`` (trackers finished, process group destroyed), then the ``output_dir`` lock
+        released: the run, with the ``save_model`` / ``save_state`` / ``push_to_hub`` before it, is over."""
+        try:
+            super().end()
+        finally:
+            release_output_dir(self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """TRL's, after the checkpoint's config is compared with the model's (the preflight did so before

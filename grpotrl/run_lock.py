@@ -1,0 +1,139 @@
+"""One run per ``output_dir``: an OS lock on ``output_dir/.grpotrl.lock``, taken before anything
+is written (the CLI: before the model loads; the Python API: at ``trainer.train()``), held until
+``trainer.end()`` or the process exits.
+
+Two runs into one ``output_dir`` would write each other's checkpoints and final model, and both
+would report success. The second one is refused instead, with an ``InputError`` naming the
+first (pid, host, start time, command), which the lock file holds.
+
+* The lock is ``fcntl.flock`` on the file, taken without waiting. The kernel releases it when its
+  process dies (SIGKILL, OOM kill, a crash), so a lock file left by a dead run is no reason to
+  refuse: the next run locks it again. The file is removed on a normal release; one left by a
+  killed run is ignored by the output-dir checks (``checkpoints``) and by resume.
+* Under ``accelerate launch`` only the main process takes the lock; it sends the outcome to the
+  other ranks (``broadcast_object_list``), so every rank proceeds or raises the same error.
+* A process that holds the lock takes it again as a no-op: the CLI takes it, then ``train()``.
+* Where the file system has no ``flock`` (Lustre mounted without ``-o flock``, some FUSE mounts),
+  the run goes on unlocked with a warning. NFS has it (the kernel maps it to NFS byte-range locks),
+  unless mounted ``nolock``, where the lock is seen by processes on the same host only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".grpotrl.lock"
+_CONTENTION = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}
+# output_dir (its real path) -> this process's lock fd; None: the main rank holds it, or it cannot be locked
+_held: dict[str, int | None] = {}
+
+
+def lock_output_dir(path: str, process_index: int = 0, num_processes: int = 1) -> bool:
+    """Make this run the only one writing into ``path`` (created if missing), or raise ``InputError``
+    naming the run that holds it. ``process_index`` / ``num_processes``: this rank and the world
+    size under a multi-process launch (rank 0 decides, the others receive its outcome). Returns
+    whether this call took it (False: this process held it already), so that a caller whose own
+    checks then refuse the run can release it and leave ``output_dir`` as it found it."""
+    directory = os.path.realpath(os.path.expanduser(path))
+    if directory in _held:  # this process took it already (the CLI, then train()), on every rank alike
+        return False
+    outcome = _take(path, directory) if process_index == 0 else None
+    if num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [outcome]
+        broadcast_object_list(box, from_process=0)
+        outcome = box[0]
+    if outcome is not None:
+        raise InputError(outcome)
+    _held.setdefault(directory, None)
+    return True
+
+
+def release_output_dir(path: str) -> None:
+    """Release the lock this process holds on ``path`` (a no-op when it holds none): remove the
+    file, then unlock. A run that locked the old file in between sees it unlinked and retries."""
+    fd = _held.pop(os.path.realpath(os.path.expanduser(path)), None)
+    if fd is not None:
+        lock_file = os.path.join(os.path.realpath(os.path.expanduser(path)), LOCK_FILE)
+        try:
+            if os.stat(lock_file).st_ino == os.fstat(fd).st_ino:
+                os.unlink(lock_file)
+        except OSError:
+            pass
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+@atexit.register
+def _release_all() -> None:
+    """At exit, remove the lock files this process holds (the kernel would release the locks anyway)."""
+    for directory in list(_held):
+        release_output_dir(directory)
+
+
+def _take(path: str, directory: str) -> str | None:
+    """Lock ``directory`` for this process: None when locked (or unlockable, with a warning), else
+    the refusal's message. Never raises, so that the other ranks always hear the outcome."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        fcntl = None
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory."
+    lock_file = os.path.join(directory, LOCK_FILE)
+    for _ in range(10):  # a retry only when the file was replaced between open and lock
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            return f"output_dir {path!r} cannot be created or written: {err}. Fix its permissions or choose another."
+        try:
+            if fcntl is None:
+                raise OSError(errno.ENOSYS, "no fcntl on this system")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in _CONTENTION:
+                return _refusal(path, lock_file)
+            logger.warning("Could not lock output_dir %s (%s): this file system has no flock, so a second run into "
+                           "the same output_dir would not be refused. Do not start two runs into it.", path, err)
+            _held[directory] = None
+            return None
+        try:
+            same = os.fstat(fd).st_nlink > 0 and os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+        except OSError:
+            same = False
+        if not same:  # the holder released and removed it between our open and flock: lock the new file
+            os.close(fd)
+            continue
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                 "command": " ".join(sys.argv).replace("\n", " ")[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        _held[directory] = fd
+        return None
+    return _refusal(path, lock_file)
+
+
+def _refusal(path: str, lock_file: str) -> str:
+    try:
+        with open(lock_file) as f:
+            owner = json.load(f)
+        who = (f"pid {owner.get('pid')} on host {owner.get('host')}, started {owner.get('started')} "
+               f"({owner.get('command')})")
+    except (OSError, ValueError, AttributeError):
+        who = "a process that has not written its name yet"
+    return (f"output_dir {path!r} is in use by another run: {who}. Two runs into one output_dir would overwrite "
+            f"each other's checkpoints and final model. Wait for that run to end (or stop it), or choose another "
+            f"output_dir. The lock ({lock_file}) is released when that process exits.")
