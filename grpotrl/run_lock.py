@@ -1,4 +1,4 @@
-"""One run per ``output_dir``: an OS lock on ``output_dir/.grpotrl.lock``, taken before anything
+"""One run per ``output_dir``: an OS lock on ``output_dir/_grpotrl.lock``, taken before anything
 is written (the CLI: before the model loads; the Python API: at ``trainer.train()``), held until
 ``trainer.end()`` or the process exits.
 
@@ -33,7 +33,7 @@ from .errors import InputError
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = ".grpotrl.lock"
+LOCK_FILE = "_grpotrl.lock"  # "_*": never uploaded by the Trainer's push_to_hub
 _CONTENTION = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}
 # output_dir (its real path) -> this process's lock fd; None: the main rank holds it, or it cannot be locked
 _held: dict[str, int | None] = {}
@@ -118,12 +118,25 @@ def _take(path: str, directory: str) -> str | None:
             os.close(fd)
             continue
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                 "command": " ".join(sys.argv).replace("\n", " ")[:300]}
+                 "command": _command(sys.argv)}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(owner).encode(), 0)
         _held[directory] = fd
         return None
     return _refusal(path, lock_file)
+
+
+def _command(argv: list[str]) -> str:
+    """The program and its subcommand (``grpotrl grpo``, ``grpo.py``), never its arguments: a command
+    line may hold a secret (``--hub_token``), and the lock file is written into ``output_dir``.
+
+    >>> _command(["/venv/bin/grpotrl", "grpo", "--hub_token", "hf_secret"]), _command(["grpo.py", "--hub_token=x"])
+    ('grpotrl grpo', 'grpo.py')
+    """
+    words = [os.path.basename(argv[0]) if argv else "python"]
+    if len(argv) > 1 and argv[1].isidentifier():
+        words.append(argv[1])
+    return " ".join(words)
 
 
 def _refusal(path: str, lock_file: str) -> str:

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from grpotrl import checkpoints
 from grpotrl.errors import InputError
 
-LOCK_FILE = ".grpotrl.lock"  # grpotrl.run_lock.LOCK_FILE: a dot-file inside output_dir
+LOCK_FILE = "_grpotrl.lock"  # grpotrl.run_lock.LOCK_FILE: "_*", which push_to_hub leaves out
 
 PAUSED = """
 import os, sys, time

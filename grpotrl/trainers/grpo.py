@@ -30,8 +30,10 @@ Overrides (everything else is TRL's):
     for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
     controller), on the graph from the loss back to the entropy node (a few elementwise ops).
   * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
-  * ``train`` / ``_load_from_checkpoint`` (``_common.CheckedResume``): a resume checkpoint is
-    checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
+  * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+    ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
+    checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
+    keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
 
 Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
   * ``self._calculate_rewards`` in ``_generate_and_score_completions``: records the rewards TRL scored.

@@ -24,8 +24,10 @@ Overrides (everything else is TRL's):
     (``check_sft_labels``).
   * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
     the ``chat_template_kwargs`` the data was rendered with and whether any template rendered it.
-  * ``train`` / ``_load_from_checkpoint`` (``_common.CheckedResume``): a resume checkpoint is
-    checked complete before anything loads; a resumed QLoRA adapter keeps its dtype.
+  * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+    ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
+    checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
+    keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
 
 Wraps nothing of TRL at run time. Changes to the model: at init, bitsandbytes' quantized layers
 are pinned to their training kernel (``_common.pin_quantized_kernels``: a forward pre-hook on
