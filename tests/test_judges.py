@@ -251,15 +251,15 @@ def test_I8_key_echoed_by_the_server_never_survives_even_in_pieces(fake, monkeyp
     scores, metrics, extras = judge_call(judge, ["q", "q"], ["a", "bb"])
     with pytest.raises(JudgeError) as err:
         judge_call(judge, ["q"], ["ccc"])
+    shown = [str(err.value), repr(err.value), *extras["judge/fairness"], str(metrics), repr(judge), str(vars(judge)),
+             caplog.text]
+    assert leaked(shown) == [], f"pieces of the key survived: {leaked(shown)} in {str(err.value)!r}"
+    assert {r["headers"]["authorization"] for r in fake.chat_requests} == {f"Bearer {KEY}"}
+    assert "<api key>" in str(err.value) and "<api key>" in extras["judge/fairness"][0]
     assert scores == [None, None]
     assert metrics == {"judge/fairness/missing_share": 1.0, "judge/fairness/cache_hit_share": 0.0,
                        "judge/fairness/http_status": 502.0 if fault == "leak_cut" else 500.0,
                        **failed_shares("fairness", {"http_status": 1.0})}
-    assert {r["headers"]["authorization"] for r in fake.chat_requests} == {f"Bearer {KEY}"}
-    assert "<api key>" in str(err.value) and "<api key>" in extras["judge/fairness"][0]
-    shown = [str(err.value), repr(err.value), *extras["judge/fairness"], str(metrics), repr(judge), str(vars(judge)),
-             caplog.text]
-    assert leaked(shown) == [], f"pieces of the key survived: {leaked(shown)} in {str(err.value)!r}"
 
 
 @pytest.mark.parametrize("url", ["http://judge:sk-proj-7Hq2Lx9Vd4Wm1Rc8Tz5Np3Kb6Yf0Gs@127.0.0.1:9/v1",
@@ -315,14 +315,14 @@ def test_I8_reply_over_max_reply_bytes_is_not_read_scored_or_cached(fake, fault)
     start = time.monotonic()
     scores, metrics, extras = judge_call(judge, ["q"], ["a"])
     elapsed = time.monotonic() - start
-    assert scores == [None] and elapsed < 10, (scores, elapsed)
-    assert {k: v for k, v in metrics.items() if "/failed/" in k} == failed_shares("fairness", {"too_large": 1.0})
-    assert len(fake.chat_requests) == 1, "too large is an answer, not a fault to retry"
-    # the server could write what the judge read (1 MiB) plus the sockets' buffers, nowhere near 50 MB
     time.sleep(0.2)  # the server thread notices the hang-up
     sent = fake.requests[0]["sent"]
+    # the server could write what the judge read (1 MiB) plus the sockets' buffers, nowhere near 50 MB
     assert (1 << 20) < sent < 16 << 20, sent
-    assert "max_reply_bytes" in extras["judge/fairness"][0] and len(judge._cache) == 0
+    assert scores == [None] and elapsed < 10, (scores, elapsed)
+    assert len(judge._cache) == 0 and "max_reply_bytes" in extras["judge/fairness"][0]
+    assert {k: v for k, v in metrics.items() if "/failed/" in k} == failed_shares("fairness", {"too_large": 1.0})
+    assert len(fake.chat_requests) == 1, "too large is an answer, not a fault to retry"
 
 
 def test_cache_keeps_a_score_and_a_short_note_never_the_reply(fake):
@@ -380,9 +380,9 @@ def test_I8_cli_run_against_a_key_echoing_judge_writes_no_piece_of_the_key(tiny_
     shown = {"stdout": proc.stdout, "stderr": proc.stderr}
     shown |= {str(p): p.read_bytes().decode("latin-1") for p in files}
     shown |= {f"{p} (decoded)": pd.read_parquet(p).to_json() for p in tables}
-    assert "<api key>" in shown[f"{tables[0]} (decoded)"], "the notes of the failed rows are in the table"
     found = {where: leaked([text]) for where, text in shown.items() if leaked([text])}
     assert found == {}, f"pieces of the key written: {found}"
+    assert "<api key>" in shown[f"{tables[0]} (decoded)"], "the notes of the failed rows are in the table"
 
 
 def test_router_sends_each_task_to_its_judge(fake):

@@ -299,7 +299,8 @@ class HttpJudge:
         """One row: attempts until a usable answer, a failure not worth repeating, or no retries left."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": self.temperature}
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while True:
             async with slots:
                 self.requests += 1
                 verdict, status, retry, retry_after = await self._attempt(client, body, secrets)
@@ -312,7 +313,7 @@ class HttpJudge:
                 return verdict
             wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
             await asyncio.sleep(retry_after if retry_after is not None else wait)
-        raise AssertionError("unreachable")  # the last attempt returns
+            attempt += 1
 
     async def _attempt(self, client, body: dict, secrets: tuple) -> tuple[_Verdict, int, bool, float | None]:
         """One HTTP exchange -> (verdict, HTTP status or 0 when no whole reply came, worth retrying,
