@@ -14,6 +14,21 @@ Faults, per request: the next entry of ``script`` if any is left, else ``fault``
   "garbage"  HTTP 200 whose body is not JSON   "leak"  HTTP 500 echoing the Authorization header
   "parrot"   HTTP 200, a chat completion whose content repeats the last user message (a judge
              that echoes the graded text, the way SmolLM2-135M does without worked examples)
+Echoes of the key (the Authorization header is ``Bearer <key>``), as proxies' error pages do:
+  "leak_cut"   HTTP 502 whose JSON body is padded so that the header value starts at character
+               ``LEAK_AT`` of the body: a cut at 200 characters falls inside the key
+  "leak_head"  HTTP 500 echoing only the key's first 20 characters
+  "leak_tail"  HTTP 500 echoing only the key's last 12 characters
+Replies a client cannot decode or should not read whole (status 200 unless said):
+  "bad_gzip"   ``Content-Encoding: gzip`` on a body that is not gzip
+  "bad_utf8"   a chat completion whose bytes are not UTF-8
+  "truncated"  a chunked body cut off mid-JSON (the connection closes)
+  "short"      a ``Content-Length`` 100 bytes longer than the body sent (the connection closes)
+  "bad_retry_after"  HTTP 429 whose ``Retry-After`` is the byte 0xB2 (latin-1 superscript two)
+  "huge"       a valid chat completion of ``huge_bytes`` (verdict at its end), streamed chunked
+  "forever"    a chunked body that never ends
+For "huge" and "forever" the bytes written before the client hung up are in the request's
+``sent``.
 Every request is recorded in ``requests`` (method, path, lower-cased headers, body);
 ``chat_requests`` are the chat-completion ones with the body parsed. A CONNECT (a client
 that took this server for its HTTPS proxy) is recorded and dropped.
@@ -30,12 +45,15 @@ import httpx2 as httpx
 
 _MAX_BODY = 4 << 20
 _IDLE_S = 30.0
+LEAK_AT = 180  # where "leak_cut" puts the echoed header value: its key crosses a cut at 200
+_CHUNK = 64 << 10
 
 
 class LoopbackJudge:
     def __init__(self, upstream: str | None = None, *, reply="VERDICT: 4", latency: float = 0.0,
-                 slow_s: float = 3.0):
+                 slow_s: float = 3.0, huge_bytes: int = 50 << 20):
         self.upstream, self.reply, self.latency, self.slow_s = upstream, reply, latency, slow_s
+        self.huge_bytes = huge_bytes
         self.fault: str | None = None
         self.script: list[str | None] = []
         self.requests: list[dict] = []
@@ -134,6 +152,35 @@ class LoopbackJudge:
         if fault == "leak":
             leaked = request["headers"].get("authorization", "")
             return await self._send(writer, 500, json.dumps({"error": f"rejected {leaked}"}).encode())
+        key = request["headers"].get("authorization", "").removeprefix("Bearer ")
+        if fault == "leak_cut":
+            head = '{"error": "upstream rejected the request; '
+            pad = "x" * (LEAK_AT - len(head) - len("authorization: "))
+            body = head + pad + "authorization: " + request["headers"].get("authorization", "") + '"}'
+            return await self._send(writer, 502, body.encode())
+        if fault in ("leak_head", "leak_tail"):
+            echoed = key[:20] if fault == "leak_head" else key[-12:]
+            return await self._send(writer, 500, json.dumps({"error": f"invalid key {echoed}..."}).encode())
+        if fault == "bad_gzip":
+            return await self._send(writer, 200, _completion("VERDICT: 4"), {"Content-Encoding": "gzip"})
+        if fault == "bad_utf8":
+            return await self._send(writer, 200, _completion("VERDICT: 4").replace(b"VERDICT", b"\xff\xfeVERDICT"))
+        if fault == "bad_retry_after":
+            return await self._send(writer, 429, b'{"error": "slow down"}', {"Retry-After": "\xb2"})
+        if fault == "truncated":
+            body = _completion("VERDICT: 4")
+            await self._head(writer, 200, {"Transfer-Encoding": "chunked"})
+            writer.write(b"%x\r\n%s\r\n" % (len(body) // 2, body[:len(body) // 2]))
+            await writer.drain()
+            return False
+        if fault == "short":
+            body = _completion("VERDICT: 4")
+            await self._head(writer, 200, {"Content-Length": str(len(body) + 100)})
+            writer.write(body)
+            await writer.drain()
+            return False
+        if fault in ("huge", "forever"):
+            return await self._stream(writer, self.requests[-1], None if fault == "forever" else self.huge_bytes)
         if fault == "garbage":
             return await self._send(writer, 200, b"\x00<html>not a chat completion")
         if fault == "parrot":
@@ -152,9 +199,36 @@ class LoopbackJudge:
 
     @staticmethod
     async def _send(writer, status: int, body: bytes, headers: dict | None = None) -> bool:
-        head = [f"HTTP/1.1 {status} X", "Content-Type: application/json", f"Content-Length: {len(body)}",
-                "Connection: keep-alive", *(f"{k}: {v}" for k, v in (headers or {}).items())]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        await LoopbackJudge._head(writer, status, {"Content-Length": str(len(body)), **(headers or {})})
+        writer.write(body)
+        await writer.drain()
+        return True
+
+    @staticmethod
+    async def _head(writer, status: int, headers: dict) -> None:
+        head = [f"HTTP/1.1 {status} X", "Content-Type: application/json", "Connection: keep-alive",
+                *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+
+    @staticmethod
+    async def _stream(writer, record: dict, size: int | None) -> bool:
+        """A chat completion of about ``size`` bytes (endless when None) in 64 KiB chunks, counting
+        in ``record["sent"]`` what was written before the client hung up."""
+        head = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+        tail = b'\\nVERDICT: 4"}}]}'
+        record["sent"] = 0
+        await LoopbackJudge._head(writer, 200, {"Transfer-Encoding": "chunked"})
+
+        async def chunk(data: bytes):
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()  # blocks while the client does not read: sent stays what it took
+            record["sent"] += len(data)
+
+        await chunk(head)
+        while size is None or record["sent"] + _CHUNK + len(tail) < size:
+            await chunk(b"a" * _CHUNK)
+        await chunk(tail)
+        writer.write(b"0\r\n\r\n")
         await writer.drain()
         return True
 

@@ -7,14 +7,24 @@ ordinary reward functions: pass them in ``reward_funcs`` (TRL 1.16 awaits async 
 own event-loop thread, in parallel with other async rewards) or call them yourself
 (``asyncio.run(judge(prompts, completions))``). Scores are mapped to [0, 1].
 
-Failure semantics (INVARIANTS I8). A timeout, a dropped connection, an HTTP error, a body
-that is not a chat completion or a reply without a readable verdict gives ``None`` for that
-row -- TRL leaves it out of the group baseline -- never 0. Each call logs, through TRL's
-``log_metric``, ``judge/<name>/missing_share`` (rows without a score), ``judge/<name>/http_status``
-(the last status; 0 when no response came back) and ``judge/<name>/cache_hit_share``, and
-through ``log_extra`` the judge's reply or the failure per row. After ``max_failed_batches``
-consecutive calls in which no row got a score, ``JudgeError`` stops training, naming the
-judge, the last HTTP status and the last error.
+Failure semantics (INVARIANTS I8). Whatever the server or the transport does -- a timeout, a
+dropped connection, an HTTP error, a corrupt or non-UTF-8 body, a body that is not a chat
+completion, a reply over ``max_reply_bytes``, a reply without a readable verdict -- that row
+gets ``None`` (TRL leaves it out of the group baseline), never 0 and never an exception out of
+the reward function; only cancellation and ``JudgeError`` leave it. Each call logs, through
+TRL's ``log_metric``, ``judge/<name>/missing_share`` (rows without a score),
+``judge/<name>/failed/<reason>`` (share of rows per reason, ``FAILURE_REASONS``),
+``judge/<name>/http_status`` (the last status; 0 when no whole reply came back) and
+``judge/<name>/cache_hit_share``, and through ``log_extra`` the end of the judge's reply or the
+failure per row. After ``max_failed_batches`` consecutive calls in which no row got a score,
+``JudgeError`` stops training, naming the judge, the last HTTP status and the last error.
+
+The API key. Read from the variable ``api_key_env`` names at each call, sent only as the
+``Authorization`` header. Server text is redacted (``redact``: the header value and the key,
+whole or any piece of ``PIECE`` = 8 characters or more) before it is cut short, so no note,
+log, error or completion table holds a piece of it, whatever a server echoes. Memory: a
+reply's body is read streamed up to ``max_reply_bytes`` (1 MiB); the cache keeps a score and
+a note of at most ``NOTE_CHARS`` per pair, never a body.
 
 What it does not do: streaming, tool calls, JSON mode (``transformers serve`` rejects
 ``response_format``), cross-process cache sharing (the cache lives in the judge object,
@@ -30,9 +40,10 @@ import hashlib
 import json
 import os
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx2 as httpx
 import torch
@@ -48,6 +59,20 @@ from .tasks import rows_of
 # Statuses worth asking again: overload and server-side errors.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_RETRY_AFTER_S = 60.0
+_ERROR_BODY_BYTES = 4096  # of a non-200 body: enough for the note, the rest is not read
+NOTE_CHARS = 200  # of server text kept per row (cache, completion logs, errors)
+PIECE = 8  # no substring this long of a secret survives redaction
+REDACTED = "<api key>"
+# Why a row got no score (metrics judge/<name>/failed/<reason>):
+FAILURE_REASONS = (
+    "timeout",                # no complete reply within `timeout` seconds
+    "transport",              # refused, dropped, reset, malformed HTTP: anything the transport raised
+    "http_status",            # an answer with a status other than 200
+    "undecodable",            # a body that cannot be decoded: corrupt gzip/deflate, not UTF-8
+    "not_a_chat_completion",  # text, but no choices[0].message.content string in it
+    "too_large",              # a body over max_reply_bytes (the rest is not read)
+    "no_verdict",             # a chat completion without a readable verdict on the rubric's scale
+)
 
 
 class JudgeError(RuntimeError):
@@ -57,8 +82,69 @@ class JudgeError(RuntimeError):
 @dataclass
 class _Verdict:
     score: float | None  # on the rubric's scale
-    note: str  # the judge's reply, or what went wrong
-    cacheable: bool  # the server answered (a score or a reply without a verdict)
+    note: str  # the end of the judge's reply, or what went wrong (redacted, at most ~NOTE_CHARS + a prefix)
+    reason: str | None  # one of FAILURE_REASONS when score is None
+    cacheable: bool = False  # the server answered (a score or a reply without a verdict)
+
+
+def redact(text: str, secrets) -> str:
+    """``text`` with every secret, and every piece of one at least ``PIECE`` characters long, replaced
+    by ``<api key>``: a server may echo a key whole, cut, or only its start or end. Redact
+    BEFORE cutting text short, or a key crossing the cut survives as a fragment. Secrets shorter
+    than ``PIECE`` are replaced whole (from 4 characters on).
+
+    >>> redact("echo: Bearer sk-abcdefgh12345678, cut: sk-abcdefg...", ["sk-abcdefgh12345678"])
+    'echo: Bearer <api key>, cut: <api key>...'
+    """
+    pieces = {s[i:i + PIECE] for s in secrets if len(s) >= PIECE for i in range(len(s) - PIECE + 1)}
+    pieces |= {s for s in secrets if 4 <= len(s) < PIECE}
+    spans = []
+    for piece in pieces:  # str.find, not a regex: re's pattern cache would keep the pieces
+        at = text.find(piece)
+        while at >= 0:
+            spans.append((at, at + len(piece)))
+            at = text.find(piece, at + 1)
+    if not spans:
+        return text
+    spans.sort()
+    merged = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start <= merged[-1][1]:  # overlapping or touching: one run
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out, done = [], 0
+    for start, end in merged:
+        out += [text[done:start], REDACTED]
+        done = end
+    return "".join(out) + text[done:]
+
+
+def _excerpt(text: str, secrets, tail: bool = False) -> str:
+    """At most ``NOTE_CHARS`` of server text (its start, or its end with ``tail``), redacted first."""
+    text = redact(text, secrets)
+    return text[-NOTE_CHARS:] if tail else text[:NOTE_CHARS]
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A 429's ``Retry-After`` in seconds (capped), or None when it is not a non-negative number."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return min(seconds, _MAX_RETRY_AFTER_S) if seconds >= 0 else None  # NaN fails the test too
+
+
+async def _read_capped(response, cap: int) -> tuple[bytes, bool]:
+    """The decoded body up to ``cap`` bytes, and whether that was all of it; past the cap the rest
+    is not read (leaving ``client.stream`` then closes the connection)."""
+    parts, size = [], 0
+    async for chunk in response.aiter_bytes():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return b"".join(parts)[:cap], False
+    return b"".join(parts), True
 
 
 def _rows(columns: Mapping, rubric: Rubric, n: int, judge: str) -> list[dict]:
@@ -81,45 +167,53 @@ class HttpJudge:
 
     Args:
         rubric: what to ask (``rubrics.FAIRNESS``, ``rubrics.HALLUCINATION`` or your own).
-        base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``.
+        base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``; no credentials in it
+            (``user:password@``, ``?key=``): use ``api_key_env``.
         model: the ``model`` field of each request.
         api_key_env: NAME of the environment variable holding the API key (sent as a bearer
             token). The key is read at each call and kept nowhere: not in the object, its
-            repr, its cache keys, logs or errors.
+            repr, its cache keys, logs or errors. Server text that echoes it (whole, or any
+            piece of 8 characters or more) is redacted before it is cut short or kept.
         name: metric and reward-column name (default: the rubric's name).
         max_concurrency: requests in flight at once.
-        timeout: seconds per attempt, whole request included.
-        max_retries: further attempts after a timeout, a dropped connection, 429 or 5xx, with
+        timeout: seconds per attempt, whole request and reply included.
+        max_retries: further attempts after a timeout, a transport error, 429 or 5xx, with
             exponential backoff from ``backoff`` seconds (a 429's ``Retry-After`` wins, capped).
         max_tokens, temperature: sampling of the judge's reply.
         max_failed_batches: consecutive calls without a single score before ``JudgeError``
             (0 never raises).
         cache_size: verdicts kept (least recently used dropped). A (settings, prompt,
             completion, columns) pair the server has answered is never sent again; failures
-            are not cached.
+            are not cached. An entry is the score and a note of at most ``NOTE_CHARS``.
+        max_reply_bytes: the most bytes of a reply's (decoded) body read; a larger reply gives
+            ``None`` (reason ``too_large``) and the rest is never read. Memory per request is
+            bounded by it.
     """
 
     def __init__(self, rubric: Rubric, *, base_url: str, model: str, api_key_env: str | None = None,
                  name: str | None = None, max_concurrency: int = 8, timeout: float = 30.0, max_retries: int = 2,
                  backoff: float = 0.5, max_tokens: int = 256, temperature: float = 0.0,
-                 max_failed_batches: int = 3, cache_size: int = 100_000):
+                 max_failed_batches: int = 3, cache_size: int = 100_000, max_reply_bytes: int = 1 << 20):
         if api_key_env is not None and not os.environ.get(api_key_env):
             raise InputError(f"HttpJudge: environment variable {api_key_env!r} (api_key_env) is not set; export "
                              "it with the judge's API key, or pass api_key_env=None for a server without one.")
-        if max_concurrency < 1 or timeout <= 0 or max_retries < 0:
-            raise InputError(f"HttpJudge: need max_concurrency >= 1, timeout > 0, max_retries >= 0; got "
-                             f"{max_concurrency}, {timeout}, {max_retries}.")
+        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or max_reply_bytes < 1024:
+            raise InputError(f"HttpJudge: need max_concurrency >= 1, timeout > 0, max_retries >= 0, max_reply_bytes "
+                             f">= 1024; got {max_concurrency}, {timeout}, {max_retries}, {max_reply_bytes}.")
+        _check_base_url(base_url)
         self.rubric, self.base_url, self.model, self.api_key_env = rubric, base_url.rstrip("/"), model, api_key_env
         self.name = self.__name__ = name or rubric.name  # TRL names the reward column after __name__
         self.max_concurrency, self.timeout = max_concurrency, timeout
         self.max_retries, self.backoff = max_retries, backoff
         self.max_tokens, self.temperature = max_tokens, temperature
         self.max_failed_batches, self.cache_size = max_failed_batches, cache_size
-        self._cache: OrderedDict[str, tuple[float | None, str]] = OrderedDict()
+        self.max_reply_bytes = max_reply_bytes
+        self._cache: OrderedDict[str, tuple[float | None, str, str | None]] = OrderedDict()  # score, note, reason
         self._settings = json.dumps({"url": self.base_url, "model": model, "rubric": rubric.to_dict(),
                                      "max_tokens": max_tokens, "temperature": temperature}, sort_keys=True)
         self.failed_batches, self.last_status, self.last_error = 0, None, ""
         self.requests = 0  # HTTP attempts sent, retries included
+        self.failures = Counter()  # rows without a score so far, by reason (FAILURE_REASONS)
         self._ssl = None  # built once: a new client is cheap with it, ~30-70 ms without
 
     def __repr__(self) -> str:
@@ -143,9 +237,8 @@ class HttpJudge:
         hits = 0
         for key in keys:
             if key in self._cache:
-                score, note = self._cache[key]
                 self._cache.move_to_end(key)
-                verdicts[key] = _Verdict(score, note, cacheable=False)
+                verdicts[key] = _Verdict(*self._cache[key])
                 hits += 1
         todo = {key: m for key, m in zip(keys, messages) if key is not None and key not in verdicts}
         if todo:  # each distinct pair once, even when a group repeats a completion
@@ -154,18 +247,22 @@ class HttpJudge:
         scores = [verdicts[k].score if k is not None else None for k in keys]
         for key, v in verdicts.items():
             if v.cacheable:
-                self._cache[key] = (v.score, v.note)
+                self._cache[key] = (v.score, v.note, v.reason)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
+        reasons = Counter(verdicts[k].reason for k in keys if k is not None and verdicts[k].reason is not None)
+        self.failures.update(reasons)
         missing = sum(s is None for s in scores)
         if log_metric is not None:
             log_metric(f"judge/{self.name}/missing_share", missing / max(n, 1))
             log_metric(f"judge/{self.name}/cache_hit_share", hits / max(n, 1))
+            for reason in FAILURE_REASONS:  # every reason every call: TRL averages each over the steps it got
+                log_metric(f"judge/{self.name}/failed/{reason}", reasons[reason] / max(n, 1))
             if self.last_status is not None:
                 log_metric(f"judge/{self.name}/http_status", float(self.last_status))
         if log_extra is not None:
-            log_extra(f"judge/{self.name}", [verdicts[k].note[-200:] if k is not None else "row lacks a rubric column"
+            log_extra(f"judge/{self.name}", [verdicts[k].note if k is not None else "row lacks a rubric column"
                                              for k in keys])
         asked = sum(k is not None for k in keys)
         self._count_failure(asked > 0 and missing == n, asked)
@@ -183,9 +280,11 @@ class HttpJudge:
                 f"(0 never stops).")
 
     async def _ask_all(self, todo: dict[str, list[dict]]) -> dict[str, _Verdict]:
-        headers = {}
-        if self.api_key_env is not None:
-            headers["Authorization"] = f"Bearer {os.environ.get(self.api_key_env, '')}"
+        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
+        headers = {"Authorization": f"Bearer {key}"} if self.api_key_env else {}
+        # Every header value sent is a secret, and so is the bare key (redacted whole should it be
+        # shorter than PIECE); they live in this call only.
+        secrets = (*headers.values(), key) if key else ()
         slots = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         # One client per call: TRL's event loop is long-lived, a user's asyncio.run() is not,
@@ -193,60 +292,90 @@ class HttpJudge:
         self._ssl = self._ssl or httpx.create_ssl_context()
         async with httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl) as client:
             keys = list(todo)
-            results = await asyncio.gather(*(self._ask(client, slots, todo[k]) for k in keys))
+            results = await asyncio.gather(*(self._ask(client, slots, todo[k], secrets) for k in keys))
         return dict(zip(keys, results))
 
-    async def _ask(self, client, slots: asyncio.Semaphore, messages: list[dict]) -> _Verdict:
+    async def _ask(self, client, slots: asyncio.Semaphore, messages: list[dict], secrets: tuple) -> _Verdict:
+        """One row: attempts until a usable answer, a failure not worth repeating, or no retries left."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": self.temperature}
-        status, error = 0, ""
-        for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
+        attempt = 0
+        while True:
             async with slots:
                 self.requests += 1
-                try:
-                    async with asyncio.timeout(self.timeout):
-                        response = await client.post(f"{self.base_url}/chat/completions", json=body)
-                except (TimeoutError, httpx.TimeoutException):
-                    status, error = 0, f"timeout after {self.timeout} s"
-                except httpx.TransportError as e:  # refused, dropped, reset, malformed response
-                    status, error = 0, f"{type(e).__name__}: {e}"[:200]
-                else:
-                    status = response.status_code
-                    if status not in _RETRY_STATUS:
-                        break
-                    error = self._redact(f"HTTP {status}: {response.text[:200]}")
-                    retry_after = response.headers.get("retry-after", "")
-                    if status == 429 and retry_after.replace(".", "", 1).isdigit():
-                        wait = min(float(retry_after), _MAX_RETRY_AFTER_S)
-            self.last_status, self.last_error = status, error
-            if attempt < self.max_retries:
-                await asyncio.sleep(wait)
-        else:
-            return _Verdict(None, error, cacheable=False)
+                verdict, status, retry, retry_after = await self._attempt(client, body, secrets)
+            self.last_status = status
+            if verdict.reason == "no_verdict":
+                self.last_error = f"no verdict line in the reply: {verdict.note!r}"
+            elif verdict.reason is not None:
+                self.last_error = verdict.note
+            if not retry or attempt == self.max_retries:
+                return verdict
+            wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
+            await asyncio.sleep(retry_after if retry_after is not None else wait)
+            attempt += 1
 
-        self.last_status = status
-        if status != 200:
-            self.last_error = self._redact(f"HTTP {status}: {response.text[:200]}")
-            return _Verdict(None, self.last_error, cacheable=False)
+    async def _attempt(self, client, body: dict, secrets: tuple) -> tuple[_Verdict, int, bool, float | None]:
+        """One HTTP exchange -> (verdict, HTTP status or 0 when no whole reply came, worth retrying,
+        a 429's Retry-After). Never raises but for cancellation: whatever the server or the
+        transport does becomes a verdict with a reason (I8)."""
+        status, encoding = 0, ""
         try:
-            reply = response.json()["choices"][0]["message"]["content"]
+            async with asyncio.timeout(self.timeout):
+                async with client.stream("POST", f"{self.base_url}/chat/completions", json=body) as response:
+                    status, encoding = response.status_code, response.headers.get("content-encoding", "")
+                    retry_after = _retry_after(response.headers.get("retry-after")) if status == 429 else None
+                    cap = self.max_reply_bytes if status == 200 else _ERROR_BODY_BYTES
+                    data, complete = await _read_capped(response, cap)
+        except (TimeoutError, httpx.TimeoutException):
+            return _Verdict(None, f"timeout after {self.timeout} s", "timeout"), 0, True, None
+        except httpx.DecodingError as e:  # a corrupt gzip/deflate/zstd body
+            note = _excerpt(f"HTTP {status} with a body that cannot be decoded ({encoding or 'identity'}): {e}",
+                            secrets)
+            return _Verdict(None, note, "undecodable"), status, status in _RETRY_STATUS, None
+        except Exception as e:  # noqa: BLE001 - refused, dropped, reset, malformed or cut-off replies, ...
+            return _Verdict(None, _excerpt(f"{type(e).__name__}: {e}", secrets), "transport"), 0, True, None
+
+        if status != 200:
+            note = f"HTTP {status}: {_excerpt(data.decode('utf-8', 'replace'), secrets)}"
+            return _Verdict(None, note, "http_status"), status, status in _RETRY_STATUS, retry_after
+        if not complete:
+            note = f"HTTP 200 with a reply over max_reply_bytes={self.max_reply_bytes} (the rest was not read)"
+            return _Verdict(None, note, "too_large"), status, False, None
+        try:
+            text = data.decode("utf-8")  # JSON is UTF-8 (RFC 8259)
+        except UnicodeDecodeError:
+            note = (f"HTTP 200 with a body that is not UTF-8: "
+                    f"{_excerpt(data.decode('utf-8', 'replace'), secrets)!r}")
+            return _Verdict(None, note, "undecodable"), status, False, None
+        try:
+            reply = json.loads(text)["choices"][0]["message"]["content"]
             if not isinstance(reply, str):
                 raise TypeError(type(reply).__name__)
         except Exception:  # noqa: BLE001 - any body that is not a chat completion
-            self.last_error = self._redact(f"HTTP 200 with a body that is not a chat completion: "
-                                           f"{response.text[:200]!r}")
-            return _Verdict(None, self.last_error, cacheable=False)
-        reply = self._redact(reply)
-        score = parse_verdict(reply, self.rubric.low, self.rubric.high)
-        if score is None:
-            self.last_error = f"no verdict line in the reply: {reply[-200:]!r}"
-        return _Verdict(score, reply, cacheable=True)
+            note = f"HTTP 200 with a body that is not a chat completion: {_excerpt(text, secrets)!r}"
+            return _Verdict(None, note, "not_a_chat_completion"), status, False, None
+        score = parse_verdict(reply, self.rubric.low, self.rubric.high)  # a number: nothing of a key in it
+        note = _excerpt(reply, secrets, tail=True)
+        return _Verdict(score, note, "no_verdict" if score is None else None, cacheable=True), status, False, None
 
-    def _redact(self, text: str) -> str:
-        """Server text as kept in notes and errors, with the API key cut out should a server echo it."""
-        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
-        return text.replace(key, "<api key>") if len(key) >= 4 else text
+
+def _check_base_url(base_url: str) -> None:
+    """The API root, without credentials: the URL is shown in repr, errors and logs. The value is
+    never echoed here (it may hold a secret)."""
+    try:
+        parts = urlsplit(base_url)
+        has_credentials = parts.username is not None or parts.password is not None
+    except ValueError:
+        raise InputError("HttpJudge: base_url is not a URL; give the API root, e.g. http://127.0.0.1:8000/v1.") \
+            from None
+    if has_credentials or parts.query or parts.fragment:
+        raise InputError("HttpJudge: base_url holds user:password@, a ?query or a #fragment; give the API root "
+                         "only, e.g. https://host/v1. A key goes in an environment variable named by api_key_env "
+                         "(sent as a bearer token, never shown).")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"HttpJudge: base_url must be an http:// or https:// URL with a host, e.g. "
+                         f"http://127.0.0.1:8000/v1; got scheme {parts.scheme!r}.")
 
 
 class LocalJudge:
