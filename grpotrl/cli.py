@@ -96,7 +96,7 @@ class GRPOScriptArguments(ScriptArguments):
         metadata={"help": "LLM judges by name, for reward_funcs: a mapping name -> settings. An HTTP judge "
                   "(OpenAI-compatible server) has base_url, model, rubric and optionally api_key_env (the NAME of "
                   "the environment variable holding the key; a key itself is refused), max_concurrency, timeout, "
-                  "max_retries, backoff, max_tokens, temperature, max_failed_batches, cache_size, rubric_columns. A "
+                  "max_retries, backoff, max_tokens, temperature, max_failed_batches, cache_size, max_reply_bytes, rubric_columns. A "
                   "local judge has model_path, rubric and optionally batch_size, rubric_columns. rubric: fairness, "
                   "hallucination, a .yaml/.json/.txt rubric file or the criterion as text; rubric_columns maps the "
                   "rubric's template fields to dataset columns ({reference: answer}). On the command line: JSON. "

@@ -259,7 +259,7 @@ def test_judges_parse_into_http_judges_and_local_specs(tmp_path, tiny_llama):
               "columns": {"ref": "answer"}, "examples": [{"prompt": "p", "completion": "c", "ref": "r", "verdict": 3}]}
     (tmp_path / "kind.yaml").write_text(yaml.safe_dump(fields))
     judges = parse_judges({
-        "fair": {**HTTP, "max_concurrency": 2, "timeout": 5, "max_retries": 0, "max_tokens": 8},
+        "fair": {**HTTP, "max_concurrency": 2, "timeout": 5, "max_retries": 0, "max_tokens": 8, "max_reply_bytes": 4096},
         "facts": {**HTTP, "rubric": "hallucination", "rubric_columns": {"reference": "answer"}},
         "polite": {**HTTP, "rubric": str(tmp_path / "crit.txt")},
         "inline": {**HTTP, "rubric": "Grade whether the answer is short and correct."},
@@ -269,6 +269,7 @@ def test_judges_parse_into_http_judges_and_local_specs(tmp_path, tiny_llama):
     fair = judges["fair"]
     assert isinstance(fair, HttpJudge) and fair.rubric is FAIRNESS and fair.name == "fair"
     assert (fair.max_concurrency, fair.timeout, fair.max_retries, fair.max_tokens) == (2, 5.0, 0, 8)
+    assert fair.max_reply_bytes == 4096 and judges["facts"].max_reply_bytes == 1 << 20  # the recipe key, the default
     assert judges["facts"].rubric.columns == {"reference": "answer"} and judges["facts"].rubric.system == \
         HALLUCINATION.system
     assert judges["polite"].rubric.system.startswith("Grade whether the answer is polite. You never answer")
@@ -289,6 +290,7 @@ def test_judges_parse_into_http_judges_and_local_specs(tmp_path, tiny_llama):
      r"template fills \['completion', 'context', 'prompt'\].*rubric_columns"),
     ({"base_url": "u", "rubric": "fairness"}, "has no `model`"),
     ({**HTTP, "timeout": "soon"}, r"timeout must be a number, got 'soon'"),
+    ({**HTTP, "max_reply_bytes": 1.5}, r"max_reply_bytes must be an integer, got 1.5"),
     ({**HTTP, "api_key_env": "JUDGE_KEY_NOT_SET_ANYWHERE"}, "'JUDGE_KEY_NOT_SET_ANYWHERE', which is not set"),
     ({"model_path": "/no/such/judge", "rubric": "fairness"}, "does not exist"),
 ])

@@ -39,7 +39,7 @@ from .rubrics import FAIRNESS, HALLUCINATION, Rubric
 RUBRICS = {"fairness": FAIRNESS, "hallucination": HALLUCINATION}
 COMMON_KEYS = {"rubric", "rubric_columns"}
 HTTP_KEYS = COMMON_KEYS | {"base_url", "model", "api_key_env", "max_concurrency", "timeout", "max_retries", "backoff",
-                           "max_tokens", "temperature", "max_failed_batches", "cache_size"}
+                           "max_tokens", "temperature", "max_failed_batches", "cache_size", "max_reply_bytes"}
 LOCAL_KEYS = COMMON_KEYS | {"model_path", "batch_size"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JUDGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
@@ -142,7 +142,7 @@ def _judge(name, settings):
                              "Export it with the judge's API key, or drop api_key_env for a server without a key.")
     numbers = {"max_concurrency": (8, int), "timeout": (30.0, float), "max_retries": (2, int), "backoff": (0.5, float),
                "max_tokens": (256, int), "temperature": (0.0, float), "max_failed_batches": (3, int),
-               "cache_size": (100_000, int)}
+               "cache_size": (100_000, int), "max_reply_bytes": (1 << 20, int)}
     kwargs = {k: _number(settings, k, default, kind, where) for k, (default, kind) in numbers.items()}
     return HttpJudge(rubric, base_url=str(settings["base_url"]), model=str(settings["model"]), api_key_env=env,
                      name=name, **kwargs)
