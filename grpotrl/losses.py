@@ -137,7 +137,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return grad - grad.detach() + kl.detach()
 
 
-
 # Estimators whose gradient in a loss comes from the importance ratio's score term on their value
 # (``kl * d log pi``): k1 and k3, whose values are unbiased for the KL. Every other estimator's own
 # gradient is the one promised, so the ratio enters those by its value only.
@@ -159,7 +158,8 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, old_logp: to
     top: for k2 and the ``+`` variants the gradient of KL(pi || pi_ref) counted twice over).
 
     Expected gradient per position, over the sampled token ``x ~ pi(.|prefix)``, the prefix held
-    fixed (as in every per-token KL loss); with the correction also off-policy (``x ~ pi_old``):
+    fixed (as in every per-token KL loss); with the correction also off-policy (``x ~ pi_old``).
+    ``full``'s is exact for each sample on-policy, not only in expectation:
 
     ==========================  ================================  ===================================
     estimator                   bias_correction=True (default)    bias_correction=False (on-policy)
@@ -167,7 +167,7 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, old_logp: to
     k1 [kl]                     d KL(pi || pi_ref)                0: noise only (GADConfig refuses)
     k3 [low_var_kl], TRL's      d KL(pi || pi_ref)                d KL(pi_ref || pi), the other KL
     k2 [mse], k1+, k3+, abs+    d KL(pi || pi_ref)                d KL(pi || pi_ref)
-    full                        d KL(pi || pi_ref), per sample    d KL(pi || pi_ref), per sample
+    full                        d KL(pi || pi_ref), exact         d KL(pi || pi_ref), exact
     abs                         d sum_v |pi(v) - pi_ref(v)|       d sum_v |pi(v) - pi_ref(v)|
     ==========================  ================================  ===================================
 
@@ -197,6 +197,7 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, old_logp: to
         return kl
     ratio = torch.exp(logp - (logp.detach() if old_logp is None else old_logp))  # [B, C], 1 on-policy
     return kl * (ratio if estimator in SCORE_FUNCTION_KL else ratio.detach())  # [B, C]
+
 
 # ---------------------------------------------------------------- CAGrad (Liu et al., NeurIPS 2021)
 # Letters: K tasks. The reference is Cranial-XIX/CAGrad, ``cagrad()`` in nyuv2/utils.py.
