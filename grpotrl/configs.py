@@ -334,7 +334,11 @@ class GADConfig(GRPOConfig):
         default="k3",
         metadata={"help": "Per-token KL to the reference policy: k1, abs, k2 (mse), k3 (low_var_kl, TRL's) or full "
                   "(exact over the vocabulary from both models' logits; costs a [B, C, V] logits tensor per "
-                  "microbatch for each model)."},
+                  "microbatch for each model), or k1+, k3+, abs+ (the value of k1/k3/abs, the gradient of k2). In "
+                  "the loss, with use_bias_correction_kl (TRL's default: times the per-token importance ratio), all "
+                  "but abs have the gradient of KL(pi || pi_ref) in expectation; without it k2, full and the '+' "
+                  "variants keep it, k3 has the gradient of the other KL(pi_ref || pi), and k1 none (refused). abs's "
+                  "gradient is that of sum_v |pi(v) - pi_ref(v)|, not of a KL (grpotrl.losses.kl_loss_term)."},
     )
     use_kl_loss: bool = field(
         default=True,
@@ -355,7 +359,8 @@ class GADConfig(GRPOConfig):
         default=None,
         metadata={"help": "Estimator of the KL in the reward (verl's algorithm.kl_penalty); default: kl_estimator. "
                   "Both take ours (k1, abs, k2, k3, full) or verl's names (kl, abs, mse, low_var_kl, full), with "
-                  "'+' for verl's straight-through variant (the value of the estimator, the gradient of k2)."},
+                  "'+' for verl's straight-through variant (the value of the estimator, the gradient of k2: in the reward, "
+                  "where only the value counts, the same as without '+')."},
     )
     importance_sampling_level: str = field(
         default="sequence",
@@ -386,6 +391,12 @@ class GADConfig(GRPOConfig):
         if self.beta < 0 or reward_coef < 0:
             raise InputError(f"beta={self.beta} and kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0: a "
                              "negative KL coefficient rewards leaving the reference policy.")
+        if self.beta and self.use_kl_loss and self.kl_estimator == "k1" and not self.use_bias_correction_kl:
+            raise InputError("kl_estimator='k1' in the loss with use_bias_correction_kl=False: its gradient, "
+                             "d log pi, is zero in expectation, so the KL term would add noise and no pull towards "
+                             "the reference. Use use_bias_correction_kl: true (k1 times the importance ratio has "
+                             "the gradient of KL(pi || pi_ref)), or kl_estimator: k1+ (k1's value, the KL's gradient) "
+                             "or k2.")
         if self.beta and not (self.use_kl_loss or self.use_kl_in_reward):
             raise InputError(f"beta={self.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
                              "or beta: 0.0 for no KL.")

@@ -44,6 +44,8 @@ def importance_sampling_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.
 #
 # Per-token estimators of KL(pi || pi_ref) from the sampled token's logprobs (verl's names in
 # brackets), and the exact KL over the vocabulary. ``logp`` and ``ref_logp`` are [B, C].
+# ``kl_loss_term`` is the KL term of a loss built from them; its docstring says which gradient
+# each estimator gives there, with and without the importance ratio.
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "full")
 
@@ -92,8 +94,9 @@ def kl_full(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float =
     >>> kl_full(ref, lg).tolist()  # KL((1,0) || (.5,.5)) = log 2
     [[0.6931471824645996]]
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, C, V]
-    ref = torch.log_softmax(ref_logits.float() / temperature, dim=-1)  # [B, C, V]
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32; fp64 stays fp64
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # [B, C, V]
+    ref = torch.log_softmax(ref_logits.to(dtype) / temperature, dim=-1)  # [B, C, V]
     return (logp.exp() * (logp - ref)).sum(-1)  # [B, C]
 
 
@@ -118,8 +121,10 @@ def kl_estimator_name(name: str) -> str:
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """The sample-based estimators by name, ours or verl's (``full`` needs logits: call ``kl_full``).
-    With a ``+`` suffix the value is the estimator's and the gradient k2's, whose expectation is the
-    KL's gradient (k1's and k3's are not): verl's straight-through trick."""
+    With a ``+`` suffix the value is the estimator's and the gradient k2's, ``(log pi - log pi_ref)
+    d log pi``, whose expectation over ``x ~ pi`` is the gradient of KL(pi || pi_ref) (k1's and k3's
+    are not): verl's straight-through trick. That holds for this tensor's own gradient; times a
+    differentiable importance ratio it no longer does (``kl_loss_term`` detaches the ratio)."""
     estimator = kl_estimator_name(estimator)
     base = estimator.rstrip("+")
     value = {"k1": kl_k1, "abs": kl_abs, "k2": kl_k2, "k3": kl_k3}.get(base)
@@ -130,6 +135,68 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return kl
     grad = kl_k2(logp, ref_logp)
     return grad - grad.detach() + kl.detach()
+
+
+# Estimators whose gradient in a loss comes from the importance ratio's score term on their value
+# (``kl * d log pi``): k1 and k3, whose values are unbiased for the KL. Every other estimator's own
+# gradient is the one promised, so the ratio enters those by its value only.
+SCORE_FUNCTION_KL = ("k1", "k3")
+
+
+def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None,
+                 estimator: str, bias_correction: bool, *, logits: torch.Tensor | None = None,
+                 ref_logits: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """The per-token KL term of the loss [B, C], before ``beta`` and the loss's reduction.
+
+    ``logp`` [B, C]: the policy's logprobs of the sampled tokens, with their graph; ``ref_logp``
+    [B, C] the reference's (None for ``full``, which takes ``logits`` / ``ref_logits`` [B, C, V] at
+    ``temperature`` instead); ``old_logp`` [B, C] the sampling policy's (None: on-policy, ``logp``
+    detached, as TRL). ``bias_correction`` (TRL's ``use_bias_correction_kl``) multiplies by the
+    per-token ratio ``r = exp(logp - old_logp)``, value 1 on-policy: differentiably for k1 and k3,
+    whose gradient then gains the score term ``kl * d log pi``, and by its value only for the
+    rest, whose own gradient already is the one promised (a second, score term would be added on
+    top: for k2 and the ``+`` variants the gradient of KL(pi || pi_ref) counted twice over).
+
+    Expected gradient per position, over the sampled token ``x ~ pi(.|prefix)``, the prefix held
+    fixed (as in every per-token KL loss); with the correction also off-policy (``x ~ pi_old``).
+    ``full``'s is exact for each sample on-policy, not only in expectation:
+
+    ==========================  ================================  ===================================
+    estimator                   bias_correction=True (default)    bias_correction=False (on-policy)
+    ==========================  ================================  ===================================
+    k1 [kl]                     d KL(pi || pi_ref)                0: noise only (GADConfig refuses)
+    k3 [low_var_kl], TRL's      d KL(pi || pi_ref)                d KL(pi_ref || pi), the other KL
+    k2 [mse], k1+, k3+, abs+    d KL(pi || pi_ref)                d KL(pi || pi_ref)
+    full                        d KL(pi || pi_ref), exact         d KL(pi || pi_ref), exact
+    abs                         d sum_v |pi(v) - pi_ref(v)|       d sum_v |pi(v) - pi_ref(v)|
+    ==========================  ================================  ===================================
+
+    abs is not a KL penalty in the loss: its gradient ``sign(log pi - log pi_ref) d log pi`` is, in
+    expectation, that of the L1 distance (twice the total variation); ``abs+`` has abs's value and
+    the KL's gradient. The ratio is per token whatever the policy loss's ``importance_sampling_level``:
+    TRL multiplies by its ``coef_1``, which under ``"sequence"`` is the sequence's mean log-ratio
+    broadcast to every token, and the table then fails (two independent positions: k1 gets half
+    the gradient). tests/test_losses.py checks every cell by exact enumeration of a small vocabulary.
+
+    >>> lp, ref = torch.tensor([[-1.0]], requires_grad=True), torch.tensor([[-2.0]])
+    >>> (g,) = torch.autograd.grad(kl_loss_term(lp, ref, None, "k1", True).sum(), lp)
+    >>> g.item()  # d k1 + k1 * d log pi = 1 + 1
+    2.0
+    >>> (g,) = torch.autograd.grad(kl_loss_term(lp, ref, None, "k2", True).sum(), lp)
+    >>> g.item()  # d k2 = logp - ref; the ratio enters by its value, 1
+    1.0
+    """
+    estimator = kl_estimator_name(estimator)
+    if estimator == "full":
+        if logits is None or ref_logits is None:
+            raise ValueError("kl_estimator 'full' needs the logits of both models: pass logits= and ref_logits=")
+        kl = kl_full(logits, ref_logits, temperature)  # [B, C]
+    else:
+        kl = kl_penalty(logp, ref_logp, estimator)  # [B, C]
+    if not bias_correction:
+        return kl
+    ratio = torch.exp(logp - (logp.detach() if old_logp is None else old_logp))  # [B, C], 1 on-policy
+    return kl * (ratio if estimator in SCORE_FUNCTION_KL else ratio.detach())  # [B, C]
 
 
 # ---------------------------------------------------------------- CAGrad (Liu et al., NeurIPS 2021)

@@ -503,8 +503,10 @@ def _independent_logp(trainer, inputs):
 
 def test_kl_loss_k3_equals_trls_own_kl_term(tiny_llama, gad_args):
     """GAD computes every in-loss KL itself; for k3 it must reproduce TRL's own beta * k3 term,
-    value and gradient, for a per-sequence (grpo) and a per-token (dapo) aggregation."""
-    trainer, inputs = _kl_trainer(tiny_llama, gad_args)
+    value and gradient, for a per-sequence (grpo) and a per-token (dapo) aggregation. At the token
+    level: under "sequence" TRL's bias correction broadcasts the sequence's ratio, GAD keeps the
+    token's (the next test), so only the token level is where the two must agree."""
+    trainer, inputs = _kl_trainer(tiny_llama, gad_args, importance_sampling_level="token")
     assert trainer.args.use_bias_correction_kl  # TRL's default: the KL times the importance ratio
     head = trainer.model.get_output_embeddings().weight
     for loss_type in ("grpo", "dapo"):
@@ -520,12 +522,16 @@ def test_kl_loss_k3_equals_trls_own_kl_term(tiny_llama, gad_args):
 
 
 def test_every_kl_estimator_in_the_loss_matches_an_independent_recomputation(tiny_llama, gad_args):
-    """Value and gradient of the added term, for k1/abs/k2/k3 (sampled-token logprobs) and full
-    (the policy's logits rebuilt from the loss's own forward, the reference's from its own)."""
+    """Value and gradient of the added term, for k1/abs/k2/k3 and k1+/k3+/abs+ (sampled-token
+    logprobs) and full (the policy's logits rebuilt from the loss's own forward, the reference's from
+    its own), under GAD's defaults: use_bias_correction_kl, sequence-level policy ratio. Issue 28.6:
+    the KL's ratio is per token, differentiable for k1/k3 only (tests/test_losses.py: the gradient
+    that gives, by exact enumeration); it was the sequence's, differentiable for every estimator."""
     trainer, inputs = _kl_trainer(tiny_llama, gad_args)
+    assert trainer.args.use_bias_correction_kl and trainer.importance_sampling_level == "sequence"
     mask = inputs["completion_mask"].float()
     head = trainer.model.get_output_embeddings().weight
-    for estimator in KL_ESTIMATORS:
+    for estimator in KL_ESTIMATORS + ("k1+", "k3+", "abs+"):
         trainer.args.kl_estimator = estimator
         trainer.args.guard_steps = -1 if estimator == "full" else 0  # checks the rebuilt logits
         trainer._kl_in_loss = True
@@ -536,8 +542,8 @@ def test_every_kl_estimator_in_the_loss_matches_an_independent_recomputation(tin
         kl = _independent_kl(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                              inputs["completion_mask"], estimator)  # [B, C]
         logp = _independent_logp(trainer, inputs)  # [B, C]
-        seq_log_ratio = ((logp - logp.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
-        kl = kl * torch.exp(seq_log_ratio)  # TRL's bias correction: value 1, gradient kl * d(log ratio)
+        if estimator in ("k1", "k3"):  # the token's ratio exp(logp - old): value 1, gradient kl * d logp
+            kl = kl * torch.exp(logp - logp.detach())  # [B, C]
         expected = trainer.kl_coef * ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # loss_type grpo
         (want,) = torch.autograd.grad(expected, head)
         torch.testing.assert_close((with_kl - without).detach(), expected.detach(), atol=1e-6, rtol=1e-4,
@@ -597,6 +603,21 @@ def test_config_takes_verl_estimator_names_and_refuses_unused_or_negative_kl_set
                        (dict(kl_estimator="full+"), r"KL estimator 'full\+'")):
         with pytest.raises(InputError, match=match):
             make(**bad)
+
+
+@pytest.mark.parametrize("name", ["k1", "kl"])
+def test_config_refuses_k1_in_the_loss_without_the_importance_ratio(tmp_path, name):
+    """Issue 28.6: k1's gradient in the loss, d log pi, is zero in expectation without the ratio's
+    score term (tests/test_losses.py enumerates it): noise with no pull to the reference."""
+    make = lambda **kw: grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.1, **kw)  # noqa: E731
+    with pytest.raises(InputError, match=r"kl_estimator='k1' in the loss with use_bias_correction_kl=False: .*"
+                                         r"zero in expectation.*use_bias_correction_kl: true.*k1\+"):
+        make(kl_estimator=name, use_bias_correction_kl=False)
+    make(kl_estimator=name)  # with the ratio: the KL's gradient
+    make(kl_estimator="k1+", use_bias_correction_kl=False)  # k2's gradient, the KL's
+    make(kl_estimator="k3", use_bias_correction_kl=False)  # the other KL's gradient: allowed, documented
+    # in the reward only k1's value counts, and it is unbiased
+    make(kl_estimator=name, use_bias_correction_kl=False, use_kl_loss=False, use_kl_in_reward=True)
 
 
 # ---------------------------------------------------------------- CLI, recipe, hooks

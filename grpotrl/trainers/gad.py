@@ -13,14 +13,21 @@ verl's GAD does) as the reward, then step D's own AdamW. For the first
 at the last real token through the same chat template for teacher and student (I9,
 ``grpotrl/discriminator.py``).
 
-KL to the reference policy (``beta``, ``kl_estimator`` in k1/abs/k2/k3/full) goes in the loss
-(``use_kl_loss``), the reward (``use_kl_in_reward``) or both; GAD computes it itself (TRL's own
-in-loss k3 is turned off) so every estimator takes one path. Costs on top of GRPO: D's forward
-and backward on B*G + B sequences per generation batch, packed so that a group's shared prompt
-runs once (``discriminator.scoring_batch``; bench/bench_gad.py: 1.24x GRPO's step CPU time), and
-its AdamW step; KL in the reward adds a no-grad policy and reference forward over the generation
-batch; ``full`` materialises [B, C, V] logits of both models per microbatch (the policy's from
-the loss's own forward, plus one reference forward).
+KL to the reference policy (``beta``, ``kl_estimator`` in k1/abs/k2/k3/full, or k1+/k3+/abs+) goes
+in the loss (``use_kl_loss``), the reward (``use_kl_in_reward``) or both; GAD computes it itself
+(TRL's own in-loss k3 is turned off) so every estimator takes one path, ``losses.kl_loss_term``.
+In the loss, with ``use_bias_correction_kl`` (TRL's default), every estimator but abs has the
+gradient of KL(pi || pi_ref) in expectation, on- and off-policy: k1 and k3 through the importance
+ratio's score term, as in TRL; k2, full and the ``+`` variants through their own gradient, so the
+ratio enters them by its value only (TRL's differentiable ratio on top counted the KL's gradient
+twice over). Without it: k2, full, ``+``: the same on-policy; k3: the gradient of KL(pi_ref || pi);
+k1: zero, refused. abs's gradient is the L1 distance's, never the KL's (``abs+`` has the KL's).
+
+Costs on top of GRPO: D's forward and backward on B*G + B sequences per generation batch, packed
+so that a group's shared prompt runs once (``discriminator.scoring_batch``; bench/bench_gad.py:
+1.24x GRPO's step CPU time), and its AdamW step; KL in the reward adds a no-grad policy and
+reference forward over the generation batch; ``full`` materialises [B, C, V] logits of both models
+per microbatch (the policy's from the loss's own forward, plus one reference forward).
 
 Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
 everything else is TRL's):
@@ -32,9 +39,11 @@ everything else is TRL's):
     processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
     ``kl_reward``, with ``use_kl_in_reward``).
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
-  * ``_compute_loss``: adds ``beta * KL`` on the logprobs the policy loss really used, reduced as
-    TRL reduces its per-token loss for ``loss_type`` (``_aggregate_like_trl``, restated from TRL 1.16)
-    and times TRL's importance ratio with ``use_bias_correction_kl``.
+  * ``_compute_loss``: adds ``beta * losses.kl_loss_term`` on the logprobs the policy loss really
+    used, reduced as TRL reduces its per-token loss for ``loss_type`` (``_aggregate_like_trl``,
+    restated from TRL 1.16). With ``use_bias_correction_kl`` the importance ratio is per token,
+    ``exp(logp - old_logp)``, even under ``importance_sampling_level="sequence"`` (GAD's default),
+    where TRL broadcasts the sequence's ratio: that keeps k1's and k3's gradient the KL's.
   * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
     update) and TRL's step bookkeeping (``_step``, ``_current_train_step_time``, ``step_time``)
     only; the student gets no grad.
@@ -71,7 +80,7 @@ from .. import templates
 from ..configs import GADConfig
 from ..discriminator import DiscriminatorReward, load_discriminator, pad_sequences
 from ..errors import InputError, InvariantError
-from ..losses import kl_full, kl_penalty
+from ..losses import kl_full, kl_loss_term, kl_penalty
 from ..masking import position_ids_from_mask
 from ..preflight import check_gad
 from . import _intercept
@@ -237,12 +246,11 @@ class GADTrainer(GRPOTrainer):
         logp = calls[0][0]  # [B, C] the policy logprobs the loss was built from (graph tensor)
         mask = inputs["completion_mask"]  # [B, C] GAD has no tools, hence no tool_mask
         width = mask.size(1)
-        if full:
-            per_token_kl = self._full_kl_on_loss_forward(model, inputs, hidden[0], logp, width)
-        else:
-            per_token_kl = kl_penalty(logp, inputs["ref_per_token_logps"], self.args.kl_estimator)  # [B, C]
-        if self.args.use_bias_correction_kl:  # TRL's default: times the (differentiable) importance ratio
-            per_token_kl = per_token_kl * self._importance_ratio(logp, inputs, mask)
+        logits, ref_logits = self._full_kl_logits(model, inputs, hidden[0], logp, width) if full else (None, None)
+        per_token_kl = kl_loss_term(  # [B, C], times the per-token importance ratio with use_bias_correction_kl
+            logp, None if full else inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
+            self.args.kl_estimator, self.args.use_bias_correction_kl,
+            logits=logits, ref_logits=ref_logits, temperature=self.temperature)
         loss = loss + self.kl_coef * _aggregate_like_trl(self, per_token_kl, mask, inputs)
         mode = "train" if self.model.training else "eval"
         totals = self.accelerator.reduce(torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]),
@@ -250,18 +258,9 @@ class GADTrainer(GRPOTrainer):
         self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return loss
 
-    def _importance_ratio(self, logp: torch.Tensor, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
-        """TRL's ``coef_1``: exp of the log ratio to the sampling policy, per token [B, C] or, for
-        ``importance_sampling_level="sequence"``, its masked mean per sequence [B, 1]."""
-        old = inputs.get("old_per_token_logps")
-        log_ratio = logp - (logp.detach() if old is None else old)  # [B, C]
-        if self.importance_sampling_level == "sequence":
-            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
-        return torch.exp(log_ratio)
-
-    def _full_kl_on_loss_forward(self, model, inputs, hidden, logp, width) -> torch.Tensor:
-        """Exact KL per completion token [B, C]: the policy's logits from the loss's own forward
-        (its backbone output through the LM head, so the gradient reaches the same graph), the
+    def _full_kl_logits(self, model, inputs, hidden, logp, width) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits [B, C, V] of the exact KL per completion token: the policy's from the loss's own
+        forward (its backbone output through the LM head, so the gradient reaches the same graph), the
         reference's from one no-grad forward."""
         causal_lm = self.accelerator.unwrap_model(model)
         causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
@@ -282,7 +281,7 @@ class GADTrainer(GRPOTrainer):
                                            f"but their logprobs differ from the loss's by {gap:.2e} nats (logit scale "
                                            f"{scale:.1f}). This model's LM head is not a plain linear layer (logit "
                                            "scaling or soft-capping?); use a sample-based kl_estimator.")
-        return kl_full(logits, ref_logits, self.temperature)
+        return logits, ref_logits
 
     # ------------------------------------------------------------------ warmup: D only
 
