@@ -221,8 +221,8 @@ def test_gad_relies_on_trl_training_step_bookkeeping():
 
 def test_gad_kl_reduction_restates_trl_per_loss_type():
     """``gad._aggregate_like_trl`` adds GAD's KL term reduced exactly as TRL reduces its per-token loss
-    (and multiplies it by TRL's ``coef_1`` with ``use_bias_correction_kl``): TRL's reductions must read
-    as they did, one per loss_type grpotrl knows."""
+    (the importance ratio of ``use_bias_correction_kl`` is GAD's own, per token: ``losses.kl_loss_term``):
+    TRL's reductions must read as they did, one per loss_type grpotrl knows."""
     from grpotrl.trainers import gad
 
     src = inspect.getsource(trl.GRPOTrainer._compute_loss)
@@ -237,8 +237,7 @@ def test_gad_kl_reduction_restates_trl_per_loss_type():
         "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
         'elif self.loss_type == "luspo":', "loss = (per_token_loss * mask).sum(-1).mean()",
         "normalizer = self.current_gradient_accumulation_steps if mode == \"train\" else 1.0",
-        "if self.args.use_bias_correction_kl:", "coef_1 = torch.exp(log_importance_weights)",
-        "log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)",
+        "if self.args.use_bias_correction_kl:",  # the field GADConfig reads with TRL's meaning
     ):
         assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
     known = {"grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo"}
