@@ -40,7 +40,8 @@ def child(variant: str, steps: int, completion: int, no_reg: bool, lr: float) ->
     import time
 
     import grpotrl
-    from grpotrl import guards, guards_logprobs
+    from grpotrl import guards
+    from grpotrl.guards import logprobs as guards_logprobs
 
     inside = [0.0]  # CPU seconds in the I7 sign check
     check = guards_logprobs.entropy_slopes

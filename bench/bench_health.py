@@ -31,7 +31,7 @@ def child(variant: str, steps: int, logit_steps: int, shape: tuple[int, int, int
 
 
     import grpotrl
-    from grpotrl import callbacks
+    from grpotrl.health import callbacks
     from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
     from grpotrl.rewards.rules import exact_answer_reward

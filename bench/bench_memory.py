@@ -81,7 +81,7 @@ def child(variant: str, length: int, prompts: int, generations: int, steps: int)
     from transformers import AutoTokenizer, GenerationConfig
 
     from grpotrl.models import resolve_model_path
-    from grpotrl.templates import stop_token_ids
+    from grpotrl.chat.templates import stop_token_ids
 
     model = resolve_model_path("smollm2-135m-instruct")
     stops = stop_token_ids(AutoTokenizer.from_pretrained(model), GenerationConfig.from_pretrained(model))

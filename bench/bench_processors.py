@@ -38,10 +38,10 @@ def main() -> None:
 
     from grpotrl.data import load_quickstart
     from grpotrl.models import resolve_model_path
-    from grpotrl.processors import build_processors
-    from grpotrl.sampled_logprobs import SampledLogprobRecorder
+    from grpotrl.generation.processors import build_processors
+    from grpotrl.generation.sampled_logprobs import SampledLogprobRecorder
     from grpotrl.trainers._intercept import inject_recorders_after_warpers
-    from grpotrl.templates import stop_token_ids
+    from grpotrl.chat.templates import stop_token_ids
 
     path = resolve_model_path("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)

@@ -41,7 +41,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl import recipe_types
+from grpotrl.configs import recipe_types
 from grpotrl.errors import HealthStop, InputError
 from grpotrl.rewards.judges import JudgeError
 from grpotrl.rewards.resolve import REWARD_FUNCS
@@ -174,10 +174,10 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.checkpoints import check_output_dir, resume_requested
     from grpotrl.data import load_splits, pick_split
     from grpotrl.models import resolve_model_path
-    from grpotrl.preflight_model import check_model_args
+    from grpotrl.preflight.model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
-    from grpotrl.run_lock import lock_output_dir, release_output_dir
+    from grpotrl.checkpoints.run_lock import lock_output_dir, release_output_dir
 
     ################
     # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight.py)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpotrl.losses import cagrad_coefficients, cagrad_weights, merge_rows
+from grpotrl.ops.losses import cagrad_coefficients, cagrad_weights, merge_rows
 
 
 def reference_cagrad(grads: np.ndarray, alpha: float = 0.5, rescale: int = 1) -> np.ndarray:

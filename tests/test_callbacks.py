@@ -66,7 +66,7 @@ def test_healthy_run_passes_every_rule_and_logs_the_signals(tiny_llama, grpo_arg
 
 
 def test_default_actions_stop_only_certainly_broken_runs(tmp_path):
-    from grpotrl.callbacks import EntropyRule, FlatRewardRule, HeaderRule, NonFiniteRule, OneTokenRule, rule_action
+    from grpotrl.health.callbacks import EntropyRule, FlatRewardRule, HeaderRule, NonFiniteRule, OneTokenRule, rule_action
 
     rules = [NonFiniteRule, HeaderRule, EntropyRule, OneTokenRule, FlatRewardRule]
     default = grpotrl.GRPOConfig(output_dir=str(tmp_path))

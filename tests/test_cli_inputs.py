@@ -676,7 +676,7 @@ def test_python_api_output_dir_file_and_missing_discriminator_stop_before_the_lo
 
 def test_prompt_length_check_on_a_large_dataset_tokenizes_only_prompts_that_could_be_too_long(
         tmp_path, tiny_llama, smollm2_tokenizer, monkeypatch):
-    from grpotrl import preflight_data
+    from grpotrl.data import checks as preflight_data
 
     monkeypatch.setattr(preflight_data, "EXACT_ROWS", 2)  # 4 rows count as large here
     seen = []

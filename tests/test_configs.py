@@ -91,7 +91,7 @@ def test_type_check_takes_what_trls_config_documents_beyond_its_annotation(tmp_p
     """TRL documents ``scale_rewards`` as ``str`` or ``bool`` and maps the bools in ``__post_init__``
     (TRL's own test_train_scale_rewards passes True/False); grpotrl's type check takes the same, in Python
     and in a recipe, and still refuses what TRL would not take."""
-    from grpotrl.recipe_types import check_recipe_types
+    from grpotrl.configs.recipe_types import check_recipe_types
 
     for cls in (trl.GRPOConfig, grpotrl.GRPOConfig):
         assert cls(output_dir=str(tmp_path), use_cpu=True, scale_rewards=value).scale_rewards == expected
@@ -136,7 +136,7 @@ def test_I6_continuous_batching_refuses_the_processors_it_cannot_apply(tmp_path,
 def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_llama, tmp_path):
     """TRL lets generation_kwargs override repetition_penalty; grpotrl overwrote it with 1.0 on every path
     (its own response-only penalty reads the field). Now it becomes the field, and reaches the processor."""
-    from grpotrl.processors import RepetitionPenaltyProcessor
+    from grpotrl.generation.processors import RepetitionPenaltyProcessor
 
     args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4,
                               num_generations=4, report_to="none", generation_kwargs={"repetition_penalty": 1.3})

@@ -15,10 +15,10 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 import grpotrl
-from grpotrl import discriminator as gd
-from grpotrl import templates
+from grpotrl.gad import discriminator as gd
+from grpotrl.chat import templates
 from grpotrl.errors import InputError
-from grpotrl.losses import KL_ESTIMATORS, kl_full, kl_penalty
+from grpotrl.ops.losses import KL_ESTIMATORS, kl_full, kl_penalty
 
 TOY = Path(grpotrl.__file__).parent / "data" / "gad_toy.jsonl"
 PROMPT = [{"role": "user", "content": "What is 13 + 14? Answer with just the number."}]

@@ -7,8 +7,9 @@ import copy
 import pytest
 
 import grpotrl
+from grpotrl.checkpoints import discriminator_files as checkpoint_files
 from grpotrl.checkpoints import resume_files
-from grpotrl.trainers.gad_engine import checkpoint_files, deepspeed_config
+from grpotrl.trainers.gad_engine import deepspeed_config
 
 
 def student_config():

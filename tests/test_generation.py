@@ -84,7 +84,7 @@ def test_without_penalties_nothing_is_added_to_generate(tiny_llama, grpo_args):
                                       dict(hf_importance_sampling_correction=True)])
 def test_I5_sampler_logprobs_are_recorded_not_output_scores(tiny_llama, grpo_args, settings):
     """Issue 17: generate keeps one logprob per sampled token, never output_scores' [B, V] per step."""
-    from grpotrl.sampled_logprobs import SampledLogprobRecorder
+    from grpotrl.generation.sampled_logprobs import SampledLogprobRecorder
 
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**settings),
                                   train_dataset=arithmetic_prompts())

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from grpotrl import InvariantError, boundary, guards, health, templates
+from grpotrl import InvariantError, guards, health
+from grpotrl.chat import boundary, templates
 
 
 def test_logit_stats_max_gap_and_top5_mass_by_hand():

@@ -17,7 +17,8 @@ from datasets import Dataset
 from hub_cache import add_to_cache
 
 import grpotrl
-from grpotrl import hub, templates
+from grpotrl.models import sources as hub
+from grpotrl.chat import templates
 from grpotrl.errors import InputError, InvariantError
 
 ROOT = Path(__file__).resolve().parents[1]

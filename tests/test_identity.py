@@ -12,7 +12,8 @@ import torch
 from conftest import arithmetic_prompts, length_reward
 
 import grpotrl
-from grpotrl import InvariantError, identity
+from grpotrl import InvariantError
+from grpotrl.guards import identity
 
 
 def _trainer(model, args, **kwargs):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpotrl.logprobs import completion_logits, entropy_from_logits, token_logprobs
+from grpotrl.ops.logprobs import completion_logits, entropy_from_logits, token_logprobs
 
 
 def test_I5_temperature_divides_logits():

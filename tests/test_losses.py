@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpotrl.losses import (importance_sampling_ratio, kl_abs, kl_full, kl_k1, kl_k2, kl_k3, kl_loss_term,
+from grpotrl.ops.losses import (importance_sampling_ratio, kl_abs, kl_full, kl_k1, kl_k2, kl_k3, kl_loss_term,
                             kl_penalty)
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from grpotrl.masking import completion_mask, extract_completions, first_stop_index, position_ids_from_mask
+from grpotrl.ops.masking import completion_mask, extract_completions, first_stop_index, position_ids_from_mask
 
 EOS = PAD = 2  # SmolLM2: pad_token == eos_token == <|im_end|>
 EOT = 7  # a second stop id (e.g. <|eot_id|> beside eos)

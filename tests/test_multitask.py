@@ -272,7 +272,7 @@ def test_cagrad_update_is_the_combination_computed_by_hand(mode, tiny_llama, grp
     each task's own gradient (a plain multi-task run in which only that task is rewarded): exact mode weighs
     them by the Gram matrix of the whole model, low-memory by that of the last block's parameters. Swapping
     the two tasks' weights gives an update this test tells apart."""
-    from grpotrl.losses import cagrad_coefficients
+    from grpotrl.ops.losses import cagrad_coefficients
     from grpotrl.trainers.multitask import _last_block_params
 
     reg = {"entropy_coef": 0.0, "beta": 0.0}

@@ -11,9 +11,9 @@ from transformers import (LlamaForCausalLM, LogitsProcessorList, RepetitionPenal
                           SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper)
 
 from grpotrl import InvariantError
-from grpotrl.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
+from grpotrl.generation.processors import (FrequencyPenaltyProcessor, MinNewTokensProcessor, PresencePenaltyProcessor,
                                 RepetitionPenaltyProcessor, build_processors, generated_counts)
-from grpotrl.sampled_logprobs import SampledLogprobRecorder, processed_logprob, sampler_logprobs
+from grpotrl.generation.sampled_logprobs import SampledLogprobRecorder, processed_logprob, sampler_logprobs
 from grpotrl.trainers._intercept import inject_recorders_after_warpers
 
 EOS = PAD = 2  # SmolLM2: <|im_end|>, eos and pad

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 import grpotrl
 from grpotrl import cli
 from grpotrl.errors import InputError
-from grpotrl.trainers._common import pin_quantized_kernels
+from grpotrl.models.quantization import pin_quantized_kernels
 
 from conftest import arithmetic_prompts, length_reward
 

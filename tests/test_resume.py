@@ -266,7 +266,8 @@ def test_I2_train_resume_from_another_checkpoint_compares_this_runs_chat_templat
     from transformers import AutoTokenizer
 
     import grpotrl
-    from grpotrl import InvariantError, templates
+    from grpotrl import InvariantError
+    from grpotrl.chat import templates
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     tok.chat_template = TOY_TEMPLATE  # its generation prompt reads enable_thinking

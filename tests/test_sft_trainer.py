@@ -18,7 +18,8 @@ from conftest import arithmetic_prompts, length_reward
 from datasets import Dataset
 
 import grpotrl
-from grpotrl import InvariantError, templates
+from grpotrl import InvariantError
+from grpotrl.chat import templates
 from grpotrl.trainers.sft import check_sft_labels
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -527,7 +528,7 @@ def test_plain_text_sft_fingerprint_says_no_template_and_grpo_only_warns(tiny_ll
     assert saved["trained_on_template"] is False and "chat_template_kwargs" not in saved
     other = trainer.processing_class
     other.chat_template = _bot_template(other)
-    with caplog.at_level(logging.WARNING, logger="grpotrl.templates"):
+    with caplog.at_level(logging.WARNING, logger="grpotrl.chat.templates"):
         assert templates.check_fingerprint(ckpt, other) is True
     assert "not on a chat template" in caplog.text
 

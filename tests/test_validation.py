@@ -13,7 +13,11 @@ import transformers
 from datasets import Dataset
 from safetensors.torch import save_file
 
-from grpotrl import checkpoints, cli, preflight_data, preflight_model, templates
+from grpotrl import checkpoints, cli
+from grpotrl.data import checks as preflight_data
+from grpotrl.configs import checks
+from grpotrl.models import sources
+from grpotrl.chat import templates
 from grpotrl.rewards import resolve
 from grpotrl.errors import InputError
 from grpotrl.rewards import rules
@@ -193,29 +197,29 @@ def test_cli_stops_on_a_tokenizer_without_chat_template(tmp_path, smollm2_path, 
 def test_missing_local_model_dir_names_the_path(tmp_path):
     missing = tmp_path / "outputs" / "smollm2-sft-quickstart"
     with pytest.raises(InputError, match=r"does not exist.*run that first"):
-        preflight_model.check_model_dir(str(missing))
+        sources.check_model_dir(str(missing))
 
 
 def test_model_dir_with_config_only_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InputError, match=r"incomplete weights: no model.safetensors.*found: config.json"):
-        preflight_model.check_model_dir(str(tmp_path))
+        sources.check_model_dir(str(tmp_path))
 
 
 def test_model_dir_without_config_is_an_error(tmp_path):
     write_weights(tmp_path)
     with pytest.raises(InputError, match=r"has no config.json \(found: model.safetensors\)"):
-        preflight_model.check_model_dir(str(tmp_path))
+        sources.check_model_dir(str(tmp_path))
 
 
 def test_truncated_safetensors_is_incomplete(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     weights = write_weights(tmp_path)
-    preflight_model.check_model_dir(str(tmp_path))  # complete: passes
+    sources.check_model_dir(str(tmp_path))  # complete: passes
     data = weights.read_bytes()
     weights.write_bytes(data[:-4])  # a save killed before the last bytes
     with pytest.raises(InputError, match=rf"{len(data) - 4} bytes, its header says {len(data)}"):
-        preflight_model.check_model_dir(str(tmp_path))
+        sources.check_model_dir(str(tmp_path))
 
 
 def test_sharded_checkpoint_with_a_missing_shard(tmp_path):
@@ -224,9 +228,9 @@ def test_sharded_checkpoint_with_a_missing_shard(tmp_path):
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(InputError, match=r"missing: \['model-00002-of-00002.safetensors'\]"):
-        preflight_model.check_model_dir(str(tmp_path))
+        sources.check_model_dir(str(tmp_path))
     write_weights(tmp_path, "model-00002-of-00002.safetensors")
-    preflight_model.check_model_dir(str(tmp_path))
+    sources.check_model_dir(str(tmp_path))
 
 
 def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
@@ -238,12 +242,12 @@ def test_peft_adapter_dir_checks_adapter_weights_and_base(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
     with pytest.raises(InputError, match=r"adapter dir .* no adapter_model.safetensors"):
-        preflight_model.check_model_dir(str(adapter))
+        sources.check_model_dir(str(adapter))
     write_weights(adapter, "adapter_model.safetensors")
-    preflight_model.check_model_dir(str(adapter))
+    sources.check_model_dir(str(adapter))
     (base / "model.safetensors").unlink()
     with pytest.raises(InputError, match=r"base model of PEFT adapter .* incomplete weights"):
-        preflight_model.check_model_dir(str(adapter))
+        sources.check_model_dir(str(adapter))
 
 
 def write_checkpoint(directory, weights="model.safetensors"):
@@ -456,7 +460,7 @@ def test_valid_recipe_reaches_the_model_load_last(smollm2_path, tmp_path, monkey
 def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
     from transformers import AutoTokenizer
 
-    from grpotrl.templates import stop_token_ids
+    from grpotrl.chat.templates import stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     tok.eos_token = None
@@ -513,7 +517,7 @@ def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, v
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **ok)
     setattr(args, field, value)  # TRL's own config, set after its checks: the trainer checks it before loading
     with pytest.raises(InputError, match=rf"^{field}="):
-        preflight_model.check_ranges(args)
+        checks.check_ranges(args)
 
 
 def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path, smollm2_path, no_model_load,

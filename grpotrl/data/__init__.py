@@ -101,7 +101,7 @@ def load_splits(name: str, config: str | None = None):
             raise InputError(f"dataset_name {name!r} looks like a save_to_disk folder but cannot be read: "
                              f"{_first_line(err)}. Save it again with Dataset(Dict).save_to_disk.") from None
         return dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
-    from ..preflight_data import check_data_file, load_error_cause
+    from .checks import check_data_file, load_error_cause
 
     local_files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, f) for f in os.listdir(path)) if os.path.isdir(path) else []

@@ -49,9 +49,8 @@ import httpx2 as httpx
 import torch
 from trl.trainer.utils import is_async_callable
 
-from ..discriminator import last_token_index
 from ..errors import InputError
-from ..masking import position_ids_from_mask
+from ..ops.masking import last_token_index, position_ids_from_mask
 from .rubrics import Rubric, parse_verdict, prompt_text
 from .rules import completion_text
 from .tasks import rows_of

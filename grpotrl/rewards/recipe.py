@@ -122,7 +122,7 @@ def _judge(name, settings):
         raise InputError(f"{where} has no `rubric`: give {list(RUBRICS)}, a rubric file or your criterion as text.")
     rubric = _rubric(settings["rubric"], settings.get("rubric_columns"), name, where)
     if "model_path" in settings:
-        from ..hub import check_model_source
+        from ..models.sources import check_model_source
         from ..models import resolve_model_path
 
         path = resolve_model_path(str(settings["model_path"]))  # an alias, a local dir or a Hub id

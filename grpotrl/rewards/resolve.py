@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..preflight_data import _rows
+from ..data.checks import row_list
 from . import rules
 
 logger = logging.getLogger(__name__)
@@ -269,4 +269,4 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
             if empty:
                 logger.warning("Column %r of the %r split, which reward %s%s reads, is empty or None on %d of %d rows "
                                "(%s): those rows get no signal from it.", name, split_name, func.__name__, task,
-                               len(empty), len(rows), _rows(empty))
+                               len(empty), len(rows), row_list(empty))

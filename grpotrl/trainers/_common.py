@@ -1,73 +1,28 @@
-"""What grpotrl's trainers share beyond the preflight (``grpotrl/preflight.py``): the two things
-quantized (QLoRA) models need, the checked resume, and how the run is sharded.
+"""What grpotrl's trainers share beyond the preflight (``grpotrl/preflight/``): the checked resume.
 
-* ``pin_quantized_kernels``: bitsandbytes' CPU kernels compute the same function in train and
-  eval mode; ``trainable_dtypes_kept``: a resumed QLoRA adapter keeps the dtype TRL gave it.
+* ``trainable_dtypes_kept``: a resumed QLoRA adapter keeps the dtype TRL gave it (bitsandbytes'
+  kernels: ``models.quantization``).
 * ``CheckedResume``: ``train(resume_from_checkpoint=...)`` checked (``checkpoints.resume_checkpoint``)
   unless the preflight already checked that checkpoint; a finished run is not trained over; the
   ``output_dir`` is locked against a second run from ``train()`` to ``end()`` (``run_lock``); a full
   disk while saving is one clear error (``checkpoints.disk_full_named``).
-* ``sharded_launch``: DeepSpeed or FSDP, known before anything loads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from contextlib import contextmanager, nullcontext
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoints import check_finished_run, check_resume_architecture, resume_requested
+from ..checkpoints import (check_finished_run, check_resume_architecture, disk_full_named, resume_files,
+                           resume_requested)
 from ..errors import InputError
-from ..run_lock import lock_output_dir, release_output_dir
+from ..preflight import check_resume
+from ..checkpoints.run_lock import lock_output_dir, release_output_dir
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantized models (QLoRA)
-# ---------------------------------------------------------------------------------------------
-
-def quantized_bits(model) -> int | None:
-    """4 or 8 when ``model`` was loaded through bitsandbytes, else None."""
-    return 4 if getattr(model, "is_loaded_in_4bit", False) else 8 if getattr(model, "is_loaded_in_8bit", False) \
-        else None
-
-
-def _training_kernel(module, args):
-    """Forward pre-hook of a bitsandbytes ``Linear8bitLt``: it reads ``self.training`` only to pick
-    its matmul, so eval forwards use the training kernel too."""
-    module.training = True
-
-
-def pin_quantized_kernels(model) -> int:
-    """Make bitsandbytes compute the same function in train and eval mode; returns the layers pinned.
-
-    On CPU, bitsandbytes 0.50 picks its kernel by mode. A ``Linear4bit`` that sees an eval-mode,
-    no-grad forward on an AVX512-BF16 CPU repacks its weights for a bf16 kernel for good: that
-    forward differs from the training one (0.34 nats per token on SmolLM2), and every later
-    training forward runs a kernel without autograd, so no gradient reaches any LoRA weight
-    (measured: 0 of 120 LoRA tensors get one) while training runs on. The I5 guard's eval-mode
-    recomputation is such a forward, and so is evaluation. A ``Linear8bitLt`` runs int8 matmuls
-    with fp16 inputs in eval mode and dequantizes in training mode (1.2 nats apart). Pinned: 4-bit
-    layers never repack, 8-bit layers always take their training kernel (the repacking is CPU-only;
-    on CUDA the 8-bit layers run the same matmul in both modes). Idempotent.
-    """
-    bnb = sys.modules.get("bitsandbytes")
-    if bnb is None:  # nothing quantized by bitsandbytes can exist
-        return 0
-    pinned = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-            pinned += 1
-        elif isinstance(module, bnb.nn.Linear8bitLt) and not getattr(module, "_grpotrl_pinned", False):
-            module.register_forward_pre_hook(_training_kernel)
-            module._grpotrl_pinned = True
-            pinned += 1
-    return pinned
 
 
 @contextmanager
@@ -106,8 +61,6 @@ class CheckedResume:
         (``overwrite_output_dir``: this argument, else the config's field).
         ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
         here, it is resumed from as checked, not checked again."""
-        from ..preflight import check_resume
-
         # before anything is written; a no-op when this process holds it already (the CLI took it)
         took = lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
         if overwrite_output_dir is None:
@@ -163,20 +116,6 @@ class CheckedResume:
     def disk_full_named(self, directory: str, what: str, in_checkpoint: bool = False):
         """``checkpoints.disk_full_named`` for a write of this trainer into ``directory``; nothing when
         ``in_checkpoint`` (``save_model(_internal_call=True)``: ``_save_checkpoint`` names the checkpoint)."""
-        from ..checkpoints import disk_full_named, resume_files
-
         if in_checkpoint:
             return nullcontext()
         return disk_full_named(directory, self.args.output_dir, what, resume_files(self.args, self._resume_kind))
-
-
-def sharded_launch(args) -> str | None:
-    """"DeepSpeed" or "FSDP" when this run is set up for it, by the training arguments or by
-    ``accelerate launch`` (its environment), known before anything loads; else None."""
-    from accelerate.utils import parse_flag_from_env
-
-    if args.deepspeed or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        return "DeepSpeed"
-    if args.fsdp or parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        return "FSDP"
-    return None

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 from transformers import GenerationMixin, LogitsProcessorList
 
-from ..masking import position_ids_from_mask
-from ..sampled_logprobs import SampledLogprobRecorder
+from ..ops.masking import position_ids_from_mask
+from ..generation.sampled_logprobs import SampledLogprobRecorder
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "

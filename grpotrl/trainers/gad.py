@@ -76,12 +76,12 @@ import time
 import torch
 from trl.trainer.utils import use_adapter
 
-from .. import templates
+from ..chat import templates
 from ..configs import GADConfig
-from ..discriminator import DiscriminatorReward, load_discriminator, pad_sequences
+from ..gad.discriminator import DiscriminatorReward, load_discriminator, pad_sequences
 from ..errors import InputError, InvariantError
-from ..losses import kl_full, kl_loss_term, kl_penalty
-from ..masking import position_ids_from_mask
+from ..ops.losses import kl_full, kl_loss_term, kl_penalty
+from ..ops.masking import position_ids_from_mask
 from ..preflight import check_gad
 from . import _intercept
 from .gad_engine import D_DIR, prepare_discriminator

@@ -27,19 +27,9 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..discriminator import bradley_terry_loss, completion_texts, pad_sequences, score_tolerance
+from ..checkpoints import D_DIR, D_OPTIMIZER, D_WEIGHTS, DS_TAG  # noqa: F401  D_DIR: gad.py imports it from here
+from ..gad.discriminator import bradley_terry_loss, completion_texts, pad_sequences, score_tolerance
 from ..errors import InputError, InvariantError
-
-D_DIR = "discriminator"
-D_WEIGHTS = "model.safetensors"
-D_OPTIMIZER = "optimizer.pt"
-DS_TAG = "ds"
-
-
-def checkpoint_files(deepspeed: bool) -> list[str]:
-    """D's files in a checkpoint directory (for the resume checks, before anything loads)."""
-    return [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/latest" if deepspeed else f"{D_DIR}/{D_OPTIMIZER}"]
-
 
 def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
     return (DeepSpeedDiscriminator if trainer.is_deepspeed_enabled else TorchDiscriminator)(trainer, disc, lr)

@@ -62,15 +62,19 @@ import torch
 import trl
 from accelerate.utils import gather_object
 
-from .. import boundary, callbacks, dynamic_sampling, guards, health, identity, templates
+from ..chat import boundary, templates
+from ..health import callbacks
+from .. import dynamic_sampling, guards, health
+from ..guards import identity
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InvariantError
-from ..logprobs import entropy_from_logits
+from ..ops.logprobs import entropy_from_logits
 from ..preflight import check_grpo, task_labels
-from ..processors import min_new_tokens_fired, vllm_penalties
-from ..sampled_logprobs import generation_extras, recorded_logprobs
+from ..generation.processors import min_new_tokens_fired, vllm_penalties
+from ..models.quantization import pin_quantized_kernels
+from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
 from . import _intercept
-from ._common import CheckedResume, pin_quantized_kernels
+from ._common import CheckedResume
 from ._intercept import TRLGenerate
 
 ROW_KEY = "grpotrl_row"

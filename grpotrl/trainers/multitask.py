@@ -24,7 +24,7 @@ import trl
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
-from ..losses import cagrad_coefficients, merge_rows
+from ..ops.losses import cagrad_coefficients, merge_rows
 from ..preflight import CAGRAD_DISTRIBUTED_ERROR
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer

@@ -16,7 +16,7 @@ take their defaults.
 
 Overrides (everything else is TRL's):
   * ``__init__``: checks model path, tokenizer and datasets before TRL loads anything (what TRL
-    accepts passes, ``preflight_data.check_sft_dataset``); on chat data, a template, the first I2 row's
+    accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
     tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``).
   * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
     (labels, truncation, packing), which takes them as pre-tokenized.
@@ -30,40 +30,36 @@ Overrides (everything else is TRL's):
     keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
 
 Wraps nothing of TRL at run time. Changes to the model: at init, bitsandbytes' quantized layers
-are pinned to their training kernel (``_common.pin_quantized_kernels``: a forward pre-hook on
+are pinned to their training kernel (``models.quantization.pin_quantized_kernels``: a forward pre-hook on
 8-bit layers, no repacking on 4-bit ones), so eval-mode forwards compute what training does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 import trl
 from datasets import Dataset
 from transformers import TrainingArguments
-from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first
 
-from .. import templates
-from ..configs import SFTConfig
+from ..chat import templates
+from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row
+from ..configs import SFTConfig, sft_option
+from ..configs.checks import check_ranges
 from ..errors import InvariantError
 from ..preflight import check_sft
-from ._common import CheckedResume, pin_quantized_kernels
+from ..models.quantization import pin_quantized_kernels
+from ._common import CheckedResume
 
 logger = logging.getLogger(__name__)
 
 
-def option(args, name: str):
-    """grpotrl's field ``name`` of ``args``, or its grpotrl default when ``args`` is a plain
-    ``trl.SFTConfig`` (or a user's subclass of it) that lacks it."""
-    return getattr(args, name, SFTConfig.__dataclass_fields__[name].default)
-
-
 def sft_config(args, model) -> trl.SFTConfig:
     """``args`` as TRL's SFTTrainer would take it: None -> a default config named after the model,
-    plain ``TrainingArguments`` -> an SFTConfig with their values (grpotrl's, for its defaults)."""
+    plain ``TrainingArguments`` -> an SFTConfig with their values (grpotrl's, for its defaults). A TRL
+    ``SFTConfig`` is range-checked here, once (grpotrl's checked itself when it was made)."""
     if args is None:
         name = model if isinstance(model, str) else get_config_model_id(model.config)
         return SFTConfig(f"{name.split('/')[-1]}-SFT")
@@ -71,56 +67,9 @@ def sft_config(args, model) -> trl.SFTConfig:
         values = args.to_dict()
         values["hub_token"] = args.hub_token  # to_dict hides it
         return SFTConfig(**values)
+    if not isinstance(args, SFTConfig):
+        check_ranges(args)
     return args
-
-
-def first_row(dataset) -> dict | None:
-    try:
-        return next(iter(dataset))
-    except (StopIteration, TypeError):
-        return None
-
-
-def data_format(dataset) -> str | None:
-    """TRL's dataset type of ``dataset``: "tokenized", "chat_prompt_completion", "prompt_completion",
-    "chat" (messages / conversations), "text", or None (empty, or something TRL will name)."""
-    row = first_row(dataset)
-    if row is None or not hasattr(dataset, "column_names"):
-        return None
-    if "input_ids" in row:
-        return "tokenized"
-    if "prompt" in row and "completion" in row:
-        return "chat_prompt_completion" if is_conversational(row) else "prompt_completion"
-    if is_conversational(row) or is_conversational_from_value(row):
-        return "chat"
-    return "text"
-
-
-def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> list[dict] | None:
-    """Every distinct set of ``chat_template_kwargs`` the rows are rendered with (the config's,
-    updated by each row's column, as TRL does); None when no template renders them or a stream's
-    rows cannot be read ahead."""
-    if fmt not in ("chat_prompt_completion", "chat"):
-        return None
-    base = dict(config_kwargs or {})
-    if "chat_template_kwargs" not in get_dataset_column_names(dataset):
-        return [base]
-    if not isinstance(dataset, Dataset):
-        return None
-    seen = {json.dumps({**base, **(kw or {})}, sort_keys=True) for kw in dataset["chat_template_kwargs"]}
-    return [json.loads(s) for s in sorted(seen)]
-
-
-def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: dict | None,
-                    training_template: str | None = None, assistant_masks: bool = False) -> dict:
-    """One conversational prompt-completion row on the RL template, with what TRL renders it with:
-    the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's."""
-    tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) else tools
-    kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
-    return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
-                                          training_template=training_template, tools=tools,
-                                          assistant_masks=assistant_masks, **kw)
 
 
 class SFTTrainer(CheckedResume, trl.SFTTrainer):
@@ -142,7 +91,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                            "trains. For SFT followed by RL pass prompt/completion rows (or assistant_only_loss=True).")
         self._i2 = False  # set by _prepare_dataset once it tokenized the train rows on the RL template
         self.stop_token_ids = stop_ids
-        self._template_kwargs = kwargs_variants(train_dataset, fmt, option(args, "chat_template_kwargs"))
+        self._template_kwargs = kwargs_variants(train_dataset, fmt, sft_option(args, "chat_template_kwargs"))
         self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
         self._guard_setup: dict | None = None
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -154,7 +103,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
         fmt = None if formatting_func is not None or custom or self._is_vlm else data_format(dataset)
-        config_kwargs = option(args, "chat_template_kwargs")
+        config_kwargs = sft_option(args, "chat_template_kwargs")
         if fmt == "chat_prompt_completion" and self.completion_only_loss:
             # the template is final here (chat_template_path applied), and so are the stop tokens
             self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids,
@@ -184,7 +133,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def _guard_now(self) -> bool:
         from ..guards import due
 
-        return due(option(self.args, "guard_steps"), self.state.global_step)
+        return due(sft_option(self.args, "guard_steps"), self.state.global_step)
 
     def _label_claims(self) -> dict:
         """What ``check_sft_labels`` can verify on this run's I2 rows (computed once)."""

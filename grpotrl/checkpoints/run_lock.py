@@ -29,11 +29,11 @@ import socket
 import sys
 import time
 
-from .errors import InputError
+from ..errors import InputError
+from ..models.sources import LOCK_FILE
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = "_grpotrl.lock"  # "_*": never uploaded by the Trainer's push_to_hub
 _CONTENTION = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}
 # output_dir (its real path) -> this process's lock fd; None: the main rank holds it, or it cannot be locked
 _held: dict[str, int | None] = {}

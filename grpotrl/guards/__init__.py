@@ -21,14 +21,14 @@ import logging
 
 import torch
 
-from .boundary import boundary_snippet, starts_with_header
-from .errors import InvariantError
-from .guards_tool_loop import check_loss_mask, check_tool_loop
-from .masking import completion_mask, expected_lengths, unpad
+from ..chat.boundary import boundary_snippet, starts_with_header
+from ..errors import InvariantError
+from .tool_loop import check_loss_mask, check_tool_loop
+from ..ops.masking import completion_mask, expected_lengths, unpad
 
 # The trainers (multitask.py too) call every check as ``guards.<name>``, and tests/dist_worker.py counts
 # the calls here: I5/I7 are re-exported.
-from .guards_logprobs import (  # noqa: F401
+from .logprobs import (  # noqa: F401
     check_entropy_sign, check_entropy_values, check_logprobs, check_slope, entropy_slopes, recompute_logprobs,
     skipped_for_dropout)
 

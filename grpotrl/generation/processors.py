@@ -28,12 +28,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from .errors import InputError
+from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
 
-def _check_prompt_width(prompt_width) -> int:
+def check_prompt_width(prompt_width) -> int:
     if isinstance(prompt_width, bool) or not isinstance(prompt_width, int) or prompt_width < 0:
         raise InputError(
             f"prompt_width must be an int >= 0, got {prompt_width!r}. Pass the padded prompt width P = "
@@ -69,7 +69,7 @@ class _ResponseOnly(LogitsProcessor):
     supports_continuous_batching = False  # needs the padded prompt width of a static batch
 
     def __init__(self, prompt_width: int):
-        self.prompt_width = _check_prompt_width(prompt_width)
+        self.prompt_width = check_prompt_width(prompt_width)
 
     def _generated(self, input_ids: torch.Tensor) -> int:
         """G, the number of generated tokens in every row (a Python int: no device sync)."""

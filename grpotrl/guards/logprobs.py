@@ -5,7 +5,7 @@ I5: the logprobs the loss used equal an independent ``log_softmax(logits / T)`` 
 tolerance relative to the logit scale. I7: the entropy bonus enters the backpropagated loss as
 ``- c * H`` (``check_entropy_sign`` differentiates the loss along the entropy node), and that
 node is the policy's own entropy (``check_entropy_values``). Also the helpers these comparisons
-share (``masked_gap``, ``worst_token``, ``_require_finite``; ``identity.py`` reuses them) and the
+share (``masked_gap``, ``worst_token``, ``require_finite``; ``identity.py`` reuses them) and the
 dropout test that skips them when no deterministic reference exists. ``grpotrl.guards``
 re-exports the checks: the trainers call them from there.
 
@@ -18,9 +18,9 @@ import logging
 
 import torch
 
-from .errors import InvariantError
-from .logprobs import completion_logits, token_logprobs
-from .masking import position_ids_from_mask
+from ..errors import InvariantError
+from ..ops.logprobs import completion_logits, token_logprobs
+from ..ops.masking import position_ids_from_mask
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
     used = used.detach()
     on = mask.bool()  # [B, C]
-    _require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
+    require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
                     ("the independent log_softmax(logits / T)", reference),
                     *((("the logit scale max|logits / T|", scale),) if scale is not None else ()))
     gap = masked_gap(used, reference, on)  # [B, C]
@@ -123,7 +123,7 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     return worst
 
 
-def _require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
+def require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
     """A guard cannot verify a comparison with NaN or inf in it: any non-finite value at a
     masked-in position of the named [B, C] tensors fails, naming the tensor, row and token
     (masked-out positions are never compared, so they may hold anything)."""
@@ -220,7 +220,7 @@ def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torc
     every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
     (so a negated or rescaled "entropy" cannot pass the sign check)."""
     on = mask.bool()  # [B, C]
-    _require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
+    require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
                     ("the entropy of softmax(logits / T)", reference))
     gap = masked_gap(used, reference, on)  # [B, C]
     worst = float(gap.max()) if gap.numel() else 0.0

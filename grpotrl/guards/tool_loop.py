@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .boundary import boundary_snippet
-from .errors import InvariantError
-from .masking import completion_mask, unpad
+from ..chat.boundary import boundary_snippet
+from ..errors import InvariantError
+from ..ops.masking import completion_mask, unpad
 
 
 def _turn_error(tokenizer, row: int, turn: int, got: list[int], want: list[int] | None, what: str) -> InvariantError:

@@ -32,7 +32,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .errors import HealthStop
+from ..errors import HealthStop
 
 logger = logging.getLogger(__name__)
 

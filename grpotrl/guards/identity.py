@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from .errors import InvariantError
-from .guards_logprobs import _require_finite, masked_gap, worst_token
-from .losses import importance_sampling_ratio
+from ..errors import InvariantError
+from .logprobs import require_finite, masked_gap, worst_token
+from ..ops.losses import importance_sampling_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def check_step0_identity(tokenizer, policy: torch.Tensor, other: torch.Tensor, m
     the loss's own ``policy`` logprobs [B, C] on every token in ``mask`` [B, C]. Returns (mean, max) gap;
     raises naming the first worst token and the likely causes."""
     policy, other = policy.detach(), other.detach()
-    _require_finite("I10", tokenizer, completion_ids, mask.bool(), rows, ("the loss's logprob", policy),
+    require_finite("I10", tokenizer, completion_ids, mask.bool(), rows, ("the loss's logprob", policy),
                     (f"the {what} logprob", other))
     mean, worst, (i, t) = masked_gap_stats(policy, other, mask)
     mean_tol, max_tol = identity_tolerance(low_precision)

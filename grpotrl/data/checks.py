@@ -22,7 +22,7 @@ import logging
 import os
 import weakref
 
-from .errors import InputError
+from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ ROWS_SHOWN = 8  # row indices named in a message, at most
 EXACT_ROWS = 2_000  # prompts tokenized one by one (~1 ms each); above, only those that could reach half the context
 
 
-def _rows(indices: list[int]) -> str:
+def row_list(indices: list[int]) -> str:
+    """Row indices for an error message: "rows 3, 7, ..." (the first ``ROWS_SHOWN``, and how many)."""
     shown = ", ".join(map(str, indices[:ROWS_SHOWN]))
     return f"row{'s' if len(indices) > 1 else ''} {shown}" + (f", ... ({len(indices)} rows)"
                                                               if len(indices) > ROWS_SHOWN else "")
@@ -317,8 +318,8 @@ def check_prompt_kinds(dataset, split_name: str, column: str = "prompt") -> None
         (plain if isinstance(value, str) else chat).append(i)
     if chat and plain:
         raise InputError(
-            f"The {split_name!r} split mixes chat prompts (lists of messages: {_rows(chat)}) with plain-text prompts "
-            f"({_rows(plain)}); TRL formats a whole batch one way and fails at the first step. Make every prompt "
+            f"The {split_name!r} split mixes chat prompts (lists of messages: {row_list(chat)}) with plain-text prompts "
+            f"({row_list(plain)}); TRL formats a whole batch one way and fails at the first step. Make every prompt "
             'one kind, e.g. map plain text to [{"role": "user", "content": text}].'
         )
 
@@ -357,7 +358,7 @@ def check_prompt_lengths(dataset, split_name: str, tokenizer, model_path: str | 
     if too_long:
         raise InputError(
             f"The {split_name!r} split has prompts longer than the model's context of {context} tokens "
-            f"(max_position_embeddings in the config of {model_path}): {_rows(too_long)}, with "
+            f"(max_position_embeddings in the config of {model_path}): {row_list(too_long)}, with "
             f"{', '.join(str(lengths[i]) for i in too_long[:ROWS_SHOWN])} tokens as the chat template renders them. "
             "Shorten or drop those rows."
         )
@@ -365,7 +366,7 @@ def check_prompt_lengths(dataset, split_name: str, tokenizer, model_path: str | 
         tight = [i for i, n in enumerate(lengths) if n + max_completion_length > context]
         if tight:
             logger.warning("%s of the %r split leave fewer than max_completion_length=%d tokens of the %d-token "
-                           "context for the completion.", _rows(tight).capitalize(), split_name,
+                           "context for the completion.", row_list(tight).capitalize(), split_name,
                            max_completion_length, context)
 
 

@@ -100,3 +100,16 @@ def unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     [[5, 6], [7, 8, 9]]
     """
     return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 of each row, whatever the padding side; [B, L] -> [B].
+
+    >>> last_token_index(torch.tensor([[0, 1, 1], [1, 1, 0], [1, 1, 1]])).tolist()
+    [2, 1, 2]
+    """
+    positions = torch.arange(attention_mask.size(1), device=attention_mask.device)  # [L]
+    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values  # [B]
+    if (last < 0).any():
+        raise ValueError("a row of the attention mask is all zeros: there is no token to score")
+    return last

@@ -41,22 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import templates
-from .errors import InputError
-from .masking import position_ids_from_mask
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 of each row, whatever the padding side; [B, L] -> [B].
-
-    >>> last_token_index(torch.tensor([[0, 1, 1], [1, 1, 0], [1, 1, 1]])).tolist()
-    [2, 1, 2]
-    """
-    positions = torch.arange(attention_mask.size(1), device=attention_mask.device)  # [L]
-    last = torch.where(attention_mask.bool(), positions, -1).max(dim=-1).values  # [B]
-    if (last < 0).any():
-        raise ValueError("a row of the attention mask is all zeros: there is no token to score")
-    return last
+from ..chat import templates
+from ..errors import InputError
+from ..ops.masking import last_token_index, position_ids_from_mask
 
 
 def pool_last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ with an optional revision. grpotrl hands the same string to ``from_pretrained``;
 small files first (config, tokenizer, chat template, generation config, template fingerprint), so
 bad input stops before a weight is read:
 
-* a local directory: ``preflight_model.check_model_dir`` (config.json, every weight shard complete);
+* a local directory: ``check_model_dir`` (config.json, every weight shard complete);
 * a Hub id: ``config.json`` (or ``adapter_config.json``) through ``transformers.utils.cached_file``,
   the same call ``from_pretrained`` makes (token, revision, ``HF_ENDPOINT``, ``HF_HUB_CACHE`` honoured).
   With ``HF_HUB_OFFLINE=1`` the cached snapshot must also hold complete weights, checked like a local
@@ -18,8 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 
-from .errors import InputError
+from ..errors import InputError
+from . import ALIASES, resolve_model_path
+
+# the lock an output_dir holds while a run writes it (checkpoints/run_lock.py): left out of listings, as not
+# the model's; "_*", so the Trainer's push_to_hub never uploads it
+LOCK_FILE = "_grpotrl.lock"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$|^[A-Za-z0-9][\w.-]*$")
 
@@ -76,8 +82,6 @@ def generation_config(name_or_path: str, revision: str | None = None):
 def check_model_source(name_or_path: str | None, revision: str | None = None, what: str = "Model") -> None:
     """Raise ``InputError`` unless ``name_or_path`` is a complete local checkpoint (or PEFT adapter)
     directory, or a Hub model that can be loaded: reachable, or cached when offline."""
-    from .preflight_model import check_model_dir
-
     if not name_or_path or is_local(name_or_path) or not looks_like_hub_id(name_or_path):
         check_model_dir(name_or_path)  # local checks, and the errors for paths that do not exist
         return
@@ -149,3 +153,105 @@ def _hub_snapshot(repo_id: str, revision: str | None, what: str) -> str | None:
             base = json.load(f).get("base_model_name_or_path")
         check_model_source(base, None, what=f"The base model of PEFT adapter {repo_id!r}:")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Local model directories: config.json and complete weights (headers only, no weights read)
+# ---------------------------------------------------------------------------------------------
+
+def safetensors_problem(path: str) -> str | None:
+    """Why the safetensors file at ``path`` is truncated or unreadable, or None. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is {size} bytes, too short for a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"{path} is {size} bytes but its header alone claims {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return f"{path} has an unreadable safetensors header"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path} is {size} bytes, its header says {8 + n + end} (truncated or still being written)"
+    return None
+
+
+WEIGHT_FILES = {"model": ("model.safetensors", "pytorch_model.bin"),
+                "adapter": ("adapter_model.safetensors", "adapter_model.bin")}
+
+
+def weights_problem(directory: str, kind: str = "model") -> str | None:
+    """Why ``directory`` lacks complete ``kind`` weights (single file or every shard of an index), or None."""
+    safetensors, bin_name = WEIGHT_FILES[kind]
+    for index_name in (safetensors + ".index.json", bin_name + ".index.json"):
+        index_path = os.path.join(directory, index_name)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+            if not shards:
+                return f"{index_name} has an empty weight_map"
+            missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+            if missing:
+                return f"{index_name} lists shards that are missing: {missing}"
+            for shard in shards:
+                if shard.endswith(".safetensors") and (problem := safetensors_problem(os.path.join(directory, shard))):
+                    return problem
+            return None
+    if os.path.isfile(os.path.join(directory, safetensors)):
+        return safetensors_problem(os.path.join(directory, safetensors))
+    if os.path.isfile(os.path.join(directory, bin_name)):
+        return None
+    return f"no {safetensors}, {bin_name} or sharded index"
+
+
+def file_listing(directory: str) -> str:
+    """The names in ``directory`` for an error message (the first 12, and how many), or "nothing"."""
+    names = sorted(n for n in os.listdir(directory) if n != LOCK_FILE)  # the run lock (checkpoints/run_lock.py) is grpotrl's
+    return ", ".join(names[:12]) + (f", ... ({len(names)} files)" if len(names) > 12 else "") if names else "nothing"
+
+
+def check_model_dir(path: str | None) -> None:
+    """Raise ``InputError`` unless ``path`` is a local, complete checkpoint (or PEFT adapter) dir."""
+    if not path:
+        raise InputError("No model given. Set `model_name_or_path` in the recipe (or pass --model_name_or_path "
+                         "DIR): a local checkpoint directory or the alias 'smollm2-135m-instruct'.")
+    directory = os.path.expanduser(path)
+    if os.path.isdir(directory):
+        if os.path.isfile(os.path.join(directory, "adapter_config.json")):
+            problem = weights_problem(directory, "adapter")
+            if problem:
+                raise InputError(f"PEFT adapter dir {path!r} has incomplete weights: {problem} (found: "
+                                 f"{file_listing(directory)}). Copy the adapter again or pick another checkpoint.")
+            with open(os.path.join(directory, "adapter_config.json")) as f:
+                base = json.load(f).get("base_model_name_or_path")
+            try:
+                check_model_source(resolve_model_path(base) if base else base)
+            except InputError as err:
+                raise InputError(f"The base model of PEFT adapter {path!r} is not usable: {err}") from None
+            return
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            raise InputError(
+                f"Model dir {path!r} has no config.json (found: {file_listing(directory)}). Point "
+                "`model_name_or_path` at the directory that holds config.json and the weights (for a training "
+                "run, its output_dir or one of its checkpoint-N dirs)."
+            )
+        problem = weights_problem(directory, "model")
+        if problem:
+            raise InputError(
+                f"Model dir {path!r} has incomplete weights: {problem} (found: {file_listing(directory)}). The save or "
+                "copy that made it did not finish: save or copy it again, or pick another checkpoint."
+            )
+        return
+    if os.path.exists(directory):
+        raise InputError(f"Model path {path!r} is a file; `model_name_or_path` must be a directory holding "
+                         "config.json and the weights, or a Hugging Face Hub id.")
+    aliases = ", ".join(repr(a) for a in ALIASES)
+    raise InputError(
+        f"Model dir {path!r} does not exist (absolute: {os.path.abspath(directory)}). If it is the output of "
+        "an earlier run (the GRPO quickstart starts from the SFT quickstart's output), run that first, from the "
+        f"directory the path is relative to; otherwise fix the path. Known aliases: {aliases}; a Hugging Face "
+        "Hub id (org/name) is loaded from the Hub."
+    )

@@ -24,7 +24,7 @@ import numbers
 import types
 import typing
 
-from .errors import InputError
+from ..errors import InputError
 
 _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a recipe or a plain Python call holds
 # Fields whose documented types go beyond their annotation: TRL/transformers convert these in

@@ -4,6 +4,11 @@ Two TRL defaults change, both for the sampled-equals-scored guarantee (I5) and C
 ``bf16`` defaults to False when no accelerator is present (TRL turns it on even on CPU) and
 ``disable_dropout`` defaults to True, so the logprob forward computes the function that
 sampled the tokens.
+
+Each config checks its own values once, at construction (``checks``: ranges, grpotrl's GRPO
+fields; ``recipe_types``: a value its field's type cannot hold). What needs the world (model,
+data, launch) is the preflight's (``grpotrl.preflight``). ``launch.sharded_launch``: DeepSpeed or
+FSDP, from the config and ``accelerate launch``'s environment.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 import trl
 
-from .errors import InputError
+from ..errors import InputError
+from ..ops.losses import kl_estimator_name
+from .checks import HEALTH_ACTIONS, HEALTH_RULES, check_grpotrl_fields, check_ranges, normalize_generation_kwargs
+from .recipe_types import check_config_types
 
 
 def _has_accelerator() -> bool:
@@ -239,16 +247,18 @@ class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, Generatio
     _VALID_DICT_FIELDS = trl.GRPOConfig._VALID_DICT_FIELDS + ["health_rule_actions"]
 
     def __post_init__(self):
-        from .preflight_model import check_grpotrl_fields, check_ranges
-        from .recipe_types import check_config_types
-
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         check_config_types(self)  # a field set to a value its type cannot hold (bf16=2)
+        self._check_own_fields()
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             self.bf16 = False
         _checkpointing_by_its_new_name(self)
         super().__post_init__()
+        normalize_generation_kwargs(self)
         check_grpotrl_fields(self)
+
+    def _check_own_fields(self) -> None:
+        """A subclass's checks of its own fields, after the ranges and types, before TRL's ``__post_init__``."""
 
 
 def complete_grpo_config(args, config_class: type = GRPOConfig):
@@ -257,15 +267,17 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
 
     The user's object stays theirs (``trainer.args is args``); its TRL fields and its own fields
     keep their values, TRL's defaults included (``bf16``, ``disable_dropout=False``: I5 is then
-    not checked while dropout is active). A grpotrl config has nothing missing: a no-op."""
+    not checked while dropout is active). A grpotrl config was checked when it was made: a no-op.
+    A TRL config is checked here, once (``checks``), and its generation kwargs normalised."""
+    if isinstance(args, config_class):
+        return args
     missing = [f for f in fields(config_class) if not hasattr(args, f.name)]
     for f in missing:
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
-    from .preflight_model import check_grpotrl_fields, check_ranges
-
     check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own
+    normalize_generation_kwargs(args)
     check_grpotrl_fields(args)
     return args
 
@@ -282,9 +294,6 @@ def _checkpointing_by_its_new_name(args) -> None:
 @dataclass
 class SFTConfig(SFTFields, TemplateGuardFields, OutputDirFields, trl.SFTConfig):
     def __post_init__(self):
-        from .preflight_model import check_ranges
-        from .recipe_types import check_config_types
-
         check_ranges(self)
         check_config_types(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
@@ -374,13 +383,8 @@ class GADConfig(GRPOConfig):
     epsilon_high: float | None = field(default=4e-4,
                                        metadata={"help": "Upper clip of the sequence-level ratio (GSPO)."})
 
-    def __post_init__(self):
-        from .losses import kl_estimator_name
-        from .preflight_model import check_ranges
-        from .recipe_types import check_config_types
-
-        check_ranges(self)
-        check_config_types(self)
+    def _check_own_fields(self) -> None:
+        """GAD's own fields, run by ``GRPOConfig.__post_init__`` after the ranges and types (once)."""
         for name in ("kl_estimator", "kl_in_reward_estimator"):
             if getattr(self, name) is not None:
                 try:
@@ -421,4 +425,9 @@ class GADConfig(GRPOConfig):
         if self.cagrad != "off" or self.cagrad_c != 0.5:
             raise InputError(f"cagrad={self.cagrad!r}, cagrad_c={self.cagrad_c}: CAGrad is MultiTaskGRPOTrainer's "
                              "(per-task gradients); GAD has one task, so these would be ignored. Drop them.")
-        super().__post_init__()
+
+
+def sft_option(args, name: str):
+    """grpotrl's SFT field ``name`` of ``args``, or its grpotrl default when ``args`` is a plain
+    ``trl.SFTConfig`` (or a user's subclass of it) that lacks it."""
+    return getattr(args, name, SFTConfig.__dataclass_fields__[name].default)

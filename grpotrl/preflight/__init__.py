@@ -5,13 +5,13 @@ TRL, which then loads the model. The CLI builds the trainer from the model path 
 settings (``model_init_kwargs``, as ``trl grpo`` and open-r1 do) instead of repeating these
 checks; it keeps only what has no Python-API counterpart (recipe keys and types, the quantization
 fields, the ``output_dir`` rule) and hands over the reward names (``rewards.resolve.RewardNames``).
-A dataset that already passed is not read again (``preflight_data.check_dataset``: GAD checks rows
+A dataset that already passed is not read again (``data.checks.check_dataset``: GAD checks rows
 before its teacher responses, GRPO's steps then find them checked).
 
 The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to change:
-1. the config's numeric ranges (``preflight_model.check_ranges``); ``output_dir`` not a file;
-2. the datasets (``preflight_data.check_dataset``; GAD: ``check_teacher_responses`` first);
-3. the model: its source (``hub.check_model_source``: a complete local dir, or a Hub id that is
+1. ``output_dir`` not a file (the config's own ranges were checked once, by the config: ``configs.checks``);
+2. the datasets (``data.checks.check_dataset``; GAD: ``check_teacher_responses`` first);
+3. the model: its source (``models.sources.check_model_source``: a complete local dir, or a Hub id that is
    reachable or cached), tokenizer files, the tokenizer (loaded as TRL loads it), a chat
    template where the data is conversational, the stop tokens; a loaded quantized model needs
    LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
@@ -33,12 +33,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from . import templates
-from .checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
-from .errors import InputError
-from .preflight_data import check_dataset, check_prompt_lengths
-from .preflight_model import check_discriminator_source, check_ranges, check_tokenizer_files
-from .rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
+from ..chat import templates
+from ..chat.sft_rows import data_format, first_row, tokenize_i2_row
+from ..checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
+from ..configs import GADConfig, sft_option
+from ..configs.launch import sharded_launch
+from ..data import SPLIT_NAMES
+from ..data.checks import check_dataset, check_prompt_lengths
+from ..errors import InputError
+from ..generation.processors import build_processors
+from ..models import resolve_model_path
+from ..models.quantization import pin_quantized_kernels, quantized_bits
+from ..models.sources import check_model_source, generation_config, model_file
+from ..rewards.recipe import load_local_judges
+from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
+from ..rewards.tasks import per_task
+from .model import check_discriminator_source, check_tokenizer_files
 
 _NOT_GIVEN = object()
 CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); "
@@ -66,8 +76,6 @@ def datasets_of(*datasets):
 def split_name(dataset, default: str) -> str:
     """The split ``dataset`` was loaded as (``Dataset.split``, or the recipe's ``dataset_train_split``
     / ``dataset_test_split`` as ``data.pick_split`` picked it), else ``default``."""
-    from .data import SPLIT_NAMES
-
     try:
         picked = SPLIT_NAMES.get(dataset)
     except TypeError:
@@ -98,17 +106,12 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
     quantized model must come with one or be a PEFT model already. Bitsandbytes layers are pinned to
-    one kernel (``pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
+    one kernel (``models.quantization.pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
     ``environment_factory``'s ``reset`` supplies it). SFT passes no datasets: ``check_sft`` checks them.
     """
     from transformers import AutoProcessor
     from trl.trainer.utils import get_config_model_id
 
-    from .hub import check_model_source, generation_config
-    from .models import resolve_model_path
-    from .trainers._common import pin_quantized_kernels, quantized_bits
-
-    check_ranges(args)  # grpotrl's configs did at construction; TRL's and their subclasses did not
     check_output_dir(args.output_dir, overwrite=True)  # only a file where output_dir should be (the rest: train())
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind=kind, prompt_optional=prompt_optional)
@@ -192,8 +195,6 @@ def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwarg
 def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> None:
     """``checkpoints.check_resume_architecture`` against the model's config: its ``config.json`` read
     by name (no weights) for a path or Hub id, ``model.config`` for a loaded model."""
-    from .hub import model_file
-
     if isinstance(model, str):
         revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
         config = read_config(model_file(model, "config.json", revision))
@@ -217,9 +218,6 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
     loads anything; then the local judges load (``rewards.recipe.LocalJudgeSpec``) and rewards per
     task become TRL's flat list. Returns ``(model, processing_class, reward_funcs, stop_token_ids,
     ResumeCheck)``."""
-    from .rewards.recipe import load_local_judges
-    from .rewards.tasks import per_task
-
     peft_config = kwargs.get("peft_config")
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
@@ -265,8 +263,6 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
 def _check_reward_models(reward_funcs, args) -> None:
     """Reward models named by path or Hub id (TRL loads them with ``AutoModelForSequenceClassification``)
     are checked like the policy, before anything loads."""
-    from .hub import check_model_source
-
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     revision = (args.model_init_kwargs or {}).get("revision")
     for func in funcs:
@@ -276,8 +272,6 @@ def _check_reward_models(reward_funcs, args) -> None:
 
 def _check_generation_args(args, kwargs: dict) -> None:
     """I6 arguments, validated before TRL loads anything."""
-    from .processors import build_processors
-
     build_processors(0, args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
                      args.min_new_tokens, [0])
     if args.min_new_tokens and args.max_completion_length and args.min_new_tokens >= args.max_completion_length:
@@ -297,8 +291,6 @@ def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
     in ``task_column``, every label with reward functions, what CAGrad needs. GRPO's then check each
     task's reward columns on its own rows and turn the mapping into TRL's flat list
     (``rewards.tasks.per_task``)."""
-    from .trainers._common import sharded_launch
-
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
         for d in datasets_of(ds):
@@ -353,9 +345,6 @@ def check_teacher_responses(dataset, split: str = "train") -> None:
 def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
     """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
     every row with the teacher's response, the discriminator's starting point."""
-    from .configs import GADConfig
-    from .trainers._common import sharded_launch
-
     if not isinstance(args, GADConfig):
         raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
                          "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
@@ -377,9 +366,6 @@ def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
 def _check_discriminator(model, args) -> None:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
     student's own checkpoint, which must then be loadable by name."""
-    from .hub import check_model_source
-    from .models import resolve_model_path
-
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
@@ -401,8 +387,6 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     them, model and tokenizer, and on chat data a template, the checkpoint's fingerprint and I2 on
     the first prompt-completion row. Returns ``(model, processing_class, stop_token_ids, data
     format, ResumeCheck)``."""
-    from .trainers.sft import data_format, first_row, option, tokenize_i2_row
-
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
@@ -415,11 +399,11 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
     if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later
         templates.require_chat_template(processing_class)
-        if model_id and option(args, "check_template"):
+        if model_id and sft_option(args, "check_template"):
             templates.check_fingerprint(model_id, processing_class,
                                         revision=(args.model_init_kwargs or {}).get("revision"))
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
-            tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, option(args, "chat_template_kwargs"))
+            tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
     resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")),
                           model=model, peft_config=kwargs.get("peft_config"))
     return model, processing_class, stop_ids, fmt, resume

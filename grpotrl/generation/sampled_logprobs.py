@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from .errors import InputError, InvariantError
-from .processors import _check_prompt_width, build_processors
+from ..errors import InputError, InvariantError
+from .processors import check_prompt_width, build_processors
 
 
 def sampler_logprobs(scores: Sequence[torch.Tensor], sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def sampler_logprobs(scores: Sequence[torch.Tensor], sequences: torch.Tensor, pr
     >>> sampler_logprobs(s, seq, prompt_width=1).tolist()  # log 1/2, log 1
     [[-0.6931471824645996, 0.0]]
     """
-    _check_prompt_width(prompt_width)
+    check_prompt_width(prompt_width)
     tokens = sequences[:, prompt_width:]  # [B, C]
     if tokens.size(1) != len(scores):
         raise InputError(

@@ -11,7 +11,6 @@
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
   ``check_finished_run`` (the Python API: only a finished run is refused); both name every way to
   set ``overwrite_output_dir`` (``OVERWRITE_HOW``). The run lock itself is ``run_lock.py``.
-* ``_weights_problem`` / ``_files``: also what ``preflight_model.check_model_dir`` reports.
 * ``check_resume_architecture``: a checkpoint written by a model of another architecture (its
   ``config.json`` fields; LoRA: ``adapter_config.json``'s rank, target modules and base model), an
   ``InputError`` naming the field and both values before the weights load.
@@ -28,69 +27,16 @@ import math
 import os
 import re
 import shutil
-import struct
 import zipfile
 from contextlib import contextmanager
 
-from . import templates
-from .errors import DiskFullError, HealthStop, InputError, InvariantError
+from ..chat import templates
+from ..configs.launch import sharded_launch
+from ..errors import DiskFullError, HealthStop, InputError, InvariantError
+from ..models.sources import WEIGHT_FILES, file_listing, safetensors_problem, weights_problem
 from .run_lock import LOCK_FILE
 
 logger = logging.getLogger(__name__)
-
-def _safetensors_problem(path: str) -> str | None:
-    """Why the safetensors file at ``path`` is truncated or unreadable, or None. Reads the header only."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{path} is {size} bytes, too short for a safetensors header"
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            return f"{path} is {size} bytes but its header alone claims {8 + n}"
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            return f"{path} has an unreadable safetensors header"
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        return f"{path} is {size} bytes, its header says {8 + n + end} (truncated or still being written)"
-    return None
-
-
-WEIGHT_FILES = {"model": ("model.safetensors", "pytorch_model.bin"),
-                "adapter": ("adapter_model.safetensors", "adapter_model.bin")}
-
-
-def _weights_problem(directory: str, kind: str = "model") -> str | None:
-    """Why ``directory`` lacks complete ``kind`` weights (single file or every shard of an index), or None."""
-    safetensors, bin_name = WEIGHT_FILES[kind]
-    for index_name in (safetensors + ".index.json", bin_name + ".index.json"):
-        index_path = os.path.join(directory, index_name)
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-            if not shards:
-                return f"{index_name} has an empty weight_map"
-            missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
-            if missing:
-                return f"{index_name} lists shards that are missing: {missing}"
-            for shard in shards:
-                if shard.endswith(".safetensors") and (problem := _safetensors_problem(os.path.join(directory, shard))):
-                    return problem
-            return None
-    if os.path.isfile(os.path.join(directory, safetensors)):
-        return _safetensors_problem(os.path.join(directory, safetensors))
-    if os.path.isfile(os.path.join(directory, bin_name)):
-        return None
-    return f"no {safetensors}, {bin_name} or sharded index"
-
-
-def _files(directory: str) -> str:
-    names = sorted(n for n in os.listdir(directory) if n != LOCK_FILE)  # the run lock (run_lock.py) is grpotrl's
-    return ", ".join(names[:12]) + (f", ... ({len(names)} files)" if len(names) > 12 else "") if names else "nothing"
-
-
 
 def _torch_file_problem(path: str) -> str | None:
     """Why the ``torch.save`` file at ``path`` is cut short, or None. ``torch.save`` writes a zip
@@ -110,7 +56,7 @@ def _file_problem(directory: str, name: str) -> str | None:
     if not os.path.isfile(path):
         return f"no {name}"
     if name.endswith(".safetensors"):
-        return _safetensors_problem(path)
+        return safetensors_problem(path)
     if name.endswith((".pt", ".pth")):
         return _torch_file_problem(path)
     if name.endswith(".json"):
@@ -142,7 +88,7 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
             problems.append(f"'latest' names DeepSpeed state {tag!r}, which is not there")
     else:
         is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
-        if weights := _weights_problem(directory, "adapter" if is_adapter else "model"):
+        if weights := weights_problem(directory, "adapter" if is_adapter else "model"):
             problems.append(weights)
         fsdp_optimizer = any(os.path.isdir(os.path.join(directory, n)) and "optimizer" in n
                              for n in os.listdir(directory))
@@ -197,13 +143,13 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
         if WEIGHTS_ONLY in problems:  # saved so on purpose, not cut short: say only that
             raise InputError(
                 f"Checkpoint {path!r} holds weights and trainer_state.json but no optimizer, scheduler or RNG state "
-                f"(found: {_files(directory)}): it is a weights-only save (save_only_model=True, or a finished run's "
+                f"(found: {file_listing(directory)}): it is a weights-only save (save_only_model=True, or a finished run's "
                 "final output), which cannot resume a run. Start a new run from it with model_name_or_path "
                 f"{path!r}, or resume from a full checkpoint"
                 + (f": {os.path.join(path, inside[-1])}" if inside else f" (beside it: {others or 'none'})") + "."
             )
         raise InputError(
-            f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {_files(directory)}). The run that "
+            f"Checkpoint {path!r} is incomplete: {'; '.join(problems)} (found: {file_listing(directory)}). The run that "
             "wrote it was probably killed (or ran out of disk) while saving, and resuming from it would load part of "
             f"the state. Complete checkpoints beside it: {others or 'none'}. {hint}; the incomplete directory is left "
             "as it is (delete it yourself once you no longer need it)."
@@ -218,7 +164,7 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     if not names:
         raise InputError(
             f"resume_from_checkpoint is true but output_dir {output_dir!r} holds no checkpoint-N dir "
-            f"(found: {_files(output_dir) if os.path.isdir(output_dir) else 'no such directory'}). Set "
+            f"(found: {file_listing(output_dir) if os.path.isdir(output_dir) else 'no such directory'}). Set "
             "resume_from_checkpoint to a checkpoint path, or drop it to start fresh."
         )
     last = os.path.join(output_dir, names[-1])
@@ -258,7 +204,7 @@ def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -
         what = (f"a finished run{steps} ({', '.join(finished)})" if finished else "no final model") + \
             (f" and checkpoints {checkpoints}" if checkpoints else "")
     else:
-        what = f"files grpotrl did not write ({_files(directory)})"
+        what = f"files grpotrl did not write ({file_listing(directory)})"
     raise InputError(
         f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
         f"that run with resume_from_checkpoint: true (--resume_from_checkpoint true), or replace it: {OVERWRITE_HOW}."
@@ -294,6 +240,32 @@ def check_finished_run(path: str) -> None:
 # Resume
 # ---------------------------------------------------------------------------------------------
 
+# GADTrainer's discriminator D in a checkpoint (written by ``trainers.gad_engine``): its full weights, and
+# its optimizer state (``optimizer.pt``, or DeepSpeed's own ``latest`` + ``ds/``)
+D_DIR = "discriminator"
+D_WEIGHTS = "model.safetensors"
+D_OPTIMIZER = "optimizer.pt"
+DS_TAG = "ds"
+
+
+def discriminator_files(deepspeed: bool) -> list[str]:
+    """D's files in a checkpoint directory (for the resume checks, before anything loads)."""
+    return [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/latest" if deepspeed else f"{D_DIR}/{D_OPTIMIZER}"]
+
+
+# GADTrainer's discriminator D in a checkpoint (written by ``trainers.gad_engine``): its full weights, and
+# its optimizer state (``optimizer.pt``, or DeepSpeed's own ``latest`` + ``ds/``)
+D_DIR = "discriminator"
+D_WEIGHTS = "model.safetensors"
+D_OPTIMIZER = "optimizer.pt"
+DS_TAG = "ds"
+
+
+def discriminator_files(deepspeed: bool) -> list[str]:
+    """D's files in a checkpoint directory (for the resume checks, before anything loads)."""
+    return [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/latest" if deepspeed else f"{D_DIR}/{D_OPTIMIZER}"]
+
+
 def resume_files(args, kind: str) -> tuple[str, ...]:
     """Files a checkpoint of this trainer holds beyond the Trainer's own: the template fingerprint
     (I2), TRL's adaptive-entropy controller, the GAD discriminator and its optimizer."""
@@ -301,10 +273,7 @@ def resume_files(args, kind: str) -> tuple[str, ...]:
     if getattr(args, "use_adaptive_entropy", False):
         files.append("entropy_ctrl_state.json")  # TRL writes it after trainer_state.json, and skips it if absent
     if kind == "gad":
-        from .trainers._common import sharded_launch
-        from .trainers.gad_engine import checkpoint_files
-
-        files += checkpoint_files(deepspeed=sharded_launch(args) == "DeepSpeed")
+        files += discriminator_files(deepspeed=sharded_launch(args) == "DeepSpeed")
     return tuple(files)
 
 
@@ -510,7 +479,7 @@ def _file_being_written(err: BaseException, directory: str) -> str:
         if _file_problem(os.path.dirname(newest), os.path.basename(newest)):
             return newest
     kind = "adapter" if os.path.isfile(os.path.join(directory, "adapter_config.json")) else "model"
-    if os.path.isdir(directory) and _weights_problem(directory, kind):
+    if os.path.isdir(directory) and weights_problem(directory, kind):
         return os.path.join(directory, WEIGHT_FILES[kind][0])
     return f"a file in {directory}"
 

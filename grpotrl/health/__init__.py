@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from .boundary import starts_with_header
-from .masking import completion_mask
+from ..chat.boundary import starts_with_header
+from ..ops.masking import completion_mask
 
 # ---------------------------------------------------------------- per-token and per-sample entropy
 

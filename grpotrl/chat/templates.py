@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any
 
-from .errors import InputError, InvariantError
+from ..errors import InputError, InvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     prompts differently from every set the checkpoint recorded. Returns whether a fingerprint was found
     (a base model without one passes). A checkpoint whose SFT trained on no template (plain text,
     pre-tokenized rows) has nothing to compare: a warning says so."""
-    from .hub import model_file
+    from ..models.sources import model_file
 
     path = model_file(model_dir, FINGERPRINT_FILE, revision)
     if path is None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .errors import InputError
+from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 

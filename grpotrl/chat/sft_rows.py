@@ -1,0 +1,61 @@
+"""SFT rows as TRL reads them: the first row, the dataset's format, the ``chat_template_kwargs`` the
+rows are rendered with, and one conversational prompt-completion row tokenized on the RL template (I2).
+Used by the SFT preflight (I2 on the first row, before any weights load) and by ``SFTTrainer``."""
+
+from __future__ import annotations
+
+import json
+
+from datasets import Dataset
+from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
+
+from . import templates
+
+
+def first_row(dataset) -> dict | None:
+    try:
+        return next(iter(dataset))
+    except (StopIteration, TypeError):
+        return None
+
+
+def data_format(dataset) -> str | None:
+    """TRL's dataset type of ``dataset``: "tokenized", "chat_prompt_completion", "prompt_completion",
+    "chat" (messages / conversations), "text", or None (empty, or something TRL will name)."""
+    row = first_row(dataset)
+    if row is None or not hasattr(dataset, "column_names"):
+        return None
+    if "input_ids" in row:
+        return "tokenized"
+    if "prompt" in row and "completion" in row:
+        return "chat_prompt_completion" if is_conversational(row) else "prompt_completion"
+    if is_conversational(row) or is_conversational_from_value(row):
+        return "chat"
+    return "text"
+
+
+def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> list[dict] | None:
+    """Every distinct set of ``chat_template_kwargs`` the rows are rendered with (the config's,
+    updated by each row's column, as TRL does); None when no template renders them or a stream's
+    rows cannot be read ahead."""
+    if fmt not in ("chat_prompt_completion", "chat"):
+        return None
+    base = dict(config_kwargs or {})
+    if "chat_template_kwargs" not in get_dataset_column_names(dataset):
+        return [base]
+    if not isinstance(dataset, Dataset):
+        return None
+    seen = {json.dumps({**base, **(kw or {})}, sort_keys=True) for kw in dataset["chat_template_kwargs"]}
+    return [json.loads(s) for s in sorted(seen)]
+
+
+def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: dict | None,
+                    training_template: str | None = None, assistant_masks: bool = False) -> dict:
+    """One conversational prompt-completion row on the RL template, with what TRL renders it with:
+    the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's."""
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
+    return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
+                                          training_template=training_template, tools=tools,
+                                          assistant_masks=assistant_masks, **kw)

@@ -1,0 +1,157 @@
+"""A config's own value checks, run once by the config itself (``__post_init__``; a TRL config
+completed by ``complete_grpo_config`` / ``trainers.sft.sft_config``), before TRL's own ``__post_init__``
+divides by any of them. Nothing here needs the model, the data or the launch.
+
+* ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
+  mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN).
+* ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty become the
+  fields grpotrl reads (I5, I6); the one step here that changes the config.
+* ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
+  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import InputError
+
+HEALTH_RULES = ("non_finite", "nonfinite_reward", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
+HEALTH_ACTIONS = ("stop", "warn", "off")
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (test of a value that is set, what it must be); None always passes (TRL's "not set")
+RANGES = {
+    "learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "beta": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (a negative KL coefficient rewards leaving the "
+             "reference)"),
+    "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
+    "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
+    "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0: the logprobs are log_softmax(logits / T), "
+                    "and greedy decoding (T = 0) would give every completion of a group the same text, hence zero "
+                    "advantages; for nearly greedy sampling use a small T such as 0.1"),
+    "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
+    "repetition_penalty": (lambda v: _real(v) and v > 0, "a finite number > 0 (1.0: off)"),
+    "presence_penalty": (_real, "a finite number"),
+    "frequency_penalty": (_real, "a finite number"),
+    "entropy_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0: the loss is policy + beta*KL - c*H with "
+                     "c >= 0 encouraging exploration (INVARIANT I7); 0 for no bonus"),
+    "weight_decay": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "max_grad_norm": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0: no clipping)"),
+    "warmup_ratio": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
+    "num_train_epochs": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "num_generations": (lambda v: _int(v) and v >= 2, "an integer >= 2 (GRPO normalises rewards within a group)"),
+    "num_iterations": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "steps_per_generation": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_train_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "per_device_eval_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_steps": (lambda v: _int(v) and (v > 0 or v == -1), "an integer > 0 (or -1: by num_train_epochs)"),
+    "max_completion_length": (lambda v: _int(v) and v >= 1, "an integer >= 1 (new tokens per completion)"),
+    "max_prompt_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "max_length": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "min_new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "guard_steps": (lambda v: _int(v) and v >= -1, "an integer: -1 every step, 0 off, N the first N steps"),
+    "guard_logprob_atol": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "discriminator_learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "kl_in_reward_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_ranges(args) -> None:
+    """Raise ``InputError`` for the first numeric setting of ``args`` (any TRL or grpotrl config) that is
+    set to something its field cannot mean: a wrong sign, a zero, a NaN, a list. Runs on the config,
+    before any weights load, and before TRL's own __post_init__ divides by any of them."""
+    for name, (ok, what) in RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}. Fix it in the recipe, "
+                             "on the command line or in the config.")
+
+
+def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
+    """``generation_kwargs[name]``, where given, becomes ``args.<name>`` (this changes ``args``): checked
+    against ``RANGES`` first, refused where the field is set to another value than its default 1.0
+    (``temperature=0.7`` with ``generation_kwargs={"temperature": 1.0}`` too: TRL would sample at 1.0)."""
+    if name not in kwargs:
+        return
+    given, field = kwargs[name], getattr(args, name)
+    ok, what = RANGES[name]
+    if not ok(given):
+        raise InputError(f"generation_kwargs['{name}']={given!r}: it must be {what}.")
+    if field not in (1.0, given):  # 1.0: the default of both fields
+        raise InputError(f"{name}={field} and generation_kwargs['{name}']={given} disagree ({why}): "
+                         f"set it once, as {name}.")
+    setattr(args, name, given)
+
+
+def check_grpotrl_fields(args) -> None:
+    """grpotrl's own checks of a GRPO config (also run on a ``trl.GRPOConfig`` that
+    ``complete_grpo_config`` completed): each bad value is an ``InputError`` saying what to use."""
+    actions = args.health_rule_actions or {}
+    if args.health_action not in ("auto", *HEALTH_ACTIONS):
+        raise InputError(f"health_action={args.health_action!r}: use 'auto', 'stop', 'warn' or 'off'.")
+    if not isinstance(actions, dict) or any(k not in HEALTH_RULES or v not in HEALTH_ACTIONS
+                                            for k, v in actions.items()):
+        raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
+                         f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
+    if args.sampler_gap_action not in ("warn", "stop", "off"):
+        raise InputError(f"sampler_gap_action={args.sampler_gap_action!r}: use 'warn', 'stop' or 'off'.")
+    if not (isinstance(args.sampler_gap_threshold, (int, float)) and args.sampler_gap_threshold > 0
+            and math.isfinite(args.sampler_gap_threshold)):
+        raise InputError(f"sampler_gap_threshold={args.sampler_gap_threshold!r}: use a finite number of nats > 0 "
+                         "(e.g. 0.1), or sampler_gap_action='off'.")
+    if args.cagrad not in ("off", "exact", "low_memory"):
+        raise InputError(f"cagrad={args.cagrad!r}: use 'off', 'exact' or 'low_memory'.")
+    if not 0.0 <= args.cagrad_c < 10:
+        raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
+    _check_generation_settings(args)
+    if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
+        raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
+                         "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
+                         "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+def normalize_generation_kwargs(args) -> None:
+    """Move the two sampling settings grpotrl reads from the fields into those fields, where
+    ``generation_kwargs`` gives them (this changes ``args``; run once, by the config, before
+    ``check_grpotrl_fields``). A value given in both places differently is an ``InputError``.
+
+    TRL lets ``generation_kwargs`` override the sampling fields. Two of them grpotrl reads elsewhere:
+    ``repetition_penalty``, applied response-only like the field (I6; on the transformers path
+    grpotrl replaces transformers' own, which counts the prompt), and ``temperature``, at which the
+    logprobs are computed (I5: TRL computes them at the field's temperature, so
+    ``generation_kwargs={"temperature": 0.7}`` alone sampled at 0.7 and trained on logprobs at 1.0)."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    _adopt_generation_kwarg(args, kwargs, "repetition_penalty", "I6: the penalty counts response tokens only")
+    _adopt_generation_kwarg(args, kwargs, "temperature", "I5: completions would be sampled at one temperature "
+                            "and their logprobs computed at the other")
+
+
+def _check_generation_settings(args) -> None:
+    """Sampling settings grpotrl would otherwise drop without a word are refused: continuous batching
+    runs transformers' own sampler, which takes no logits processors, so the response-only
+    penalties and ``min_new_tokens`` cannot be applied there."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    if args.use_transformers_continuous_batching:
+        unsupported = {name: value for name, value in (
+            ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
+            ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
+            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens"))) if value}
+        if unsupported:
+            raise InputError(
+                f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
+                "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
+                "logits processors, so these would be silently dropped (a repetition penalty there would also count "
+                "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
+                "false) or vLLM, or leave these settings at their defaults.")

@@ -1,0 +1,1 @@
+"""Generation: the response-only logits processors (I6) and the sampler-logprob recorder."""

@@ -1,0 +1,106 @@
+"""The model and its settings, checked once before any weights load (config files only).
+
+* ``check_tokenizer_files``: a local model dir holds a tokenizer vocabulary.
+* ``check_discriminator_source``: GAD's ``discriminator_model_name_or_path``.
+* ``check_model_args``: a recipe's quantization / LoRA fields (``trl.ModelConfig``; the CLI's):
+  4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist.
+
+A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``; a
+config's own value ranges are ``configs.checks``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+
+from ..errors import InputError
+from ..models import resolve_model_path
+from ..models.sources import check_model_source, file_listing
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer files
+# ---------------------------------------------------------------------------------------------
+
+def check_discriminator_source(path: str) -> None:
+    """GAD's ``discriminator_model_name_or_path``: a model dir, alias or Hub id (cached when offline)."""
+    try:
+        check_model_source(resolve_model_path(path), what="Discriminator model")
+    except InputError as err:
+        raise InputError(f"discriminator_model_name_or_path {path!r}: {err}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise ``InputError`` when the local model dir ``path`` holds no tokenizer vocabulary (a
+    checkpoint saved without its tokenizer); transformers would say to install sentencepiece or
+    tiktoken instead. Hub ids and PEFT adapter dirs pass (their files come from elsewhere)."""
+    directory = os.path.expanduser(path)
+    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "adapter_config.json")):
+        return
+    names = os.listdir(directory)
+    if any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        return
+    raise InputError(
+        f"Model dir {path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: {file_listing(directory)}): "
+        "it was saved without its tokenizer. Save the tokenizer of the model it was trained from into it "
+        "(`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from Python pass processing_class=."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# A recipe's quantization and LoRA settings
+# ---------------------------------------------------------------------------------------------
+
+def check_model_args(model_args, model_path: str) -> None:
+    """A recipe's quantization and LoRA fields (``trl.ModelConfig``), before any weights are read."""
+    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
+    if bits:
+        flag = f"load_in_{bits}bit"
+        if not model_args.use_peft:
+            raise InputError(
+                f"{flag}: true without use_peft: true would fully fine-tune a {bits}-bit quantized model, whose "
+                f"weights cannot take an update. Add `use_peft: true` (QLoRA: LoRA adapters on the frozen "
+                f"quantized base; see recipes/smollm2/grpo_qlora.yaml), or drop {flag} to train every weight."
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise InputError(f"{flag} needs the bitsandbytes package: `pip install bitsandbytes`.")
+        if bits == 4 and model_args.dtype not in ("float32", "bfloat16", "float16"):
+            raise InputError(
+                f"load_in_4bit computes in `dtype`, which is {model_args.dtype!r}. Set dtype: float32 (CPU; the "
+                "I5 guard's 1e-5 tolerance holds) or bfloat16 (GPU)."
+            )
+    if model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
+        _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
+
+
+def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None) -> None:
+    """Every name in ``lora_target_modules`` must name modules of the model (PEFT ignores a
+    misspelled one as long as another matches). Builds the model on the meta device: no weights."""
+    if isinstance(targets, str) or targets == ["all-linear"]:  # a regex, or PEFT's keyword
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:  # an adapter dir or a remote-code model: PEFT checks at load time instead
+        config = AutoConfig.from_pretrained(model_path, revision=revision)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError):
+        return
+    leaves = {name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()
+              if isinstance(module, torch.nn.Linear)}
+    names = {name for name, _ in skeleton.named_modules()}
+    missing = [t for t in targets if t not in leaves and not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        hints = [f"{t!r} (did you mean {difflib.get_close_matches(t, sorted(leaves), n=1)[0]!r}?)"
+                 if difflib.get_close_matches(t, sorted(leaves), n=1) else repr(t) for t in missing]
+        raise InputError(
+            f"lora_target_modules names no module of {config.model_type} ({model_path}): {', '.join(hints)}. "
+            f"Its linear layers are {sorted(leaves)}; use some of those, or 'all-linear'."
+        )
