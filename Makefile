@@ -21,8 +21,10 @@ $(VENV_STAMP): setup.cfg pyproject.toml scripts/setup.sh
 
 # Tests run with 2 threads: the CI machine's core count, and the numbers the suite was timed with.
 test: export OMP_NUM_THREADS ?= 2
+# The import layers first (setup.cfg [importlinter]: imports only go down, lazy ones included);
 # pytest exits 5 when it collected nothing; make would only say "Error 5", so say what it is.
 test: $(VENV_STAMP)
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q tests --doctest-modules grpotrl || { status=$$?; [ $$status -ne 5 ] || \
 	    echo "make test: FAIL: pytest collected no tests (exit 5); check tests/ and that its files import" >&2; \
 	    exit $$status; }
