@@ -7,7 +7,7 @@ without the optional ``kernels`` package, bitsandbytes' CPU backend
 import time, "Failed to load CPU gemm_4bit_forward from kernels-community: ...". It is harmless:
 that Hub kernel is an optional fast path of the bf16 4-bit matmul, bitsandbytes falls back to its
 own CPU kernel, and grpotrl keeps 4-bit layers off that bf16 path anyway
-(``trainers._common.pin_quantized_kernels``, for I5). Only records of that logger whose message
+(``models.quantization.pin_quantized_kernels``, for I5). Only records of that logger whose message
 starts with that text are dropped; everything else bitsandbytes logs passes. Must run before
 bitsandbytes is imported (``grpotrl/__init__.py`` calls it first).
 """

@@ -18,7 +18,7 @@ Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model p
 settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
 the reward names and judges (parsed, not resolved) -> the output dir (locked: one run at a time;
 then checked: nothing replaced unless asked) -> the trainer, whose
-preflight (``grpotrl/preflight.py``) checks rows, model, tokenizer, chat template, stop tokens,
+preflight (``grpotrl/preflight/``) checks rows, model, tokenizer, chat template, stop tokens,
 rewards (names resolved, the columns they read) and the resume checkpoint, once, before TRL loads
 the model and before any local judge is loaded; so bad input costs seconds, not a model load.
 Datasets and models are what ``trl grpo`` takes: a Hub id goes to ``datasets`` / ``transformers``
@@ -180,7 +180,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.checkpoints.run_lock import lock_output_dir, release_output_dir
 
     ################
-    # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight.py)
+    # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight/)
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
     check_model_args(model_args, model_path)  # the recipe's quantization needs LoRA; LoRA targets exist

@@ -253,19 +253,6 @@ def discriminator_files(deepspeed: bool) -> list[str]:
     return [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/latest" if deepspeed else f"{D_DIR}/{D_OPTIMIZER}"]
 
 
-# GADTrainer's discriminator D in a checkpoint (written by ``trainers.gad_engine``): its full weights, and
-# its optimizer state (``optimizer.pt``, or DeepSpeed's own ``latest`` + ``ds/``)
-D_DIR = "discriminator"
-D_WEIGHTS = "model.safetensors"
-D_OPTIMIZER = "optimizer.pt"
-DS_TAG = "ds"
-
-
-def discriminator_files(deepspeed: bool) -> list[str]:
-    """D's files in a checkpoint directory (for the resume checks, before anything loads)."""
-    return [f"{D_DIR}/{D_WEIGHTS}", f"{D_DIR}/latest" if deepspeed else f"{D_DIR}/{D_OPTIMIZER}"]
-
-
 def resume_files(args, kind: str) -> tuple[str, ...]:
     """Files a checkpoint of this trainer holds beyond the Trainer's own: the template fingerprint
     (I2), TRL's adaptive-entropy controller, the GAD discriminator and its optimizer."""

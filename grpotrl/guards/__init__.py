@@ -9,7 +9,7 @@ call them on the first ``guard_steps`` steps (``due``); the functions are plain 
 Here: I1 (one prompt for generation and loss), I3 (the completion is ``sequence[:, P:]``), I4
 (the completion mask), and ``check_generation`` / ``check_loss_inputs``, which run them on a
 generation batch and on the loss's microbatch. The tool loop's turns are checked in
-``guards_tool_loop``, the logprobs (I5) and the entropy bonus (I7) in ``guards_logprobs``; both
+``tool_loop``, the logprobs (I5) and the entropy bonus (I7) in ``logprobs``; both
 are imported here, so ``guards.check_*`` names every check.
 
 Letters: B rows, P padded prompt width, C padded completion width.

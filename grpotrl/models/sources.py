@@ -209,7 +209,7 @@ def weights_problem(directory: str, kind: str = "model") -> str | None:
 
 def file_listing(directory: str) -> str:
     """The names in ``directory`` for an error message (the first 12, and how many), or "nothing"."""
-    names = sorted(n for n in os.listdir(directory) if n != LOCK_FILE)  # the run lock (checkpoints/run_lock.py) is grpotrl's
+    names = sorted(n for n in os.listdir(directory) if n != LOCK_FILE)  # the run lock is grpotrl's
     return ", ".join(names[:12]) + (f", ... ({len(names)} files)" if len(names) > 12 else "") if names else "nothing"
 
 

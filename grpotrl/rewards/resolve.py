@@ -1,5 +1,5 @@
 """Reward names from a recipe to functions, and the dataset columns those functions read: checked
-once, before any weights load, by the trainers' preflight (``grpotrl/preflight.py``), whether the
+once, before any weights load, by the trainers' preflight (``grpotrl/preflight/``), whether the
 rewards come from a recipe (``RewardNames``) or from Python.
 
 * ``resolve_reward_funcs``: each name looked up in the recipe's judges, grpotrl's ``REWARD_FUNCS``

@@ -47,7 +47,7 @@ Wraps at run time (``trainers/_intercept.py``; each method restored when the hoo
   * a forward pre-hook on the policy and reference models, for their lifetime: injects generate's
     position ids into TRL's fused logprob forward (I5 on absolute-position models).
   * at init (not a wrap), bitsandbytes' quantized layers of the policy are pinned to their training kernel
-    (``_common.pin_quantized_kernels``: a forward pre-hook on 8-bit layers), so I5's eval-mode
+    (``models.quantization.pin_quantized_kernels``: a forward pre-hook on 8-bit layers), so I5's eval-mode
     recomputation computes what training does.
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
@@ -62,17 +62,17 @@ import torch
 import trl
 from accelerate.utils import gather_object
 
-from ..chat import boundary, templates
-from ..health import callbacks
 from .. import dynamic_sampling, guards, health
-from ..guards import identity
+from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InvariantError
+from ..generation.processors import min_new_tokens_fired, vllm_penalties
+from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
+from ..guards import identity
+from ..health import callbacks
+from ..models.quantization import pin_quantized_kernels
 from ..ops.logprobs import entropy_from_logits
 from ..preflight import check_grpo, task_labels
-from ..generation.processors import min_new_tokens_fired, vllm_penalties
-from ..models.quantization import pin_quantized_kernels
-from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
 from . import _intercept
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
@@ -88,7 +88,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        # every check that must pass before TRL loads the model (grpotrl/preflight.py), once
+        # every check that must pass before TRL loads the model (grpotrl/preflight/), once
         model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume = check_grpo(
             self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,

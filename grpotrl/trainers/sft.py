@@ -79,7 +79,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
         args = sft_config(args, model)
-        # every check that must pass before TRL loads the model (grpotrl/preflight.py), once
+        # every check that must pass before TRL loads the model (grpotrl/preflight/), once
         model, processing_class, stop_ids, fmt, self._checked_resume = check_sft(
             model, processing_class, args, train_dataset, eval_dataset, kwargs)
         if fmt == "chat_prompt_completion" and args.completion_only_loss is False:
