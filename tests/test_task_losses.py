@@ -162,3 +162,21 @@ def test_I7_terms_and_regulariser_add_up_to_trls_own_loss(loss_type, level):
     reg = regulariser(LOGP, OLD, ref, entropies, MASK, settings, reduction, beta=0.1, entropy_coef=0.5)
     assert float(sum(task.values()) + reg) == pytest.approx(trl_loss, rel=1e-6, abs=1e-7)
     assert abs(float(reg)) > 0.1 and all(abs(float(v)) > 1e-3 for v in task.values())  # every part counts
+
+
+def test_trl_fields_multitask_reads_for_the_restated_loss():
+    """``MultiTaskGRPOTrainer._trl_loss_fields`` reads these TRL attributes (set in ``__init__``), and
+    records TRL's top-entropy mask from the ``get_high_entropy_mask`` call inside ``_compute_loss``."""
+    import inspect
+
+    import trl
+
+    init = inspect.getsource(trl.GRPOTrainer.__init__)
+    for needle in ("self.loss_type = ", "self.beta = ", "self.epsilon_low = ", "self.epsilon_high = ",
+                   "self.importance_sampling_level = ", "self.max_completion_length = ",
+                   "self.off_policy_mask_threshold = ", "self.use_vllm = ",
+                   "self.vllm_importance_sampling_correction = ",
+                   "self.aux_loss_enabled = ", "self.router_aux_loss_coef = "):
+        assert needle in init, f"trl.GRPOTrainer.__init__ no longer sets {needle!r}"
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)" in loss
