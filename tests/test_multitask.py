@@ -167,12 +167,10 @@ class RowOfNoTask(grpotrl.MultiTaskGRPOTrainer):
     """A wrong split: one row's advantage is in the full loss but in no task's term (as a row whose
     label matches no task would be), so the regulariser ``full - sum_k L_k`` carries its policy loss."""
 
-    def _trl_loss(self, model, inputs, keep):
-        if keep is not None:
-            advantages = inputs["advantages"].clone()
-            advantages[advantages.abs().argmax()] = 0.0
-            inputs = {**inputs, "advantages": advantages}
-        return super()._trl_loss(model, inputs, keep)
+    def _policy_terms(self, logps, rows, inputs, entropy_mask):
+        advantages = inputs["advantages"].clone()
+        advantages[advantages.abs().argmax()] = 0.0
+        return super()._policy_terms(logps, rows, {**inputs, "advantages": advantages}, entropy_mask)
 
 
 @pytest.mark.parametrize("mode", ["exact", "low_memory"])
@@ -314,7 +312,6 @@ class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
         with _intercept.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
             full = grpotrl.GRPOTrainer._compute_loss(self, model, inputs)
         cached = calls[0]
-        self._pieces = {None: cached}  # the new compute_loss checks each piece's entropies (I7)
         adv = inputs["advantages"]
         task = inputs[TASK_KEY].view(-1, *[1] * (adv.dim() - 1))
         with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
@@ -324,8 +321,20 @@ class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
                          for k in range(len(self.task_names))}
             with self._terms(beta=self.beta, coef=coef):
                 reg = trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": torch.zeros_like(adv)})
-        self._present = set(inputs[TASK_KEY].unique().tolist())
         return full, terms, reg
+
+    @contextmanager
+    def _metrics_dropped(self):  # what TRL's extra loss calls append to _metrics["train"], removed
+        metrics = self._metrics["train"]
+        before = {k: len(v) for k, v in metrics.items()}
+        try:
+            yield
+        finally:
+            for k in list(metrics):
+                if k not in before:
+                    del metrics[k]
+                else:
+                    del metrics[k][before[k]:]
 
     @contextmanager
     def _terms(self, beta: float, coef: float):

@@ -10,18 +10,21 @@ stops training with an ``InvariantError`` naming the term).
 
 Supported: one process or DDP (task gradients are averaged over processes before the Gram
 matrix). Not supported: DeepSpeed (any ZeRO stage: its engine owns the gradients) and FSDP;
-the Liger loss (no ``_compute_loss`` to evaluate per term).
+the Liger loss (it bypasses TRL's ``_compute_loss``, whose forward the task terms reuse).
 """
 
 from __future__ import annotations
 
 import re
+from collections import namedtuple
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
-import trl
 
 from .. import guards
+from ..ops import task_losses as ops
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..ops.losses import cagrad_coefficients, merge_rows
@@ -40,29 +43,33 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         are errors before the model loads. Groups never mix tasks (checked on every batch by
         ``grpotrl.GRPOTrainer``), and metrics come per task.
       * ``compute_loss`` (CAGrad on, training): the loss split into terms, CAGrad's loss (below).
-      * ``_get_per_token_logps_and_entropies`` (TRL's logprob forward): inside the loss's call
-        only, one forward per task's rows at the batch's padded width, merged back in row order
-        (``losses.merge_rows``), so that a task term's backward walks its own rows' graph only;
-        every other call (and image inputs) is TRL's, unchanged. In one process only: under DDP
-        the ranks hold different tasks and each DDP forward is a collective, so the loss's forward
-        stays one forward of every row there.
       * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
         direction to the parameters' ``.grad``.
 
-    At run time, in each CAGrad ``compute_loss``:
+    Wraps at run time (``_intercept.replace_attr`` / ``record_calls``; each restored when the full
+    loss returns), in each CAGrad ``compute_loss``, around its one ``GRPOTrainer._compute_loss`` call:
+      * ``self._get_per_token_logps_and_entropies`` (TRL's logprob forward), inject
+        (``_forward_per_task``): its first call (the loss's forward) runs one forward per task's
+        rows at the batch's padded width, merged back in row order (``losses.merge_rows``), so that
+        a task term's backward walks its own rows' graph only; the pieces are recorded for the task
+        terms. Image inputs, and every later call, are TRL's, unchanged. In one process only: under
+        DDP the ranks hold different tasks and each DDP forward is a collective, so the loss's
+        forward stays one forward of every row there.
+      * ``self.get_high_entropy_mask``, record: TRL's top-entropy token mask (``top_entropy_quantile``),
+        which the task terms and the regulariser reuse.
+
+    In each CAGrad ``compute_loss``:
       * ``GRPOTrainer._compute_loss`` is called once, as is (grpotrl's guards, health and
         metrics around TRL's ``_compute_loss``, the adaptive entropy controller included): the
-        full loss, the one logged.
-      * ``trl.GRPOTrainer._compute_loss`` is called directly once per task (past grpotrl's
-        guards), for the task's policy loss ``L_k``, with: the other tasks' advantages zeroed (a
-        copy of ``inputs``); ``_get_per_token_logps_and_entropies`` shadowed on the instance
-        by a function returning the full loss's forward outputs, only the task's own rows
-        attached to the model (no new forward); TRL's private ``beta``, ``_entropy_bonus_enabled``
-        and ``aux_loss_enabled`` set to 0/False (``_policy_only``) and restored; what it appends to
-        ``_metrics["train"]`` removed (``_metrics_dropped``).
+        full loss, the one logged. TRL's loss is not called again.
+      * Each task's policy loss ``L_k`` is computed from tensors (``ops.task_losses.policy_loss_terms``):
+        TRL's per-token policy loss of the task's rows, from the logprobs of the full loss's forward
+        (the task's own piece; an absent task's term is 0), reduced with the microbatch's normaliser
+        for ``loss_type`` (every TRL 1.16 type).
       * The regulariser is ``full - sum_k L_k`` (``beta * KL - c * H``, plus an MoE aux loss); on
-        guard steps ``trl.GRPOTrainer._compute_loss`` runs once more (same forward, every advantage
-        kept, regulariser off) and ``sum_k L_k`` must equal it (``_check_terms_add_up``, I7).
+        guard steps the regulariser is also computed from tensors (``ops.task_losses.regulariser``)
+        and ``sum_k L_k`` must equal TRL's policy loss, ``full`` less it (``_check_terms_add_up``,
+        I7): a restatement that drifts from TRL's loss stops training.
         CAGrad combines the task terms only:
           - ``exact``: per-task gradients of all trainable parameters (``autograd.grad``, each
             through its own rows), summed over the gradient-accumulation window, combined after
@@ -80,9 +87,14 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             model, and with gradient accumulation they are computed per microbatch.
         The coefficients are scaled by K, so ``cagrad_c=0`` is exactly the plain summed GRPO
         gradient (the reference averages the task gradients; only the step size differs).
-      * Read: TRL's ``beta``, ``aux_loss_enabled``, ``current_gradient_accumulation_steps``,
-        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
-        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``_loss_entropies``.
+      * Read: TRL's loss settings, in one place (``_trl_loss_fields``: ``loss_type``, ``beta``,
+        ``epsilon_low``/``epsilon_high``, ``importance_sampling_level``, ``max_completion_length``,
+        ``off_policy_mask_threshold``, ``use_vllm``, ``vllm_importance_sampling_correction``,
+        ``aux_loss_enabled``, ``router_aux_loss_coef``, and ``args``' ``delta``, ``sapo_*``, ``vespo_*``,
+        ``use_bias_correction_kl``, ``steps_per_generation``); TRL's ``current_gradient_accumulation_steps``,
+        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``), ``_metrics`` (CAGrad's
+        metrics); grpotrl's ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``,
+        ``_loss_entropies``.
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
     """
@@ -100,129 +112,130 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             raise InputError(CAGRAD_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
         self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
-        self._present: set[int] = set()  # tasks with rows in the current microbatch
         self._proxy = _last_block_params(self.model) if args.cagrad == "low_memory" else None
 
     # ------------------------------------------------------------------ the loss
-
-    _split: dict | None = None  # task -> its rows [n_k], set by ``_loss_terms`` for the loss's forward
-    _pieces: dict | None = None  # task -> (logps [n_k, C], entropies [n_k, C], aux) of that forward
-    _split_rows: dict | None = None  # the rows of each piece
-    _whole: tuple | None = None  # the pieces merged, all attached: what the full loss used
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.args.cagrad == "off" or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         coef = self.entropy_coef_in_force()
         full, task_losses, reg = self._loss_terms(model, inputs, coef)
-        pieces, self._pieces, self._whole = self._pieces, None, None
+        present = {k for k, r in _task_rows(inputs, len(self.task_names)).items() if r.numel()}
         entropies = self._loss_entropies[0] if self._loss_entropies is not None else None
-        owns = [p[1] for p in pieces.values() if p[1] is not None]  # each task's rows' entropies [n_k, C]
         for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
-            for slope in guards.entropy_slopes(loss, owns, self.current_gradient_accumulation_steps):
+            if entropies is None or not loss.requires_grad:
+                continue
+            for slope in guards.entropy_slopes(loss, [entropies], self.current_gradient_accumulation_steps):
                 guards.check_slope(slope, 0.0, f"the policy loss of task {self.task_names[k]!r}")
         if self.args.cagrad == "exact":
-            loss = self._exact_step(model, task_losses, reg, coef)
+            loss = self._exact_step(model, task_losses, reg, coef, present)
         else:
-            loss = self._low_memory_loss(task_losses, reg)
+            loss = self._low_memory_loss(task_losses, reg, present)
         self._check_entropy_sign(loss, entropies, coef, f"the CAGrad {self.args.cagrad} loss")
         return loss + (full - loss).detach()  # logs the GRPO loss; backpropagates ``loss``
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """The loss's forward under CAGrad (while ``_split`` is set): one forward per task's rows at
-        the batch's padded width, kept in ``_pieces``; returns the rows merged back in order. Any
-        other call, and image inputs (which TRL slices its own way: one piece of every row), is TRL's."""
-        split, self._split = self._split, None
-        if split is None:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              *args, **kwargs)
-        if args or any(v is not None for n, v in kwargs.items() if n not in _TEXT_ONLY):
-            split = {None: torch.arange(input_ids.size(0), device=input_ids.device)}
-        pieces = {}
-        for k, r in split.items():
-            pieces[k] = super()._get_per_token_logps_and_entropies(
-                model, input_ids if k is None else input_ids[r], attention_mask if k is None else attention_mask[r],
-                logits_to_keep, *args, **kwargs)
-        self._pieces, self._split_rows, self._whole = pieces, split, None
-        self._whole = self._merged(None)
-        return self._whole
-
-    def _merged(self, keep):
-        """(logps, entropies, aux) of the loss's forward in row order; with ``keep`` a task, only its
-        rows' piece is attached to the model (TRL's loss on it backpropagates through those rows)."""
-        keep = keep if keep in self._pieces else None  # an absent task, or one piece of every row
-        if keep is None and self._whole is not None:
-            return self._whole  # the very tensors the full loss used (I7 checks the graph on them)
-        logps, entropies = (merge_rows({k: p[i] for k, p in self._pieces.items()}, self._split_rows, keep)
-                            if next(iter(self._pieces.values()))[i] is not None else None for i in (0, 1))
-        aux = [p[2] for p in self._pieces.values() if p[2] is not None]
-        return logps, entropies, torch.stack(aux).mean() if aux else None
 
     def _loss_terms(self, model, inputs: dict, coef: float):
         """(full loss, {task: its policy loss}, regulariser); ``coef``, the bonus in force, is for
         subclasses that rebuild a term (notebook 04's seed regulariser). The full loss is
         ``GRPOTrainer._compute_loss`` (guards, health, metrics, the adaptive entropy controller),
-        its forward run per task (``_get_per_token_logps_and_entropies``). A task's term is TRL's
-        ``_compute_loss`` again, on that forward's outputs with only the task's own rows attached
-        (no new forward), the other tasks' advantages zeroed, no KL, entropy bonus or MoE aux loss,
-        its metrics dropped; the regulariser is what remains, ``full - sum_k L_k`` =
-        ``beta * KL - c * H (+ aux)`` (a policy loss is 0 on a row whose advantage is 0).
-        Every task gets a term on every process, present in this microbatch or not: TRL's loss
-        reduces its metrics across processes, so all must make the same calls
-        (``self._present``: the tasks with rows here)."""
-        advantages = inputs["advantages"]
-        task = inputs[TASK_KEY].view(-1, *[1] * (advantages.dim() - 1))  # [B] or [B, 1]
-        rows = {k: (inputs[TASK_KEY] == k).nonzero().flatten() for k in range(len(self.task_names))}  # [n_k]
-        self._present = {k for k, r in rows.items() if r.numel()}
-        self._split = {k: rows[k] for k in sorted(self._present)}
+        its forward run per task (``_forward_per_task``). A task's term ``L_k`` is computed from that
+        forward's logprobs, its own rows' piece (no new forward, no second call of TRL's loss):
+        ``ops.task_losses.policy_loss_terms``, TRL's per-token policy loss of the task's rows reduced
+        with the microbatch's normaliser. The regulariser is what remains, ``full - sum_k L_k`` =
+        ``beta * KL - c * H (+ aux)``. Every task gets a term, present in this microbatch or not
+        (an absent task's is 0, attached to the loss's forward)."""
+        rows = _task_rows(inputs, len(self.task_names))  # task -> its rows [n_k]
+        split = {k: r for k, r in rows.items() if r.numel()}
         if self.accelerator.num_processes > 1:  # one forward: ranks hold different tasks, and a DDP forward is a
-            self._split = {None: torch.arange(advantages.size(0), device=advantages.device)}  # collective (buffers)
-        try:
+            split = {None: torch.arange(inputs["advantages"].size(0), device=inputs["advantages"].device)}
+        with self._forward_per_task(split) as forward, \
+                _intercept.record_calls(self, "get_high_entropy_mask") as entropy_masks:
             full = GRPOTrainer._compute_loss(self, model, inputs)
-        finally:
-            self._split = None
-        with self._metrics_dropped(), self._policy_only():
-            task_losses = {k: self._trl_loss(model, {**inputs, "advantages": advantages * (task == k)}, k)
-                           for k in range(len(self.task_names))}
-            if self._guard_now():  # a value to compare, no graph kept for it
-                with torch.no_grad():
-                    whole = self._trl_loss(model, inputs, None)
-                _check_terms_add_up(task_losses, whole, self.task_names)
+        logps, entropies, aux = forward.merged  # [B, C], [B, C] or None, scalar or None: what TRL's loss used
+        own = {k: forward.pieces[k][0] if k in forward.pieces else logps[r] for k, r in rows.items()}  # [n_k, C]
+        entropy_mask = entropy_masks[0] if entropy_masks else None  # [B, C]: TRL's own top-entropy mask
+        task_losses = self._policy_terms(own, rows, inputs, entropy_mask)
+        if self._guard_now():  # TRL's policy loss: its full loss less the regulariser, from the same tensors
+            trl_loss = self._trl_loss_fields(inputs)
+            with torch.no_grad():
+                reg = ops.regulariser(logps, inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
+                                      entropies, _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
+                                      entropy_coef=coef, entropy_mask=entropy_mask, aux_loss=aux,
+                                      **trl_loss.regulariser)
+                whole = full.detach().double() - reg.double()
+            _check_terms_add_up(task_losses, whole, self.task_names)
         return full, task_losses, full - sum(task_losses.values())
 
-    def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
-        """``trl.GRPOTrainer._compute_loss`` on the loss forward's outputs (``_merged(keep)``), not a new one."""
-        cached = self._merged(keep)
-        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
-            return trl.GRPOTrainer._compute_loss(self, model, inputs)
+    def _policy_terms(self, logps: dict, rows: dict, inputs: dict, entropy_mask: torch.Tensor | None) -> dict:
+        """``{task: L_k}`` from each task's logprobs ``logps[k]`` [n_k, C] (its rows ``rows[k]``) and the
+        microbatch's ``inputs``: ``ops.policy_loss_terms`` with TRL's settings (``_trl_loss_fields``)."""
+        trl_loss = self._trl_loss_fields(inputs)
+        return ops.policy_loss_terms(logps, rows, inputs.get("old_per_token_logps"), inputs["advantages"],
+                                     _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
+                                     entropy_mask=entropy_mask, **trl_loss.per_token)
 
     @contextmanager
-    def _policy_only(self):
-        """TRL's loss without its regulariser: ``beta = 0`` (no KL), ``_entropy_bonus_enabled`` off
-        (no bonus, no adaptive update: the full loss's call made it), ``aux_loss_enabled`` off."""
-        saved = self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled
-        self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = 0.0, False, False
-        try:
-            yield
-        finally:
-            self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = saved
+    def _forward_per_task(self, split: dict) -> Iterator[_TaskForward]:
+        """Inject: the first ``_get_per_token_logps_and_entropies`` call in the block (the loss's
+        forward) runs once per entry of ``split`` (task -> its rows [n_k]) at the batch's padded
+        width and returns the rows merged back in order (``losses.merge_rows``), so that a task
+        term's backward walks its own rows' graph only. Records the pieces and what was returned
+        in the ``_TaskForward`` it yields. Image inputs (which TRL slices its own way) run as one
+        piece of every row; any later call in the block is TRL's, unchanged."""
+        record = _TaskForward()
+        trl_forward = self._get_per_token_logps_and_entropies
 
-    @contextmanager
-    def _metrics_dropped(self):
-        metrics = self._metrics["train"]
-        before = {k: len(v) for k, v in metrics.items()}
-        try:
-            yield
-        finally:
-            for k in list(metrics):
-                if k not in before:
-                    del metrics[k]
-                else:
-                    del metrics[k][before[k]:]
+        def per_task(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            if record.merged is not None:
+                return trl_forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            rows = split
+            if args or any(v is not None for n, v in kwargs.items() if n not in _TEXT_ONLY):
+                rows = {None: torch.arange(input_ids.size(0), device=input_ids.device)}
+            for k, r in rows.items():
+                record.pieces[k] = trl_forward(model, input_ids if k is None else input_ids[r],
+                                               attention_mask if k is None else attention_mask[r],
+                                               logits_to_keep, *args, **kwargs)
+            record.rows = rows
+            record.merged = record.merge()
+            return record.merged
+
+        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", per_task):
+            yield record
+
+    # ------------------------------------------------------------------ TRL's fields (one place)
+
+    def _trl_loss_fields(self, inputs: dict) -> TRLLossFields:
+        """Every field of TRL's ``GRPOTrainer`` that the restated loss reads, in one place (TRL 1.16's
+        ``_compute_loss`` in training mode reads the same; tests/test_trl_hooks.py): the per-token loss's
+        settings, the microbatch's normaliser, the sampler tensors it uses, and the regulariser's
+        ``beta``, KL bias correction and MoE aux-loss coefficient (0 when TRL adds no aux loss)."""
+        args, mask = self.args, _loss_mask(inputs)
+        settings = ops.PolicyLoss(
+            self.loss_type, importance_sampling_level=self.importance_sampling_level, epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg, off_policy_threshold=self.off_policy_mask_threshold)
+        reduction = ops.Reduction(
+            self.loss_type, rows=mask.size(0), tokens=mask.sum(), max_completion_length=self.max_completion_length,
+            accumulation=self.current_gradient_accumulation_steps, num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)
+        if self.loss_type == "vespo":  # folded into its gamma weight whenever present
+            ratio = inputs.get("importance_sampling_ratio")
+        elif self.use_vllm and self.vllm_importance_sampling_correction:
+            ratio = inputs["importance_sampling_ratio"]
+        else:
+            ratio = None
+        sampled = inputs.get("sampling_per_token_logps") if self.off_policy_mask_threshold is not None else None
+        return TRLLossFields(settings, reduction,
+                             {"importance_sampling_ratio": ratio, "sampling_per_token_logps": sampled},
+                             {"beta": self.beta, "bias_correction_kl": args.use_bias_correction_kl,
+                              "aux_coef": self.router_aux_loss_coef if self.aux_loss_enabled else 0.0})
 
     # ------------------------------------------------------------------ CAGrad exact
 
-    def _exact_step(self, model, task_losses: dict, reg: torch.Tensor, coef: float) -> torch.Tensor:
+    def _exact_step(self, model, task_losses: dict, reg: torch.Tensor, coef: float, present: set) -> torch.Tensor:
         """Accumulate each task's gradient over the window; returns what the Trainer's backward
         carries into ``.grad``: the regulariser, or, when it has no gradient (``beta = 0``, no
         entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
@@ -233,7 +246,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             self._task_grads = {k: [torch.zeros_like(p) for p in params]
                                 for k in range(len(self.task_names)) if k != self._carrier}
         for k, loss in task_losses.items():
-            if k == self._carrier or k not in self._present:  # an absent task's gradient is 0
+            if k == self._carrier or k not in present:  # an absent task's gradient is 0
                 continue
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             for b, g in zip(self._task_grads[k], grads):
@@ -299,15 +312,15 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ CAGrad low-memory
 
-    def _low_memory_loss(self, task_losses: dict, reg: torch.Tensor) -> torch.Tensor:
+    def _low_memory_loss(self, task_losses: dict, reg: torch.Tensor, present: set) -> torch.Tensor:
         """``sum_k coef_k L_k + regulariser`` with CAGrad coefficients from the last block's
         per-task gradients (this microbatch)."""
         tasks = list(range(len(self.task_names)))  # every task, so processes reduce the same tensors
         flat = []
-        with _intercept.skip_head_weight_grad([task_losses[k] for k in self._present], self._proxy):
+        with _intercept.skip_head_weight_grad([task_losses[k] for k in present], self._proxy):
             for k in tasks:
                 grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
-                         if k in self._present else [None] * len(self._proxy))
+                         if k in present else [None] * len(self._proxy))
                 flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
                                                      for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
@@ -353,8 +366,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
 def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str]) -> None:
     """I7 (guard steps): the task terms must add up to TRL's policy loss of the whole microbatch
-    (every advantage kept, no KL, bonus or aux loss), or the regulariser ``full - sum_k L_k`` would
-    silently carry policy loss (rows of no task) past CAGrad's combination. A NaN or inf fails."""
+    (TRL's full loss less its KL, bonus and aux loss, ``ops.task_losses.regulariser``), or the
+    regulariser ``full - sum_k L_k`` would silently carry policy loss (rows of no task, or a
+    restatement that drifted from TRL's) past CAGrad's combination. A NaN or inf fails."""
     terms = torch.stack([loss.detach().double() for loss in task_losses.values()])  # [K]
     total, whole = float(terms.sum()), float(policy.detach())
     tolerance = 1e-6 + 1e-5 * float(terms.abs().sum())  # fp32 sums in another order
@@ -365,6 +379,37 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
                              "(full loss - the task terms) would carry the difference: policy loss on rows of no "
                              "task, or a NaN/inf, outside CAGrad's combination. Check the task labels "
                              "(task_column) and the rows of each term.")
+
+
+TRLLossFields = namedtuple("TRLLossFields", "settings reduction per_token regulariser")
+
+
+@dataclass
+class _TaskForward:
+    """What ``_forward_per_task`` recorded of the loss's forward."""
+
+    pieces: dict = field(default_factory=dict)  # key -> (logps [n_k, C], entropies [n_k, C] or None, aux or None)
+    rows: dict = field(default_factory=dict)  # key -> the piece's rows [n_k]; key None: one piece of every row
+    merged: tuple | None = None  # (logps [B, C], entropies [B, C] or None, aux or None): what the loss got
+
+    def merge(self) -> tuple:
+        """The pieces in row order (``losses.merge_rows``), all attached; the aux loss their mean."""
+        first = next(iter(self.pieces.values()))
+        logps, entropies = (merge_rows({k: p[i] for k, p in self.pieces.items()}, self.rows)
+                            if first[i] is not None else None for i in (0, 1))
+        aux = [p[2] for p in self.pieces.values() if p[2] is not None]
+        return logps, entropies, torch.stack(aux).mean() if aux else None
+
+
+def _task_rows(inputs: dict, num_tasks: int) -> dict:
+    """Task -> the indices [n_k] of its rows in the microbatch (empty for a task with none)."""
+    return {k: (inputs[TASK_KEY] == k).nonzero().flatten() for k in range(num_tasks)}
+
+
+def _loss_mask(inputs: dict) -> torch.Tensor:
+    """The tokens TRL's loss reads [B, C]: the completion mask, times the tool mask when present."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
 
 _TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per-task forward may be given
