@@ -1,0 +1,1 @@
+"""Pure tensor math: functions of tensors and plain values, never a trainer, tokenizer or config."""
