@@ -193,7 +193,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _trl_loss(self, model, inputs: dict, keep) -> torch.Tensor:
         """``trl.GRPOTrainer._compute_loss`` on the loss forward's outputs (``_merged(keep)``), not a new one."""
         cached = self._merged(keep)
-        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
+        with _intercept.inject_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached):
             return trl.GRPOTrainer._compute_loss(self, model, inputs)
 
     @contextmanager
