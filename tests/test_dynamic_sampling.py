@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 import grpotrl
-from grpotrl import dynamic_sampling as ds
+from grpotrl.trainers import dynamic_sampling as ds
 from grpotrl.trainers.grpo import ROW_KEY
 
 
@@ -49,6 +49,50 @@ def test_concat_then_select_pads_each_side_correctly():
     assert "num_items_in_batch" not in out  # global: the trainer recomputes it
     picked = ds.select_rows(out, torch.tensor([False, True]))
     assert picked["advantages"].tolist() == [-0.5] and picked[ROW_KEY].tolist() == [1]
+
+
+class OneProcess:
+    """What ``refill`` uses of ``accelerate.Accelerator`` on one process: gather returns its input."""
+    num_processes, process_index, device = 1, 0, torch.device("cpu")
+
+    @staticmethod
+    def gather(t):
+        return t
+
+
+def scored(prompt_ids, completion_lens):
+    """A scored generation batch of len(prompt_ids) rows, completion i ``completion_lens[i]`` tokens long (C=3)."""
+    n = len(prompt_ids)
+    cmask = torch.tensor([[1] * k + [0] * (3 - k) for k in completion_lens])  # [n, 3]
+    return {"prompt_ids": torch.tensor(prompt_ids).view(n, 1), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+            "completion_ids": cmask * 9, "completion_mask": cmask, "advantages": torch.zeros(n),
+            ROW_KEY: torch.arange(n)}
+
+
+def test_refill_runs_rounds_through_the_callables_it_is_given():
+    # G=2. First batch: group 0 (rows 0, 1) has rewards [1, 1] (flat), group 1 (rows 2, 3) [0, 2]: 1 of 2
+    # target groups has variance, so one round of 1 group (2 rows) is scored; its rewards [3, 4] vary.
+    first = scored([10, 10, 11, 11], [1, 1, 2, 3])
+    calls, logged = [], []
+
+    def score_round(rows):
+        calls.append(rows)
+        return scored([12, 12], [3, 1]), torch.tensor([3.0, 4.0]), {"prompt": ["r0", "r1"]}
+
+    data = [{"prompt": "p"}] * 5
+    merged, record = ds.refill(first, torch.tensor([1.0, 1.0, 0.0, 2.0]), {"prompt": ["a", "b", "c", "d"]},
+                               score_round=score_round, log=logged.append, accelerator=OneProcess(),
+                               train_dataset=data, seed=0, step=0, num_generations=2, max_rounds=3,
+                               steps_per_generation=2, pad_token_id=0, row_key=ROW_KEY)
+    assert calls == [[{"prompt": "p"}] * 2]  # one round: 1 group x G=2 rows
+    # kept: rows 2, 3 of the first batch and both rows of the round, tagged 4, 5 after the first batch's 0..3
+    assert merged[ROW_KEY].tolist() == [2, 3, 4, 5]
+    assert merged["prompt_ids"].flatten().tolist() == [11, 11, 12, 12]
+    assert record == {"prompt": ["a", "b", "c", "d", "r0", "r1"]}  # record[tag] is each kept row's
+    assert int(merged["num_items_in_batch"]) == 2 + 3 + 3 + 1  # the kept rows' completion tokens
+    # 3 groups generated, 2 kept: dropped 1 - 2/3; target 2 groups filled: 2/2
+    assert logged == [{"dynamic_sampling/dropped_share": 1 - 2 / 3, "dynamic_sampling/rounds": 1,
+                       "dynamic_sampling/filled_share": 1.0}]
 
 
 def flat_for_two(completions, prompts, **kwargs):

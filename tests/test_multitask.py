@@ -314,7 +314,7 @@ class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
         cached = calls[0]
         adv = inputs["advantages"]
         task = inputs[TASK_KEY].view(-1, *[1] * (adv.dim() - 1))
-        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
+        with _intercept.inject_attr(self, "_get_per_token_logps_and_entropies", lambda *a, **k: cached), \
                 self._metrics_dropped():
             with self._terms(beta=0.0, coef=0.0):
                 terms = {k: trl.GRPOTrainer._compute_loss(self, model, {**inputs, "advantages": adv * (task == k)})

@@ -11,6 +11,7 @@ import re
 import trl
 
 import grpotrl
+from grpotrl.trainers import _intercept
 
 # hook -> the parameter names grpotrl's override was written against
 GRPO_HOOKS = {
@@ -197,7 +198,8 @@ def test_private_trl_state_grpotrl_reads_and_sets():
                    "self.environment_factories = ", "self._env_tools = ", "self.vllm_generation = ",
                    "self.mask_truncated_completions = ", "self.reward_weights = ", "self.chat_template_kwargs = ",
                    "self.num_generations = ", "self.temperature = ", "self.max_completion_length = ",
-                   "self.ref_model = ", "self._metrics = ", "self.loss_type = ", "self.importance_sampling_level = "):
+                   "self.ref_model = ", "self._metrics = ", "self.loss_type = ", "self.importance_sampling_level = ",
+                   "self._tokenizer = "):
         assert needle in init, f"trl.GRPOTrainer.__init__ no longer sets {needle!r}"
     prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
     assert "self._batch_environments" in inspect.getsource(trl.GRPOTrainer) and "self._buffered_inputs" in prepare
@@ -205,8 +207,9 @@ def test_private_trl_state_grpotrl_reads_and_sets():
 
 def test_gad_relies_on_trl_training_step_bookkeeping():
     """GADTrainer.training_step (discriminator warmup) runs ``_prepare_inputs`` without a loss and
-    restates TRL's step bookkeeping: ``_step`` counts microsteps for the generation schedule, and
-    ``step_time`` is logged from ``_current_train_step_time`` once per accumulation window."""
+    restates TRL's step bookkeeping (``_intercept.set_microstep_done``): ``_step`` counts microsteps for
+    the generation schedule, and ``step_time`` is logged from ``_current_train_step_time`` once per
+    accumulation window."""
     src = inspect.getsource(trl.GRPOTrainer.training_step)
     for needle in ("self._step += 1", "self._current_train_step_time += time_after - time_before",
                    "if self._step % self.current_gradient_accumulation_steps == 0:",
@@ -216,14 +219,20 @@ def test_gad_relies_on_trl_training_step_bookkeeping():
     prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
     assert "self._generate_and_score_completions(" in prepare and "self._step % " in prepare
     gad = inspect.getsource(grpotrl.GADTrainer.training_step)
-    assert "self._prepare_inputs(inputs)" in gad and "self._step += 1" in gad
+    assert "self._prepare_inputs(inputs)" in gad and "_intercept.set_microstep_done(self, " in gad
+    ours = inspect.getsource(_intercept.set_microstep_done)  # the same lines on trainer.*
+    for needle in ("trainer._step += 1", "trainer._current_train_step_time += seconds",
+                   "if trainer._step % trainer.current_gradient_accumulation_steps == 0:",
+                   'trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)',
+                   "trainer._current_train_step_time = 0.0"):
+        assert needle in ours
 
 
 def test_gad_kl_reduction_restates_trl_per_loss_type():
-    """``gad._aggregate_like_trl`` adds GAD's KL term reduced exactly as TRL reduces its per-token loss
-    (the importance ratio of ``use_bias_correction_kl`` is GAD's own, per token: ``losses.kl_loss_term``):
-    TRL's reductions must read as they did, one per loss_type grpotrl knows."""
-    from grpotrl.trainers import gad
+    """``ops.reduction.aggregate_like_trl`` (GAD adds its KL term through it) restates TRL's reduction of
+    its per-token loss (the importance ratio of ``use_bias_correction_kl`` is GAD's own, per token:
+    ``losses.kl_loss_term``): TRL's reductions must read as they did, one per loss_type grpotrl knows."""
+    from grpotrl.ops import reduction
 
     src = inspect.getsource(trl.GRPOTrainer._compute_loss)
     for needle in (
@@ -241,7 +250,8 @@ def test_gad_kl_reduction_restates_trl_per_loss_type():
     ):
         assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
     known = {"grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo"}
-    assert all(f'"{k}"' in inspect.getsource(gad._aggregate_like_trl) for k in known)
+    assert set(reduction.LOSS_TYPES) == known
+    assert all(f'"{k}"' in inspect.getsource(reduction.aggregate_like_trl) for k in known)
     start = src.index('if self.loss_type in ["grpo", "sapo"]:')
     reduced = src[start:src.index('raise ValueError(f"Unknown loss type', start)]  # the reduction's branches
     trl_types = set(re.findall(r'"(\w+)"', " ".join(re.findall(r"self\.loss_type (?:==|in) ([^:]+):", reduced))))

@@ -189,7 +189,7 @@ class HealthFields:
 
 @dataclass
 class DynamicSamplingFields:
-    """DAPO dynamic sampling (``grpotrl/dynamic_sampling.py``), read by ``GRPOTrainer`` and
+    """DAPO dynamic sampling (``grpotrl/trainers/dynamic_sampling.py``), read by ``GRPOTrainer`` and
     ``MultiTaskGRPOTrainer``; ``GADConfig`` refuses it."""
 
     dynamic_sampling: bool = field(

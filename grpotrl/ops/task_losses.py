@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")  # TRL 1.16's, every one
+from .reduction import LOSS_TYPES, Reduction, reduce_rows
 
 
 @dataclass(frozen=True)
@@ -47,23 +47,6 @@ class PolicyLoss:
             raise ValueError(f"loss_type={self.loss_type!r} is not one of TRL 1.16's {LOSS_TYPES}")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: 'token' or 'sequence'")
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """What TRL divides one training microbatch's summed per-token loss by (``loss_type``'s branch):
-    ``rows`` B, ``tokens`` the microbatch's loss-mask sum, ``accumulation`` the gradient-accumulation
-    steps; for dapo/cispo/vespo ``num_items_in_batch`` (the generation batch's tokens, all processes),
-    ``num_processes`` and ``steps_per_generation``."""
-
-    loss_type: str
-    rows: int
-    tokens: torch.Tensor | float
-    max_completion_length: int
-    accumulation: float = 1.0
-    num_items_in_batch: torch.Tensor | float | None = None
-    num_processes: int = 1
-    steps_per_generation: int = 1
 
 
 def log_importance_weights(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor,
@@ -143,35 +126,6 @@ def per_token_policy_loss(per_token_logps: torch.Tensor, old_per_token_logps: to
     if importance_sampling_ratio is not None and s.loss_type != "vespo":
         loss = loss * importance_sampling_ratio
     return loss
-
-
-def reduce_rows(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: Reduction) -> torch.Tensor:
-    """These rows' share of the loss TRL reduces over the whole microbatch (training mode), a scalar:
-    summed over any split of the microbatch's rows, the shares are TRL's loss.
-
-    grpo, sapo: the rows' token means, over ``B``; bnpo: their token sum over the microbatch's
-    tokens; dr_grpo: over ``B * max_completion_length``; luspo: row sums over ``B``; each divided by
-    ``accumulation``. dapo, cispo, vespo: the token sum over
-    ``num_items_in_batch / num_processes * accumulation / steps_per_generation``.
-
-    >>> reduce_rows(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), Reduction("grpo", rows=4, tokens=8.0,
-    ...                                                                       max_completion_length=2)).item()
-    0.5
-    """
-    r, kind = reduction, reduction.loss_type
-    masked = per_token_loss * mask  # [n, C]
-    if kind in ("grpo", "sapo"):
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / r.rows / r.accumulation
-    if kind == "bnpo":
-        return masked.sum() / torch.as_tensor(r.tokens).clamp(min=1.0) / r.accumulation
-    if kind == "dr_grpo":
-        return masked.sum() / (r.rows * r.max_completion_length) / r.accumulation
-    if kind == "luspo":
-        return masked.sum(-1).sum() / r.rows / r.accumulation
-    if kind in ("cispo", "dapo", "vespo"):
-        normaliser = torch.as_tensor(r.num_items_in_batch).clamp(min=1.0) / r.num_processes
-        return masked.sum() / (normaliser * r.accumulation / r.steps_per_generation)
-    raise ValueError(f"loss_type={kind!r} is not one of TRL 1.16's {LOSS_TYPES}")
 
 
 def policy_loss_terms(per_token_logps: dict, rows: dict, old_per_token_logps: torch.Tensor | None,

@@ -8,9 +8,10 @@ one call and restore it after (one exception: ``inject_position_ids``, a forward
 model's lifetime). The names say which kind each is:
 
 * ``record_*``: the wrapped call runs unchanged; its arguments or results are kept for a check.
-* ``inject_*``: the call runs with something added (keyword arguments, a reordered processor list,
-  position ids).
+* ``inject_*``: the call runs with something added or replaced (keyword arguments, a reordered
+  processor list, position ids, a method shadowed for the block: ``inject_attr``).
 * ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``.
+* ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``).
 
 ``TRLGenerate`` names the positions of the tuple TRL's ``_generate`` returns
 (``tests/test_trl_hooks.py`` pins the layout).
@@ -33,8 +34,9 @@ TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask com
 
 
 @contextmanager
-def replace_attr(obj, name: str, value) -> Iterator[None]:
-    """Shadow ``obj.name`` with an instance attribute for the block, restoring exactly what was there."""
+def inject_attr(obj, name: str, value) -> Iterator[None]:
+    """Inject ``value`` as ``obj.name`` for the block (an instance attribute shadowing the class's),
+    restoring exactly what was there. Every wrap below goes through it."""
     missing = object()
     before = vars(obj).get(name, missing)
     setattr(obj, name, value)
@@ -60,7 +62,7 @@ def record_calls(obj, name: str) -> Iterator[list]:
         results.append(out)
         return out
 
-    with replace_attr(obj, name, spy):
+    with inject_attr(obj, name, spy):
         yield results
 
 
@@ -88,7 +90,7 @@ def record_generate(model, inject: Callable | None = None) -> Iterator[list[dict
         })
         return sequences if extra.get("return_dict_in_generate") and not kwargs.get("return_dict_in_generate") else out
 
-    with replace_attr(model, "generate", spy):
+    with inject_attr(model, "generate", spy):
         yield calls
 
 
@@ -125,7 +127,7 @@ def inject_recorders_after_warpers(model) -> Iterator[None]:
             r.placed_last = True
         return LogitsProcessorList([p for p in processors if not isinstance(p, SampledLogprobRecorder)] + recorders)
 
-    with replace_attr(gen, "_get_logits_processor", recorders_last):
+    with inject_attr(gen, "_get_logits_processor", recorders_last):
         yield
 
 
@@ -193,3 +195,16 @@ def skip_head_weight_grad(roots: list, inputs: list) -> Iterator[int]:
     finally:
         for node, flags in switched:
             node.needs_input_grad = flags
+
+
+def set_microstep_done(trainer, seconds: float) -> None:
+    """Set TRL's bookkeeping of one training microstep that ran no loss (GAD's discriminator warmup),
+    as trl 1.16's ``GRPOTrainer.training_step`` keeps it: ``_step`` counts microsteps (TRL's generation
+    schedule in ``_prepare_inputs`` reads it), ``_current_train_step_time`` adds up ``seconds``, and
+    the window's total is logged as ``step_time`` once per accumulation window (tests/test_trl_hooks.py
+    pins TRL's lines)."""
+    trainer._step += 1
+    trainer._current_train_step_time += seconds
+    if trainer._step % trainer.current_gradient_accumulation_steps == 0:
+        trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)
+        trainer._current_train_step_time = 0.0

@@ -40,13 +40,13 @@ everything else is TRL's):
     ``kl_reward``, with ``use_kl_in_reward``).
   * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
   * ``_compute_loss``: adds ``beta * losses.kl_loss_term`` on the logprobs the policy loss really
-    used, reduced as TRL reduces its per-token loss for ``loss_type`` (``_aggregate_like_trl``,
+    used, reduced as TRL reduces its per-token loss for ``loss_type`` (``ops.reduction.aggregate_like_trl``,
     restated from TRL 1.16). With ``use_bias_correction_kl`` the importance ratio is per token,
     ``exp(logp - old_logp)``, even under ``importance_sampling_level="sequence"`` (GAD's default),
     where TRL broadcasts the sequence's ratio: that keeps k1's and k3's gradient the KL's.
   * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
-    update) and TRL's step bookkeeping (``_step``, ``_current_train_step_time``, ``step_time``)
-    only; the student gets no grad.
+    update) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
+    ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
   * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
   * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
     checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
@@ -82,33 +82,11 @@ from ..gad.discriminator import DiscriminatorReward, load_discriminator, pad_seq
 from ..errors import InputError, InvariantError
 from ..ops.losses import kl_full, kl_loss_term, kl_penalty
 from ..ops.masking import position_ids_from_mask
+from ..ops.reduction import aggregate_like_trl
 from ..preflight import check_gad
 from . import _intercept
 from .gad_engine import D_DIR, prepare_discriminator
 from .grpo import GRPOTrainer
-
-
-def _aggregate_like_trl(trainer, x: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """A per-token term [B, C] reduced exactly as TRL 1.16's ``_compute_loss`` reduces its
-    per-token loss for ``trainer.loss_type``. The reduction is linear, so adding this to TRL's
-    loss equals adding the term to its per-token loss (tests pin k3 against TRL's own KL)."""
-    mode = "train" if trainer.model.training else "eval"
-    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-    kind = trainer.loss_type
-    if kind in ("grpo", "sapo"):
-        return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-    if kind == "bnpo":
-        return (x * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
-    if kind == "dr_grpo":
-        return (x * mask).sum() / (x.size(0) * trainer.max_completion_length) / accumulation
-    if kind in ("cispo", "dapo", "vespo"):
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * accumulation / trainer.args.steps_per_generation
-        return (x * mask).sum() / normalizer
-    if kind == "luspo":
-        return (x * mask).sum(-1).mean() / accumulation
-    raise InputError(f"GAD's KL loss does not know loss_type={kind!r}.")
 
 
 class GADTrainer(GRPOTrainer):
@@ -251,11 +229,15 @@ class GADTrainer(GRPOTrainer):
             logp, None if full else inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
             self.args.kl_estimator, self.args.use_bias_correction_kl,
             logits=logits, ref_logits=ref_logits, temperature=self.temperature)
-        loss = loss + self.kl_coef * _aggregate_like_trl(self, per_token_kl, mask, inputs)
-        mode = "train" if self.model.training else "eval"
+        training = self.model.training
+        loss = loss + self.kl_coef * aggregate_like_trl(
+            per_token_kl, mask, self.loss_type, max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,  # set in train()
+            steps_per_generation=self.args.steps_per_generation, training=training)
         totals = self.accelerator.reduce(torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]),
                                          reduction="sum")
-        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        self._append({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, "train" if training else "eval")
         return loss
 
     def _full_kl_logits(self, model, inputs, hidden, logp, width) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,11 +275,7 @@ class GADTrainer(GRPOTrainer):
         start = time.perf_counter()
         model.train()
         self._prepare_inputs(inputs)
-        self._step += 1  # TRL's generation schedule counts microsteps
-        self._current_train_step_time += time.perf_counter() - start
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics["train"]["step_time"].append(self._current_train_step_time)
-            self._current_train_step_time = 0.0
+        _intercept.set_microstep_done(self, time.perf_counter() - start)  # TRL's generation schedule counts microsteps
         return torch.zeros((), device=self.args.device)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

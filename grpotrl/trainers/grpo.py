@@ -62,7 +62,7 @@ import torch
 import trl
 from accelerate.utils import gather_object
 
-from .. import dynamic_sampling, guards, health
+from .. import guards, health
 from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InvariantError
@@ -73,7 +73,7 @@ from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops.logprobs import entropy_from_logits
 from ..preflight import check_grpo, task_labels
-from . import _intercept
+from . import _intercept, dynamic_sampling
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
 
@@ -215,7 +215,13 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output, rewards = self._score_round(inputs)
         if self.args.dynamic_sampling and self.model.training:
-            output = dynamic_sampling.refill(self, output, rewards, ROW_KEY)
+            output, self._guard_record = dynamic_sampling.refill(  # _generate sets each round's guard record
+                output, rewards, self._guard_record, log=self._append,
+                score_round=lambda rows: (*self._score_round(rows), self._guard_record),
+                accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
+                step=self.state.global_step, num_generations=self.num_generations,
+                max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
+                pad_token_id=self._tokenizer.pad_token_id, row_key=ROW_KEY)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         return output

@@ -28,7 +28,6 @@ from ..ops import task_losses as ops
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..ops.losses import cagrad_coefficients, merge_rows
-from ..preflight import CAGRAD_DISTRIBUTED_ERROR
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
 
@@ -46,7 +45,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
       * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
         direction to the parameters' ``.grad``.
 
-    Wraps at run time (``_intercept.replace_attr`` / ``record_calls``; each restored when the full
+    Wraps at run time (``_intercept.inject_attr`` / ``record_calls``; each restored when the full
     loss returns), in each CAGrad ``compute_loss``, around its one ``GRPOTrainer._compute_loss`` call:
       * ``self._get_per_token_logps_and_entropies`` (TRL's logprob forward), inject
         (``_forward_per_task``): its first call (the loss's forward) runs one forward per task's
@@ -108,8 +107,6 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         self._task_rewards = True  # GRPO's preflight runs check_tasks; reward_funcs may map tasks to functions
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
-        if args.cagrad != "off" and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise InputError(CAGRAD_DISTRIBUTED_ERROR.format(mode=args.cagrad))
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
         self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
         self._proxy = _last_block_params(self.model) if args.cagrad == "low_memory" else None
@@ -200,7 +197,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             record.merged = record.merge()
             return record.merged
 
-        with _intercept.replace_attr(self, "_get_per_token_logps_and_entropies", per_task):
+        with _intercept.inject_attr(self, "_get_per_token_logps_and_entropies", per_task):
             yield record
 
     # ------------------------------------------------------------------ TRL's fields (one place)

@@ -1,12 +1,13 @@
-"""DAPO dynamic sampling (Yu et al. 2025, "DAPO", section 3.2; TRL issue #3708): pure parts.
+"""DAPO dynamic sampling (Yu et al. 2025, "DAPO", section 3.2; TRL issue #3708).
 
 A group whose rewards are all equal has advantage 0 for every member, so it adds no policy
 gradient, but it still counts in the loss's normalisers (the token count ``num_items_in_batch``
 of TRL's default ``loss_type='dapo'``, the row count of ``'grpo'``) and still carries the KL
 and entropy terms: it dilutes the update. Dynamic sampling removes such groups' rows from the
 batch and refills it with groups of fresh prompts, for up to a capped number of extra
-generation rounds. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``; the pure functions
-before it pick and merge rows.
+generation rounds. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``, which hands it what
+it needs (a callable that scores one round, one that logs metrics, the settings): it reads and
+writes no trainer field. The pure functions before it pick and merge rows.
 
 Simplified on purpose: refill prompts are drawn uniformly from ``train_dataset`` (seeded by
 step and round, the same on every process), not from the next batches of the epoch; a batch
@@ -20,10 +21,12 @@ Letters: B rows, G completions per prompt, N groups (N = B / G globally), P, C w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .errors import InputError
-from .health import zero_std_groups
+from ..errors import InputError
+from ..health import zero_std_groups
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [B, P], left-padded
 COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -120,58 +123,71 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the rounds, on a GRPOTrainer
+# ---------------------------------------------------------------- the rounds, for a GRPOTrainer
 
 
-def refill(trainer, output: dict, rewards: torch.Tensor, row_key: str) -> dict:
-    """Drop zero-variance groups of ``output`` (TRL's scored generation batch, rows tagged
-    ``row_key``; ``rewards`` [B_global]) from the loss and refill with fresh prompts, for up to
-    ``dynamic_sampling_max_rounds`` extra rounds of ``trainer._score_round``. Decisions use the
-    gathered rewards, so every process takes the same rounds. Logs ``dynamic_sampling/*``."""
-    acc, G = trainer.accelerator, trainer.num_generations
+def refill(output: dict, rewards: torch.Tensor, record: dict | None, *,
+           score_round: Callable[[list[dict]], tuple[dict, torch.Tensor, dict | None]],
+           log: Callable[[dict[str, float]], None], accelerator, train_dataset, seed: int, step: int,
+           num_generations: int, max_rounds: int, steps_per_generation: int, pad_token_id: int,
+           row_key: str) -> tuple[dict, dict | None]:
+    """Drop zero-variance groups of ``output`` (one scored generation batch, rows tagged ``row_key``,
+    ``rewards`` [B_global], guard ``record`` or None) from the loss and refill with fresh prompts from
+    ``train_dataset``, for up to ``max_rounds`` extra rounds. ``score_round(rows)`` generates and scores
+    this process's ``rows`` and returns the round's batch, its rewards [B_global] and its guard record;
+    ``log(metrics)`` logs ``dynamic_sampling/*``. Decisions use the gathered rewards, so every process
+    takes the same rounds. Returns the merged batch and the guard record of every round's rows (row
+    tags offset to match)."""
+    acc, G = accelerator, num_generations
     target = rewards.numel() // G  # groups per generation batch, all processes
     batches, zero_std = [output], [zero_std_groups(rewards, G)]
-    record = trainer._guard_record
     rounds = 0
-    while rounds < trainer.args.dynamic_sampling_max_rounds:
+    while rounds < max_rounds:
         missing = target - int(sum((~z).sum() for z in zero_std))
         if missing <= 0:
             break
         rounds += 1
         while (missing * G) % acc.num_processes:  # rows must split evenly over the processes
             missing += 1
-        out, r = trainer._score_round(refill_prompts(trainer, missing, rounds))
+        rows = refill_prompts(train_dataset, missing, G, seed=seed, step=step, round_=rounds,
+                              process_index=acc.process_index, num_processes=acc.num_processes)
+        out, r, new_record = score_round(rows)
         out[row_key] = out[row_key] + sum(b[row_key].numel() for b in batches)
-        if record is not None and trainer._guard_record is not None:
-            record = {k: record[k] + trainer._guard_record[k] for k in record}
+        if record is not None and new_record is not None:
+            record = {k: record[k] + new_record[k] for k in record}
         batches.append(out)
         zero_std.append(zero_std_groups(r, G))
     keeps = keep_groups(zero_std, target)
     kept = sum(int(k.sum()) for k in keeps)
     generated = sum(z.numel() for z in zero_std)
-    metrics = trainer._metrics["train"]
-    metrics["dynamic_sampling/dropped_share"].append(1 - kept / generated if kept else 0.0)
-    metrics["dynamic_sampling/rounds"].append(rounds)
-    metrics["dynamic_sampling/filled_share"].append(kept / target)
-    trainer._guard_record = record
+    log({"dynamic_sampling/dropped_share": 1 - kept / generated if kept else 0.0,
+         "dynamic_sampling/rounds": rounds,
+         "dynamic_sampling/filled_share": kept / target})
     if kept == 0:  # nothing has a gradient: train on the first batch as plain GRPO would
-        return output
+        return output, record
     rows = torch.cat([local_rows(k, G, acc.process_index, b[row_key].numel())
                       for k, b in zip(keeps, batches)])  # [B_local_all_rounds]
     counts = acc.gather(rows.sum().reshape(1).to(acc.device)).tolist()
-    rows = fill_rows(rows, min(common_count(counts, trainer.args.steps_per_generation), rows.numel()))
-    merged = select_rows(concat_rows(batches, trainer._tokenizer.pad_token_id), rows)
+    rows = fill_rows(rows, min(common_count(counts, steps_per_generation), rows.numel()))
+    merged = select_rows(concat_rows(batches, pad_token_id), rows)
     loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)  # [B, C]
     merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
-    return merged
+    return merged, record
 
 
-def refill_prompts(trainer, groups: int, round_: int) -> list[dict]:
-    """This process's share of ``groups`` fresh prompts x G, drawn from train_dataset with a
-    generator seeded by (seed, step, round): the same draw on every process."""
-    gen = torch.Generator().manual_seed(hash((trainer.args.seed, trainer.state.global_step, round_)) % 2**63)
-    idx = torch.randint(len(trainer.train_dataset), (groups,), generator=gen).tolist()
-    rows = [trainer.train_dataset[i] for i in idx for _ in range(trainer.num_generations)]
-    local = len(rows) // trainer.accelerator.num_processes
-    start = trainer.accelerator.process_index * local
+def refill_prompts(train_dataset, groups: int, num_generations: int, *, seed: int, step: int, round_: int,
+                   process_index: int, num_processes: int) -> list[dict]:
+    """This process's share of ``groups`` fresh prompts x ``num_generations``, drawn from
+    ``train_dataset`` with a generator seeded by (seed, step, round): the same draw on every process.
+
+    >>> data = [{"prompt": i} for i in range(10)]
+    >>> mine = refill_prompts(data, 2, 3, seed=0, step=5, round_=1, process_index=1, num_processes=2)
+    >>> len(mine), mine == refill_prompts(data, 2, 3, seed=0, step=5, round_=1, process_index=1, num_processes=2)
+    (3, True)
+    """
+    gen = torch.Generator().manual_seed(hash((seed, step, round_)) % 2**63)
+    idx = torch.randint(len(train_dataset), (groups,), generator=gen).tolist()
+    rows = [train_dataset[i] for i in idx for _ in range(num_generations)]
+    local = len(rows) // num_processes
+    start = process_index * local
     return rows[start:start + local]
