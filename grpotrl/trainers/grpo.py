@@ -71,6 +71,7 @@ from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
 from ..guards import identity
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
+from ..ops import importance
 from ..ops.logprobs import entropy_from_logits
 from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling
@@ -375,15 +376,15 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                                                    self.accelerator.unwrap_model(model), ref), "train")
 
     def _log_sampler_gap(self, used: torch.Tensor, inputs: dict) -> None:
-        """The sampler against the trainer on the loss's tokens (``identity.sampler_gap_local``): the raw,
+        """The sampler against the trainer on the loss's tokens (``ops.importance.sampler_gap_local``): the raw,
         untruncated importance ratio per token and per sequence (TRL logs only the truncated one, issue
         5231), |sampler - trainer| logprob (TRL logs it for vLLM only), and the gate
         ``sampler_gap_threshold`` / ``sampler_gap_action`` on its mean."""
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
         trainer = inputs.get("old_per_token_logps")  # what TRL's IS ratio uses, when computed
         trainer = used.detach() if trainer is None else trainer  # [B, C]
-        local = identity.sampler_gap_local(used, trainer, inputs["sampling_per_token_logps"], mask)  # [K]
-        metrics = identity.sampler_gap_metrics(self.accelerator.gather(local).view(-1, local.numel()))
+        local = importance.sampler_gap_local(used, trainer, inputs["sampling_per_token_logps"], mask)  # [K]
+        metrics = importance.sampler_gap_metrics(self.accelerator.gather(local).view(-1, local.numel()))
         self._append(metrics)
         identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
                                   self.temperature, self._said)
