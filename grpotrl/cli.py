@@ -253,12 +253,15 @@ def run(command: str, argv: list[str]) -> None:
 
 
 def summary(command: str, log_history: list[dict], window: int = 5) -> str:
-    """Mean of the first and last ``window`` logged values of the metrics that tell progress.
+    """Mean of the first and last ``window`` logged values of the metrics that tell progress; with fewer
+    than ``2 * window`` values, of the first and last half, so the two never share a value.
     NaN is TRL's "no row scored" and is left out like None; +-inf is no number to average either:
     it is left out and counted, and a metric that was never finite says so instead of printing ``inf``.
 
     >>> summary("sft", [{"loss": 2.0}, {"loss": 1.0}, {"loss": 0.5}], window=1)
     'loss: 2.000 (first 1 steps) -> 0.500 (last 1 steps)'
+    >>> summary("sft", [{"loss": 4.0}, {"loss": 3.0}, {"loss": 2.0}, {"loss": 1.0}])  # 4 logs: halves, not all 4 twice
+    'loss: 3.500 (first 2 steps) -> 1.500 (last 2 steps)'
     >>> summary("grpo", [{"reward": None}, {"reward": 0.5}, {"reward": "n/a"}])  # a step whose judges scored no row
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps)'
     >>> summary("grpo", [{"reward": float("inf")}, {"reward": 0.5}, {"reward": float("nan")}])
@@ -275,7 +278,8 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
         odd = [v for v in logged if math.isinf(v)]
         kinds = ", ".join(dict.fromkeys(str(float(v)) for v in odd))
         if values:
-            first, last = values[:window], values[-window:]
+            n = min(window, max(1, len(values) // 2))
+            first, last = values[:n], values[-n:]
             lines.append(f"{key}: {sum(first) / len(first):.3f} (first {len(first)} steps) -> "
                          f"{sum(last) / len(last):.3f} (last {len(last)} steps)"
                          + (f"; {len(odd)} logged value{'s' * (len(odd) > 1)} not finite ({kinds}), left out"

@@ -372,7 +372,9 @@ def test_I8_cli_run_against_a_key_echoing_judge_writes_no_piece_of_the_key(tiny_
         assert {r["headers"]["authorization"] for r in server.chat_requests} == {f"Bearer {KEY}"}
         assert [r["fault"] for r in server.chat_requests][:4] == ["leak", "leak_head", "leak_tail", "leak_cut"]
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "JudgeError" in proc.stderr and "'polite' gave no score for 2 batches" in proc.stderr, proc.stderr[-3000:]
+    # the judge's documented stop: one `stopped:` line from the CLI (exit 4), no traceback
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "grpotrl grpo: stopped: judge 'polite' gave no score for 2 batches" in proc.stderr, proc.stderr[-3000:]
     assert "last HTTP status: 502" in proc.stderr
     files = [p for p in out.rglob("*") if p.is_file()]
     tables = [p for p in files if p.suffix == ".parquet"]
