@@ -265,3 +265,87 @@ def test_gad_reference_forward_and_adapter_helper():
 
     assert list(inspect.signature(use_adapter).parameters) == ["model", "adapter_name"]
     assert "use_adapter(" in inspect.getsource(trl.GRPOTrainer)
+
+
+# TRL's private fields each ``_intercept`` helper reads or writes -> the TRL method whose source sets them
+INTERCEPT_FIELDS = {
+    "read_tokenizer": {"_tokenizer": [trl.GRPOTrainer.__init__, trl.SFTTrainer.__init__]},
+    "read_is_vlm": {"_is_vlm": [trl.GRPOTrainer.__init__, trl.SFTTrainer.__init__]},
+    "read_row_tools": {"_env_tools": [trl.GRPOTrainer.__init__], "_batch_environments": [trl.GRPOTrainer]},
+    "read_entropy_bonus": {"_entropy_bonus_enabled": [trl.GRPOTrainer.__init__],
+                           "_last_world_entropy": [trl.GRPOTrainer.__init__]},
+    "read_metrics": {"_metrics": [trl.GRPOTrainer.__init__]},
+    "set_metrics": {"_metrics": [trl.GRPOTrainer.__init__]},
+    "set_microstep_done": {"_step": [trl.GRPOTrainer.__init__],
+                           "_current_train_step_time": [trl.GRPOTrainer.__init__],
+                           "_metrics": [trl.GRPOTrainer.__init__]},
+}
+
+
+def test_intercept_reads_and_sets_only_fields_trl_still_sets():
+    """Each ``_intercept`` helper over a private field of TRL reads the field TRL's source still assigns
+    (``self.<field> = ``): a rename in TRL fails here, not as an AttributeError mid-run."""
+    for helper, fields in INTERCEPT_FIELDS.items():
+        ours = inspect.getsource(getattr(_intercept, helper))
+        for name, setters in fields.items():
+            assert f"trainer.{name}" in ours, f"_intercept.{helper} no longer reads {name}"
+            for setter in setters:
+                assert f"self.{name} = " in inspect.getsource(setter), f"trl {setter.__qualname__} no longer sets {name}"
+    init = inspect.getsource(trl.GRPOTrainer.__init__)  # the metric lists set_metrics appends to, per mode
+    assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
+    log = inspect.getsource(trl.GRPOTrainer.log)  # and TRL logs their means, then clears them
+    assert "self._metrics[mode].items()" in log and "self._metrics[mode].clear()" in log
+    generate = inspect.getsource(trl.GRPOTrainer._generate)  # read_row_tools reads what _generate renders with
+    assert "self._env_tools[name]" in generate and "self._batch_environments" in generate
+
+
+def test_intercept_wraps_the_trl_methods_it_names():
+    """``record_rewards``, ``record_loss_forward``, ``record_entropy_mask`` and ``inject_forward_per_task``
+    wrap these TRL methods, which ``_generate_and_score_completions`` / ``_compute_loss`` still call;
+    the per-task forward passes the first four arguments positionally and only the text-only keywords
+    (``_intercept._TEXT_ONLY``) keep its split."""
+    wrapped = {"record_rewards": "_calculate_rewards", "record_loss_forward": "_get_per_token_logps_and_entropies",
+               "record_entropy_mask": "get_high_entropy_mask",
+               "inject_forward_per_task": "_get_per_token_logps_and_entropies"}
+    for helper, name in wrapped.items():
+        assert f'"{name}"' in inspect.getsource(getattr(_intercept, helper)), f"_intercept.{helper}"
+        assert hasattr(trl.GRPOTrainer, name), f"trl.GRPOTrainer.{name} no longer exists"
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert "self.get_high_entropy_mask(" in loss
+    params = _params(trl.GRPOTrainer, "_get_per_token_logps_and_entropies")
+    assert params[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert set(_intercept._TEXT_ONLY) <= set(params)
+
+
+def _trl_private_fields() -> set[str]:
+    """Names TRL's and transformers' trainers assign as private attributes (``self._x = ...``), less
+    their methods (grpotrl overrides and calls TRL's private methods as hooks, pinned above)."""
+    import transformers.trainer
+    import trl.trainer.grpo_trainer
+    import trl.trainer.sft_trainer
+
+    src = "".join(inspect.getsource(m) for m in (trl.trainer.grpo_trainer, trl.trainer.sft_trainer,
+                                                   transformers.trainer))
+    assigned = set(re.findall(r"self\.(_\w+)\s*(?:=|\+=|:)", src))
+    return {n for n in assigned
+            if not any(callable(getattr(c, n, None)) for c in (trl.GRPOTrainer, trl.SFTTrainer))}
+
+
+def test_only_intercept_touches_trl_private_fields():
+    """No module of grpotrl but ``trainers/_intercept.py`` reads or writes a private field of TRL's or
+    transformers' trainers (``self._metrics``, ``trainer._tokenizer``, ...): each goes through one
+    pinned helper there. grpotrl's own private attributes (``self._guard_record``) are not TRL's."""
+    import ast
+    import pathlib
+
+    trl_fields = _trl_private_fields()
+    assert {"_metrics", "_tokenizer", "_step", "_is_vlm"} <= trl_fields  # the scan sees TRL's fields
+    root = pathlib.Path(grpotrl.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == pathlib.Path(_intercept.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in trl_fields:
+                found.append(f"{path.relative_to(root)}:{node.lineno} .{node.attr}")
+    assert not found, "TRL's private fields outside trainers/_intercept.py:\n" + "\n".join(found)

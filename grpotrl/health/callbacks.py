@@ -56,7 +56,8 @@ def rule_action(args, rule: type["HealthRule"]) -> str:
 
 
 class HealthRule(TrainerCallback):
-    """One health rule over one signal of ``trainer._metrics['train']``, per optimizer step.
+    """One health rule over one signal of TRL's training metrics (``trainer.metric_values()``), per
+    optimizer step.
 
     Subclasses set ``name``, ``default_action`` and ``advice`` and implement ``check()``: ``None``
     when the step did not observe the signal (no generation this step), else
@@ -75,10 +76,10 @@ class HealthRule(TrainerCallback):
 
     # values of this step: what was appended to the metric lists since the step began
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = {k: len(v) for k, v in self.trainer._metrics["train"].items()}
+        self._start = {k: len(v) for k, v in self.trainer.metric_values().items()}
 
     def step_values(self, key: str) -> list[float]:
-        values = self.trainer._metrics["train"].get(key, [])
+        values = self.trainer.metric_values().get(key, [])
         return [v for v in values[self._start.get(key, 0):] if v is not None]
 
     def step_mean(self, key: str) -> float | None:

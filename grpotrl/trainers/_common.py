@@ -21,6 +21,7 @@ from ..checkpoints import (check_finished_run, check_resume_architecture, disk_f
 from ..errors import InputError
 from ..preflight import check_resume
 from ..checkpoints.run_lock import lock_output_dir, release_output_dir
+from . import _intercept
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class CheckedResume:
             elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
                 use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
                 resume_from_checkpoint = check_resume(
-                    self.args, done.kind, getattr(self, "_tokenizer", None) or self.processing_class, use_peft,
+                    self.args, done.kind, _intercept.read_tokenizer(self) or self.processing_class, use_peft,
                     done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
             else:
                 if not overwrite_output_dir:

@@ -11,7 +11,16 @@ model's lifetime). The names say which kind each is:
 * ``inject_*``: the call runs with something added or replaced (keyword arguments, a reordered
   processor list, position ids, a method shadowed for the block: ``inject_attr``).
 * ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``.
-* ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``).
+* ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
+  ``set_metrics``).
+* ``read_*``: returns what TRL keeps in a private field, as it is (nothing is wrapped or written):
+  ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_entropy_bonus``, ``read_metrics``.
+
+No other module of grpotrl reads or writes a private field of TRL or transformers (``self._x`` that
+TRL sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
+``self._get_per_token_logps_and_entropies``, ``self._prepare_inputs``), each pinned by signature.
+Each helper here is pinned by ``tests/test_trl_hooks.py`` against TRL's source: a renamed field or
+method fails there, not silently in a run.
 
 ``TRLGenerate`` names the positions of the tuple TRL's ``_generate`` returns
 (``tests/test_trl_hooks.py`` pins the layout).
@@ -22,9 +31,12 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
+import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
+from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
 from ..generation.sampled_logprobs import SampledLogprobRecorder
 
@@ -64,6 +76,74 @@ def record_calls(obj, name: str) -> Iterator[list]:
 
     with inject_attr(obj, name, spy):
         yield results
+
+
+def record_rewards(trainer):
+    """Record: what TRL's ``_calculate_rewards`` returns in the block ([N_global, n_funcs] each call, gathered),
+    whichever subclass computed it (``with record_rewards(trainer) as scored``)."""
+    return record_calls(trainer, "_calculate_rewards")
+
+
+def record_loss_forward(trainer):
+    """Record: what TRL's logprob forward ``_get_per_token_logps_and_entropies`` returns in the block,
+    ``(logps [B, C], entropies [B, C] or None, aux loss or None)`` per call: inside ``_compute_loss``,
+    its first call is the forward the loss is built on (graph tensors)."""
+    return record_calls(trainer, "_get_per_token_logps_and_entropies")
+
+
+def record_entropy_mask(trainer):
+    """Record: TRL's top-entropy token masks [B, C] (``get_high_entropy_mask``, ``top_entropy_quantile``)
+    computed in the block."""
+    return record_calls(trainer, "get_high_entropy_mask")
+
+
+@dataclass
+class TaskForward:
+    """What ``inject_forward_per_task`` recorded of the loss's forward."""
+
+    pieces: dict = field(default_factory=dict)  # key -> (logps [n_k, C], entropies [n_k, C] or None, aux or None)
+    rows: dict = field(default_factory=dict)  # key -> the piece's rows [n_k]; key None: one piece of every row
+    merged: tuple | None = None  # (logps [B, C], entropies [B, C] or None, aux or None): what the loss got
+
+    def merge(self) -> tuple:
+        """The pieces in row order (``losses.merge_rows``), all attached; the aux loss their mean."""
+        first = next(iter(self.pieces.values()))
+        logps, entropies = (merge_rows({k: p[i] for k, p in self.pieces.items()}, self.rows)
+                            if first[i] is not None else None for i in (0, 1))
+        aux = [p[2] for p in self.pieces.values() if p[2] is not None]
+        return logps, entropies, torch.stack(aux).mean() if aux else None
+
+
+_TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per-task forward may be given
+
+
+@contextmanager
+def inject_forward_per_task(trainer, split: dict) -> Iterator[TaskForward]:
+    """Inject: the first ``_get_per_token_logps_and_entropies`` call in the block (the loss's
+    forward) runs once per entry of ``split`` (task -> its rows [n_k]) at the batch's padded
+    width and returns the rows merged back in order (``losses.merge_rows``), so that a task
+    term's backward walks its own rows' graph only. Records the pieces and what was returned
+    in the ``TaskForward`` it yields. Image inputs (which TRL slices its own way) run as one
+    piece of every row; any later call in the block is TRL's, unchanged."""
+    record = TaskForward()
+    trl_forward = trainer._get_per_token_logps_and_entropies
+
+    def per_task(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if record.merged is not None:
+            return trl_forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        rows = split
+        if args or any(v is not None for n, v in kwargs.items() if n not in _TEXT_ONLY):
+            rows = {None: torch.arange(input_ids.size(0), device=input_ids.device)}
+        for k, r in rows.items():
+            record.pieces[k] = trl_forward(model, input_ids if k is None else input_ids[r],
+                                           attention_mask if k is None else attention_mask[r],
+                                           logits_to_keep, *args, **kwargs)
+        record.rows = rows
+        record.merged = record.merge()
+        return record.merged
+
+    with inject_attr(trainer, "_get_per_token_logps_and_entropies", per_task):
+        yield record
 
 
 @contextmanager
@@ -208,3 +288,45 @@ def set_microstep_done(trainer, seconds: float) -> None:
     if trainer._step % trainer.current_gradient_accumulation_steps == 0:
         trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)
         trainer._current_train_step_time = 0.0
+
+
+def set_metrics(trainer, metrics: dict[str, float], mode: str) -> None:
+    """Append each value to TRL's metric list of its name, ``_metrics[mode][name]``, as TRL logs its own
+    (their mean is logged at the next log step, then the lists are cleared)."""
+    for key, value in metrics.items():
+        trainer._metrics[mode][key].append(value)
+
+
+def read_metrics(trainer, mode: str = "train") -> dict[str, list]:
+    """TRL's metric lists of ``mode`` (``_metrics[mode]``): name -> the values appended since the last
+    log step. Read it; write through ``set_metrics``."""
+    return trainer._metrics[mode]
+
+
+def read_tokenizer(trainer):
+    """TRL's ``_tokenizer``: the text tokenizer of ``processing_class`` (a processor's own tokenizer for a
+    VLM), as ``GRPOTrainer.__init__`` and ``SFTTrainer.__init__`` set it."""
+    return trainer._tokenizer
+
+
+def read_is_vlm(trainer) -> bool:
+    """TRL's ``_is_vlm``: whether ``processing_class`` is a multimodal processor (set in ``__init__``)."""
+    return trainer._is_vlm
+
+
+def read_row_tools(trainer, n: int) -> list:
+    """The tools TRL renders into each of the ``n`` prompts ``_generate`` is generating, ``None`` for none:
+    with ``environment_factory``, each row's environment's own (``_env_tools[name]`` over
+    ``_batch_environments``, as TRL's ``_generate`` reads them), else ``trainer.tools``."""
+    if trainer.environment_factories is not None:
+        return [trainer._env_tools[name] or None for name in trainer._batch_environments]
+    return [trainer.tools or None] * n
+
+
+EntropyBonus = namedtuple("EntropyBonus", "enabled last_world_entropy")
+
+
+def read_entropy_bonus(trainer) -> EntropyBonus:
+    """TRL's entropy-bonus state: ``_entropy_bonus_enabled`` (``entropy_coef != 0`` or adaptive) and the
+    adaptive controller's ``_last_world_entropy`` (the previous step's; ``inf`` before the first)."""
+    return EntropyBonus(trainer._entropy_bonus_enabled, trainer._last_world_entropy)

@@ -29,37 +29,7 @@ so that a group's shared prompt runs once (``discriminator.scoring_batch``; benc
 reference forward over the generation batch; ``full`` materialises [B, C, V] logits of both models
 per microbatch (the policy's from the loss's own forward, plus one reference forward).
 
-Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
-everything else is TRL's):
-  * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
-    after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
-    ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
-    to 0 (the KL is GAD's own).
-  * ``_calculate_rewards``: the D step above (``gad_engine``); returns rewards gathered across
-    processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
-    ``kl_reward``, with ``use_kl_in_reward``).
-  * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
-  * ``_compute_loss``: adds ``beta * losses.kl_loss_term`` on the logprobs the policy loss really
-    used, reduced as TRL reduces its per-token loss for ``loss_type`` (``ops.reduction.aggregate_like_trl``,
-    restated from TRL 1.16). With ``use_bias_correction_kl`` the importance ratio is per token,
-    ``exp(logp - old_logp)``, even under ``importance_sampling_level="sequence"`` (GAD's default),
-    where TRL broadcasts the sequence's ratio: that keeps k1's and k3's gradient the KL's.
-  * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
-    update) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
-    ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
-  * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
-  * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
-    checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
-    state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
-    restores both.
-
-Wraps at run time (``trainers/_intercept.py``), besides grpotrl.GRPOTrainer's:
-  * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss``: records the logprobs the
-    policy loss used (the KL is taken on them, with their graph).
-  * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``:
-    records its last hidden states, which the LM head turns into the logits of the loss's own forward.
-Calls TRL's ``_get_per_token_logps_and_entropies`` for reference logprobs (tests/test_trl_hooks.py
-pins every private TRL name used here).
+The class docstring lists the hooks it overrides and what it wraps at run time.
 
 Student SFT warmup on teacher responses (the paper's first stage) is a separate run on the
 same template (I2): ``grpotrl sft --config recipes/smollm2/sft_gad_warmup.yaml``, then GAD
@@ -90,6 +60,45 @@ from .grpo import GRPOTrainer
 
 
 class GADTrainer(GRPOTrainer):
+    """Generative adversarial distillation on grpotrl.GRPOTrainer (module docstring).
+
+    Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
+    everything else is TRL's):
+      * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
+        after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
+        ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
+        to 0 (the KL is GAD's own).
+      * ``_calculate_rewards``: the D step above (``gad_engine``); returns rewards gathered across
+        processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
+        ``kl_reward``, with ``use_kl_in_reward``).
+      * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
+      * ``_compute_loss``: adds ``beta * losses.kl_loss_term`` on the logprobs the policy loss really
+        used, reduced as TRL reduces its per-token loss for ``loss_type`` (``ops.reduction.aggregate_like_trl``,
+        restated from TRL 1.16). With ``use_bias_correction_kl`` the importance ratio is per token,
+        ``exp(logp - old_logp)``, even under ``importance_sampling_level="sequence"`` (GAD's default),
+        where TRL broadcasts the sequence's ratio: that keeps k1's and k3's gradient the KL's.
+      * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
+        update) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
+        ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
+      * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
+      * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
+        checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
+        state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
+        restores both.
+
+    Wraps at run time (``trainers/_intercept.py``), besides grpotrl.GRPOTrainer's:
+      * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss`` (``record_loss_forward``): records
+        the logprobs the policy loss used (the KL is taken on them, with their graph).
+      * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``
+        (``record_backbone_output``): records its last hidden states, which the LM head turns into the
+        logits of the loss's own forward.
+    TRL's private fields, only through ``trainers/_intercept.py``: ``_tokenizer`` (``read_tokenizer``: D's
+    pad id and template), ``_metrics`` (``set_metrics``: D's metrics, ``kl``), and in warmup ``_step``,
+    ``_current_train_step_time`` (``set_microstep_done``). Calls TRL's ``_get_per_token_logps_and_entropies``
+    for reference logprobs and ``_prepare_inputs`` in warmup (tests/test_trl_hooks.py pins every private
+    TRL name used here).
+    """
+
     _tag_names = ["trl", "grpo", "gad", "grpotrl"]
     _resume_kind = "gad"
 
@@ -122,7 +131,8 @@ class GADTrainer(GRPOTrainer):
         # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
         # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
         d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
-        disc = load_discriminator(path, self._tokenizer.pad_token_id, dtype=d_dtype,
+        tok = _intercept.read_tokenizer(self)
+        disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype,
                                   lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings)
         if args.disable_dropout:
@@ -132,7 +142,7 @@ class GADTrainer(GRPOTrainer):
         self._d = prepare_discriminator(self, disc, args.discriminator_learning_rate)  # DDP or DeepSpeed
         self.discriminator, self.discriminator_optimizer = self._d.model, self._d.optimizer
         self._d_reward.discriminator = self.discriminator
-        self._d_reward.tokenizer = self._tokenizer
+        self._d_reward.tokenizer = tok
         self._d_reward.stop_ids = list(self.stop_token_ids)
         self._d_reward.chat_template = self.chat_template
 
@@ -191,7 +201,7 @@ class GADTrainer(GRPOTrainer):
         """The reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
         current policy (``kl_in_reward_estimator``; both default to the loss's ``beta`` and
         ``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
-        tok = self._tokenizer
+        tok = _intercept.read_tokenizer(self)
         prompt_ids = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs) for p in prompts]
         device = self.accelerator.device
         p_ids, p_mask = pad_sequences(prompt_ids, tok.pad_token_id, side="left", device=device)  # [N, P]
@@ -219,7 +229,7 @@ class GADTrainer(GRPOTrainer):
         full = self.args.kl_estimator == "full"
         capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full \
             else contextlib.nullcontext([])
-        with _intercept.record_calls(self, "_get_per_token_logps_and_entropies") as calls, capture as hidden:
+        with _intercept.record_loss_forward(self) as calls, capture as hidden:
             loss = super()._compute_loss(model, inputs)
         logp = calls[0][0]  # [B, C] the policy logprobs the loss was built from (graph tensor)
         mask = inputs["completion_mask"]  # [B, C] GAD has no tools, hence no tool_mask

@@ -1,54 +1,6 @@
 """``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5, I7 and I10 guarded on its real tensors.
 
-Overrides (everything else is TRL's):
-  * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
-    (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
-    dataset (an ``IterableDataset`` on its first rows), rewards and the checkpoint's template
-    fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too); refuses ``cagrad`` settings it would ignore (only
-    ``MultiTaskGRPOTrainer`` reads them); stops generation on every stop id; adds the health callbacks.
-  * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
-    row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
-    the reward text is its decoding, no chat header) and I4 from the tokens (each completion ends
-    right after its first stop id, or has none and is generation's cap long; on every sampler) against
-    what ``generate`` saw and returned (``guards.check_generation``); on TRL's tool loop every turn's
-    call (a later turn's prompt is the previous prompt + completion + tool result, ``tool_mask`` covers
-    the model's turns only). A ``rollout_func`` generates its own way and is not observed. On the
-    transformers path puts the sampler's own logprobs where TRL keeps vLLM's. Logs completion shape.
-  * ``_calculate_rewards``: a +-inf reward is counted (``rewards/<name>/nonfinite_share``) and made
-    missing (NaN, as TRL reads ``None``) for the ``nonfinite_reward`` health rule, which stops the
-    run by default; TRL alone zeroes the whole group's advantages and logs ``reward: inf``.
-  * ``_generate_and_score_completions``: tags each row so the loss can be traced back to its
-    generation; logs the batch's health signals (``health``); runs DAPO dynamic sampling when asked
-    (``dynamic_sampling.refill``); applies the optional importance-sampling correction on the
-    transformers path (``hf_importance_sampling_correction``).
-  * ``_compute_loss``: on the microbatch the loss really uses, checks I1, I3/I4
-    (``guards.check_loss_inputs``) and I5 (the logprobs the loss used equal ``log_softmax(logits / T)``
-    recomputed independently; not while dropout is active); on the first microbatch I10 (reference and
-    old logprobs equal the policy's, ``identity``); logs the sampler/trainer logprob gap, per-sample
-    entropy, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
-  * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
-    for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
-    controller), on the graph from the loss back to the entropy node (a few elementwise ops).
-  * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
-  * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
-    ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
-    checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
-    keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
-
-Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
-  * ``self._calculate_rewards`` in ``_generate_and_score_completions``: records the rewards TRL scored.
-  * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss``: records the logprobs and
-    entropies TRL's loss used (I5, I7, I10).
-  * the policy's ``model.generate`` in ``_generate`` (transformers path and guard steps): records its
-    inputs and outputs; on the transformers path injects the I6 processors (response-only penalties,
-    min-new-tokens over every stop id) and a recorder of the sampler's logprobs.
-  * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``: the
-    recorder runs after transformers' warpers, on the scores it samples from.
-  * a forward pre-hook on the policy and reference models, for their lifetime: injects generate's
-    position ids into TRL's fused logprob forward (I5 on absolute-position models).
-  * at init (not a wrap), bitsandbytes' quantized layers of the policy are pinned to their training kernel
-    (``models.quantization.pin_quantized_kernels``: a forward pre-hook on 8-bit layers), so I5's eval-mode
-    recomputation computes what training does.
+The class docstring lists the hooks it overrides and what it wraps at run time.
 
 Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
 Health rules (stopping only certainly broken runs by default, warning otherwise) and the
@@ -83,6 +35,69 @@ TASK_KEY = "grpotrl_task"  # [B] index into trainer.task_names, when rows carry 
 
 
 class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
+    """TRL's GRPOTrainer with INVARIANTS I1-I5, I7 and I10 guarded (module docstring).
+
+    Overrides (everything else is TRL's):
+      * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
+        (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
+        dataset (an ``IterableDataset`` on its first rows), rewards and the checkpoint's template
+        fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too);
+        refuses ``cagrad`` settings it would ignore (only ``MultiTaskGRPOTrainer`` reads them); stops
+        generation on every stop id; adds the health callbacks.
+      * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
+        row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
+        the reward text is its decoding, no chat header) and I4 from the tokens (each completion ends
+        right after its first stop id, or has none and is generation's cap long; on every sampler) against
+        what ``generate`` saw and returned (``guards.check_generation``); on TRL's tool loop every turn's
+        call (a later turn's prompt is the previous prompt + completion + tool result, ``tool_mask`` covers
+        the model's turns only). A ``rollout_func`` generates its own way and is not observed. On the
+        transformers path puts the sampler's own logprobs where TRL keeps vLLM's. Logs completion shape.
+      * ``_calculate_rewards``: a +-inf reward is counted (``rewards/<name>/nonfinite_share``) and made
+        missing (NaN, as TRL reads ``None``) for the ``nonfinite_reward`` health rule, which stops the
+        run by default; TRL alone zeroes the whole group's advantages and logs ``reward: inf``.
+      * ``_generate_and_score_completions``: tags each row so the loss can be traced back to its
+        generation; logs the batch's health signals (``health``); runs DAPO dynamic sampling when asked
+        (``dynamic_sampling.refill``); applies the optional importance-sampling correction on the
+        transformers path (``hf_importance_sampling_correction``).
+      * ``_compute_loss``: on the microbatch the loss really uses, checks I1, I3/I4
+        (``guards.check_loss_inputs``) and I5 (the logprobs the loss used equal ``log_softmax(logits / T)``
+        recomputed independently; not while dropout is active); on the first microbatch I10 (reference and
+        old logprobs equal the policy's, ``identity``); logs the sampler/trainer logprob gap, per-sample
+        entropy, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits.
+      * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
+        for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
+        controller), on the graph from the loss back to the entropy node (a few elementwise ops).
+      * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
+      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+        ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
+        checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
+        keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
+
+    Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
+      * ``self._calculate_rewards`` in ``_generate_and_score_completions`` (``record_rewards``): records
+        the rewards TRL scored.
+      * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss`` (``record_loss_forward``): records
+        the logprobs and entropies TRL's loss used (I5, I7, I10).
+      * the policy's ``model.generate`` in ``_generate`` (transformers path and guard steps, ``record_generate``):
+        records its inputs and outputs; on the transformers path injects the I6 processors (response-only
+        penalties, min-new-tokens over every stop id) and a recorder of the sampler's logprobs.
+      * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``
+        (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
+        it samples from.
+      * a forward pre-hook on the policy and reference models, for their lifetime (``inject_position_ids``):
+        injects generate's position ids into TRL's fused logprob forward (I5 on absolute-position models).
+      * at init (not a wrap), bitsandbytes' quantized layers of the policy are pinned to their training kernel
+        (``models.quantization.pin_quantized_kernels``: a forward pre-hook on 8-bit layers), so I5's eval-mode
+        recomputation computes what training does.
+
+    TRL's private fields, read and written only through ``trainers/_intercept.py``: ``_tokenizer``
+    (``read_tokenizer``), ``_is_vlm``, ``_env_tools`` / ``_batch_environments`` (``read_row_tools``, I1's
+    tools per row), ``_entropy_bonus_enabled`` / ``_last_world_entropy`` (``read_entropy_bonus``, I7), and
+    ``_metrics``, where every grpotrl metric goes (``set_metrics``; ``metric_values()`` reads them for the
+    health rules). Calls TRL's ``_get_per_token_logps_and_entropies`` for the old policy's logprobs
+    (``hf_importance_sampling_correction``).
+    """
+
     _tag_names = ["trl", "grpo", "grpotrl"]
     _reads_cagrad = False  # MultiTaskGRPOTrainer's fields: refused here rather than ignored
 
@@ -118,8 +133,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._last_batch: dict | None = None  # for boundary_report()
         self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
-        self._chat_headers = boundary.chat_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
-        self._reward_headers = boundary.reward_headers(self._tokenizer, self._template, **self.chat_template_kwargs)
+        tok = _intercept.read_tokenizer(self)
+        self._chat_headers = boundary.chat_headers(tok, self._template, **self.chat_template_kwargs)
+        self._reward_headers = boundary.reward_headers(tok, self._template, **self.chat_template_kwargs)
         self._nonfinite_rewards: list[str] = []  # what +-inf rewards this step held, for NonFiniteRewardRule
         self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
         callbacks.add_health_callbacks(self, args)
@@ -131,10 +147,14 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         return guards.due(self.args.guard_steps, self.state.global_step)
 
     def _append(self, metrics: dict[str, float], mode: str | None = None) -> None:
-        """Each value onto TRL's metric list of its name (logged as their mean at the next log step)."""
-        mode = mode or ("train" if self.model.training else "eval")
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(value)
+        """Each value onto TRL's metric list of its name (logged as their mean at the next log step):
+        ``mode``'s, else the current one's (``_intercept.set_metrics``)."""
+        _intercept.set_metrics(self, metrics, mode or ("train" if self.model.training else "eval"))
+
+    def metric_values(self, mode: str = "train") -> dict[str, list]:
+        """TRL's metric lists of ``mode``, name -> the values appended since the last log step (read
+        only; the health rules read the step's values here, ``grpotrl.health.callbacks``)."""
+        return _intercept.read_metrics(self, mode)
 
     # ------------------------------------------------------------------ generation (I1, I3, I4, I6)
 
@@ -167,8 +187,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     def _check_generation(self, prompts: list, out: TRLGenerate, calls: list[dict]) -> dict:
         """I1, I3, I4 on what ``_generate`` returned and ``generate`` saw (``guards.check_generation``)."""
-        tok = self._tokenizer
-        chat = isinstance(prompts[0], list) and self.rollout_func is None and not self._is_vlm
+        tok = _intercept.read_tokenizer(self)
+        chat = isinstance(prompts[0], list) and self.rollout_func is None and not _intercept.read_is_vlm(self)
         tool_loop = None
         if calls and self.tools:
             tool_loop = {"tool_mask": out.tool_mask, "max_completion_length": self.max_completion_length,
@@ -195,11 +215,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         """I1's reference: each conversational prompt through the chat template in force, with the
         generation prompt, ``chat_template_kwargs`` and the tools TRL renders for its row (an
         environment's own tools with ``environment_factory``)."""
-        if self.environment_factories is not None:
-            tools = [self._env_tools[name] or None for name in self._batch_environments]
-        else:
-            tools = [self.tools or None] * len(prompts)
-        return [templates.prompt_ids(self._tokenizer, p, self._template, tools=t, **self.chat_template_kwargs)
+        tok, tools = _intercept.read_tokenizer(self), _intercept.read_row_tools(self, len(prompts))
+        return [templates.prompt_ids(tok, p, self._template, tools=t, **self.chat_template_kwargs)
                 for p, t in zip(prompts, tools)]
 
     def _log_completion_shape(self, completion_ids: list, call: dict | None = None) -> None:
@@ -222,7 +239,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
-                pad_token_id=self._tokenizer.pad_token_id, row_key=ROW_KEY)
+                pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         return output
@@ -243,7 +260,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     def _score_round(self, inputs) -> tuple[dict, torch.Tensor]:
         """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global]."""
-        with _intercept.record_calls(self, "_calculate_rewards") as scored:
+        with _intercept.record_rewards(self) as scored:
             output = super()._generate_and_score_completions(inputs)
         output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)
         if self.task_names and isinstance(inputs[0], dict):
@@ -259,7 +276,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         """Stop tokens in prompts and completions, chat-header starts, zero rewards (``health.stop_rows``,
         ``health.batch_metrics``), per-task lengths and rewards when rows have a ``task``; keeps the
         batch for ``boundary_report()``."""
-        per_row, stop_mask, stops = health.stop_rows(self._tokenizer, output, self._completion_lengths,
+        per_row, stop_mask, stops = health.stop_rows(_intercept.read_tokenizer(self), output, self._completion_lengths,
                                                      self._generated_stops, self.eos_token_ids, self._chat_headers)
         metrics = health.batch_metrics(self.accelerator.gather(per_row), rewards)
         column = self.args.task_column
@@ -280,7 +297,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         first ``health_report_steps`` steps; call it any time."""
         if self._last_batch is None:
             return "grpotrl boundary report: no generation batch yet"
-        return boundary.batch_boundary_report(self._tokenizer, self._last_batch, self.eos_token_ids,
+        return boundary.batch_boundary_report(_intercept.read_tokenizer(self), self._last_batch, self.eos_token_ids,
                                               self._chat_headers, n)
 
     def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
@@ -324,11 +341,12 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _compute_loss(self, model, inputs):
         record = self._guard_record
         guard = record is not None and self._guard_now() and ROW_KEY in inputs
+        tok = _intercept.read_tokenizer(self)
         if guard:
             rows = inputs[ROW_KEY].tolist()
-            guards.check_loss_inputs(self._tokenizer, record, inputs, rows, self.eos_token_ids,
+            guards.check_loss_inputs(tok, record, inputs, rows, self.eos_token_ids,
                                      self._completion_cap(), self.mask_truncated_completions)
-        with _intercept.record_calls(self, "_get_per_token_logps_and_entropies") as calls:
+        with _intercept.record_loss_forward(self) as calls:
             loss = super()._compute_loss(model, inputs)
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
         completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
@@ -353,14 +371,14 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if not guard or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
             return loss  # under dropout the loss's forward samples masks: no deterministic reference exists
         low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
-        gap = guards.check_logprobs(self._tokenizer, used, reference, cmask, completion_ids, self.temperature,
+        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
                                     self.args.guard_logprob_atol * low_precision, rows, scale=scale)
-        if entropies is not None and self._entropy_bonus_enabled:  # the node I7's sign check differentiates
+        if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
                                         atol=1e-3 * low_precision)
         del logits
         self._guard_max_gap = max(self._guard_max_gap, gap)
-        self._metrics["train"]["guards/logprob_max_gap"].append(gap)
+        self._append({"guards/logprob_max_gap": gap}, "train")
         return loss
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
@@ -371,7 +389,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             return
         rows = inputs[ROW_KEY].tolist() if ROW_KEY in inputs else list(range(used.size(0)))
         ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        self._append(identity.check_step0_logprobs(self._tokenizer, used, inputs, loss_mask, rows,
+        self._append(identity.check_step0_logprobs(_intercept.read_tokenizer(self), used, inputs, loss_mask, rows,
                                                    bool(self.args.bf16 or self.args.fp16),
                                                    self.accelerator.unwrap_model(model), ref), "train")
 
@@ -394,9 +412,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def entropy_coef_in_force(self) -> float:
         """The ``c`` of ``- c * H`` that TRL's loss applies now: ``entropy_coef``, gated by the
         adaptive controller's previous-step entropy when ``use_adaptive_entropy``."""
-        if not self._entropy_bonus_enabled:
+        bonus = _intercept.read_entropy_bonus(self)
+        if not bonus.enabled:
             return 0.0
-        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+        if self.use_adaptive_entropy and bonus.last_world_entropy > self.args.entropy_target:
             return 0.0
         return float(self.entropy_coef)
 
@@ -410,7 +429,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
     def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
         """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
         slope = guards.check_entropy_sign(loss, entropies, coef, self.current_gradient_accumulation_steps, where)
-        self._metrics["train"]["entropy/dloss_dH"].append(slope)
+        self._append({"entropy/dloss_dH": slope}, "train")
         return slope
 
     # ------------------------------------------------------------------ checkpoints (I2)
@@ -419,7 +438,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
-                templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer, self.chat_template,
+                templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
+                                           self.chat_template,
                                            chat_template_kwargs=[self.chat_template_kwargs or {}])
 
 

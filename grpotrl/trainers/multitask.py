@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import re
 from collections import namedtuple
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +24,7 @@ from .. import guards
 from ..ops import task_losses as ops
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
-from ..ops.losses import cagrad_coefficients, merge_rows
+from ..ops.losses import cagrad_coefficients
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
 
@@ -45,17 +42,17 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
       * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
         direction to the parameters' ``.grad``.
 
-    Wraps at run time (``_intercept.inject_attr`` / ``record_calls``; each restored when the full
-    loss returns), in each CAGrad ``compute_loss``, around its one ``GRPOTrainer._compute_loss`` call:
+    Wraps at run time (``trainers/_intercept.py``), besides grpotrl.GRPOTrainer's; each restored when
+    the full loss returns, in each CAGrad ``compute_loss``, around its one ``GRPOTrainer._compute_loss`` call:
       * ``self._get_per_token_logps_and_entropies`` (TRL's logprob forward), inject
-        (``_forward_per_task``): its first call (the loss's forward) runs one forward per task's
+        (``_intercept.inject_forward_per_task``): its first call (the loss's forward) runs one forward per task's
         rows at the batch's padded width, merged back in row order (``losses.merge_rows``), so that
         a task term's backward walks its own rows' graph only; the pieces are recorded for the task
         terms. Image inputs, and every later call, are TRL's, unchanged. In one process only: under
         DDP the ranks hold different tasks and each DDP forward is a collective, so the loss's
         forward stays one forward of every row there.
-      * ``self.get_high_entropy_mask``, record: TRL's top-entropy token mask (``top_entropy_quantile``),
-        which the task terms and the regulariser reuse.
+      * ``self.get_high_entropy_mask``, record (``_intercept.record_entropy_mask``): TRL's top-entropy
+        token mask (``top_entropy_quantile``), which the task terms and the regulariser reuse.
 
     In each CAGrad ``compute_loss``:
       * ``GRPOTrainer._compute_loss`` is called once, as is (grpotrl's guards, health and
@@ -91,9 +88,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``off_policy_mask_threshold``, ``use_vllm``, ``vllm_importance_sampling_correction``,
         ``aux_loss_enabled``, ``router_aux_loss_coef``, and ``args``' ``delta``, ``sapo_*``, ``vespo_*``,
         ``use_bias_correction_kl``, ``steps_per_generation``); TRL's ``current_gradient_accumulation_steps``,
-        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``), ``_metrics`` (CAGrad's
-        metrics); grpotrl's ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``,
-        ``_loss_entropies``.
+        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
+        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``_loss_entropies``, ``_append``
+        (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
     """
@@ -136,7 +133,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         """(full loss, {task: its policy loss}, regulariser); ``coef``, the bonus in force, is for
         subclasses that rebuild a term (notebook 04's seed regulariser). The full loss is
         ``GRPOTrainer._compute_loss`` (guards, health, metrics, the adaptive entropy controller),
-        its forward run per task (``_forward_per_task``). A task's term ``L_k`` is computed from that
+        its forward run per task (``_intercept.inject_forward_per_task``). A task's term ``L_k`` is computed from that
         forward's logprobs, its own rows' piece (no new forward, no second call of TRL's loss):
         ``ops.task_losses.policy_loss_terms``, TRL's per-token policy loss of the task's rows reduced
         with the microbatch's normaliser. The regulariser is what remains, ``full - sum_k L_k`` =
@@ -146,8 +143,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         split = {k: r for k, r in rows.items() if r.numel()}
         if self.accelerator.num_processes > 1:  # one forward: ranks hold different tasks, and a DDP forward is a
             split = {None: torch.arange(inputs["advantages"].size(0), device=inputs["advantages"].device)}
-        with self._forward_per_task(split) as forward, \
-                _intercept.record_calls(self, "get_high_entropy_mask") as entropy_masks:
+        with _intercept.inject_forward_per_task(self, split) as forward, \
+                _intercept.record_entropy_mask(self) as entropy_masks:
             full = GRPOTrainer._compute_loss(self, model, inputs)
         logps, entropies, aux = forward.merged  # [B, C], [B, C] or None, scalar or None: what TRL's loss used
         own = {k: forward.pieces[k][0] if k in forward.pieces else logps[r] for k, r in rows.items()}  # [n_k, C]
@@ -171,34 +168,6 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         return ops.policy_loss_terms(logps, rows, inputs.get("old_per_token_logps"), inputs["advantages"],
                                      _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
                                      entropy_mask=entropy_mask, **trl_loss.per_token)
-
-    @contextmanager
-    def _forward_per_task(self, split: dict) -> Iterator[_TaskForward]:
-        """Inject: the first ``_get_per_token_logps_and_entropies`` call in the block (the loss's
-        forward) runs once per entry of ``split`` (task -> its rows [n_k]) at the batch's padded
-        width and returns the rows merged back in order (``losses.merge_rows``), so that a task
-        term's backward walks its own rows' graph only. Records the pieces and what was returned
-        in the ``_TaskForward`` it yields. Image inputs (which TRL slices its own way) run as one
-        piece of every row; any later call in the block is TRL's, unchanged."""
-        record = _TaskForward()
-        trl_forward = self._get_per_token_logps_and_entropies
-
-        def per_task(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            if record.merged is not None:
-                return trl_forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            rows = split
-            if args or any(v is not None for n, v in kwargs.items() if n not in _TEXT_ONLY):
-                rows = {None: torch.arange(input_ids.size(0), device=input_ids.device)}
-            for k, r in rows.items():
-                record.pieces[k] = trl_forward(model, input_ids if k is None else input_ids[r],
-                                               attention_mask if k is None else attention_mask[r],
-                                               logits_to_keep, *args, **kwargs)
-            record.rows = rows
-            record.merged = record.merge()
-            return record.merged
-
-        with _intercept.inject_attr(self, "_get_per_token_logps_and_entropies", per_task):
-            yield record
 
     # ------------------------------------------------------------------ TRL's fields (one place)
 
@@ -299,7 +268,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             for p, g in zip(params, saved):
                 p.grad = g
         norm = sum(_dot(g, g) for g in grad_h).item()
-        self._metrics["train"]["entropy/bonus_alone_dH_per_lr"].append(rise)
+        self._append({"entropy/bonus_alone_dH_per_lr": rise}, "train")
         if norm > 0 and rise <= 0:
             raise InvariantError("I7", f"with the entropy bonus c={coef:g} acting alone, the update the CAGrad "
                                  f"exact path applies changes H by {rise:+.4g} x lr to first order (|dH/dtheta|^2 = "
@@ -346,19 +315,20 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _log_cagrad(self, tasks: list[int], gram: torch.Tensor, weights: torch.Tensor) -> None:
         """Per task: gradient norm and CAGrad coefficient; the worst pairwise cosine; and how far
         the update is from the plain sum, |d - sum g| / |sum g|."""
-        metrics = self._metrics["train"]
+        metrics = {}
         gram = gram.double()
         norms = gram.diagonal().clamp(min=0).sqrt()
         for k, n, w in zip(tasks, norms.tolist(), weights.tolist()):
-            metrics[f"tasks/{self.task_names[k]}/grad_norm"].append(n)
-            metrics[f"tasks/{self.task_names[k]}/cagrad_coef"].append(w)
+            metrics[f"tasks/{self.task_names[k]}/grad_norm"] = n
+            metrics[f"tasks/{self.task_names[k]}/cagrad_coef"] = w
         if len(tasks) > 1:
             cos = gram / (norms[:, None] * norms[None, :]).clamp(min=1e-30)
-            metrics["cagrad/min_cosine"].append(cos[~torch.eye(len(tasks), dtype=torch.bool)].min().item())
+            metrics["cagrad/min_cosine"] = cos[~torch.eye(len(tasks), dtype=torch.bool)].min().item()
         ones, w = torch.ones(len(tasks), dtype=torch.float64), weights.double()
         plain = (ones @ gram @ ones).clamp(min=1e-30)
         deviation = ((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt()
-        metrics["cagrad/deviation_from_sum"].append(deviation.item())
+        metrics["cagrad/deviation_from_sum"] = deviation.item()
+        self._append(metrics, "train")
 
 
 def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str]) -> None:
@@ -381,23 +351,6 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
 TRLLossFields = namedtuple("TRLLossFields", "settings reduction per_token regulariser")
 
 
-@dataclass
-class _TaskForward:
-    """What ``_forward_per_task`` recorded of the loss's forward."""
-
-    pieces: dict = field(default_factory=dict)  # key -> (logps [n_k, C], entropies [n_k, C] or None, aux or None)
-    rows: dict = field(default_factory=dict)  # key -> the piece's rows [n_k]; key None: one piece of every row
-    merged: tuple | None = None  # (logps [B, C], entropies [B, C] or None, aux or None): what the loss got
-
-    def merge(self) -> tuple:
-        """The pieces in row order (``losses.merge_rows``), all attached; the aux loss their mean."""
-        first = next(iter(self.pieces.values()))
-        logps, entropies = (merge_rows({k: p[i] for k, p in self.pieces.items()}, self.rows)
-                            if first[i] is not None else None for i in (0, 1))
-        aux = [p[2] for p in self.pieces.values() if p[2] is not None]
-        return logps, entropies, torch.stack(aux).mean() if aux else None
-
-
 def _task_rows(inputs: dict, num_tasks: int) -> dict:
     """Task -> the indices [n_k] of its rows in the microbatch (empty for a task with none)."""
     return {k: (inputs[TASK_KEY] == k).nonzero().flatten() for k in range(num_tasks)}
@@ -407,9 +360,6 @@ def _loss_mask(inputs: dict) -> torch.Tensor:
     """The tokens TRL's loss reads [B, C]: the completion mask, times the tool mask when present."""
     mask = inputs["completion_mask"]
     return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
-
-
-_TEXT_ONLY = ("batch_size", "compute_entropy", "compute_aux_loss")  # what a per-task forward may be given
 
 
 def _trainable(model) -> list[torch.Tensor]:

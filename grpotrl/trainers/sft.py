@@ -14,24 +14,7 @@ Everything else -- plain text, ``messages``, plain prompt-completion, pre-tokeni
 as with ``trl.SFTTrainer``. A plain ``trl.SFTConfig`` (or a subclass) works: grpotrl's fields then
 take their defaults.
 
-Overrides (everything else is TRL's):
-  * ``__init__``: checks model path, tokenizer and datasets before TRL loads anything (what TRL
-    accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
-    tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``).
-  * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
-    (labels, truncation, packing), which takes them as pre-tokenized.
-  * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
-    (``check_sft_labels``).
-  * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
-    the ``chat_template_kwargs`` the data was rendered with and whether any template rendered it.
-  * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
-    ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
-    checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
-    keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
-
-Wraps nothing of TRL at run time. Changes to the model: at init, bitsandbytes' quantized layers
-are pinned to their training kernel (``models.quantization.pin_quantized_kernels``: a forward pre-hook on
-8-bit layers, no repacking on 4-bit ones), so eval-mode forwards compute what training does.
+The class docstring lists the hooks it overrides and what it wraps at run time.
 """
 
 from __future__ import annotations
@@ -51,6 +34,7 @@ from ..configs.checks import check_ranges
 from ..errors import InvariantError
 from ..preflight import check_sft
 from ..models.quantization import pin_quantized_kernels
+from . import _intercept
 from ._common import CheckedResume
 
 logger = logging.getLogger(__name__)
@@ -73,6 +57,30 @@ def sft_config(args, model) -> trl.SFTConfig:
 
 
 class SFTTrainer(CheckedResume, trl.SFTTrainer):
+    """``trl.SFTTrainer`` plus the SFT half of INVARIANT I2 (module docstring).
+
+    Overrides (everything else is TRL's):
+      * ``__init__``: checks model path, tokenizer and datasets before TRL loads anything (what TRL
+        accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
+        tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``).
+      * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
+        (labels, truncation, packing), which takes them as pre-tokenized.
+      * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
+        (``check_sft_labels``).
+      * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
+        the ``chat_template_kwargs`` the data was rendered with and whether any template rendered it.
+      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+        ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
+        checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
+        keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
+
+    Wraps nothing of TRL at run time. Reads TRL's private ``_tokenizer`` and ``_is_vlm`` through
+    ``trainers/_intercept.py`` (``read_tokenizer``, ``read_is_vlm``). Changes to the model: at init,
+    bitsandbytes' quantized layers are pinned to their training kernel
+    (``models.quantization.pin_quantized_kernels``: a forward pre-hook on 8-bit layers, no repacking on
+    4-bit ones), so eval-mode forwards compute what training does.
+    """
+
     _tag_names = ["trl", "sft", "grpotrl"]
     _resume_kind = "sft"
 
@@ -102,13 +110,13 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
-        fmt = None if formatting_func is not None or custom or self._is_vlm else data_format(dataset)
+        fmt = None if formatting_func is not None or custom or _intercept.read_is_vlm(self) else data_format(dataset)
         config_kwargs = sft_option(args, "chat_template_kwargs")
         if fmt == "chat_prompt_completion" and self.completion_only_loss:
             # the template is final here (chat_template_path applied), and so are the stop tokens
-            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids,
-                                                      *templates.stop_token_ids(self._tokenizer)]))
-            tok, stops, training_template = self._tokenizer, self.stop_token_ids, self.chat_template
+            tok = _intercept.read_tokenizer(self)
+            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *templates.stop_token_ids(tok)]))
+            stops, training_template = self.stop_token_ids, self.chat_template
             assistant = args.assistant_only_loss
 
             def tokenize(row):
@@ -138,7 +146,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def _label_claims(self) -> dict:
         """What ``check_sft_labels`` can verify on this run's I2 rows (computed once)."""
         if self._guard_setup is None:
-            tok = self._tokenizer
+            tok = _intercept.read_tokenizer(self)
             gen = (None if self._template_kwargs is None else
                    [templates.generation_prompt_ids(tok, **kw) for kw in self._template_kwargs])
             self._guard_setup = dict(
@@ -150,7 +158,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if (self._i2 and self._guard_now() and self.model.training and not self.args.packing
                 and not self.padding_free):
-            check_sft_labels(self._tokenizer, inputs, self.stop_token_ids, **self._label_claims())
+            check_sft_labels(_intercept.read_tokenizer(self), inputs, self.stop_token_ids, **self._label_claims())
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -158,7 +166,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
-                templates.save_fingerprint(output_dir or self.args.output_dir, self._tokenizer,
+                templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
                                            chat_template_kwargs=self._template_kwargs,
                                            trained_on_template=self._trained_on_template)
 
