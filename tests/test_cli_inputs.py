@@ -755,3 +755,16 @@ def test_cli_reward_builtin_by_dotted_path_is_one_error_before_the_load(tmp_path
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, reward_funcs=["os.system"])])
     assert re.search(r"grpotrl grpo: error: Reward posix\.system\(command\) cannot be called as TRL calls a reward "
                      r"function", line), line
+
+
+def test_no_reward_funcs_reaches_trls_own_rule(tmp_path, tiny_llama):
+    """``reward_funcs=None`` is TRL's to judge (an ``environment_factory`` may own the reward; without one
+    TRL raises "No reward source provided"): the callable check of issue 28 (5c) took None for a reward
+    and refused it, which broke TRL's own test_no_reward_source_raises and environment-owned rewards."""
+    import grpotrl
+
+    resolve.check_reward_callables(None, ["prompt", "answer"])  # nothing to check
+    with pytest.raises(ValueError, match="No reward source provided"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=None,
+                            args=grpotrl.GRPOConfig(output_dir=str(tmp_path / "py"), use_cpu=True, report_to="none"),
+                            train_dataset=Dataset.from_list(rows("train")))

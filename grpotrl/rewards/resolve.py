@@ -147,7 +147,14 @@ class RewardNames:
 
 
 def _listed(funcs) -> list:
-    """One reward function, or a list of them, as TRL takes them."""
+    """One reward function, or a list of them, as TRL takes them; None is none (TRL 1.16 allows it
+    when an ``environment_factory`` owns the reward, and raises its own error otherwise).
+
+    >>> _listed(None), _listed(len), _listed([len, "model-id"])
+    ([], [<built-in function len>], [<built-in function len>, 'model-id'])
+    """
+    if funcs is None:
+        return []
     return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
 
