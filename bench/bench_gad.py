@@ -10,7 +10,7 @@ alternated (grpo, gad, grpo, gad, ...) so machine noise hits both. GRPO is rewar
 cheap rule ``exact_answer``; GAD by its discriminator (full fine-tune by default, initialised
 from the student), which adds per step one forward and backward of a second 135M model over the
 8 student + 2 teacher sequences, packed with each of the 2 prompts once (220-310 tokens instead
-of 10 rows padded to ~78; ``scoring_batch`` in grpotrl/discriminator.py), and its AdamW step
+of 10 rows padded to ~78; ``scoring_batch`` in grpotrl/gad/discriminator.py), and its AdamW step
 (whose ~1 GB of state is allocated at the first step: a one-off cost that 8 steps amortise
 poorly). No warmup steps (they skip the student's update and would flatter GAD). Reported: the
 mean step time over all steps, the ratio, each round's ratio (its two runs ran back to back),
