@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grpotrl.ops.losses import (importance_sampling_ratio, kl_abs, kl_full, kl_k1, kl_k2, kl_k3, kl_loss_term,
-                            kl_penalty)
+from grpotrl.ops.losses import (KL_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, importance_sampling_ratio, kl_abs, kl_full, kl_k1,
+                                kl_k2, kl_k3, kl_loss_term, kl_penalty)
 
 
 def test_kl_estimators_hand_values():
@@ -154,3 +154,37 @@ def test_gad_kl_gradient_matches_exact_enumeration(name, bias_correction, sample
     assert exact.norm().item() > 0.1  # the distributions really differ
     rel = ((measured - exact).norm() / exact.norm()).item()
     assert rel < 1e-6, f"{name} ratio={bias_correction} {sampler}: gradient {promised}, relative error {rel:.3g}"
+
+
+# log pi_ref - log pi, k3's value r - log r - 1 (r = e^x) and its gradient d/d logp = 1 - e^x, by hand:
+#   x =  2.5 : e^2.5 - 3.5 = 8.682494, 1 - e^2.5 = -11.182494   (inside both clamps: TRL's own value)
+#   x = -5   : e^-5 + 4    = 4.006738, 1 - e^-5  = 0.993262
+#   x =  3   : e^3 - 4     = 16.0855 > 10 -> 10, gradient 0 (the value clamp)
+#   x = -12  : e^-12 + 11  = 11.000006 > 10 -> 10, gradient 0
+#   x =  100 : log-ratio clamped to 20 first (e^100 overflows fp32), e^20 - 21 > 10 -> 10, gradient 0
+#   x = -100 : -> -20: e^-20 + 19 > 10 -> 10, gradient 0
+K3_CLAMP_CASES = [(2.5, 8.682494, -11.182494), (-5.0, 4.006738, 0.993262), (3.0, 10.0, 0.0), (-12.0, 10.0, 0.0),
+                  (100.0, 10.0, 0.0), (-100.0, 10.0, 0.0)]
+
+
+@pytest.mark.parametrize("x, value, grad", K3_CLAMP_CASES)
+def test_k3_clamps_are_verls_value_and_gradient_by_hand(x, value, grad):
+    """verl's clamps (core_algos.kl_penalty, low_var_kl): log-ratio to [-20, 20] before the exp, value to
+    [-10, 10] after; TRL 1.16's in-loss k3 has neither (inf and a NaN gradient at x = 100)."""
+    assert (KL_LOG_RATIO_CLAMP, KL_VALUE_CLAMP) == (20.0, 10.0)
+    logp = torch.tensor([0.0], requires_grad=True)
+    kl = kl_k3(logp, torch.tensor([x]))
+    (g,) = torch.autograd.grad(kl.sum(), logp)
+    assert kl.item() == pytest.approx(value, rel=1e-6)
+    assert g.item() == pytest.approx(grad, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("x", [2.5, 100.0, -100.0])
+def test_straight_through_k3_keeps_the_clamped_value_and_k2s_gradient(x):
+    """k3+ at a log-ratio x: the (clamped) k3 value, the gradient of k2 = 0.5 (logp - ref)^2, i.e. logp - ref = -x,
+    finite even where k3's own exp would overflow."""
+    logp = torch.tensor([0.0], requires_grad=True)
+    kl = kl_penalty(logp, torch.tensor([x]), "k3+")
+    (g,) = torch.autograd.grad(kl.sum(), logp)
+    assert kl.item() == pytest.approx({c[0]: c[1] for c in K3_CLAMP_CASES}[x], rel=1e-6)
+    assert g.item() == pytest.approx(-x)

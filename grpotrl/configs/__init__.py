@@ -20,8 +20,8 @@ import torch
 import trl
 
 from ..errors import InputError
-from ..ops.losses import kl_estimator_name
-from .checks import HEALTH_ACTIONS, HEALTH_RULES, check_grpotrl_fields, check_ranges, normalize_generation_kwargs
+from .checks import (HEALTH_ACTIONS, HEALTH_RULES, check_grpotrl_fields, check_ranges, normalize_generation_kwargs,
+                     normalize_kl_estimators)
 from .recipe_types import check_config_types
 
 
@@ -237,7 +237,56 @@ class MultiTaskFields:
 
 
 @dataclass
-class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields, OutputDirFields,
+class KLFields:
+    """The KL to the reference policy, for every GRPO trainer (GAD included): which estimator, in the
+    loss and / or in the reward (verl's ``actor.use_kl_loss`` / ``algorithm.use_kl_in_reward``).
+    ``beta`` (TRL's) is the coefficient in the loss. grpotrl computes the in-loss term itself
+    (``losses.kl_loss_term``), reduced as TRL reduces its loss for ``loss_type``: the default, k3 in
+    the loss, is TRL's own term except that verl's clamps apply (``losses.KL_LOG_RATIO_CLAMP``,
+    ``KL_VALUE_CLAMP``) and the importance ratio is per token under ``importance_sampling_level=
+    "sequence"`` too."""
+
+    kl_estimator: str = field(
+        default="k3",
+        metadata={"help": "Per-token KL to the reference policy: k1, abs, k2 (mse), k3 (low_var_kl, TRL's) or full "
+                  "(exact over the vocabulary from both models' logits; costs a [B, C, V] logits tensor per "
+                  "microbatch for each model), or k1+, k3+, abs+ (the value of k1/k3/abs, the gradient of k2). k3 is "
+                  "clamped as verl clamps it: log pi_ref - log pi to [-20, 20] before the exp, the value to [-10, 10] "
+                  "after (a clamped token adds the bound and no gradient of its own; with use_bias_correction_kl the ratio's score term, bound * d log pi, remains); TRL's unclamped k3 is inf, with a NaN "
+                  "gradient, at a log-ratio of 100. In "
+                  "the loss, with use_bias_correction_kl (TRL's default: times the per-token importance ratio), all "
+                  "but abs have the gradient of KL(pi || pi_ref) in expectation; without it k2, full and the '+' "
+                  "variants keep it, k3 has the gradient of the other KL(pi_ref || pi), and k1 none (refused). abs's "
+                  "gradient is that of sum_v |pi(v) - pi_ref(v)|, not of a KL (grpotrl.losses.kl_loss_term). "
+                  "Logged as `kl` (the estimator in force, times the ratio)."},
+    )
+    use_kl_loss: bool = field(
+        default=True,
+        metadata={"help": "Add beta * KL (kl_estimator, per token, aggregated like the policy loss) to the loss."},
+    )
+    use_kl_in_reward: bool = field(
+        default=False,
+        metadata={"help": "Subtract kl_in_reward_coef * sum_t KL_t (kl_in_reward_estimator, clamped as in the loss) "
+                  "from each response's reward, as the reward column `kl_penalty` (last; with reward_weights, give it "
+                  "a weight too); costs a no-grad forward of the policy and of the reference. Chat prompts only, no "
+                  "tools."},
+    )
+    kl_in_reward_coef: float | None = field(
+        default=None,
+        metadata={"help": "KL coefficient in the reward (verl's algorithm.kl_ctrl.kl_coef); default: beta, which is "
+                  "the coefficient in the loss (verl's actor.kl_loss_coef)."},
+    )
+    kl_in_reward_estimator: str | None = field(
+        default=None,
+        metadata={"help": "Estimator of the KL in the reward (verl's algorithm.kl_penalty); default: kl_estimator. "
+                  "Both take ours (k1, abs, k2, k3, full) or verl's names (kl, abs, mse, low_var_kl, full), with "
+                  "'+' for verl's straight-through variant (the value of the estimator, the gradient of k2: in the reward, "
+                  "where only the value counts, the same as without '+')."},
+    )
+
+
+@dataclass
+class GRPOConfig(KLFields, MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields, OutputDirFields,
                  trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
@@ -255,6 +304,7 @@ class GRPOConfig(MultiTaskFields, DynamicSamplingFields, HealthFields, Generatio
         _checkpointing_by_its_new_name(self)
         super().__post_init__()
         normalize_generation_kwargs(self)
+        normalize_kl_estimators(self)
         check_grpotrl_fields(self)
 
     def _check_own_fields(self) -> None:
@@ -278,6 +328,7 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         args.health_rule_actions = json.loads(args.health_rule_actions)
     check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own
     normalize_generation_kwargs(args)
+    normalize_kl_estimators(args)
     check_grpotrl_fields(args)
     return args
 
@@ -339,38 +390,6 @@ class GADConfig(GRPOConfig):
         metadata={"help": "For the first N optimizer steps only the discriminator learns: responses are generated "
                   "and scored, the student gets no gradient and does not change (verl's critic_warmup)."},
     )
-    kl_estimator: str = field(
-        default="k3",
-        metadata={"help": "Per-token KL to the reference policy: k1, abs, k2 (mse), k3 (low_var_kl, TRL's) or full "
-                  "(exact over the vocabulary from both models' logits; costs a [B, C, V] logits tensor per "
-                  "microbatch for each model), or k1+, k3+, abs+ (the value of k1/k3/abs, the gradient of k2). In "
-                  "the loss, with use_bias_correction_kl (TRL's default: times the per-token importance ratio), all "
-                  "but abs have the gradient of KL(pi || pi_ref) in expectation; without it k2, full and the '+' "
-                  "variants keep it, k3 has the gradient of the other KL(pi_ref || pi), and k1 none (refused). abs's "
-                  "gradient is that of sum_v |pi(v) - pi_ref(v)|, not of a KL (grpotrl.losses.kl_loss_term)."},
-    )
-    use_kl_loss: bool = field(
-        default=True,
-        metadata={"help": "Add beta * KL (kl_estimator, per token, aggregated like the policy loss) to the loss."},
-    )
-    use_kl_in_reward: bool = field(
-        default=False,
-        metadata={"help": "Subtract kl_in_reward_coef * sum_t KL_t (kl_in_reward_estimator) from each response's "
-                  "reward, logged as the reward column `kl_penalty`; costs a no-grad forward of the policy and of the "
-                  "reference."},
-    )
-    kl_in_reward_coef: float | None = field(
-        default=None,
-        metadata={"help": "KL coefficient in the reward (verl's algorithm.kl_ctrl.kl_coef); default: beta, which is "
-                  "the coefficient in the loss (verl's actor.kl_loss_coef)."},
-    )
-    kl_in_reward_estimator: str | None = field(
-        default=None,
-        metadata={"help": "Estimator of the KL in the reward (verl's algorithm.kl_penalty); default: kl_estimator. "
-                  "Both take ours (k1, abs, k2, k3, full) or verl's names (kl, abs, mse, low_var_kl, full), with "
-                  "'+' for verl's straight-through variant (the value of the estimator, the gradient of k2: in the reward, "
-                  "where only the value counts, the same as without '+')."},
-    )
     importance_sampling_level: str = field(
         default="sequence",
         metadata={"help": "GSPO's sequence-level ratio by default (TRL's default is 'token')."},
@@ -385,34 +404,6 @@ class GADConfig(GRPOConfig):
 
     def _check_own_fields(self) -> None:
         """GAD's own fields, run by ``GRPOConfig.__post_init__`` after the ranges and types (once)."""
-        for name in ("kl_estimator", "kl_in_reward_estimator"):
-            if getattr(self, name) is not None:
-                try:
-                    setattr(self, name, kl_estimator_name(getattr(self, name)))
-                except ValueError as err:
-                    raise InputError(f"{name}: {err}") from None
-        reward_coef = self.beta if self.kl_in_reward_coef is None else self.kl_in_reward_coef
-        if self.beta < 0 or reward_coef < 0:
-            raise InputError(f"beta={self.beta} and kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0: a "
-                             "negative KL coefficient rewards leaving the reference policy.")
-        if self.beta and self.use_kl_loss and self.kl_estimator == "k1" and not self.use_bias_correction_kl:
-            raise InputError("kl_estimator='k1' in the loss with use_bias_correction_kl=False: its gradient, "
-                             "d log pi, is zero in expectation, so the KL term would add noise and no pull towards "
-                             "the reference. Use use_bias_correction_kl: true (k1 times the importance ratio has "
-                             "the gradient of KL(pi || pi_ref)), or kl_estimator: k1+ (k1's value, the KL's gradient) "
-                             "or k2.")
-        if self.beta and not (self.use_kl_loss or self.use_kl_in_reward):
-            raise InputError(f"beta={self.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
-                             "or beta: 0.0 for no KL.")
-        if self.use_kl_in_reward and not reward_coef:
-            raise InputError("use_kl_in_reward is on but its coefficient is 0: set kl_in_reward_coef (or beta, its "
-                             "default), e.g. 0.001.")
-        if not self.use_kl_in_reward and (self.kl_in_reward_coef is not None or self.kl_in_reward_estimator):
-            raise InputError("kl_in_reward_coef / kl_in_reward_estimator are set but use_kl_in_reward is off: turn it "
-                             "on, or drop them.")
-        if self.beta and not self.use_kl_loss and self.kl_in_reward_coef is not None:
-            raise InputError(f"beta={self.beta} is the KL coefficient in the loss, but use_kl_loss is off and the "
-                             f"reward has its own kl_in_reward_coef: beta would be unused. Set beta: 0.0 or use_kl_loss.")
         if self.discriminator_warmup_steps < 0 or self.discriminator_lora_r < 0:
             raise InputError(f"discriminator_warmup_steps={self.discriminator_warmup_steps} and discriminator_lora_r="
                              f"{self.discriminator_lora_r} must be >= 0.")

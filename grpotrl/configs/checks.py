@@ -6,8 +6,9 @@ divides by any of them. Nothing here needs the model, the data or the launch.
   mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN).
 * ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty become the
   fields grpotrl reads (I5, I6); the one step here that changes the config.
+* ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
-  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6).
+  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, the KL's placement).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ..errors import InputError
+from ..ops.losses import kl_estimator_name
 
 HEALTH_RULES = ("non_finite", "nonfinite_reward", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
 HEALTH_ACTIONS = ("stop", "warn", "off")
@@ -116,6 +118,7 @@ def check_grpotrl_fields(args) -> None:
     if not 0.0 <= args.cagrad_c < 10:
         raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
     _check_generation_settings(args)
+    _check_kl_fields(args)
     if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
                          "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
@@ -155,3 +158,43 @@ def _check_generation_settings(args) -> None:
                 "logits processors, so these would be silently dropped (a repetition penalty there would also count "
                 "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
                 "false) or vLLM, or leave these settings at their defaults.")
+
+
+def normalize_kl_estimators(args) -> None:
+    """``kl_estimator`` / ``kl_in_reward_estimator`` given by verl's name become ours (``low_var_kl`` ->
+    ``k3``, ``low_var_kl+`` -> ``k3+``; this changes ``args``); an unknown name is an ``InputError``."""
+    for name in ("kl_estimator", "kl_in_reward_estimator"):
+        if getattr(args, name) is not None:
+            try:
+                setattr(args, name, kl_estimator_name(getattr(args, name)))
+            except ValueError as err:
+                raise InputError(f"{name}: {err}") from None
+
+
+def _check_kl_fields(args) -> None:
+    """Where the KL goes (``KLFields``): every combination that would leave a coefficient unused, a KL
+    term with no pull towards the reference, or a check that cannot run, is refused."""
+    reward_coef = args.beta if args.kl_in_reward_coef is None else args.kl_in_reward_coef
+    in_loss = bool(args.beta and args.use_kl_loss)
+    if in_loss and args.kl_estimator == "k1" and not args.use_bias_correction_kl:
+        raise InputError("kl_estimator='k1' in the loss with use_bias_correction_kl=False: its gradient, "
+                         "d log pi, is zero in expectation, so the KL term would add noise and no pull towards "
+                         "the reference. Use use_bias_correction_kl: true (k1 times the importance ratio has "
+                         "the gradient of KL(pi || pi_ref)), or kl_estimator: k1+ (k1's value, the KL's gradient) "
+                         "or k2.")
+    if args.beta and not (args.use_kl_loss or args.use_kl_in_reward):
+        raise InputError(f"beta={args.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
+                         "or beta: 0.0 for no KL.")
+    if args.use_kl_in_reward and not reward_coef:
+        raise InputError("use_kl_in_reward is on but its coefficient is 0: set kl_in_reward_coef (or beta, its "
+                         "default), e.g. 0.001.")
+    if not args.use_kl_in_reward and (args.kl_in_reward_coef is not None or args.kl_in_reward_estimator):
+        raise InputError("kl_in_reward_coef / kl_in_reward_estimator are set but use_kl_in_reward is off: turn it "
+                         "on, or drop them.")
+    if args.beta and not args.use_kl_loss and args.kl_in_reward_coef is not None:
+        raise InputError(f"beta={args.beta} is the KL coefficient in the loss, but use_kl_loss is off and the "
+                         f"reward has its own kl_in_reward_coef: beta would be unused. Set beta: 0.0 or use_kl_loss.")
+    if in_loss and args.kl_estimator == "full" and args.cagrad != "off":
+        raise InputError(f"kl_estimator='full' with cagrad={args.cagrad!r}: CAGrad's check that the task terms and "
+                         "the regulariser add up to the loss recomputes the KL from per-token logprobs, which "
+                         "'full' does not use. Use a sample-based estimator (k3, k2, ...) or cagrad: off.")

@@ -73,16 +73,26 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
+# verl's clamps of k3 (core_algos.kl_penalty, "low_var_kl"): the log-ratio before the exp, the value
+# after it. TRL 1.16's in-loss k3 has neither: at log pi_ref - log pi = 100, exp overflows fp32, the
+# value is inf and its gradient NaN. Inside both bounds k3 is computed by TRL's own expression.
+KL_LOG_RATIO_CLAMP = 20.0  # |log pi_ref - log pi| is clamped to this before exp (e^20 ~ 4.9e8)
+KL_VALUE_CLAMP = 10.0  # the k3 value is clamped to [-10, 10]; outside, its gradient is 0
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = KL_VALUE_CLAMP) -> torch.Tensor:
     """``r - log r - 1`` with ``r = pi_ref / pi`` [low_var_kl]: unbiased, never negative.
-    As verl does, the log-ratio is clamped to [-20, 20] BEFORE the exp and the value to
-    [-clamp, clamp] after: clamping only the value leaves ``inf - inf`` in the backward pass, a NaN
-    gradient for far-off tokens (logp = -100, ref = 0).
+    As verl does, the log-ratio is clamped to [-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP] (20) BEFORE
+    the exp and the value to [-clamp, clamp] (KL_VALUE_CLAMP, 10) after: clamping only the value
+    leaves ``inf - inf`` in the backward pass, a NaN gradient for far-off tokens (logp = -100,
+    ref = 0). A clamped token contributes the bound and no gradient.
 
     >>> round(kl_k3(torch.tensor([0.0]), torch.tensor([-1.0])).item(), 6)  # e^-1 + 1 - 1
     0.367879
+    >>> kl_k3(torch.tensor([-100.0]), torch.tensor([0.0])).item()  # e^100 overflows fp32: clamped
+    10.0
     """
-    log_r = (ref_logp - logp).clamp(min=-20.0, max=20.0)
+    log_r = (ref_logp - logp).clamp(min=-KL_LOG_RATIO_CLAMP, max=KL_LOG_RATIO_CLAMP)
     return (torch.exp(log_r) - log_r - 1).clamp(min=-clamp, max=clamp)
 
 

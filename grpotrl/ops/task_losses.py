@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .losses import kl_loss_term
 from .reduction import LOSS_TYPES, Reduction, reduce_rows
 
 
@@ -155,20 +156,17 @@ def policy_loss_terms(per_token_logps: dict, rows: dict, old_per_token_logps: to
 def regulariser(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
                 ref_per_token_logps: torch.Tensor | None, entropies: torch.Tensor | None, mask: torch.Tensor,
                 settings: PolicyLoss, reduction: Reduction, *, beta: float, bias_correction_kl: bool = False,
-                entropy_coef: float = 0.0, entropy_mask: torch.Tensor | None = None,
+                kl_estimator: str = "k3", entropy_coef: float = 0.0, entropy_mask: torch.Tensor | None = None,
                 aux_loss: torch.Tensor | None = None, aux_coef: float = 0.0) -> torch.Tensor:
-    """What TRL's loss adds to the policy loss, a scalar: ``beta`` times the k3 KL to the reference
-    (``exp(ref - logp) - (ref - logp) - 1`` per token, times the importance ratio with
-    ``bias_correction_kl``) reduced as the policy loss; minus ``entropy_coef`` times the mean entropy
+    """What grpotrl's GRPO loss adds to TRL's policy loss, a scalar: ``beta`` times the per-token KL to the
+    reference (``losses.kl_loss_term`` with ``kl_estimator``, k3 by default, times the per-token importance
+    ratio with ``bias_correction_kl``) reduced as the policy loss; minus ``entropy_coef`` times the mean entropy
     over the loss mask (times ``entropy_mask``), over ``accumulation``; plus ``aux_coef`` times the
     MoE aux loss over ``accumulation``. All tensors ``[B, C]``, the whole microbatch."""
     total = torch.zeros((), dtype=per_token_logps.dtype, device=per_token_logps.device)
     if beta != 0.0:
-        delta = ref_per_token_logps - per_token_logps  # [B, C]
-        kl = torch.exp(delta) - delta - 1
-        if bias_correction_kl:
-            old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-            kl = kl * torch.exp(log_importance_weights(per_token_logps, old, mask, settings.importance_sampling_level))
+        kl = kl_loss_term(per_token_logps, ref_per_token_logps, old_per_token_logps, kl_estimator,
+                          bias_correction_kl)  # [B, C]
         total = total + reduce_rows(beta * kl, mask, reduction)
     if entropies is not None and entropy_coef != 0.0:
         effective = mask if entropy_mask is None else mask * entropy_mask  # [B, C]

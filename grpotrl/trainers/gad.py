@@ -15,7 +15,8 @@ at the last real token through the same chat template for teacher and student (I
 
 KL to the reference policy (``beta``, ``kl_estimator`` in k1/abs/k2/k3/full, or k1+/k3+/abs+) goes
 in the loss (``use_kl_loss``), the reward (``use_kl_in_reward``) or both; GAD computes it itself
-(TRL's own in-loss k3 is turned off) so every estimator takes one path, ``losses.kl_loss_term``.
+(TRL's own in-loss k3 is turned off) so every estimator takes one path, ``losses.kl_loss_term``:
+grpotrl.GRPOTrainer's (``KLFields``), which GAD inherits with GSPO's sequence-level ratio.
 In the loss, with ``use_bias_correction_kl`` (TRL's default), every estimator but abs has the
 gradient of KL(pi || pi_ref) in expectation, on- and off-policy: k1 and k3 through the importance
 ratio's score term, as in TRL; k2, full and the ``+`` variants through their own gradient, so the
@@ -38,21 +39,15 @@ from its output (``--model_name_or_path outputs/smollm2-sft-gad-warmup``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
 
 import torch
-from trl.trainer.utils import use_adapter
 
-from ..chat import templates
 from ..configs import GADConfig
-from ..gad.discriminator import DiscriminatorReward, load_discriminator, pad_sequences
-from ..errors import InputError, InvariantError
-from ..ops.losses import kl_full, kl_loss_term, kl_penalty
-from ..ops.masking import position_ids_from_mask
-from ..ops.reduction import aggregate_like_trl
+from ..gad.discriminator import DiscriminatorReward, load_discriminator
+from ..errors import InputError
 from ..preflight import check_gad
 from . import _intercept
 from .gad_engine import D_DIR, prepare_discriminator
@@ -67,16 +62,15 @@ class GADTrainer(GRPOTrainer):
       * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
         after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
         ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
-        to 0 (the KL is GAD's own).
+        to 0 for good (TRL computes no reference logprobs; the KL is grpotrl.GRPOTrainer's, ``_kl_loss``).
       * ``_calculate_rewards``: the D step above (``gad_engine``); returns rewards gathered across
         processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
         ``kl_reward``, with ``use_kl_in_reward``).
-      * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss.
-      * ``_compute_loss``: adds ``beta * losses.kl_loss_term`` on the logprobs the policy loss really
-        used, reduced as TRL reduces its per-token loss for ``loss_type`` (``ops.reduction.aggregate_like_trl``,
-        restated from TRL 1.16). With ``use_bias_correction_kl`` the importance ratio is per token,
-        ``exp(logp - old_logp)``, even under ``importance_sampling_level="sequence"`` (GAD's default),
-        where TRL broadcasts the sequence's ratio: that keeps k1's and k3's gradient the KL's.
+      * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss, which
+        grpotrl.GRPOTrainer's ``_compute_loss`` adds (``_kl_loss``). With ``use_bias_correction_kl`` the
+        importance ratio is per token, ``exp(logp - old_logp)``, even under ``importance_sampling_level=
+        "sequence"`` (GAD's default), where TRL broadcasts the sequence's ratio: that keeps k1's and k3's
+        gradient the KL's.
       * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
         update) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
         ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
@@ -86,12 +80,7 @@ class GADTrainer(GRPOTrainer):
         state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
         restores both.
 
-    Wraps at run time (``trainers/_intercept.py``), besides grpotrl.GRPOTrainer's:
-      * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss`` (``record_loss_forward``): records
-        the logprobs the policy loss used (the KL is taken on them, with their graph).
-      * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``
-        (``record_backbone_output``): records its last hidden states, which the LM head turns into the
-        logits of the loss's own forward.
+    Wraps at run time (``trainers/_intercept.py``): grpotrl.GRPOTrainer's only.
     TRL's private fields, only through ``trainers/_intercept.py``: ``_tokenizer`` (``read_tokenizer``: D's
     pad id and template), ``_metrics`` (``set_metrics``: D's metrics, ``kl``), and in warmup ``_step``,
     ``_current_train_step_time`` (``set_microstep_done``). Calls TRL's ``_get_per_token_logps_and_entropies``
@@ -111,18 +100,15 @@ class GADTrainer(GRPOTrainer):
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
         self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
-        kl_column = [_reward_column("kl_penalty", self.kl_reward)] if args.use_kl_in_reward else []
-        reward_funcs = [self._d_reward] + kl_column
-        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        # GRPOTrainer adds the column kl_penalty (kl_reward) after D's with use_kl_in_reward
+        super().__init__(model, [self._d_reward], args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         if self.is_fsdp_enabled:
             raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 
-        # KL: computed here for every estimator; TRL's own in-loss k3 is off (it kept the ref model).
-        self.kl_coef = args.beta  # in the loss (verl: actor.kl_loss_coef); in the reward (kl_ctrl.kl_coef):
-        self.kl_reward_coef = args.beta if args.kl_in_reward_coef is None else args.kl_in_reward_coef
+        # KL (GRPOTrainer's kl_coef, _kl_loss, kl_reward): TRL's beta is 0 from here on (it kept the ref model),
+        # so TRL computes no reference logprobs GAD would not use; the loss's are computed below
         self.beta = 0.0
-        self._kl_in_loss = bool(args.beta and args.use_kl_loss)
 
         student = self.accelerator.unwrap_model(self.model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
@@ -162,55 +148,6 @@ class GADTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ KL to the reference policy
 
-    def _ref_context(self):
-        """(model, context) computing the reference policy, as TRL does (PEFT: adapter off)."""
-        if self.ref_model is not None:
-            return self.ref_model, contextlib.nullcontext()
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if not hasattr(unwrapped, "peft_config"):
-            raise InputError("GAD's KL needs a reference model, but none was created (beta was 0 at start?).")
-        return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-
-    def _completion_logits(self, model, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:
-        """Raw logits that score each completion token (position P + t - 1 scores token t): [B, C, V]."""
-        out = self.accelerator.unwrap_model(model)(input_ids=ids, attention_mask=attn,
-                                                   position_ids=position_ids_from_mask(attn),
-                                                   logits_to_keep=width + 1, use_cache=False)
-        return out.logits[:, :-1]
-
-    @torch.no_grad()
-    def _per_token_kl(self, ids: torch.Tensor, attn: torch.Tensor, width: int, estimator: str) -> torch.Tensor:
-        """KL(pi || pi_ref) per completion token of the current policy, no grad: [B, C]."""
-        bs = self.args.per_device_train_batch_size
-        ref, ctx = self._ref_context()
-        if estimator != "full":
-            logp = self._get_per_token_logps_and_entropies(self.model, ids, attn, width, batch_size=bs)[0]
-            with ctx:
-                ref_logp = self._get_per_token_logps_and_entropies(ref, ids, attn, width, batch_size=bs)[0]
-            return kl_penalty(logp, ref_logp, estimator)
-        out = []
-        for i in range(0, ids.size(0), bs):
-            part = slice(i, i + bs)
-            logits = self._completion_logits(self.model, ids[part], attn[part], width)
-            with ctx:
-                ref_logits = self._completion_logits(ref, ids[part], attn[part], width)
-            out.append(kl_full(logits, ref_logits, self.temperature))
-        return torch.cat(out)
-
-    def kl_reward(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        """The reward column ``kl_penalty``: ``-kl_in_reward_coef * sum_t KL_t`` of each response under the
-        current policy (``kl_in_reward_estimator``; both default to the loss's ``beta`` and
-        ``kl_estimator``). Prompt ids come from the chat template, as generation's (I1)."""
-        tok = _intercept.read_tokenizer(self)
-        prompt_ids = [templates.prompt_ids(tok, p, self.chat_template, **self.chat_template_kwargs) for p in prompts]
-        device = self.accelerator.device
-        p_ids, p_mask = pad_sequences(prompt_ids, tok.pad_token_id, side="left", device=device)  # [N, P]
-        c_ids, c_mask = pad_sequences([list(c) for c in completion_ids], tok.pad_token_id, device=device)  # [N, C]
-        ids, attn = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)  # [N, P+C]
-        estimator = self.args.kl_in_reward_estimator or self.args.kl_estimator
-        per_token = self._per_token_kl(ids, attn, c_ids.size(1), estimator)  # [N, C]
-        return (-self.kl_reward_coef * (per_token * c_mask).sum(-1)).tolist()
-
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self._kl_in_loss and self.args.kl_estimator != "full":
@@ -222,58 +159,6 @@ class GADTrainer(GRPOTrainer):
                     ref, ids, attn, output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size
                 )[0]
         return output
-
-    def _compute_loss(self, model, inputs):
-        if not self._kl_in_loss:
-            return super()._compute_loss(model, inputs)
-        full = self.args.kl_estimator == "full"
-        capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full \
-            else contextlib.nullcontext([])
-        with _intercept.record_loss_forward(self) as calls, capture as hidden:
-            loss = super()._compute_loss(model, inputs)
-        logp = calls[0][0]  # [B, C] the policy logprobs the loss was built from (graph tensor)
-        mask = inputs["completion_mask"]  # [B, C] GAD has no tools, hence no tool_mask
-        width = mask.size(1)
-        logits, ref_logits = self._full_kl_logits(model, inputs, hidden[0], logp, width) if full else (None, None)
-        per_token_kl = kl_loss_term(  # [B, C], times the per-token importance ratio with use_bias_correction_kl
-            logp, None if full else inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
-            self.args.kl_estimator, self.args.use_bias_correction_kl,
-            logits=logits, ref_logits=ref_logits, temperature=self.temperature)
-        training = self.model.training
-        loss = loss + self.kl_coef * aggregate_like_trl(
-            per_token_kl, mask, self.loss_type, max_completion_length=self.max_completion_length,
-            num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,  # set in train()
-            steps_per_generation=self.args.steps_per_generation, training=training)
-        totals = self.accelerator.reduce(torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]),
-                                         reduction="sum")
-        self._append({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, "train" if training else "eval")
-        return loss
-
-    def _full_kl_logits(self, model, inputs, hidden, logp, width) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits [B, C, V] of the exact KL per completion token: the policy's from the loss's own
-        forward (its backbone output through the LM head, so the gradient reaches the same graph), the
-        reference's from one no-grad forward."""
-        causal_lm = self.accelerator.unwrap_model(model)
-        causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-        logits = causal_lm.get_output_embeddings()(hidden[:, -width - 1:-1])  # [B, C, V]
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+C]
-        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # [B, P+C]
-        ref, ctx = self._ref_context()
-        with torch.no_grad(), ctx:
-            ref_logits = self._completion_logits(ref, ids, attn, width)  # [B, C, V]
-        if self._guard_now():  # the logits we built must be the ones the loss's logprobs came from
-            mine = torch.log_softmax(logits.detach().float() / self.temperature, -1)
-            mine = mine.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)  # [B, C]
-            m = inputs["completion_mask"].bool()
-            gap = (mine - logp.detach())[m].abs().max().item() if m.any() else 0.0
-            scale = logits.detach().abs().max().item() / self.temperature
-            if gap > self.args.guard_logprob_atol * max(scale, 1.0) * (100 if self.args.bf16 else 1):
-                raise InvariantError("I5", f"kl_estimator='full' rebuilt the policy's logits from the loss's forward, "
-                                           f"but their logprobs differ from the loss's by {gap:.2e} nats (logit scale "
-                                           f"{scale:.1f}). This model's LM head is not a plain linear layer (logit "
-                                           "scaling or soft-capping?); use a sample-based kl_estimator.")
-        return logits, ref_logits
 
     # ------------------------------------------------------------------ warmup: D only
 
@@ -319,15 +204,6 @@ class GADTrainer(GRPOTrainer):
             return
         # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
-
-
-def _reward_column(name: str, fn):
-    """``fn`` as a reward function TRL logs under ``name`` (``rewards/<name>/mean``)."""
-    def column(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    column.__name__ = column.__qualname__ = name
-    return column
 
 
 def _after(delay: int, lr_lambda, step: int) -> float:

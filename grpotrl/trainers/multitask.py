@@ -196,7 +196,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         sampled = inputs.get("sampling_per_token_logps") if self.off_policy_mask_threshold is not None else None
         return TRLLossFields(settings, reduction,
                              {"importance_sampling_ratio": ratio, "sampling_per_token_logps": sampled},
-                             {"beta": self.beta, "bias_correction_kl": args.use_bias_correction_kl,
+                             {"beta": self.kl_coef if self._kl_in_loss else 0.0, "kl_estimator": args.kl_estimator,
+                              "bias_correction_kl": args.use_bias_correction_kl,
                               "aux_coef": self.router_aux_loss_coef if self.aux_loss_enabled else 0.0})
 
     # ------------------------------------------------------------------ CAGrad exact
@@ -207,7 +208,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
         ``training_step`` combines the window after its last backward."""
         params = _trainable(model)
-        self._carrier = None if (self.beta or coef or self.aux_loss_enabled) else len(self.task_names) - 1
+        self._carrier = None if (self._kl_in_loss or coef or self.aux_loss_enabled) else len(self.task_names) - 1
         if not self._task_grads:  # every task, present or not, so processes reduce the same tensors
             self._task_grads = {k: [torch.zeros_like(p) for p in params]
                                 for k in range(len(self.task_names)) if k != self._carrier}
