@@ -11,6 +11,7 @@ boundary report are callbacks (``grpotrl.callbacks``) added at init;
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import trl
@@ -24,7 +25,7 @@ from ..errors import InputError, InvariantError
 from ..gad.discriminator import pad_sequences
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
-from ..guards import identity
+from ..guards import denominator, identity
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
@@ -36,6 +37,8 @@ from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
+
+logger = logging.getLogger(__name__)
 
 ROW_KEY = "grpotrl_row"
 TASK_KEY = "grpotrl_task"  # [B] index into trainer.task_names, when rows carry a task label
@@ -261,6 +264,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
+        if self._guard_now() and self.model.training:  # I11: the generation batch's loss tokens, every process
+            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
+            self._window_tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().item()
         return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -375,6 +381,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
         completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
         loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
+        if guard and self.model.training:  # I11 on TRL's policy loss (grpotrl's KL is not added yet)
+            self._check_denominator(loss, used, inputs, loss_mask)
         if self._kl_in_loss:
             loss = loss + self._kl_loss(model, inputs, used, loss_mask, hidden[0] if full_kl else None)
         if self._identity_due and self.model.training:
@@ -432,6 +440,46 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._append(metrics)
         identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
                                   self.temperature, self._said)
+
+    # ------------------------------------------------------------------ the loss's own denominator (I11)
+
+    def _check_denominator(self, loss: torch.Tensor, used: torch.Tensor, inputs: dict, mask: torch.Tensor) -> None:
+        """I11: the weight TRL's policy loss gives each loss token, read as ``d loss / d used`` (one backward
+        through the loss's elementwise ops), equals ``1 / guards.denominator.expected_normaliser`` computed
+        from ``mask`` [B, C], the configured ``gradient_accumulation_steps``, the world size and the generation
+        batch's token count (counted here, ``_generate_and_score_completions``). Tokens whose weight cannot be
+        read (advantage 0, a clipped ratio, a token masked by TRL's entropy or off-policy masks) are counted in
+        ``guards/denominator_checked_share``; a step where none can be read warns once."""
+        if not used.requires_grad:
+            return
+        args = self.args
+        (grad,) = torch.autograd.grad(loss, used, retain_graph=True, allow_unused=True)
+        grad = torch.zeros_like(used) if grad is None else grad  # [B, C]
+        old = inputs.get("old_per_token_logps")
+        log_ratio = (used - old if old is not None else torch.zeros_like(used)).detach().float()  # [B, C]
+        slope = denominator.token_slope(
+            self.loss_type, inputs["advantages"].float(), log_ratio, mask.float(),
+            sequence_level=self.importance_sampling_level == "sequence", epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg)  # [B, C]
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+            slope = slope * inputs["importance_sampling_ratio"]  # TRL multiplies the per-token loss by it
+        if self.loss_type == "vespo" and inputs.get("importance_sampling_ratio") is not None:
+            slope = torch.full_like(slope, torch.nan)  # folded into vespo's weight: phi != 1, not readable
+        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+            slope = torch.where(grad == 0, torch.nan, slope)  # a token TRL masked out carries no weight to read
+        expected = denominator.expected_normaliser(
+            self.loss_type, mask, max_completion_length=self.max_completion_length,
+            accumulation=args.gradient_accumulation_steps, window_tokens=getattr(self, "_window_tokens", None),
+            num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)  # [B]
+        metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
+                                                rtol=1e-2 if (args.bf16 or args.fp16) else 1e-4)
+        if not metrics["guards/denominator_checked_share"] and "denominator" not in self._said:
+            self._said.add("denominator")
+            logger.warning("grpotrl guard I11: no token of this microbatch carried a readable weight (advantages 0, "
+                           "ratios clipped or masked), so the loss's normaliser (loss_type=%r) was not checked here.",
+                           self.loss_type)
+        self._append(metrics, "train")
 
     # ------------------------------------------------------------------ KL to the reference policy (KLFields)
 
