@@ -138,8 +138,8 @@ class SampledLogprobRecorder(LogitsProcessor):
         self._pending: torch.Tensor | None = None  # [B, V] the last step's final scores
         self.raw: torch.Tensor | None = None  # [B, V] this step's scores before any processor (a _Tap sets it)
         self.untruncated: torch.Tensor | None = None  # [B, V] this step's scores before truncation (a _Tap)
-        self._pending_raw: torch.Tensor | None = None
-        self._pending_untruncated: torch.Tensor | None = None
+        self._pending_raw: torch.Tensor | None = None  # [B, V] R of the last step (generate holds it too)
+        self._pending_lse: tuple | None = None  # [B] x 3: logsumexp of W, log kept mass, logsumexp(R / T)
         self._steps: list[torch.Tensor] = []  # one [B] per step before it: truncated logprob
         self._log_mass: list[torch.Tensor] = []  # [B] log kept mass per step (0 without truncation)
         self._raw_steps: list[torch.Tensor] = []  # [B] log_softmax(R / T_sampler)[token] per step
@@ -156,25 +156,31 @@ class SampledLogprobRecorder(LogitsProcessor):
         self._width = width
         if self._pending is not None:
             self._keep(input_ids[:, -1])
+        # this step's [B] normalisers now, so that no [B, V] beyond what generate holds itself (the raw logits
+        # R and the final scores W, until its next step) outlives the step: S is let go here
+        w = scores.float()  # [B, V]
+        lse_w = torch.logsumexp(w, dim=-1)  # [B]
+        log_mass = torch.zeros_like(lse_w)  # [B]
+        if self.untruncated is not None:
+            s = self.untruncated.float()  # [B, V]
+            log_mass = torch.logsumexp(s.masked_fill(~torch.isfinite(w), -math.inf), dim=-1) \
+                - torch.logsumexp(s, dim=-1)  # [B] log of the full softmax's mass over the kept set
+        lse_raw = None if self.raw is None else torch.logsumexp(self.raw.float() / self.temperature, dim=-1)  # [B]
         self._pending = scores  # [B, V], dropped at the next step
-        self._pending_raw, self._pending_untruncated = self.raw, self.untruncated
+        self._pending_raw, self._pending_lse = self.raw, (lse_w, log_mass, lse_raw)
         self.raw = self.untruncated = None
         return scores
 
     def _keep(self, tokens: torch.Tensor) -> None:
         """The pending step's numbers at ``tokens`` [B], then lets its scores go."""
-        trunc = processed_logprob(self._pending, tokens)  # [B]
-        log_mass = torch.zeros_like(trunc)  # [B]
-        if self._pending_untruncated is not None:
-            s = self._pending_untruncated.float()  # [B, V]
-            kept = torch.isfinite(self._pending)  # [B, V] what the truncation left
-            log_mass = torch.logsumexp(torch.where(kept, s, -math.inf), dim=-1) - torch.logsumexp(s, dim=-1)
-        raw = trunc + log_mass if self._pending_raw is None else \
-            processed_logprob(self._pending_raw.float() / self.temperature, tokens)  # [B]
+        lse_w, log_mass, lse_raw = self._pending_lse
+        trunc = self._pending.float().gather(1, tokens[:, None]).squeeze(1) - lse_w  # [B]
+        raw = trunc + log_mass if lse_raw is None else \
+            self._pending_raw.float().gather(1, tokens[:, None]).squeeze(1) / self.temperature - lse_raw  # [B]
         self._steps.append(trunc)
         self._log_mass.append(log_mass)
         self._raw_steps.append(raw)
-        self._pending = self._pending_raw = self._pending_untruncated = None
+        self._pending = self._pending_raw = self._pending_lse = None
 
     def logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
         """``[B, C]`` for the ``sequences`` ``[B, P + C]`` that ``generate`` returned."""
