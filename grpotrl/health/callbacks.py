@@ -33,7 +33,6 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import HealthStop
-from ..guards.ranks import add_rank_agreement
 
 logger = logging.getLogger(__name__)
 
@@ -252,4 +251,3 @@ def add_health_callbacks(trainer, args) -> None:
             trainer.add_callback(rule)
     if rules[0].action != "off":  # NonFiniteRule reads the step's losses
         trainer._step_losses = []
-    add_rank_agreement(trainer, args.guard_steps)  # I11, a guard: added here, with the other callbacks

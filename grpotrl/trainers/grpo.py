@@ -21,6 +21,7 @@ from ..errors import InvariantError
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import identity
+from ..guards.ranks import add_rank_agreement
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
@@ -139,6 +140,7 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._nonfinite_rewards: list[str] = []  # what +-inf rewards this step held, for NonFiniteRewardRule
         self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
         callbacks.add_health_callbacks(self, args)
+        add_rank_agreement(self, args.guard_steps)  # I11: ranks hold one model (several ranks only)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
         self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
