@@ -15,7 +15,9 @@ next starts from there (GRPO after SFT checks the template fingerprint written u
 shards gathered), a checksum of this rank's optimizer shard, the logged D metrics, and the same
 checksums after resuming a second trainer from the step-1 checkpoint and training to step 2
 (D's weights and optimizer state saved and restored by DeepSpeed or torch).
-A method that stops with ``grpotrl.InputError`` records the message (``"error"``).
+A method that stops with ``grpotrl.InputError`` or ``InvariantError`` records the message (``"error"``);
+``grpo_nosync`` is GRPO with the gradient all-reduce skipped (I12 must stop it). ``rank_checks``: the
+I12 checks each rank ran.
 All trainers use the same per-device batch size and accumulation, because DeepSpeed's "auto"
 values are filled once per process.
 
@@ -152,6 +154,22 @@ RL = dict(num_generations=4, max_completion_length=8, temperature=0.7,
           generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})  # rows stop at different lengths
 
 
+class NoSyncGRPOTrainer(grpotrl.GRPOTrainer):
+    """TRL 1.14's bug class, reintroduced (method ``grpo_nosync``): every forward and backward under DDP's
+    ``no_sync``, so the gradients are never all-reduced and each rank steps its own weights (I12)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with self.model_wrapped.no_sync():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+
+def rank_checks(trainer) -> list:
+    """(step, parameters compared, sharded) of each I12 check ``RankAgreement`` ran on this rank."""
+    from grpotrl.guards.ranks import RankAgreement
+
+    return [list(c) for cb in trainer.callback_handler.callbacks if isinstance(cb, RankAgreement) for c in cb.compared]
+
+
 def common(out: str, steps: int) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=steps,
                 logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", guard_steps=-1,
@@ -163,9 +181,10 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
     if method == "sft":
         args = grpotrl.SFTConfig(**common(os.path.join(out, "sft"), steps), max_length=64)
         trainer = grpotrl.SFTTrainer(model=model_dir, args=args, train_dataset=sft_rows(), callbacks=[clock])
-    elif method == "grpo":
-        args = grpotrl.GRPOConfig(**common(os.path.join(out, "grpo"), steps), beta=0.04, **RL)
-        trainer = grpotrl.GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
+    elif method in ("grpo", "grpo_nosync"):
+        args = grpotrl.GRPOConfig(**common(os.path.join(out, method), steps), beta=0.04, **RL)
+        cls = NoSyncGRPOTrainer if method == "grpo_nosync" else grpotrl.GRPOTrainer
+        trainer = cls(model=model_dir, reward_funcs=length_reward, args=args,
                                       train_dataset=grpo_prompts(), callbacks=[clock])
     else:
         trainer = gad_trainer(model_dir, out, steps, clock)
@@ -221,7 +240,7 @@ def main() -> None:
         GENERATIONS.clear()
         try:
             trainer, clock = run(method, start_dir, a.out, a.steps)
-        except grpotrl.InputError as err:  # record the message the user would see
+        except (grpotrl.InputError, grpotrl.InvariantError) as err:  # record the message the user would see
             rank = PartialState().process_index
             with open(os.path.join(a.out, f"{method}_rank{rank}.json"), "w") as f:
                 json.dump({"method": method, "rank": rank, "error": str(err)}, f, indent=1)
@@ -243,6 +262,7 @@ def main() -> None:
             "logged_gaps": [e["guards/logprob_max_gap"] for e in trainer.state.log_history
                             if "guards/logprob_max_gap" in e],
             "generations": list(GENERATIONS),
+            "rank_checks": rank_checks(trainer),
             "empty_params_outside_generation": n_empty(unwrapped),
             "step_times": clock.times,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -120,6 +120,14 @@ class GenerationFields:
         metadata={"help": "Block every stop id (eos, end-of-turn, generation_config.eos_token_id) until this many "
                   "tokens are generated; the trigger rate is logged as `generation/min_new_tokens_trigger_rate`."},
     )
+    truncated_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "On the transformers generate path with top_k / top_p / min_p (any truncation warper), "
+                  "the sampler's logprob of each token is taken under the full softmax of its processed scores "
+                  "(the truncated logprob + log of the kept mass), so the importance ratio and the sampler gap "
+                  "are 1 and 0 at the same weights. False: the truncated, renormalised logprob (as vLLM returns "
+                  "it), whose ratio's mean is the kept mass (trl#6789)."},
+    )
     hf_importance_sampling_correction: bool = field(
         default=False,
         metadata={"help": "On the transformers generate path, correct for the gap between the sampler's "

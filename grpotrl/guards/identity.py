@@ -15,6 +15,7 @@ The trainer (``trainers/grpo.py``) calls these on tensors it already has.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -156,18 +157,78 @@ def correct_advantages(output: dict, args) -> torch.Tensor:
     return ratio
 
 
-def gate_sampler_gap(args, mean_gap: float, step: int, temperature: float, said: set) -> None:
+CAUSE_SHARE = 0.25  # a measured cause is named when it is at least this share of sampler_gap_threshold (nats)
+
+
+def sampler_gap_causes(measured: dict, temperature: float, threshold: float) -> list[str]:
+    """The causes of a sampler/trainer gap that ``measured`` shows (``trainers.grpo._log_sampler_gap``:
+    ``importance.CAUSES`` means in nats, and the recorder's ``sampler_temperature``, ``processors``,
+    ``own_processors``, ``truncation``, ``corrected`` and the weights' ``dtype``), each as a sentence
+    with its measured value; a gap component is named when it is at least ``CAUSE_SHARE`` x ``threshold``.
+
+    >>> sampler_gap_causes({"sampler_temperature": 0.7}, 1.0, 0.1)[0][:64]
+    'temperature: the sampler ran at T=0.7 (its TemperatureLogitsWarp'
+    >>> sampler_gap_causes({"kept_mass": 0.8, "truncation_gap": 0.25, "corrected": False,
+    ...                     "truncation": ["TopPLogitsWarper"]}, 1.0, 0.1)[0][:45]
+    'truncation: TopPLogitsWarper kept on average '
+    """
+    big = CAUSE_SHARE * threshold
+    out = []
+    t = measured.get("sampler_temperature")
+    if t is not None and not math.isclose(t, temperature, rel_tol=1e-6):
+        out.append(f"temperature: the sampler ran at T={t:g} (its TemperatureLogitsWarper), the trainer scores at "
+                   f"T={temperature:g}: make them one (GRPOConfig.temperature; generation_kwargs' temperature "
+                   "becomes it)")
+    trunc = measured.get("truncation_gap", 0.0)
+    if not measured.get("corrected", True) and trunc >= big:
+        out.append(f"truncation: {', '.join(measured.get('truncation') or ['top-k/top-p/min-p'])} kept on average "
+                   f"{measured.get('kept_mass', float('nan')):.3f} of the probability mass, and the sampler's "
+                   f"logprobs are of that renormalised distribution (mean |log kept mass| {trunc:.3f} nats; the "
+                   "ratio's mean becomes the kept mass): set truncated_sampling_correction=True")
+    proc = measured.get("processor_gap", 0.0)
+    if proc >= big:
+        names = measured.get("processors") or ["?"]
+        own = set(measured.get("own_processors") or [])
+        yours = [n for n in names if n not in own]
+        out.append(f"logits processors moved the sampled tokens' logprobs by {proc:.3f} nats on average"
+                   + (f"; yours or the model's generation_config's: {', '.join(yours)}" if yours else "")
+                   + (f"; grpotrl's own (on purpose; hf_importance_sampling_correction corrects the update for "
+                      f"them): {', '.join(sorted(own))}" if own else ""))
+    stale = measured.get("stale_gap", 0.0)
+    if stale >= big:
+        out.append(f"stale weights: the policy moved {stale:.3f} nats per token since these completions were "
+                   "sampled (num_iterations / steps_per_generation reuse a batch)")
+    fwd = measured.get("forward_gap", 0.0)
+    if fwd >= big and not out:
+        out.append(f"the forward: generate's logits and the loss's on the same weights differ by {fwd:.3f} nats per "
+                   f"token (weights in {measured.get('dtype', '?')}; under bf16/fp16 the two forwards round "
+                   "differently, else other position ids, attention kernels or a sampler in another precision)")
+    return out
+
+
+def gate_sampler_gap(args, mean_gap: float, step: int, temperature: float, said: set,
+                     measured: dict | None = None) -> None:
     """``sampler_gap_action`` when the mean sampler/trainer gap passes ``sampler_gap_threshold`` (NaN
-    too): 'stop' raises, 'warn' warns once (``said`` remembers), 'off' does nothing."""
+    too): 'stop' raises, 'warn' warns once (``said`` remembers), 'off' does nothing. The message names
+    the causes ``measured`` shows (``sampler_gap_causes``); without measurements, the likely ones."""
     if args.sampler_gap_action == "off" or not mean_gap > args.sampler_gap_threshold:  # NaN trips it
         return
-    own = [n for n in ("presence_penalty", "frequency_penalty", "min_new_tokens") if getattr(args, n)]
-    own += ["repetition_penalty"] if args.repetition_penalty != 1.0 else []
-    message = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
+    head = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
             f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} (step {step}). The update is "
-            "computed for a distribution the completions were not sampled from. Likely causes: `generation_kwargs` "
-            f"that change sampling behind the trainer's back (temperature, top_k, top_p, min_p other than the "
-            f"config's: T={temperature}), a logits processor of your own, or a sampler in another precision."
+            "computed for a distribution the completions were not sampled from. ")
+    causes = sampler_gap_causes(measured, temperature, args.sampler_gap_threshold) if measured else None
+    if causes:
+        message = head + "Measured causes: " + "; ".join(causes) + "."
+    elif measured:
+        message = head + ("None of the measured causes (temperature, truncation, processors, stale weights, the "
+                          "forward) reaches a quarter of the threshold: the gap is their sum, or something unmeasured.")
+    else:
+        own = [n for n in ("presence_penalty", "frequency_penalty", "min_new_tokens") if getattr(args, n)]
+        own += ["repetition_penalty"] if args.repetition_penalty != 1.0 else []
+        message = head + (
+            "Likely causes: `generation_kwargs` that change sampling behind the trainer's back (temperature, top_k, "
+            f"top_p, min_p other than the config's: T={temperature}), a logits processor of your own, or a sampler "
+            "in another precision."
             + (f" grpotrl's own processors are on ({', '.join(own)}): they change the sampler's distribution "
                "on purpose; hf_importance_sampling_correction corrects the update for it, or raise "
                "sampler_gap_threshold." if own else ""))

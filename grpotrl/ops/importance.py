@@ -88,3 +88,44 @@ def sampler_gap_metrics(stats: torch.Tensor) -> dict[str, float]:
     out = {"sampling/sampler_trainer_logp_gap/mean": row[0], "sampling/sampler_trainer_logp_gap/max": row[1]}
     out.update({f"sampling/raw_ratio/{name}": v for name, v, c in zip(RATIO_STATS, row[2:2 + K], row[2 + K:]) if c})
     return out
+
+
+
+CAUSES = ("kept_mass", "truncation_gap", "processor_gap", "forward_gap", "stale_gap")
+
+
+def _masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``keep`` & finite, 0-d float32; NaN where nothing is kept."""
+    keep = keep & torch.isfinite(x)
+    return (torch.where(keep, x, 0.0).sum() / keep.sum()).float()
+
+
+def sampler_causes_local(used: torch.Tensor, old: torch.Tensor | None, untruncated: torch.Tensor, raw: torch.Tensor,
+                         log_kept_mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What a sampler/trainer gap is made of, measured per token on this process's loss tokens ``mask``,
+    as one tensor [len(CAUSES)] (no host sync): the mean kept mass ``exp(log_kept_mass)`` of the
+    truncation warpers, then mean absolute differences in nats:
+
+    * truncation: ``|log_kept_mass|``, what the sampler's truncated logprob lacks of the full softmax;
+    * processors: ``|untruncated - raw|``, every processor but temperature and truncation (penalties,
+      sequence bias, a processor of the user's);
+    * forward: ``|trainer at the sampling weights - raw|``, the same weights scored by the loss's forward
+      and by generate's (dtype, kernels, position ids; a temperature difference too, ``raw`` being at the
+      sampler's T); the trainer side is ``old`` where it exists, else ``used``;
+    * stale: ``|used - old|``, how far the weights moved since sampling (NaN without ``old``).
+
+    used, old: the loss's and the old policy's logprobs; untruncated: the sampler's under the full softmax
+    of its processed scores; raw: ``log_softmax(model logits / T_sampler)[token]``; all [B, C].
+
+    >>> z, one = torch.zeros(1, 2), torch.ones(1, 2)
+    >>> c = sampler_causes_local(z, None, z, z, torch.tensor([[math.log(0.5), 0.0]]), one)
+    >>> [round(v, 4) for v in c.tolist()[:4]], math.isnan(c[4])  # kept mass (0.5 + 1) / 2; |log 0.5| / 2
+    ([0.75, 0.3466, 0.0, 0.0], True)
+    """
+    on = mask.bool()  # [B, C]
+    now = used.detach().float()  # [B, C]
+    at_sampling = now if old is None else old.detach().float()  # [B, C]
+    stale = _masked_mean((now - at_sampling).abs(), on) if old is not None else now.new_full((), math.nan)
+    return torch.stack([_masked_mean(log_kept_mass.float().exp(), on), _masked_mean(log_kept_mass.float().abs(), on),
+                        _masked_mean((untruncated.float() - raw.float()).abs(), on),
+                        _masked_mean((at_sampling - raw.float()).abs(), on), stale])

@@ -34,11 +34,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationMixin, LogitsProcessorList
+from transformers import GenerationMixin
 
 from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
-from ..generation.sampled_logprobs import SampledLogprobRecorder
+from ..generation.sampled_logprobs import SampledLogprobRecorder, arrange_processors
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "
@@ -200,12 +200,8 @@ def inject_recorders_after_warpers(model) -> Iterator[None]:
         return
     original = gen._get_logits_processor
 
-    def recorders_last(*args, **kwargs):
-        processors = original(*args, **kwargs)
-        recorders = [p for p in processors if isinstance(p, SampledLogprobRecorder)]
-        for r in recorders:
-            r.placed_last = True
-        return LogitsProcessorList([p for p in processors if not isinstance(p, SampledLogprobRecorder)] + recorders)
+    def recorders_last(*args, **kwargs):  # and the recorders' taps (sampled_logprobs.arrange_processors)
+        return arrange_processors(original(*args, **kwargs))
 
     with inject_attr(gen, "_get_logits_processor", recorders_last):
         yield

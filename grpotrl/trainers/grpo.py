@@ -24,8 +24,9 @@ from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..gad.discriminator import pad_sequences
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
-from ..generation.sampled_logprobs import generation_extras, recorded_logprobs
+from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import denominator, identity
+from ..guards.ranks import add_rank_agreement
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
@@ -161,9 +162,11 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         self._nonfinite_rewards: list[str] = []  # what +-inf rewards this step held, for NonFiniteRewardRule
         self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
         callbacks.add_health_callbacks(self, args)
+        add_rank_agreement(self, args.guard_steps)  # I12: ranks hold one model (several ranks only)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
         self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
+        self._sampler_measures: dict | None = None  # what the recorder measured (the sampler gap's causes)
 
     def _guard_now(self) -> bool:
         return guards.due(self.args.guard_steps, self.state.global_step)
@@ -197,8 +200,12 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
                 out = TRLGenerate(*super()._generate(prompts))
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
-        sampled = recorded_logprobs(calls[-1], out.completion_ids) if calls else None
-        if sampled is not None:  # the sampler's own per-token logprobs, where TRL keeps vLLM's (I5)
+        sampled = recorded_logprobs(calls[-1], out.completion_ids,
+                                    full_softmax=self.args.truncated_sampling_correction) if calls else None
+        # the sampler's own per-token logprobs, where TRL keeps vLLM's (I5); under top-k/top-p/min-p those of
+        # the full softmax of its processed scores (sampled_logprobs' docstring; truncated_sampling_correction)
+        self._sampler_measures = recorded_measures(calls[-1]) if sampled is not None else None
+        if sampled is not None:
             out = out._replace(logprobs=sampled)
         self._log_completion_shape(out.completion_ids, calls[-1] if calls else None)
         # stop tokens generate wrote per row [B], past the cut completion (not on vLLM, CB, a tool loop)
@@ -431,15 +438,35 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         """The sampler against the trainer on the loss's tokens (``ops.importance.sampler_gap_local``): the raw,
         untruncated importance ratio per token and per sequence (TRL logs only the truncated one, issue
         5231), |sampler - trainer| logprob (TRL logs it for vLLM only), and the gate
-        ``sampler_gap_threshold`` / ``sampler_gap_action`` on its mean."""
+        ``sampler_gap_threshold`` / ``sampler_gap_action`` on its mean. Where the recorder measured them
+        (the transformers path; not with dynamic sampling, whose rows mix generation rounds), the gap's
+        causes on the same tokens (``importance.sampler_causes_local``), logged as ``sampling/causes/*``
+        and named by the gate."""
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
-        trainer = inputs.get("old_per_token_logps")  # what TRL's IS ratio uses, when computed
-        trainer = used.detach() if trainer is None else trainer  # [B, C]
-        local = importance.sampler_gap_local(used, trainer, inputs["sampling_per_token_logps"], mask)  # [K]
-        metrics = importance.sampler_gap_metrics(self.accelerator.gather(local).view(-1, local.numel()))
-        self._append(metrics)
+        old = inputs.get("old_per_token_logps")  # what TRL's IS ratio uses, when computed
+        trainer = used.detach() if old is None else old  # [B, C]
+        sampler = inputs["sampling_per_token_logps"]  # [B, C]
+        local = importance.sampler_gap_local(used, trainer, sampler, mask)  # [2 + K]
+        measured = self._sampler_measures
+        if measured is not None and ROW_KEY in inputs and not self.args.dynamic_sampling:
+            rows, C = inputs[ROW_KEY], mask.size(1)
+            raw, log_mass = (_fit_columns(measured[k].to(used.device)[rows], C) for k in ("raw", "log_kept_mass"))
+            untruncated = sampler if self.args.truncated_sampling_correction else sampler + log_mass  # [B, C]
+            causes = importance.sampler_causes_local(used, old, untruncated, raw, log_mass, mask)  # [len(CAUSES)]
+        else:
+            causes = used.new_full((len(importance.CAUSES),), float("nan"), dtype=torch.float32)
+        world = self.accelerator.gather(torch.cat([local, causes])).view(-1, local.numel() + causes.numel())
+        metrics = importance.sampler_gap_metrics(world[:, :local.numel()])
+        per_cause = world[:, local.numel():]  # [world, len(CAUSES)]
+        found = {name: float(v) for name, v in zip(importance.CAUSES, per_cause.nanmean(0).tolist()) if v == v}
+        self._append({**metrics, **{f"sampling/causes/{k}": v for k, v in found.items()}})
+        if measured is not None:
+            found.update(sampler_temperature=measured["temperature"], processors=measured["processors"],
+                         own_processors=measured["own_processors"], truncation=measured["truncation"],
+                         corrected=bool(self.args.truncated_sampling_correction),
+                         dtype=str(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), "?")))
         identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
-                                  self.temperature, self._said)
+                                  self.temperature, self._said, found)
 
     # ------------------------------------------------------------------ the loss's own denominator (I11)
 
@@ -650,8 +677,6 @@ def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: l
                              "num_generations completions must come from one row (TRL's RepeatSampler does this).")
 
 
-
-
 def _reward_column(name: str, fn):
     """``fn`` as a reward function TRL logs under ``name`` (``rewards/<name>/mean``)."""
     def column(*args, **kwargs):
@@ -660,3 +685,10 @@ def _reward_column(name: str, fn):
     column.__name__ = column.__qualname__ = name
     return column
 
+
+def _fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` [B, C'] cut or NaN-padded to ``width`` columns (the recorder's C' and the batch's C differ
+    when the generation batch was padded differently)."""
+    if x.size(1) >= width:
+        return x[:, :width]
+    return torch.cat([x, x.new_full((x.size(0), width - x.size(1)), float("nan"))], dim=1)

@@ -32,6 +32,7 @@ from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
 from ..errors import InvariantError
+from ..guards.ranks import add_rank_agreement
 from ..preflight import check_sft
 from ..models.quantization import pin_quantized_kernels
 from . import _intercept
@@ -105,6 +106,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)
+        add_rank_agreement(self, sft_option(args, "guard_steps"))  # I12: ranks hold one model (several ranks only)
 
     # --- dataset preparation -----------------------------------------------------------------
 
