@@ -72,3 +72,10 @@ def test_readme_recipe_excerpt_is_the_recipe():
     recipe = (REPO / excerpt.group(1)).read_text().splitlines()
     missing = [line for line in excerpt.group(2).splitlines() if line.strip() and line not in recipe]
     assert not missing, f"README lines not in {excerpt.group(1)}: {missing}"
+
+
+def test_every_recipe_is_on_the_launching_page():
+    """docs/launching.md lists every recipe and accelerate config shipped under recipes/."""
+    page = (REPO / "docs" / "launching.md").read_text()
+    missing = [str(p.relative_to(REPO)) for p in sorted((REPO / "recipes").glob("*/*.yaml")) if f"`{p.name}`" not in page]
+    assert not missing, f"docs/launching.md does not list {missing}"
