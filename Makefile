@@ -1,7 +1,9 @@
 # make setup       create .venv and install grpotrl (scripts/setup.sh; GRPOTRL_EXTRAS=deepspeed,...)
 # make test        the test suite, as CI runs it (.ci/run)
 # make quickstart  a tiny end-to-end run on SmolLM2-135M-Instruct
-.PHONY: setup test quickstart
+# make docs        build the documentation site (mkdocs.yml, docs/) and serve it at http://127.0.0.1:8000
+# make notebooks   re-execute notebooks/ and store them with their outputs (scripts/run_notebooks.py)
+.PHONY: setup test quickstart docs notebooks
 
 # Idle OpenMP workers must yield, or any other busy process slows torch 30-100x on few
 # cores (grpotrl/_threads.py). Exported, so it is set before Python imports torch.
@@ -38,3 +40,15 @@ quickstart: $(VENV_STAMP)
 	mkdir -p outputs
 	set -o pipefail; { .venv/bin/grpotrl sft --config recipes/smollm2/sft_quickstart.yaml $(QUICKSTART_ARGS) && \
 	  .venv/bin/grpotrl grpo --config recipes/smollm2/grpo_quickstart.yaml $(QUICKSTART_ARGS); } 2>&1 | tee outputs/quickstart.log
+
+# Builds the site (strict: a broken link, a missing API object or stale notebook outputs stop it)
+# and serves it, rebuilding on every change under docs/, grpotrl/ and notebooks/.
+DOCS_ADDR ?= 127.0.0.1:8000
+docs: $(VENV_STAMP)
+	.venv/bin/mkdocs serve --dev-addr $(DOCS_ADDR) --watch grpotrl --watch notebooks
+
+# Minutes of CPU (every notebook trains SmolLM2-135M for a few steps): run it after changing a
+# notebook's code cells, then commit the notebooks with their outputs.
+notebooks: export OMP_NUM_THREADS ?= 2
+notebooks: $(VENV_STAMP)
+	.venv/bin/python scripts/run_notebooks.py

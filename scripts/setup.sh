@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv in the repo root (once) and installs grpotrl with its test and model deps.
 # Safe to re-run. Usage:
-#   scripts/setup.sh                      # dev, smollm2, judge, report, deepspeed, bnb extras
+#   scripts/setup.sh                      # dev (with docs), smollm2, judge, report, deepspeed, bnb extras
 #   scripts/setup.sh deepspeed judge      # ... plus extras from setup.cfg
 #   GRPOTRL_EXTRAS=deepspeed,judge scripts/setup.sh
 #   PYTHON=python3.11 scripts/setup.sh    # which interpreter builds .venv

@@ -1,6 +1,11 @@
-"""Every notebook in notebooks/ runs top to bottom, and is stored without outputs.
+"""Every notebook in notebooks/ runs top to bottom, and is stored with current outputs.
 
-Each notebook is executed with nbclient on a kernel that runs THIS interpreter
+Stored outputs (so the docs site and GitHub show the plots) come from ``scripts/run_notebooks.py``
+(``make notebooks``), which records a hash of the code cells in the notebook's metadata; the
+stored-output tests compare it with the code cells as they are, and refuse error outputs, unexecuted
+cells and a plotting cell without its PNG. They read JSON only: fast, in the default run.
+
+Each notebook is also executed with nbclient on a kernel that runs THIS interpreter
 (``sys.executable``): the kernel spec is written to a temporary directory rather than looked
 up, because a user-level ``python3`` spec (``~/.local/share/jupyter``) can point at another
 Python. The kernel imports the grpotrl of this checkout (``PYTHONPATH``), runs with the
@@ -13,6 +18,8 @@ on two tasks; 05 runs SFT, then GAD with its discriminator, 2-4 minutes); 02 run
 models (well under a minute).
 """
 
+import copy
+import importlib.util
 import json
 import os
 import resource
@@ -26,6 +33,15 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 REPO = NOTEBOOKS.parent
 SLOW = {"00_quickstart", "01_sft_then_grpo", "03_judges", "04_multitask_cagrad", "05_gad"}  # > 60 s on 2 cores
 CELL_TIMEOUT_S = 600
+MAX_STORED_BYTES = 1_000_000  # PNG plots at the inline backend's default size are ~30-60 KB each
+
+
+def _run_notebooks_script():
+    """scripts/run_notebooks.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "scripts" / "run_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _notebooks() -> list[Path]:
@@ -47,13 +63,40 @@ def test_notebooks_exist():
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
-def test_notebook_is_stored_without_outputs(path):
-    """Outputs are stripped in the repo: `jupyter nbconvert --clear-output --inplace notebooks/*.ipynb`."""
-    nb = json.loads(path.read_text())
-    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
-             and (c.get("outputs") or c.get("execution_count") is not None)]
-    assert not dirty, (f"{path.name}: code cells {dirty} hold outputs or execution counts; strip them with "
-                       f"`jupyter nbconvert --clear-output --inplace notebooks/{path.name}`")
+def test_notebook_outputs_are_stored_and_current(path):
+    """Stored outputs are those of the code as it is: `make notebooks` re-executes and stores them."""
+    problems = _run_notebooks_script().problems(json.loads(path.read_text()), path.stem)
+    assert not problems, "\n".join(problems)
+    assert path.stat().st_size < MAX_STORED_BYTES, f"{path.name} is {path.stat().st_size} bytes stored"
+
+
+def test_stale_or_failed_outputs_are_named():
+    """The freshness check can fail: an edited code cell, an error output and a plot without its PNG."""
+    script = _run_notebooks_script()
+    path = NOTEBOOKS / "00_quickstart.ipynb"
+    stored = json.loads(path.read_text())
+    assert script.problems(stored, path.stem) == []
+
+    edited = copy.deepcopy(stored)
+    code = next(c for c in edited["cells"] if c["cell_type"] == "code")
+    code["source"] = "".join(code["source"]) + "\nprint('edited')"
+    assert any("code cells changed" in p for p in script.problems(edited, path.stem))
+
+    failed = copy.deepcopy(stored)
+    code = next(c for c in failed["cells"] if c["cell_type"] == "code")
+    code["outputs"].append({"output_type": "error", "ename": "ValueError", "evalue": "boom", "traceback": []})
+    assert any("ValueError: boom" in p for p in script.problems(failed, path.stem))
+
+    no_plot = copy.deepcopy(stored)
+    plotting = [c for c in no_plot["cells"] if c["cell_type"] == "code" and "plt." in "".join(c["source"])]
+    assert plotting, "00_quickstart draws its reward and entropy curves"
+    for cell in plotting:
+        cell["outputs"] = [o for o in cell["outputs"] if "image/png" not in o.get("data", {})]
+    assert any("stored no PNG" in p for p in script.problems(no_plot, path.stem))
+
+    unhashed = copy.deepcopy(stored)
+    del unhashed["metadata"]["grpotrl"]
+    assert any("no recorded code hash" in p for p in script.problems(unhashed, path.stem))
 
 
 @pytest.fixture(scope="module")

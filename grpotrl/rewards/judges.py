@@ -178,7 +178,8 @@ class HttpJudge:
         timeout: seconds per attempt, whole request and reply included.
         max_retries: further attempts after a timeout, a transport error, 429 or 5xx, with
             exponential backoff from ``backoff`` seconds (a 429's ``Retry-After`` wins, capped).
-        max_tokens, temperature: sampling of the judge's reply.
+        max_tokens: the judge's reply, at most this many tokens.
+        temperature: the judge's sampling temperature.
         max_failed_batches: consecutive calls without a single score before ``JudgeError``
             (0 never raises).
         cache_size: verdicts kept (least recently used dropped). A (settings, prompt,
