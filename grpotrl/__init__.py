@@ -1,4 +1,4 @@
-"""grpotrl: TRL trainers whose token-level guarantees (INVARIANTS I1-I9) are checked at run time.
+"""grpotrl: TRL trainers whose token-level guarantees (INVARIANTS I1-I12) are checked at run time.
 
 Swap ``from trl import GRPOTrainer, GRPOConfig`` for ``from grpotrl import GRPOTrainer,
 GRPOConfig``; nothing else changes.

@@ -1,4 +1,4 @@
-"""``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5, I7 and I10 guarded on its real tensors.
+"""``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5, I7, I10, I11 and I12 guarded on its real tensors.
 
 The class docstring lists the hooks it overrides and what it wraps at run time.
 
@@ -54,7 +54,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         dataset (an ``IterableDataset`` on its first rows), rewards and the checkpoint's template
         fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too);
         refuses ``cagrad`` settings it would ignore (only ``MultiTaskGRPOTrainer`` reads them); stops
-        generation on every stop id; adds the health callbacks.
+        generation on every stop id; adds the health callbacks and, on several ranks, I12's ``RankAgreement``
+        (``guards.ranks``: the trainable parameters agree across ranks after step 1 and on guard steps).
       * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
         row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
         the reward text is its decoding, no chat header) and I4 from the tokens (each completion ends
@@ -62,7 +63,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         what ``generate`` saw and returned (``guards.check_generation``); on TRL's tool loop every turn's
         call (a later turn's prompt is the previous prompt + completion + tool result, ``tool_mask`` covers
         the model's turns only). A ``rollout_func`` generates its own way and is not observed. On the
-        transformers path puts the sampler's own logprobs where TRL keeps vLLM's. Logs completion shape.
+        transformers path puts the sampler's own logprobs where TRL keeps vLLM's (under top-k/top-p/min-p those of
+        the full softmax, ``truncated_sampling_correction``). Logs completion shape.
       * ``_calculate_rewards``: a +-inf reward is counted (``rewards/<name>/nonfinite_share``) and made
         missing (NaN, as TRL reads ``None``) for the ``nonfinite_reward`` health rule, which stops the
         run by default; TRL alone zeroes the whole group's advantages and logs ``reward: inf``.
@@ -72,7 +74,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         transformers path (``hf_importance_sampling_correction``).
       * ``_compute_loss``: on the microbatch the loss really uses, checks I1, I3/I4
         (``guards.check_loss_inputs``) and I5 (the logprobs the loss used equal ``log_softmax(logits / T)``
-        recomputed independently; not while dropout is active); on the first microbatch I10 (reference and
+        recomputed independently; not while dropout is active) and I11 (each token's weight in TRL's policy loss,
+        read from its gradient, is the ``loss_type``'s normaliser: ``guards.denominator``); on the first microbatch I10 (reference and
         old logprobs equal the policy's, ``identity``); logs the sampler/trainer logprob gap, per-sample
         entropy, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits. The KL to
         the reference is grpotrl's (``KLFields``): TRL's unclamped in-loss k3 is left out (``beta`` injected as 0
