@@ -100,7 +100,8 @@ def test_fused_head_backward_reads_needs_input_grad_when_it_runs():
 
 
 def test_our_overrides_keep_the_signatures():
-    for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model"):
+    for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model",
+                 "_get_per_token_logps_and_entropies"):  # the last: padding_free's packed forward
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
     for name in ("_calculate_rewards", "_generate_and_score_completions", "_compute_loss", "training_step",
                  "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):
@@ -349,3 +350,13 @@ def test_only_intercept_touches_trl_private_fields():
             if isinstance(node, ast.Attribute) and node.attr in trl_fields:
                 found.append(f"{path.relative_to(root)}:{node.lineno} .{node.attr}")
     assert not found, "TRL's private fields outside trainers/_intercept.py:\n" + "\n".join(found)
+
+
+def test_fused_head_shifts_labels_as_padding_free_assumes():
+    """``ops.packing.unpack`` reads the fused head's output at the position before each scored token: the
+    head scores ``labels[:, 1:]`` from ``hidden[:, :-1]`` and returns zeros where a label is -100."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    src = inspect.getsource(add_fused_lm_head)
+    assert "hidden_states = backbone_outputs.last_hidden_state[:, :-1]" in src
+    assert "labels = labels[:, 1:]" in src and "mask = labels != -100" in src

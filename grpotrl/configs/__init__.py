@@ -294,8 +294,25 @@ class KLFields:
 
 
 @dataclass
-class GRPOConfig(KLFields, MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields, GuardFields, OutputDirFields,
-                 trl.GRPOConfig):
+class PaddingFreeFields:
+    """The padding-free logprob forwards (``grpotrl/trainers/padding_free.py``): TRL's SFT name."""
+
+    padding_free: str = field(
+        default="auto",
+        metadata={"help": "Run the policy's, old policy's and reference's logprob forwards (and the backward) on "
+                  "packed rows without padding: each completion with its prompt, position ids restarting per "
+                  "sequence, rows no wider than the padded batch; the per-token logprobs go back into TRL's layout, "
+                  "so the loss is the padded one's. 'auto' (default): on where the model's attention keeps packed "
+                  "rows apart (sdpa, eager, flash_attention_2/3) and there are no image inputs or MoE router losses; "
+                  "true: on (refused for those); false: TRL's padded forward. A trl.GRPOConfig handed to a grpotrl "
+                  "trainer keeps TRL's padded forward unless it sets padding_free. The I5 guard compares it with "
+                  "the padded forward token by token on guard steps."},
+    )
+
+
+@dataclass
+class GRPOConfig(KLFields, PaddingFreeFields, MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields,
+                 GuardFields, OutputDirFields, trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
@@ -332,6 +349,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
     missing = [f for f in fields(config_class) if not hasattr(args, f.name)]
     for f in missing:
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
+    if any(f.name == "padding_free" for f in missing):
+        args.padding_free = False  # a TRL config keeps TRL's padded forward unless it asks for padding_free
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
     check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own

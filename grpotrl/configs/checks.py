@@ -119,10 +119,23 @@ def check_grpotrl_fields(args) -> None:
         raise InputError(f"cagrad_c={args.cagrad_c}: use a value in [0, 10) (typical 0.4-0.5; 0 = mean gradient).")
     _check_generation_settings(args)
     _check_kl_fields(args)
+    check_padding_free(args)
     if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
                          "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
                          "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+PADDING_FREE = (True, False, "auto", "true", "false")
+
+
+def check_padding_free(args) -> None:
+    """``padding_free`` is true, false or 'auto' (a recipe may quote them); with image inputs or a MoE
+    router loss it is refused by the trainer, which sees the model (``trainers.padding_free.resolve``)."""
+    value = getattr(args, "padding_free", False)
+    if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
+        raise InputError(f"padding_free={value!r}: use true, false or 'auto' (on where the model's attention keeps "
+                         "packed rows apart).")
 
 
 def normalize_generation_kwargs(args) -> None:

@@ -35,7 +35,7 @@ from ..ops.losses import kl_full, kl_loss_term, kl_penalty
 from ..ops.masking import position_ids_from_mask
 from ..ops.reduction import aggregate_like_trl
 from ..preflight import check_grpo, task_labels
-from . import _intercept, dynamic_sampling
+from . import _intercept, dynamic_sampling, padding_free
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
 
@@ -81,6 +81,10 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         the reference is grpotrl's (``KLFields``): TRL's unclamped in-loss k3 is left out (``beta`` injected as 0
         for the call) and ``beta * losses.kl_loss_term`` added, reduced as TRL reduces for ``loss_type``
         (``_kl_loss``); with ``use_kl_in_reward`` the reward column ``kl_penalty`` (``kl_reward``) is added at init.
+      * ``_get_per_token_logps_and_entropies`` (every logprob forward: the policy's with its backward, the old
+        policy's, the reference's, the IS correction's): with ``padding_free`` on, a text-only call runs on packed
+        rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``);
+        otherwise TRL's padded forward. I5 compares it with the padded forward on guard steps.
       * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
         for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
         controller), on the graph from the loss back to the entropy node (a few elementwise ops).
@@ -152,6 +156,9 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,
                                                       **vllm_penalties(args)}
         _intercept.inject_position_ids(self.model, self.ref_model)
+        self.padding_free, why_not = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self))
+        if why_not is not None:
+            logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_not)
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
@@ -373,6 +380,26 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ loss (I1, I3, I4, I5, I10)
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, pixel_values=None,
+                                           image_grid_thw=None, num_images=None, pixel_attention_mask=None,
+                                           spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None,
+                                           mm_token_type_ids=None, image_position_ids=None):
+        """TRL's logprob forward; with ``padding_free`` on and a text-only call, on packed rows
+        (``padding_free.packed_logps_and_entropies``): ``(logps [B, C], entropies [B, C] or None, None)``."""
+        multimodal = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles,
+                      image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
+        if not self.padding_free or compute_aux_loss or any(x is not None for x in multimodal):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles,
+                image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
+        pad = _intercept.read_tokenizer(self).pad_token_id
+        logps, entropies = padding_free.packed_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast,
+            pad_id=pad if pad is not None else 0)
+        return logps, entropies, None
+
     def _compute_loss(self, model, inputs):
         record = self._guard_record
         guard = record is not None and self._guard_now() and ROW_KEY in inputs
@@ -415,8 +442,14 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         if not guard or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
             return loss  # under dropout the loss's forward samples masks: no deterministic reference exists
         low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
-        gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
-                                    self.args.guard_logprob_atol * low_precision, rows, scale=scale)
+        try:
+            gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
+                                        self.args.guard_logprob_atol * low_precision, rows, scale=scale)
+        except InvariantError as err:
+            if not self.padding_free:
+                raise
+            raise InvariantError(err.invariant, str(err).removeprefix(f"[{err.invariant}] ") + padding_free.I5_HINT
+                                 ) from err
         if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
                                         atol=1e-3 * low_precision)

@@ -1,0 +1,148 @@
+"""Cost of padding_free: plain ``trl.GRPOTrainer`` vs grpotrl padded vs grpotrl padding-free.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # issue 30's shape: 8 x 8 x 256
+    .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
+
+SmolLM2-135M-Instruct on open questions (answers of very different lengths), the same config,
+seed and data for the three variants, learning rate 0 so that every variant samples the same
+completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed:
+step time, CPU time and peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``)
+as ratios against plain TRL measured in the same run; the completion-length spread and the share
+of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
+padded and padding-free grpotrl runs and their relative difference.
+Goals (issue 30): step time <= 0.75x and peak memory <= 0.8x plain TRL; loss and grad norm equal to
+the padded path's within 1e-5 relative, step by step.
+The guards run on grpotrl's default schedule (the first 2 steps), in both grpotrl variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import _runner  # bench/_runner.py: the timer and the alternating driver
+
+VARIANTS = ("trl", "padded", "packed")
+QUESTIONS = [
+    "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
+    "Describe your ideal weekend.", "What is the difference between weather and climate?",
+    "Why do people procrastinate, and how can they stop?", "Explain how a bicycle stays upright.",
+    "What should I pack for a week-long hiking trip?", "Is it better to rent or to buy a home?",
+    "How does a computer remember things?", "Write a short poem about autumn.",
+    "What are the pros and cons of working from home?", "Why do cats purr?",
+    "Summarise the plot of a story about a lost dog finding its way home.",
+    "How would you explain gravity to a child?", "Give three tips for learning a new language.",
+]
+
+
+def open_questions():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS])
+
+
+def length_reward(completions, **kwargs):
+    """Any reward will do at learning rate 0; this one varies within a group (non-zero advantages)."""
+    return [len(c[0]["content"]) / 100 for c in completions]
+
+
+class PaddingShare:
+    """Each loss microbatch's real tokens, padded cells and completion lengths (the ``_compute_loss``
+    inputs), summed over the run."""
+
+    def __init__(self):
+        self.real, self.cells, self.lengths = 0, 0, []
+
+    def add(self, inputs: dict) -> None:
+        attn = [inputs["prompt_mask"], inputs["completion_mask"]]
+        self.real += int(sum(m.sum() for m in attn))
+        self.cells += int(sum(m.numel() for m in attn))
+        self.lengths.extend(inputs["completion_mask"].sum(1).tolist())
+
+
+def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import resource
+
+    import torch
+    import trl
+
+    import grpotrl
+    from grpotrl.models import resolve_model_path
+
+    cuda = torch.cuda.is_available()
+    common = dict(output_dir=f"/tmp/grpotrl-bench-pf-{variant}", **_runner.shape_config(*shape),
+                  max_steps=steps, logging_steps=1, report_to="none", use_cpu=not cuda, bf16=cuda,
+                  disable_dropout=True, save_strategy="no", seed=0, temperature=0.9, beta=0.04,
+                  learning_rate=0.0)
+    share = PaddingShare()
+    if variant == "trl":
+        trainer_class, args = trl.GRPOTrainer, trl.GRPOConfig(**common)
+    else:
+        trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
+
+    class Recorded(trainer_class):
+        def _compute_loss(self, model, inputs):
+            share.add(inputs)
+            return super()._compute_loss(model, inputs)
+
+    timer = _runner.step_timer()
+    trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
+                       train_dataset=open_questions(), callbacks=[timer])
+    assert variant == "trl" or trainer.padding_free == (variant == "packed")
+    trainer.train()
+    peak = (torch.cuda.max_memory_allocated() if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
+                   lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",
+                   losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
+                   real=share.real, cells=share.cells, completion_lengths=share.lengths)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--child", choices=VARIANTS)
+    _runner.add_shape_args(p, prompts=8, generations=8, length=256)
+    a = p.parse_args()
+    if a.child:
+        return child(a.child, a.steps, (a.prompts, a.generations, a.length))
+    results = _runner.alternate(__file__, VARIANTS, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
+                                describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
+
+    def mean(v, key="step_times"):
+        return _runner.mean_per_step(results, v, key)
+
+    def peak(v):
+        return max(res["peak_bytes"] for res in results[v])
+
+    first = results["packed"][0]
+    lengths = first["completion_lengths"]
+    print(f"\ndevice={first['device']} steps={a.steps} rounds={a.rounds} "
+          f"shape={a.prompts} prompts x {a.generations} generations x {a.length} tokens")
+    print(f"completion lengths (round 0, every loss row): min {min(lengths):.0f}  median "
+          f"{statistics.median(lengths):.0f}  max {max(lengths):.0f}  stdev {statistics.pstdev(lengths):.1f}")
+    print(f"padding share of the padded [B, P + C] loss batches: {1 - first['real'] / first['cells']:.1%}")
+    print(_runner.same_lengths(results, "trl", "padded"))
+    print(_runner.same_lengths(results, "padded", "packed"))
+    for v in VARIANTS:
+        goal = "  (goal <= 0.75)" if v == "packed" else ""
+        print(f"{v:7s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
+              f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
+              f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 0.80)" if v == "packed" else ""))
+    print("per step, padded vs padding-free (round 0; goal: relative difference <= 1e-5):")
+    pad, pf = results["padded"][0], results["packed"][0]
+    for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):
+        print(f"  step {s + 1}: loss {l0:+.8e} vs {l1:+.8e} (rel {_rel(l1, l0):.1e})   "
+              f"grad_norm {g0:.8e} vs {g1:.8e} (rel {_rel(g1, g0):.1e})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The padding-free logprob forward (``padding_free``): TRL's fused-head forward on packed rows.
+
+``GRPOTrainer._get_per_token_logps_and_entropies`` hands a text-only call here when the run is
+padding-free; every other call (image inputs, a MoE router loss) runs TRL's padded forward.
+Each of TRL's ``batch_size`` chunks of rows is packed on its own (``ops.packing.pack``: rows of at
+most the padded width, so no row's attention costs more than a padded row's), run through the
+model with ``position_ids`` restarting at 0 for each sequence, ``attention_mask=None`` and the
+fused head's labels on the scored tokens only, and put back in TRL's ``[B, K]`` layout
+(``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
+metrics, guards) sees what the padded forward would have given.
+
+``resolve`` turns the config's setting into on or off for a loaded model: ``"auto"`` is on where
+the model's attention keeps packed rows apart (transformers' sdpa, eager and FlashAttention 2/3,
+which read the sequence boundaries from the restarting position ids) and there are no image
+inputs or router losses. The I5 guard recomputes the padded forward on guard steps and compares
+token by token: a model whose attention ignores the packing stops there (``I5_HINT``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import InputError
+from ..ops.packing import pack, unpack
+
+logger = logging.getLogger(__name__)
+
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")  # honour restarting position ids
+I5_HINT = (" padding_free is on: the loss's logprobs came from packed rows, the reference from the padded batch. "
+           "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
+           "padding_free=False.")
+
+
+def setting(value) -> bool | str:
+    """The config's ``padding_free`` as ``True``, ``False`` or ``"auto"`` (a recipe or command line may
+    give it as a string; ``configs.checks.check_padding_free`` refused anything else)."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        return "auto" if low == "auto" else low in ("true", "yes", "y", "1", "t")
+    return bool(value)
+
+
+def _attention_of(model) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
+    """Whether the run's logprob forwards are padding-free (``args.padding_free`` for ``model``), and
+    why not where it asked for ``"auto"`` and it is off. An explicit ``True`` that cannot work is an
+    ``InputError``."""
+    want = setting(getattr(args, "padding_free", False))
+    if want is False:
+        return False, None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    why = None
+    if is_vlm:
+        why = "the processing class is multimodal (image inputs are sliced per row by TRL's padded forward)"
+    elif getattr(text, "output_router_logits", False):
+        why = ("the model returns a MoE router load-balancing loss, which would count the packed rows' tail "
+               "padding differently from the padded batch")
+    elif getattr(args, "kl_estimator", None) == "full":
+        why = ("kl_estimator='full' rebuilds the policy's logits from the loss forward's hidden states in the "
+               "padded layout")
+    if why is not None:
+        if want is True:
+            raise InputError(f"padding_free=True: {why}. Set padding_free=False (or 'auto').")
+        return False, why
+    attention = _attention_of(model)
+    if attention not in PACKED_ATTENTION:
+        if want is True:  # the user's call: I5 compares with the padded forward on guard steps
+            logger.warning("padding_free=True with attn_implementation=%r, which grpotrl does not know to keep "
+                           "packed rows apart; the I5 guard checks it against the padded forward on guard steps.",
+                           attention)
+            return True, None
+        return False, (f"attn_implementation={attention!r} is not one known to keep packed rows apart "
+                       f"({', '.join(PACKED_ATTENTION)})")
+    return True, None
+
+
+def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0):
+    """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
+    per-token logprobs [B, K] and entropies [B, K] (or None), zeros where nothing is scored, as TRL's.
+    ``autocast()`` is the accelerator's autocast context."""
+    B, L = input_ids.shape
+    batch_size = batch_size or B  # TRL's chunking: at most batch_size padded rows per forward (memory)
+    logps, entropies = [], []
+    for start in range(0, B, batch_size):
+        end = min(start + batch_size, B)
+        packed = pack(input_ids[start:end], attention_mask[start:end], logits_to_keep, capacity=L, pad_id=pad_id)
+        with autocast():
+            out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                        labels=packed.labels, fused_lm_head=True)  # log_probs [R, W - 1]
+        logps.append(unpack(out.log_probs, packed))  # [b, K]
+        if compute_entropy:
+            entropies.append(unpack(out.entropy, packed))  # [b, K]
+    return torch.cat(logps, dim=0), torch.cat(entropies, dim=0) if compute_entropy else None

@@ -1,0 +1,319 @@
+"""padding_free: the logprob forwards on packed rows give what the padded forward gives (I5).
+
+Pure tests of ``ops/packing.py`` with plans and index maps worked out by hand; trainer tests on
+the tiny random models: packed == padded for the logprobs, entropies, loss and gradients (fp32,
+1e-5 relative) of every TRL loss type, with and without a KL term, with LoRA, gradient
+checkpointing, CAGrad and GAD; the default (on for grpotrl's config, off for a ``trl.GRPOConfig``);
+the refusals; and I5 stopping a model whose attention ignores the packing at step 1.
+"""
+
+import logging
+
+import pytest
+import torch
+import trl
+from conftest import arithmetic_prompts, length_reward
+from datasets import Dataset
+
+import grpotrl
+from grpotrl.errors import InputError, InvariantError
+from grpotrl.ops.packing import IGNORE, pack, pack_plan, unpack
+from grpotrl.trainers import padding_free
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
+
+
+# ---------------------------------------------------------------- ops/packing.py, by hand
+
+def test_pack_plan_first_fit_decreasing():
+    # longest first: 5 -> row 0 (room 1); 4 -> row 1 (room 2); 3 fits neither -> row 2 (room 3);
+    # 2 -> row 1 (first with room >= 2)
+    assert pack_plan([3, 5, 2, 4], capacity=6) == [[1], [3, 2], [0]]
+    # ties in index order; 1 + 1 + 1 fill a row of 3 exactly
+    assert pack_plan([1, 1, 1, 3], capacity=3) == [[3], [0, 1, 2]]
+    assert pack_plan([], capacity=4) == []
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_plan([5], capacity=4)
+
+
+def test_pack_and_unpack_by_hand():
+    # two rows, P = 3 (left-padded prompts), K = 2 (right-padded completions); 0 is pad
+    ids = torch.tensor([[0, 11, 12, 13, 14],    # prompt [11, 12], completion [13, 14]
+                        [21, 22, 23, 24, 0]])   # prompt [21, 22, 23], completion [24]
+    mask = torch.tensor([[0, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 0]])
+    p = pack(ids, mask, logits_to_keep=2, capacity=5)
+    # both sequences are 4 long; capacity 5 holds one each: plan [[0], [1]], width 4
+    assert p.input_ids.tolist() == [[11, 12, 13, 14], [21, 22, 23, 24]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert p.labels.tolist() == [[IGNORE, IGNORE, 13, 14], [IGNORE, IGNORE, IGNORE, 24]]
+    # shifted output [2, 3]: token 13 (packed col 2) is scored at col 1 -> flat 1; 14 at col 2 -> flat 2;
+    # 24 (row 1, col 3) at col 2 -> flat 3 + 2 = 5. Targets in [2, 2]: (0,0)=0, (0,1)=1, (1,0)=2
+    assert p.source.tolist() == [1, 2, 5] and p.target.tolist() == [0, 1, 2]
+    values = torch.tensor([[10., 11., 12.], [20., 21., 22.]], requires_grad=True)
+    out = unpack(values, p)
+    assert out.tolist() == [[11., 12.], [22., 0.]]
+    out.sum().backward()
+    assert values.grad.tolist() == [[0., 1., 1.], [0., 0., 1.]]  # only the scored positions
+
+
+def test_pack_two_sequences_in_one_row_and_a_padded_tail():
+    # three rows, L = 4, K = 2: real lengths 2, 3, 1 + ... capacity 4:
+    # plan: 3 -> row 0 (room 1); 2 -> row 1 (room 2); 1 -> row 0 (room 0)  => [[1, 2], [0]]
+    ids = torch.tensor([[0, 5, 6, 0],     # prompt [5], completion [6]
+                        [7, 8, 9, 0],     # prompt [7, 8], completion [9]
+                        [0, 3, 0, 0]])    # prompt [3], empty completion
+    mask = (ids != 0).long()
+    p = pack(ids, mask, logits_to_keep=2, capacity=4, pad_id=0)
+    assert p.input_ids.tolist() == [[7, 8, 9, 3], [5, 6, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 0], [0, 1, 0, 1]]  # the tail restarts at 0
+    assert p.labels.tolist() == [[IGNORE, IGNORE, 9, IGNORE], [IGNORE, 6, IGNORE, IGNORE]]
+    # 9 at packed (0, 2) -> shifted (0, 1) = flat 1, target row 1 col 0 -> 2; 6 at (1, 1) -> (1, 0) = flat 3 -> 0
+    assert p.source.tolist() == [1, 3] and p.target.tolist() == [2, 0]
+    assert unpack(torch.arange(6.).view(2, 3), p).tolist() == [[3., 0.], [1., 0.], [0., 0.]]
+
+
+# ---------------------------------------------------------------- trainer: packed == padded
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _trainer(model, grpo_args, cls=grpotrl.GRPOTrainer, dataset=None, rewards=length_reward, **kw):
+    extra = {"peft_config": kw.pop("peft")} if "peft" in kw else {}
+    args = grpo_args(**{"learning_rate": 0.0, "guard_steps": 0, "check_step0_identity": False,
+                        "max_completion_length": 64, **kw})
+    trainer = cls(model=model, reward_funcs=rewards, args=args, train_dataset=dataset or arithmetic_prompts(16),
+                  **extra)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    return trainer, inputs
+
+
+def _padded_and_packed(trainer, fn):
+    """``fn()`` with the trainer's logprob forwards padded, then packed."""
+    out = []
+    for on in (False, True):
+        trainer.padding_free = on
+        out.append(fn())
+    return out
+
+
+def _forward(trainer, model, inputs, entropy=True, batch_size=None):
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, P+C]
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, P+C]
+    return trainer._get_per_token_logps_and_entropies(model, ids, attn, inputs["completion_ids"].size(1),
+                                                      batch_size=batch_size, compute_entropy=entropy)
+
+
+def _assert_really_packed(inputs):
+    """The batch has left padding, right padding and completions of several lengths, and packing puts
+    several sequences in one row (so a completion could attend to another sequence's tokens)."""
+    lengths = inputs["completion_mask"].sum(1)
+    assert (inputs["prompt_mask"] == 0).any() and (inputs["completion_mask"] == 0).any()
+    assert lengths.unique().numel() >= 3, lengths.tolist()
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, P+C]
+    plan = pack_plan(attn.sum(1).tolist(), attn.size(1))
+    assert len(plan) < attn.size(0), (attn.sum(1).tolist(), attn.size(1))
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_I5_packed_logprobs_and_entropies_equal_padded(arch, request, grpo_args):
+    """Rotary (llama) and absolute positions (gpt2, where a wrong position id shows): per token, in TRL's
+    [B, C] layout, zeros where TRL leaves zeros; TRL's batch_size chunking kept."""
+    trainer, inputs = _trainer(request.getfixturevalue(arch), grpo_args)
+    assert trainer.padding_free  # grpotrl's default, sdpa
+    _assert_really_packed(inputs)
+    for batch_size in (None, 3):
+        (lp0, h0, _), (lp1, h1, _) = _padded_and_packed(trainer, lambda: _forward(trainer, trainer.model, inputs,
+                                                                                  batch_size=batch_size))
+        assert lp1.shape == lp0.shape == inputs["completion_ids"].shape
+        lp0, h0, lp1, h1 = lp0.detach(), h0.detach(), lp1.detach(), h1.detach()
+        assert _rel(lp1, lp0) < 1e-5 and _rel(h1, h0) < 1e-5, (_rel(lp1, lp0), _rel(h1, h0))
+        torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+        assert (lp1[inputs["completion_mask"] == 0] == 0).all()
+
+
+def _loss_and_grads(trainer, inputs):
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def run():
+        loss = trainer._compute_loss(trainer.model, inputs)
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    (l0, g0), (l1, g1) = _padded_and_packed(trainer, run)
+    flat0, flat1 = torch.cat([g.flatten() for g in g0]), torch.cat([g.flatten() for g in g1])
+    assert flat0.norm() > 0
+    return _rel(l1, l0), _rel(flat1, flat0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, grpo_args):
+    """Same batch, same old/ref logprobs: the loss and the gradient of every parameter, packed vs padded,
+    for each of TRL's loss types (luspo at the sequence level, as TRL requires). With beta > 0 the
+    reference's logprobs, packed too, equal the padded ones."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args, beta=beta, num_iterations=2)
+    _assert_really_packed(inputs)
+    with torch.no_grad():  # the old policy (num_iterations > 1) and the reference go through the same override
+        models = [trainer.model] + ([trainer.ref_model] if beta else [])
+        for model in models:
+            (a, _, _), (b, _, _) = _padded_and_packed(trainer, lambda: _forward(trainer, model, inputs, False))
+            assert _rel(b, a) < 1e-5
+    level = trainer.importance_sampling_level
+    for loss_type in LOSS_TYPES:
+        trainer.loss_type = loss_type
+        trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else level
+        loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+        assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_type, loss_rel, grad_rel)
+
+
+def test_lora_and_no_gradient_checkpointing(tiny_llama, grpo_args):
+    """LoRA (the reference is the disabled adapter), gradient checkpointing off."""
+    from peft import LoraConfig
+
+    trainer, inputs = _trainer(tiny_llama, grpo_args, beta=0.04, gradient_checkpointing=False,
+                               peft=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert trainer.padding_free and not trainer.args.gradient_checkpointing
+    loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+    assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)
+
+
+def test_gradient_checkpointing(tiny_llama, grpo_args):
+    """Checkpointing on, as Trainer.train turns it on (TRL's default; the CAGrad and I5 tests train with it)."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args)
+    assert trainer.args.gradient_checkpointing
+    trainer.model.activation_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+    assert trainer.model.is_activation_checkpointing
+    loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+    assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)
+
+
+def test_cagrad_step_gradients_equal_padded(tiny_llama, grpo_args):
+    """MultiTaskGRPOTrainer with CAGrad exact: a whole step (same seed, same completions), the gradients
+    the optimizer receives, packed vs padded (per-task forwards go through the same override)."""
+    from test_multitask import first_step_grads
+
+    padded, t0 = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.5, padding_free=False)
+    packed, t1 = first_step_grads("exact", tiny_llama, grpo_args, cagrad_c=0.5, padding_free=True)
+    assert not t0.padding_free and t1.padding_free
+    num = sum(float((a - b).pow(2).sum()) for a, b in zip(packed, padded))
+    den = sum(float(b.pow(2).sum()) for b in padded)
+    assert den > 0 and (num / den) ** 0.5 < 1e-5
+    assert t0.state.log_history[0]["loss"] == pytest.approx(t1.state.log_history[0]["loss"], rel=1e-5)
+
+
+def test_gad_loss_and_gradients_equal_padded(tiny_llama, grpo_args):
+    """GADTrainer (GSPO defaults, in-loss KL k3 against the reference): the loss and gradients."""
+    from test_gad import toy_rows
+
+    base = {k: v for k, v in vars(grpo_args()).items() if k in {
+        "output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
+        "logging_steps", "report_to", "use_cpu", "temperature", "save_strategy", "seed", "generation_kwargs"}}
+    args = grpotrl.GADConfig(**base, beta=0.1, guard_steps=0, check_step0_identity=False, disable_tqdm=True)
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    assert trainer.padding_free
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert (inputs["completion_mask"] == 0).any()
+    loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+    assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)
+
+
+# ---------------------------------------------------------------- defaults and refusals
+
+def test_default_on_for_grpotrl_config_off_for_trl_config(tiny_llama, grpo_args, tmp_path):
+    assert grpotrl.GRPOConfig(output_dir=str(tmp_path)).padding_free == "auto"
+    kw = {k: v for k, v in vars(grpo_args()).items() if k in {
+        "output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
+        "report_to", "use_cpu", "save_strategy"}}
+    ours = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
+                               train_dataset=arithmetic_prompts(8))
+    assert ours.padding_free is True
+    theirs = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=trl.GRPOConfig(**kw),
+                                 train_dataset=arithmetic_prompts(8))
+    assert theirs.padding_free is False and theirs.args.padding_free is False  # TRL's padded forward
+    asked = trl.GRPOConfig(**kw)
+    asked.padding_free = True  # set on a TRL config: honoured
+    assert grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=asked,
+                               train_dataset=arithmetic_prompts(8)).padding_free is True
+    eager = grpo_args(model_init_kwargs={"attn_implementation": "eager"})
+    assert grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=eager,
+                               train_dataset=arithmetic_prompts(8)).padding_free is True
+
+
+@pytest.mark.parametrize("value", ["sometimes", 2.5, None])
+def test_bad_padding_free_value_is_refused_at_the_config(value, tmp_path):
+    with pytest.raises(InputError, match="padding_free"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), padding_free=value)
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("False", False), ("auto", "auto"), (True, True)])
+def test_recipe_strings_and_bools_are_read(value, expected, tmp_path):
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path), padding_free=value)
+    assert padding_free.setting(args.padding_free) == expected
+
+
+def _tiny_model(path, **config):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for k, v in config.items():
+        setattr(model.config, k, v)
+    return model
+
+
+def test_refusals_and_auto_off_with_the_reason(tiny_llama, tmp_path, caplog):
+    """Image inputs, a MoE router loss and the full-KL estimator (which reads the padded hidden states)
+    are refused for padding_free=True and turn 'auto' off with the reason; an attention implementation
+    grpotrl does not know turns 'auto' off, and True is the user's call (I5 checks it)."""
+    from types import SimpleNamespace
+
+    model = _tiny_model(tiny_llama)
+    on = SimpleNamespace(padding_free=True)
+    auto = SimpleNamespace(padding_free="auto")
+    with pytest.raises(InputError, match="multimodal.*padding_free=False"):
+        padding_free.resolve(on, model, is_vlm=True)
+    assert padding_free.resolve(auto, model, is_vlm=True)[0] is False
+    with pytest.raises(InputError, match="kl_estimator='full'"):
+        padding_free.resolve(SimpleNamespace(padding_free=True, kl_estimator="full"), model, is_vlm=False)
+    moe = _tiny_model(tiny_llama, output_router_logits=True)
+    with pytest.raises(InputError, match="router"):
+        padding_free.resolve(on, moe, is_vlm=False)
+    off, why = padding_free.resolve(auto, moe, is_vlm=False)
+    assert off is False and "router" in why
+    assert padding_free.resolve(SimpleNamespace(padding_free=False), model, is_vlm=False) == (False, None)
+    model.config._attn_implementation = "my_kernel"
+    off, why = padding_free.resolve(auto, model, is_vlm=False)
+    assert off is False and "my_kernel" in why
+    with caplog.at_level(logging.WARNING):
+        assert padding_free.resolve(on, model, is_vlm=False) == (True, None)
+    assert "I5 guard" in caplog.text
+
+
+# ---------------------------------------------------------------- I5 catches attention that ignores packing
+
+def _ignores_packing(path):
+    """tiny_llama whose backbone drops ``position_ids``: transformers then numbers the packed row 0..W-1 and
+    masks it causally as ONE sequence, so each completion attends to the sequences packed before it. On the
+    padded batch (rotary positions: relative) it is the same model as before."""
+    model = _tiny_model(path)
+    model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: (args, {k: v for k, v in kwargs.items() if k != "position_ids"}), with_kwargs=True)
+    return model
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["padding_free", "control"])
+def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, tiny_llama, grpo_args):
+    args = grpo_args(padding_free=on, guard_steps=-1, max_steps=1, per_device_train_batch_size=16, beta=0.0,
+                     max_completion_length=64)
+    trainer = grpotrl.GRPOTrainer(model=_ignores_packing(tiny_llama), reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(16))
+    if not on:
+        trainer.train()
+        assert trainer.state.global_step == 1
+        return
+    with pytest.raises(InvariantError, match=r"(?s)\[I5\].*set padding_free=False"):
+        trainer.train()
+    assert trainer.state.global_step == 0
