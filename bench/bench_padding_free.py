@@ -137,6 +137,14 @@ def main() -> None:
         print(f"{v:7s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
               f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
               f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 0.80)" if v == "packed" else ""))
+    guard = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
+    if a.steps > guard:
+        after = slice(guard, None)
+        print(f"steps {guard + 1}..{a.steps} only (after grpotrl's guard steps):")
+        for v in VARIANTS:
+            step, cpu = (_runner.mean_per_step(results, v, key, after) for key in ("step_times", "cpu_times"))
+            step0, cpu0 = (_runner.mean_per_step(results, "trl", key, after) for key in ("step_times", "cpu_times"))
+            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x)   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)")
     print("per step, padded vs padding-free (round 0; goal: relative difference <= 1e-5):")
     pad, pf = results["padded"][0], results["packed"][0]
     for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):
