@@ -55,6 +55,19 @@ def test_I11_check_denominator_names_the_loss_type_expected_and_found():
         check_denominator("dapo", torch.tensor([[float("nan"), 1.0]]), slope, torch.tensor([4.0]), torch.ones(1, 2))
 
 
+def test_I11_a_token_whose_expected_gradient_underflows_is_unreadable_not_a_stop():
+    """An advantage an importance ratio scaled to ~1e-40 (a sampler far from the trainer): its expected
+    gradient 1e-40 / 4 is below float32's normal range, and the loss's gradient rounds to 0 there. Found
+    in the merged suite: read as 'divides by inf'. It is counted as unchecked; the other token still is."""
+    grad = torch.tensor([[-0.5, 0.0]])
+    slope = torch.tensor([[-2.0, -1e-40]])
+    metrics = check_denominator("dapo", grad, slope, torch.tensor([4.0]), torch.ones(1, 2))
+    assert metrics["guards/denominator_checked_share"] == 0.5
+    with pytest.raises(InvariantError, match=r"by -?inf \(found\)"):  # a normal-range slope with no gradient stops
+        check_denominator("dapo", torch.tensor([[-0.5, 0.0]]), torch.tensor([[-2.0, -2.0]]), torch.tensor([4.0]),
+                          torch.ones(1, 2))
+
+
 class MicrobatchTokenDapo(grpotrl.GRPOTrainer):
     """The bug class of trl#5619, reintroduced: dapo divides each microbatch by its own token count instead of
     the accumulation window's. TRL's normaliser is num_items_in_batch / world * GA / steps_per_generation;

@@ -138,12 +138,13 @@ def test_I5_guard_passes_a_correct_custom_hook(tiny_llama, grpo_args):
 
 
 def test_I5_guard_catches_trl_positions_on_absolute_position_model(tiny_gpt2, grpo_args, monkeypatch):
-    """TRL's logprob forward uses positions 0..L-1; generate used cumsum(mask) - 1. GPT-2 shows it."""
+    """TRL's padded logprob forward uses positions 0..L-1; generate used cumsum(mask) - 1. GPT-2 shows it
+    (``padding_free=False``: the packed forward sets its own positions, restarting per sequence)."""
     import grpotrl.trainers._intercept as intercept
 
     monkeypatch.setattr(intercept, "_positions_from_attention_mask", lambda module, args, kwargs: (args, kwargs))
     with pytest.raises(InvariantError, match=r"(?s)\[I5\]"):
-        _run(grpotrl.GRPOTrainer, tiny_gpt2, grpo_args())
+        _run(grpotrl.GRPOTrainer, tiny_gpt2, grpo_args(padding_free=False))
 
 
 class RecordedNoTemperature(NoTemperature):

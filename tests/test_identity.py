@@ -194,9 +194,13 @@ def test_sampler_matching_the_trainer_logs_raw_ratios_of_1_and_no_warning(tiny_l
 def test_sampler_at_another_temperature_or_top_k_trips_the_gate(tiny_llama, grpo_args, caplog, behind_the_trainer):
     """A sampler the config no longer describes: generate's config changed after the trainer was built
     (``generation_kwargs={"temperature": ...}`` itself becomes the config's temperature, or is refused
-    when it disagrees: tests/test_configs.py)."""
+    when it disagrees: tests/test_configs.py). A truncation (top_k) trips it with the truncated-sampling
+    correction off; with it on, the ratio compares like with like (the next test)."""
+    correction = "top_k" not in behind_the_trainer
+
     def sampled(**kw):
-        trainer = _sampled(tiny_llama, grpo_args, generation_kwargs={}, **kw)
+        trainer = _sampled(tiny_llama, grpo_args, generation_kwargs={}, truncated_sampling_correction=correction,
+                           **kw)
         for name, value in behind_the_trainer.items():
             setattr(trainer.generation_config, name, value)
         return trainer
@@ -210,8 +214,22 @@ def test_sampler_at_another_temperature_or_top_k_trips_the_gate(tiny_llama, grpo
     assert _logged(trainer, "sampling/raw_ratio/token/max")[0] > 1.1 or _logged(
         trainer, "sampling/raw_ratio/token/min")[0] < 0.9
     stop = sampled(sampler_gap_action="stop")
-    with pytest.raises(InvariantError, match=r"\[I5\].*sampler/trainer mismatch.*generation_kwargs"):
+    cause = "temperature: the sampler ran at T=2" if correction else "truncation: TopKLogitsWarper"
+    with pytest.raises(InvariantError, match=rf"\[I5\].*sampler/trainer mismatch.*Measured causes: {cause}"):
         stop.train()
+
+
+def test_I5_top_k_behind_the_trainer_is_corrected_to_the_full_softmax(tiny_llama, grpo_args, caplog):
+    """The same top_k=3 behind the trainer with ``truncated_sampling_correction`` on (the default): the
+    sampler logprob is that of the full softmax, so the raw ratio is 1 and the gate stays quiet; the
+    kept mass (< 1) is logged."""
+    trainer = _sampled(tiny_llama, grpo_args, generation_kwargs={})
+    trainer.generation_config.top_k = 3
+    with caplog.at_level(logging.WARNING, logger="grpotrl"):
+        trainer.train()
+    assert "sampler/trainer mismatch" not in caplog.text
+    assert _logged(trainer, "sampling/raw_ratio/token/mean")[0] == pytest.approx(1.0, abs=1e-4)
+    assert _logged(trainer, "sampling/causes/kept_mass")[0] < 0.5  # a tiny random model: 3 of 50k tokens
 
 
 def test_sampler_gap_settings_are_checked():

@@ -107,19 +107,22 @@ def token_slope(loss_type: str, advantages: torch.Tensor, log_ratio: torch.Tenso
 
 
 def check_denominator(loss_type: str, grad: torch.Tensor, slope: torch.Tensor, expected: torch.Tensor,
-                      mask: torch.Tensor, rtol: float = 1e-4) -> dict[str, float]:
+                      mask: torch.Tensor, rtol: float = 1e-4, tiny: float = 1024 * torch.finfo(torch.float32).tiny
+                      ) -> dict[str, float]:
     """The normaliser the loss used, ``slope / grad`` per loss token (``grad`` [B, C] = d loss / d logp,
     ``slope`` [B, C] from ``token_slope``, NaN where unreadable), against ``expected`` [B]
     (``expected_normaliser``) within ``rtol``. Raises ``InvariantError`` naming the loss type, the
     expected and the found normaliser; a NaN or inf gradient on a loss token is an error too (nothing
-    can be verified there). Returns ``{"guards/denominator_checked_share", ...max_rel_error}``."""
+    can be verified there). A token whose expected gradient ``slope / expected`` is below ``tiny`` (1024
+    x the smallest normal number of the logprobs' dtype: an advantage scaled towards 0 by an importance
+    ratio, say) is unreadable: its gradient may round to 0 or lose its precision. Returns ``{"guards/denominator_checked_share", ...max_rel_error}``."""
     on = mask.bool()  # [B, C]
     if not torch.isfinite(grad[on]).all():
         raise InvariantError("I11", f"loss_type={loss_type!r}: d loss / d logp is NaN or inf on a loss token, so the "
                                     "loss's normaliser cannot be read. Look for a non-finite loss term first.")
-    readable = on & torch.isfinite(slope)  # [B, C]
+    want = expected.unsqueeze(1).expand_as(slope)  # [B, C]
+    readable = on & torch.isfinite(slope) & ((slope / want).abs() >= tiny)  # [B, C]
     found = slope / grad  # [B, C]; a token with gradient 0 reads as inf: the loss gave it no weight
-    want = expected.unsqueeze(1).expand_as(found)  # [B, C]
     rel = ((found - want).abs() / want).masked_fill(~readable, 0.0)  # [B, C]
     worst = float(rel.max()) if readable.any() else 0.0
     if worst > rtol or not torch.isfinite(rel).all():

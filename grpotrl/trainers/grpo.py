@@ -411,9 +411,12 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
         full_kl = self._kl_in_loss and self.args.kl_estimator == "full"
         capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full_kl \
             else contextlib.nullcontext([])
+        # 'full' rebuilds logits from the loss forward's hidden states in the padded layout: that forward runs
+        # padded (padding_free's 'auto' is off for it at init; this covers a config changed afterwards)
+        padded = _intercept.inject_attr(self, "padding_free", False) if full_kl else contextlib.nullcontext()
         # TRL's own in-loss KL (unclamped k3) is left out: grpotrl adds its own below (_kl_loss)
         with _intercept.record_loss_forward(self) as calls, _intercept.inject_attr(self, "beta", 0.0), \
-                capture as hidden:
+                capture as hidden, padded:
             loss = super()._compute_loss(model, inputs)
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
         completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
@@ -536,7 +539,8 @@ class GRPOTrainer(CheckedResume, trl.GRPOTrainer):
             accumulation=args.gradient_accumulation_steps, window_tokens=getattr(self, "_window_tokens", None),
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)  # [B]
         metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
-                                                rtol=1e-2 if (args.bf16 or args.fp16) else 1e-4)
+                                                rtol=1e-2 if (args.bf16 or args.fp16) else 1e-4,
+                                                tiny=1024 * torch.finfo(used.dtype).tiny)
         if not metrics["guards/denominator_checked_share"] and "denominator" not in self._said:
             self._said.add("denominator")
             logger.warning("grpotrl guard I11: no token of this microbatch carried a readable weight (advantages 0, "
