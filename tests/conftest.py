@@ -179,3 +179,19 @@ def serve(smollm2_path, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=15)
+
+
+def perturbed_batch(trainer):
+    """Moves ``trainer``'s policy away from its reference (0.05 x N(0, 1) on every weight, seed 0), puts it
+    in train mode and returns one prepared batch (``_prepare_inputs``): a KL that is not 0, for the KL tests
+    of GRPO and GAD (which turn I10 off: moving the policy at step 0 is what it catches)."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    return trainer._prepare_inputs(batch)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 import trl
+from conftest import perturbed_batch
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -467,14 +468,7 @@ def _kl_trainer(tiny_llama, gad_args, **overrides):
     # the policy is moved by hand at step 0, which is what I10 exists to catch: off here
     args = gad_args(beta=0.1, guard_steps=0, check_step0_identity=False, **overrides)
     trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip
-    trainer.model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    return trainer, trainer._prepare_inputs(batch)
+    return trainer, perturbed_batch(trainer)
 
 
 def _independent_kl(trainer, prompt_ids, prompt_mask, completion_ids, completion_mask, estimator):

@@ -7,7 +7,7 @@ TRL's loss to rounding wherever the clamp is not active (the default: k3 in the 
 import pytest
 import torch
 import trl
-from conftest import arithmetic_prompts, length_reward
+from conftest import arithmetic_prompts, length_reward, perturbed_batch
 
 import grpotrl
 from grpotrl.errors import InputError
@@ -21,14 +21,7 @@ def _trainer(tiny_llama, grpo_args, **overrides):
     args = grpo_args(beta=BETA, guard_steps=0, check_step0_identity=False, **overrides)
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
                                   train_dataset=arithmetic_prompts())
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip
-    trainer.model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    return trainer, trainer._prepare_inputs(batch)
+    return trainer, perturbed_batch(trainer)
 
 
 def _trl_loss(trainer, inputs):

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from conftest import arithmetic_prompts, length_reward
+from test_generation import Observed, _logged, _train  # the same observed trainer and log reader
 from transformers import AutoModelForCausalLM
 
 import grpotrl
@@ -22,21 +22,6 @@ TOP_P, T = 0.8, 0.7
 GATE = "grpotrl.guards.identity"
 
 
-class Observed(grpotrl.GRPOTrainer):
-    def _compute_loss(self, model, inputs):
-        self.seen = getattr(self, "seen", []) + [{k: v.detach().clone() for k, v in inputs.items()
-                                                  if isinstance(v, torch.Tensor)}]
-        return super()._compute_loss(model, inputs)
-
-
-def _train(model, args, cls=Observed):
-    trainer = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts())
-    trainer.train()
-    return trainer
-
-
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def _args(grpo_args, **kw):

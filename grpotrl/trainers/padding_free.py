@@ -37,8 +37,8 @@ def setting(value) -> bool | str:
     """The config's ``padding_free`` as ``True``, ``False`` or ``"auto"`` (a recipe or command line may
     give it as a string; ``configs.checks.check_padding_free`` refused anything else)."""
     if isinstance(value, str):
-        low = value.strip().lower()
-        return "auto" if low == "auto" else low in ("true", "yes", "y", "1", "t")
+        low = value.strip().lower()  # 'auto', 'true' or 'false' (configs.checks.PADDING_FREE)
+        return "auto" if low == "auto" else low == "true"
     return bool(value)
 
 
