@@ -70,31 +70,34 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     K = logits_to_keep
     device = input_ids.device
     real = attention_mask.bool()  # [B, L]
-    cols = [real[i].nonzero().squeeze(-1) for i in range(B)]  # B x [n_i] the real columns of each row
-    plan = pack_plan([c.numel() for c in cols], capacity)
-    W = max((sum(cols[i].numel() for i in row) for row in plan), default=1)
-    W = max(W, 2)  # the head's shifted output [R, W - 1] must not be empty
-    ids = torch.full((len(plan), W), pad_id, dtype=input_ids.dtype, device=device)  # [R, W]
-    pos = torch.zeros((len(plan), W), dtype=torch.long, device=device)  # [R, W]
-    labels = torch.full((len(plan), W), IGNORE, dtype=input_ids.dtype, device=device)  # [R, W]
-    source, target = [], []
+    lengths = real.sum(1).tolist()  # B ints (the one host sync)
+    plan = pack_plan(lengths, capacity)
+    row_of, offset_of, used = [0] * B, [0] * B, []  # each sequence's packed row and start; each row's length
     for r, row in enumerate(plan):
         offset = 0
         for i in row:
-            c = cols[i]  # [n_i]
-            n = c.numel()
-            ids[r, offset:offset + n] = input_ids[i, c]
-            pos[r, offset:offset + n] = torch.arange(n, device=device)
-            scored = (c >= L - K).nonzero().squeeze(-1)  # [m_i] indices within the sequence
-            scored = scored[scored > 0]
-            labels[r, offset + scored] = input_ids[i, c[scored]]
-            source.append(r * (W - 1) + offset + scored - 1)  # the position that predicts it
-            target.append(i * K + c[scored] - (L - K))
-            offset += n
-        pos[r, offset:] = torch.arange(W - offset, device=device)
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    return Packed(ids, pos, labels, torch.cat(source) if source else empty, torch.cat(target) if target else empty,
-                  (B, K))
+            row_of[i], offset_of[i] = r, offset
+            offset += lengths[i]
+        used.append(offset)
+    R, W = len(plan), max(max(used, default=1), 2)  # the head's shifted output [R, W - 1] must not be empty
+    rank = real.long().cumsum(1) - 1  # [B, L] each real token's place within its sequence
+    b, j = real.nonzero(as_tuple=True)  # [T] every real token (padded row, column)
+    k = rank[b, j]  # [T]
+    row = torch.tensor(row_of, dtype=torch.long, device=device)[b]  # [T] its packed row
+    col = torch.tensor(offset_of, dtype=torch.long, device=device)[b] + k  # [T] its packed column
+    w = torch.arange(W, device=device)  # [W]
+    end = torch.tensor(used, dtype=torch.long, device=device).view(R, 1)  # [R, 1]
+    pos = torch.where(w >= end, w - end, 0)  # [R, W]: the tail after the last sequence restarts at 0
+    pos[row, col] = k
+    ids = torch.full((R, W), pad_id, dtype=input_ids.dtype, device=device)  # [R, W]
+    ids[row, col] = input_ids[b, j]
+    scored = (j >= L - K) & (k > 0)  # [T] in the last K columns, not a sequence's first token
+    labels = torch.full((R, W), IGNORE, dtype=input_ids.dtype, device=device)  # [R, W]
+    labels[row[scored], col[scored]] = input_ids[b[scored], j[scored]]
+    source = row[scored] * (W - 1) + col[scored] - 1  # [N] the position that predicts each scored token
+    target = b[scored] * K + j[scored] - (L - K)  # [N]
+    order = source.argsort()  # packed order: row by row, left to right
+    return Packed(ids, pos, labels, source[order], target[order], (B, K))
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
