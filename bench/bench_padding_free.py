@@ -3,13 +3,16 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # issue 30's shape: 8 x 8 x 256
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
 
-SmolLM2-135M-Instruct on open questions (answers of very different lengths), the same config,
+SmolLM2-135M-Instruct on open questions, half of them asking for a short answer (so a batch's
+answers run from a dozen tokens to the cap, as in real prompt mixes), the same config,
 seed and data for the three variants, learning rate 0 so that every variant samples the same
 completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed:
 step time, CPU time and peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``)
 as ratios against plain TRL measured in the same run; the completion-length spread and the share
 of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
-padded and padding-free grpotrl runs and their relative difference.
+padded and padding-free grpotrl runs and their relative difference; and where a step's time goes
+(sampling + rewards, which packing does not touch; the no-grad reference/old-policy logprob forwards;
+the loss forward + backward), each against plain TRL's.
 Goals (issue 30): step time <= 0.75x and peak memory <= 0.8x plain TRL; loss and grad norm equal to
 the padded path's within 1e-5 relative, step by step.
 The guards run on grpotrl's default schedule (the first 2 steps), in both grpotrl variants.
@@ -24,15 +27,15 @@ import statistics
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
 VARIANTS = ("trl", "padded", "packed")
-QUESTIONS = [
+QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a dozen tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
     "Why do people procrastinate, and how can they stop?", "Explain how a bicycle stays upright.",
-    "What should I pack for a week-long hiking trip?", "Is it better to rent or to buy a home?",
-    "How does a computer remember things?", "Write a short poem about autumn.",
-    "What are the pros and cons of working from home?", "Why do cats purr?",
-    "Summarise the plot of a story about a lost dog finding its way home.",
-    "How would you explain gravity to a child?", "Give three tips for learning a new language.",
+    "What should I pack for a week-long hiking trip?",
+    "In one short sentence: what is a rainbow?", "Name one thing that makes a city pleasant to live in.",
+    "In a few words, why do cats purr?", "Answer in one sentence: is it better to rent or to buy a home?",
+    "Give a one-line definition of gravity.", "In one sentence, what is a good breakfast?",
+    "Suggest a name for a lost dog, nothing else.", "Say briefly what autumn smells like.",
 ]
 
 
@@ -64,8 +67,10 @@ class PaddingShare:
 def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import resource
+    import time
 
     import torch
+    import transformers
     import trl
 
     import grpotrl
@@ -82,14 +87,40 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     else:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
 
+    phases = {"rollout": 0.0, "no_grad_logps": 0.0, "step": 0.0}  # seconds in the current step
+    per_step = {k: [] for k in phases}
+
+    def timed(key, fn):
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            phases[key] += time.perf_counter() - t
+
     class Recorded(trainer_class):
         def _compute_loss(self, model, inputs):
             share.add(inputs)
             return super()._compute_loss(model, inputs)
 
+        def _generate_and_score_completions(self, inputs):  # sampling, rewards, reference/old logprobs
+            return timed("rollout", lambda: super(Recorded, self)._generate_and_score_completions(inputs))
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            call = lambda: super(Recorded, self)._get_per_token_logps_and_entropies(*args, **kwargs)  # noqa: E731
+            return call() if torch.is_grad_enabled() else timed("no_grad_logps", call)
+
+        def training_step(self, *args, **kwargs):
+            return timed("step", lambda: super(Recorded, self).training_step(*args, **kwargs))
+
+    class Phases(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            for k in phases:
+                per_step[k].append(phases[k])
+                phases[k] = 0.0
+
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
-                       train_dataset=open_questions(), callbacks=[timer])
+                       train_dataset=open_questions(), callbacks=[timer, Phases()])
     assert variant == "trl" or trainer.padding_free == (variant == "packed")
     trainer.train()
     peak = (torch.cuda.max_memory_allocated() if cuda
@@ -98,7 +129,8 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
                    lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",
                    losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
-                   real=share.real, cells=share.cells, completion_lengths=share.lengths)
+                   real=share.real, cells=share.cells, completion_lengths=share.lengths,
+                   phases=per_step)
 
 
 def _rel(a: float, b: float) -> float:
@@ -145,6 +177,24 @@ def main() -> None:
             step, cpu = (_runner.mean_per_step(results, v, key, after) for key in ("step_times", "cpu_times"))
             step0, cpu0 = (_runner.mean_per_step(results, "trl", key, after) for key in ("step_times", "cpu_times"))
             print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x)   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)")
+    steady = slice(guard, None) if a.steps > guard else slice(None)
+
+    def phase(v, name):
+        """Mean seconds per step (over rounds, over the steady steps) of one phase of the step."""
+        def one(res):
+            p = {k: x[steady] for k, x in res["phases"].items()}
+            return {"sampling": [r - n for r, n in zip(p["rollout"], p["no_grad_logps"])],
+                    "no_grad_logps": p["no_grad_logps"],
+                    "loss": [s - r for s, r in zip(p["step"], p["rollout"])]}[name]
+        return statistics.mean(statistics.mean(one(res)) for res in results[v])
+
+    print(f"phases per step ({'steps %d..%d' % (guard + 1, a.steps) if a.steps > guard else 'every step'}; "
+          "padding_free changes only the last two):")
+    names = {"sampling": "sampling + rewards", "no_grad_logps": "reference/old logprob forwards",
+             "loss": "loss forward + backward"}
+    for v in VARIANTS:
+        print(f"  {v:7s} " + "   ".join(f"{names[k]} {phase(v, k):7.2f} s ({phase(v, k) / max(phase('trl', k), 1e-9):.3f}x)"
+                                      for k in names))
     print("per step, padded vs padding-free (round 0; goal: relative difference <= 1e-5):")
     pad, pf = results["padded"][0], results["packed"][0]
     for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):

@@ -259,6 +259,7 @@ def main() -> None:
             "global_step": trainer.state.global_step,
             "guard_calls": dict(GUARD_CALLS),
             "guard_max_gap": getattr(trainer, "_guard_max_gap", None),
+            "padding_free": getattr(trainer, "padding_free", None),
             "logged_gaps": [e["guards/logprob_max_gap"] for e in trainer.state.log_history
                             if "guards/logprob_max_gap" in e],
             "generations": list(GENERATIONS),

@@ -1,7 +1,8 @@
 """Two-process CPU runs through ``accelerate launch`` with the repo's own recipes/accelerate files:
 SFT, GRPO then GAD (2 steps each, tiny llama over the real SmolLM2 tokenizer) under DeepSpeed
 ZeRO-2 and ZeRO-3, GRPO then GAD under DDP, over gloo. tests/dist_worker.py trains and writes
-per-rank evidence; these tests read it: the guards ran on every rank, the weights moved and agree
+per-rank evidence; these tests read it: the guards ran on every rank (I5 comparing the packed
+loss logprobs of grpotrl's default padding_free with the padded forward), the weights moved and agree
 across ranks, the saved checkpoint holds them, under ZeRO-3 generation ran on TRL's gathered
 parameters, and GAD's discriminator trained under the same launch, agrees across ranks and is
 restored exactly (weights and this rank's optimizer shard) by a resume.
@@ -111,7 +112,9 @@ def test_I1_to_I5_guards_ran_on_every_rank_every_step(launched):
         for guard in ("check_prompts_templated", "check_same_prompt", "check_extraction", "check_reward_text",
                       "check_completion_mask", "check_logprobs"):
             assert calls.get(guard, 0) >= STEPS, (rank, guard, calls)
-        # I5 on this rank's own microbatches: a gap per step, logged and kept by the trainer
+        # I5 on this rank's own microbatches: a gap per step, logged and kept by the trainer; the loss's
+        # logprobs came from packed rows (grpotrl's default padding_free), compared with the padded forward
+        assert ev["padding_free"] is True, (method, rank)
         assert len(ev["logged_gaps"]) == STEPS, rank
         assert ev["guard_max_gap"] == max(ev["logged_gaps"]) < 1e-4, rank
 

@@ -20,6 +20,7 @@ from grpotrl.gad import discriminator as gd
 from grpotrl.chat import templates
 from grpotrl.errors import InputError
 from grpotrl.ops.losses import KL_ESTIMATORS, kl_full, kl_penalty
+from grpotrl.ops.masking import pad_sequences
 
 TOY = Path(grpotrl.__file__).parent / "data" / "gad_toy.jsonl"
 PROMPT = [{"role": "user", "content": "What is 13 + 14? Answer with just the number."}]
@@ -55,9 +56,9 @@ def test_I9_score_is_the_same_alone_left_padded_and_right_padded(arch, request, 
     d = gd.load_discriminator(request.getfixturevalue(arch), tok.pad_token_id)
     seqs = [gd.sequence_ids(tok, PROMPT, text) for text in ("27", "27. Hope this helps!", "I think 26?")]
     with torch.no_grad():
-        alone = torch.cat([d(*gd.pad_sequences([s], tok.pad_token_id)) for s in seqs])  # [3]
+        alone = torch.cat([d(*pad_sequences([s], tok.pad_token_id)) for s in seqs])  # [3]
         for side in ("left", "right"):
-            batched = d(*gd.pad_sequences(seqs, tok.pad_token_id, side))  # [3]
+            batched = d(*pad_sequences(seqs, tok.pad_token_id, side))  # [3]
             torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
     assert len(set(alone.tolist())) == 3
 
@@ -69,7 +70,7 @@ def test_I9_hf_pooling_reads_the_wrong_token_when_pad_is_eos(tiny_llama, smollm2
     d = gd.load_discriminator(tiny_llama, tok.pad_token_id)
     seq = gd.sequence_ids(tok, PROMPT, "27. Hope this helps!")
     assert seq[-1] == tok.pad_token_id == tok.eos_token_id  # ends with <|im_end|>
-    ids, mask = gd.pad_sequences([seq], tok.pad_token_id)
+    ids, mask = pad_sequences([seq], tok.pad_token_id)
     with torch.no_grad():
         ours = d(ids, mask)  # [1] at the last real token: <|im_end|>
         hf = d.model(input_ids=ids, attention_mask=mask).logits[:, 0]  # [1]
@@ -112,7 +113,7 @@ def test_lora_discriminator_trains_adapter_and_head_only(tiny_llama, smollm2_tok
     trainable = [n for n, p in d.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "score" in n for n in trainable)
     assert any("score" in n for n in trainable)
-    ids, mask = gd.pad_sequences([[1, 2, 3], [4, 5]], smollm2_tokenizer.pad_token_id, "left")
+    ids, mask = pad_sequences([[1, 2, 3], [4, 5]], smollm2_tokenizer.pad_token_id, "left")
     assert d(ids, mask).shape == (2,)
 
 
@@ -125,7 +126,7 @@ def test_discriminator_reward_is_a_trl_reward_function(tiny_llama, smollm2_token
     scores = reward(prompts=[PROMPT, PROMPT], completions=completions, completion_ids=[[1], [2, im_end]])
     with torch.no_grad():  # the first response was cut (no stop id): scored without an end-of-turn
         seqs = reward.sequences([PROMPT, PROMPT], ["27", "26"], finished=[False, True])
-        direct = d(*gd.pad_sequences(seqs, tok.pad_token_id))
+        direct = d(*pad_sequences(seqs, tok.pad_token_id))
     assert scores == pytest.approx(direct.tolist(), abs=1e-6)
     assert trl.trainer.utils.get_callable_name(reward) == "discriminator"
 
@@ -171,7 +172,7 @@ def test_packed_batch_gives_the_scores_and_gradients_of_whole_sequences(arch, at
     else:
         assert batch["input_ids"].size(0) > 2 and real > prompt_tokens + sum(len(r) for _, r in parts)  # repeated
     packed, packed_grads = _scores_and_grads(d, lambda: d(**batch))
-    whole, whole_grads = _scores_and_grads(d, lambda: d(*gd.pad_sequences([p + r for p, r in parts],
+    whole, whole_grads = _scores_and_grads(d, lambda: d(*pad_sequences([p + r for p, r in parts],
                                                                          tok.pad_token_id)))
     torch.testing.assert_close(packed, whole, atol=1e-5, rtol=0)
     assert len(set(whole.tolist())) == 6

@@ -135,6 +135,38 @@ def test_I5_packed_logprobs_and_entropies_equal_padded(arch, request, grpo_args)
         assert (lp1[inputs["completion_mask"] == 0] == 0).all()
 
 
+def test_a_call_is_packed_whole_and_run_in_forwards_no_larger_than_trls_chunks(tiny_llama, grpo_args):
+    """The reference / old-policy call runs over a whole generation batch in TRL's ``batch_size`` chunks,
+    each chunk one prompt's group (unshuffled). Packing the call whole and running ``batch_size`` packed
+    rows per forward: every forward is at most ``batch_size x L`` (TRL's chunk), the rows are exactly the
+    call's first-fit-decreasing plan (fewer than packing chunk by chunk here), and the values equal padded."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, L]
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, L]
+    B, L = ids.shape
+    # regroup the rows as TRL's reference call sees them: sorted by length, so each chunk of 3 holds
+    # similar lengths (as one prompt's group does) and packing chunk by chunk leaves rows part-empty
+    order = attn.sum(1).argsort()
+    inputs = {k: v[order] if torch.is_tensor(v) and v.dim() and v.size(0) == B else v for k, v in inputs.items()}
+    lengths = attn[order].sum(1).tolist()
+    whole = len(pack_plan(lengths, L))
+    by_chunk = sum(len(pack_plan(lengths[i:i + 3], L)) for i in range(0, B, 3))
+    assert whole < by_chunk, (lengths, L)
+    trainer.padding_free = False
+    lp0 = _forward(trainer, trainer.model, inputs, entropy=False, batch_size=3)[0]
+    trainer.padding_free = True
+    packed = []  # [rows, width] of each forward of the packed call
+    hook = trainer.model.register_forward_pre_hook(
+        lambda m, args, kwargs: packed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        lp1 = _forward(trainer, trainer.model, inputs, entropy=False, batch_size=3)[0]
+    finally:
+        hook.remove()
+    assert all(r <= 3 and w <= L for r, w in packed), (packed, L)
+    assert sum(r for r, _ in packed) == whole, (packed, whole, by_chunk)
+    assert _rel(lp1.detach(), lp0.detach()) < 1e-5
+
+
 def _loss_and_grads(trainer, inputs):
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 

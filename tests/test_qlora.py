@@ -156,6 +156,7 @@ def test_qlora_grpo_steps_on_smollm2_4bit_train_lora_only_with_guards_on(smollm2
     )
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert lora_before and all("lora_" in n for n in lora_before)
+    assert trainer.padding_free  # grpotrl's default: the loss's logprobs from packed rows, I5 checks them
     trainer.train()
 
     gaps = [e["guards/logprob_max_gap"] for e in trainer.state.log_history if "guards/logprob_max_gap" in e]

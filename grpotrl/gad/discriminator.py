@@ -43,7 +43,7 @@ from torch import nn
 
 from ..chat import templates
 from ..errors import InputError
-from ..ops.masking import last_token_index, position_ids_from_mask
+from ..ops.masking import last_token_index, pad_sequences, position_ids_from_mask
 
 
 def pool_last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -101,24 +101,6 @@ def end_of_turn_id(tokenizer, chat_template: str | None = None) -> int:
     ``templates.end_of_turn_token_id``); eos when the template writes none."""
     eot = templates.end_of_turn_token_id(tokenizer, chat_template)
     return tokenizer.eos_token_id if eot is None else eot
-
-
-def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "right",
-                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both [B, L], padded on ``side``.
-
-    >>> ids, mask = pad_sequences([[5, 6], [7]], pad_id=0, side="left")
-    >>> ids.tolist(), mask.tolist()
-    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
-    """
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
-        ids[i, span] = torch.tensor(s, dtype=torch.long)
-        mask[i, span] = 1
-    return ids.to(device), mask.to(device)
 
 
 MAX_ROW_TOKENS = 1024  # a packed row's attention is [W, W]: bounded, as padded rows' [L, L] are

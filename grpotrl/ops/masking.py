@@ -102,6 +102,24 @@ def unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
 
 
+def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "right",
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both [B, L], padded on ``side``.
+
+    >>> ids, mask = pad_sequences([[5, 6], [7]], pad_id=0, side="left")
+    >>> ids.tolist(), mask.tolist()
+    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, span] = torch.tensor(s, dtype=torch.long)
+        mask[i, span] = 1
+    return ids.to(device), mask.to(device)
+
+
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 of each row, whatever the padding side; [B, L] -> [B].
 

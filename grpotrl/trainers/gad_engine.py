@@ -28,8 +28,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoints import D_DIR, D_OPTIMIZER, D_WEIGHTS, DS_TAG  # noqa: F401  D_DIR: gad.py imports it from here
-from ..gad.discriminator import bradley_terry_loss, completion_texts, pad_sequences, score_tolerance
 from ..errors import InputError, InvariantError
+from ..gad.discriminator import bradley_terry_loss, completion_texts, score_tolerance
+from ..ops.masking import pad_sequences
 
 def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
     return (DeepSpeedDiscriminator if trainer.is_deepspeed_enabled else TorchDiscriminator)(trainer, disc, lr)

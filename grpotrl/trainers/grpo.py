@@ -22,7 +22,6 @@ from .. import guards, health
 from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
-from ..gad.discriminator import pad_sequences
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import denominator, identity
@@ -32,7 +31,7 @@ from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
 from ..ops.logprobs import entropy_from_logits
 from ..ops.losses import kl_full, kl_loss_term, kl_penalty
-from ..ops.masking import position_ids_from_mask
+from ..ops.masking import pad_sequences, position_ids_from_mask
 from ..ops.reduction import aggregate_like_trl
 from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling, padding_free

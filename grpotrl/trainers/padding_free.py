@@ -2,8 +2,8 @@
 
 ``GRPOTrainer._get_per_token_logps_and_entropies`` hands a text-only call here when the run is
 padding-free; every other call (image inputs, a MoE router loss) runs TRL's padded forward.
-Each of TRL's ``batch_size`` chunks of rows is packed on its own (``ops.packing.pack``: rows of at
-most the padded width, so no row's attention costs more than a padded row's), run through the
+The call's rows are packed together (``ops.packing.pack``: rows of at most the padded width, so no
+row's attention costs more than a padded row's), run ``batch_size`` packed rows at a time through the
 model with ``position_ids`` restarting at 0 for each sequence, ``attention_mask=None`` and the
 fused head's labels on the scored tokens only, and put back in TRL's ``[B, K]`` layout
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
@@ -84,17 +84,25 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
                                batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0):
     """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
     per-token logprobs [B, K] and entropies [B, K] (or None), zeros where nothing is scored, as TRL's.
-    ``autocast()`` is the accelerator's autocast context."""
+    ``autocast()`` is the accelerator's autocast context.
+
+    All ``B`` rows of the call are packed together (rows of at most the padded width ``L``), then run
+    ``batch_size`` packed rows per forward: no forward is larger than one of TRL's padded chunks
+    (``batch_size x L``), and a call whose chunks each hold one prompt's group (the reference and
+    old-policy forwards over a whole generation batch, before TRL shuffles it) packs short groups
+    together instead of leaving each chunk's rows part-empty."""
     B, L = input_ids.shape
-    batch_size = batch_size or B  # TRL's chunking: at most batch_size padded rows per forward (memory)
+    batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
+    packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id)
+    R = packed.input_ids.size(0)
     logps, entropies = [], []
-    for start in range(0, B, batch_size):
-        end = min(start + batch_size, B)
-        packed = pack(input_ids[start:end], attention_mask[start:end], logits_to_keep, capacity=L, pad_id=pad_id)
+    for start in range(0, R, batch_size):
+        rows = slice(start, min(start + batch_size, R))
         with autocast():
-            out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                        labels=packed.labels, fused_lm_head=True)  # log_probs [R, W - 1]
-        logps.append(unpack(out.log_probs, packed))  # [b, K]
+            out = model(input_ids=packed.input_ids[rows], attention_mask=None, position_ids=packed.position_ids[rows],
+                        labels=packed.labels[rows], fused_lm_head=True)  # log_probs [r, W - 1]
+        logps.append(out.log_probs)
         if compute_entropy:
-            entropies.append(unpack(out.entropy, packed))  # [b, K]
-    return torch.cat(logps, dim=0), torch.cat(entropies, dim=0) if compute_entropy else None
+            entropies.append(out.entropy)
+    logps = unpack(torch.cat(logps, dim=0), packed)  # [B, K]
+    return logps, unpack(torch.cat(entropies, dim=0), packed) if compute_entropy else None
