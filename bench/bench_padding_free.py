@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
 
 SmolLM2-135M-Instruct on open questions, half of them asking for a short answer (so a batch's
-answers run from a dozen tokens to the cap, as in real prompt mixes), the same config,
+answers run from a few tokens to the cap, as in real prompt mixes), the same config,
 seed and data for the three variants, learning rate 0 so that every variant samples the same
 completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed:
 step time, CPU time and peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``)
@@ -27,7 +27,7 @@ import statistics
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
 VARIANTS = ("trl", "padded", "packed")
-QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a dozen tokens to the cap
+QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
     "Why do people procrastinate, and how can they stop?", "Explain how a bicycle stays upright.",
@@ -103,11 +103,17 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
             return super()._compute_loss(model, inputs)
 
         def _generate_and_score_completions(self, inputs):  # sampling, rewards, reference/old logprobs
-            return timed("rollout", lambda: super(Recorded, self)._generate_and_score_completions(inputs))
+            self.in_rollout = True
+            try:
+                return timed("rollout", lambda: super(Recorded, self)._generate_and_score_completions(inputs))
+            finally:
+                self.in_rollout = False
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            # the rollout's no-grad forwards only: a guard step's recompute inside the loss counts as the loss's
             call = lambda: super(Recorded, self)._get_per_token_logps_and_entropies(*args, **kwargs)  # noqa: E731
-            return call() if torch.is_grad_enabled() else timed("no_grad_logps", call)
+            rollout = getattr(self, "in_rollout", False) and not torch.is_grad_enabled()
+            return timed("no_grad_logps", call) if rollout else call()
 
         def training_step(self, *args, **kwargs):
             return timed("step", lambda: super(Recorded, self).training_step(*args, **kwargs))

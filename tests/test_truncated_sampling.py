@@ -22,8 +22,6 @@ TOP_P, T = 0.8, 0.7
 GATE = "grpotrl.guards.identity"
 
 
-
-
 def _args(grpo_args, **kw):
     # one step, one microbatch: the loss scores the weights that sampled; no sequence_bias (a processor)
     return grpo_args(max_steps=1, generation_kwargs=None, hf_importance_sampling_correction=True,

@@ -70,7 +70,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     K = logits_to_keep
     device = input_ids.device
     real = attention_mask.bool()  # [B, L]
-    lengths = real.sum(1).tolist()  # B ints (the one host sync)
+    lengths = real.sum(1).tolist()  # B ints (a host sync; real.nonzero below is the other)
     plan = pack_plan(lengths, capacity)
     row_of, offset_of, used = [0] * B, [0] * B, []  # each sequence's packed row and start; each row's length
     for r, row in enumerate(plan):
