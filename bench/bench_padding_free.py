@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # issue 30's shape: 8 x 8 x 256
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
+    MALLOC_MMAP_THRESHOLD_=131072 ... --variants trl,packed --steps 3    # each step's own CPU peak (slower)
 
 SmolLM2-135M-Instruct on open questions, half of them asking for a short answer (so a batch's
 answers run from a few tokens to the cap, as in real prompt mixes), the same config,
@@ -12,7 +13,10 @@ as ratios against plain TRL measured in the same run; the completion-length spre
 of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
 padded and padding-free grpotrl runs and their relative difference; and where a step's time goes
 (sampling + rewards, which packing does not touch; the no-grad reference/old-policy logprob forwards;
-the loss forward + backward), each against plain TRL's.
+the loss forward + backward), each against plain TRL's; and each step's own peak memory (CPU: the peak
+RSS, reset at each step's start through ``/proc/self/clear_refs``), so that the steps after grpotrl's
+guard steps can be compared. ``--variants trl,packed`` skips the padded grpotrl run (its loss
+comparison with it).
 Goals (issue 30): step time <= 0.75x and peak memory <= 0.8x plain TRL; loss and grad norm equal to
 the padded path's within 1e-5 relative, step by step.
 The guards run on grpotrl's default schedule (the first 2 steps), in both grpotrl variants.
@@ -118,11 +122,30 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
         def training_step(self, *args, **kwargs):
             return timed("step", lambda: super(Recorded, self).training_step(*args, **kwargs))
 
+    step_peaks = []  # bytes: each step's own peak (CPU: VmHWM reset at the step's start; CUDA: reset_peak_memory_stats)
+
     class Phases(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            reset_peak()
+
         def on_step_end(self, args, state, control, **kw):
             for k in phases:
                 per_step[k].append(phases[k])
                 phases[k] = 0.0
+            step_peaks.append(read_peak())
+
+    def reset_peak():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to the current RSS
+                f.write("5")
+
+    def read_peak() -> int:
+        if cuda:
+            return torch.cuda.max_memory_allocated()
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
@@ -136,7 +159,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",
                    losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                    real=share.real, cells=share.cells, completion_lengths=share.lengths,
-                   phases=per_step)
+                   phases=per_step, step_peaks=step_peaks)
 
 
 def _rel(a: float, b: float) -> float:
@@ -148,11 +171,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--child", choices=VARIANTS)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of trl,padded,packed (trl is always run: the ratios are against it)")
     _runner.add_shape_args(p, prompts=8, generations=8, length=256)
     a = p.parse_args()
     if a.child:
         return child(a.child, a.steps, (a.prompts, a.generations, a.length))
-    results = _runner.alternate(__file__, VARIANTS, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
+    variants = tuple(v for v in VARIANTS if v == "trl" or v in a.variants.split(","))
+    results = _runner.alternate(__file__, variants, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
                                 describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
     def mean(v, key="step_times"):
@@ -161,16 +187,16 @@ def main() -> None:
     def peak(v):
         return max(res["peak_bytes"] for res in results[v])
 
-    first = results["packed"][0]
+    first = results[variants[-1]][0]
     lengths = first["completion_lengths"]
     print(f"\ndevice={first['device']} steps={a.steps} rounds={a.rounds} "
           f"shape={a.prompts} prompts x {a.generations} generations x {a.length} tokens")
     print(f"completion lengths (round 0, every loss row): min {min(lengths):.0f}  median "
           f"{statistics.median(lengths):.0f}  max {max(lengths):.0f}  stdev {statistics.pstdev(lengths):.1f}")
     print(f"padding share of the padded [B, P + C] loss batches: {1 - first['real'] / first['cells']:.1%}")
-    print(_runner.same_lengths(results, "trl", "padded"))
-    print(_runner.same_lengths(results, "padded", "packed"))
-    for v in VARIANTS:
+    for v in variants[1:]:
+        print(_runner.same_lengths(results, "trl", v))
+    for v in variants:
         goal = "  (goal <= 0.75)" if v == "packed" else ""
         print(f"{v:7s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
               f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
@@ -179,10 +205,13 @@ def main() -> None:
     if a.steps > guard:
         after = slice(guard, None)
         print(f"steps {guard + 1}..{a.steps} only (after grpotrl's guard steps):")
-        for v in VARIANTS:
+        for v in variants:
             step, cpu = (_runner.mean_per_step(results, v, key, after) for key in ("step_times", "cpu_times"))
             step0, cpu0 = (_runner.mean_per_step(results, "trl", key, after) for key in ("step_times", "cpu_times"))
-            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x)   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)")
+            top = max(max(res["step_peaks"][after]) for res in results[v])  # the steps' own peaks, not the run's
+            top0 = max(max(res["step_peaks"][after]) for res in results["trl"])
+            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x)   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
+                  f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 0.80)" if v == "packed" else ""))
     steady = slice(guard, None) if a.steps > guard else slice(None)
 
     def phase(v, name):
@@ -198,9 +227,14 @@ def main() -> None:
           "padding_free changes only the last two):")
     names = {"sampling": "sampling + rewards", "no_grad_logps": "reference/old logprob forwards",
              "loss": "loss forward + backward"}
-    for v in VARIANTS:
+    for v in variants:
         print(f"  {v:7s} " + "   ".join(f"{names[k]} {phase(v, k):7.2f} s ({phase(v, k) / max(phase('trl', k), 1e-9):.3f}x)"
                                       for k in names))
+    print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
+    for v in variants:
+        print(f"  {v:7s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
+    if not {"padded", "packed"} <= set(variants):
+        return
     print("per step, padded vs padding-free (round 0; goal: relative difference <= 1e-5):")
     pad, pf = results["padded"][0], results["packed"][0]
     for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):

@@ -17,7 +17,7 @@ from datasets import Dataset
 
 import grpotrl
 from grpotrl.errors import InputError, InvariantError
-from grpotrl.ops.packing import IGNORE, pack, pack_plan, unpack
+from grpotrl.ops.packing import IGNORE, balance_plan, pack, pack_plan, unpack
 from grpotrl.trainers import padding_free
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
@@ -165,6 +165,26 @@ def test_a_call_is_packed_whole_and_run_in_forwards_no_larger_than_trls_chunks(t
     assert all(r <= 3 and w <= L for r, w in packed), (packed, L)
     assert sum(r for r, _ in packed) == whole, (packed, whole, by_chunk)
     assert _rel(lp1.detach(), lp0.detach()) < 1e-5
+
+
+def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, grpo_args, monkeypatch):
+    """On CPU TRL's fused head projects every position (prompt tokens, row tails) and zeroes the unscored
+    ones; the packed forward has it project the scored positions only (``_intercept.inject_compact_head``),
+    with the same values. TRL's padded forward, and anything after the packed call, keep TRL's choice."""
+    import trl.trainer.utils as trl_utils
+
+    sizes = []
+    original = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *a: sizes.append(hidden.size(0)) or original(hidden, *a))
+    trainer, inputs = _trainer(tiny_llama, grpo_args)
+    (padded, _, _), (packed, _, _) = _padded_and_packed(trainer, lambda: _forward(trainer, trainer.model, inputs))
+    scored = int(inputs["completion_mask"].sum())
+    B, L = inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
+    assert sizes[-2] == B * (L - 1)  # padded: every position of every row
+    assert sizes[-1] == scored < sizes[-2]  # packed: the completion tokens only
+    assert _rel(packed, padded) < 1e-5
+    assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
 
 
 def _loss_and_grads(trainer, inputs):
@@ -349,3 +369,119 @@ def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, tiny_lla
     with pytest.raises(InvariantError, match=r"(?s)\[I5\].*set padding_free=False"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+# ---------------------------------------------------------------- balanced microbatches (peak memory)
+
+def test_balance_plan_by_hand():
+    """Longest first into the lightest group with room; kept as it was where that lowers nothing."""
+    # 7 -> g0 (7); 6 -> g1 (6); 5 -> g1 (11); 2 -> g0 (9); g0 full? no: sizes 2 each -> g0 [7, 2], g1 [6, 5]
+    # consecutive [7, 6] = 13 and [2, 5] = 7; balanced 9 and 11: heaviest 11 < 13
+    assert balance_plan([7, 6, 2, 5], groups=2) == [[0, 2], [1, 3]]
+    assert balance_plan([1, 2, 3, 4, 5, 6], groups=3) == [[0, 5], [1, 4], [2, 3]]  # 7, 7, 7 (was 3, 7, 11)
+    assert balance_plan([4, 4, 4, 4], groups=2) == [[0, 1], [2, 3]]  # equal: TRL's grouping kept
+    assert balance_plan([3, 1], groups=1) == [[0, 1]]
+    with pytest.raises(ValueError, match="5 rows"):
+        balance_plan([1] * 5, groups=2)
+
+
+def test_balanced_moves_whole_rows_and_keeps_shared_values():
+    """Each row's values move together (tensors and lists), shared values stay, each window is regrouped on
+    its own, and a value that is not one per row leaves its window as TRL cut it."""
+    def mb(lengths, tag):
+        n = len(lengths)
+        cmask = torch.tensor([[1] * k + [0] * (8 - k) for k in lengths])
+        return {"prompt_mask": torch.ones(n, 2, dtype=torch.long), "completion_mask": cmask,
+                "advantages": torch.tensor([float(k) for k in lengths]), "tag": [f"{tag}{k}" for k in lengths],
+                "num_items_in_batch": torch.tensor(99), "old_per_token_logps": None}
+
+    batches = [mb([8, 7], "a"), mb([1, 2], "b"), mb([3, 3], "c"), mb([3, 3], "d")]
+    out = padding_free.balanced(batches, window=2)
+    # window 1 rows 8, 7, 1, 2 (+2 prompt each): 8 -> g0, 7 -> g1, 2 -> g1, 1 -> g0: [8, 1] and [7, 2]
+    assert [b["advantages"].tolist() for b in out[:2]] == [[8.0, 1.0], [7.0, 2.0]]
+    assert [b["tag"] for b in out[:2]] == [["a8", "b1"], ["a7", "b2"]]
+    assert out[0]["completion_mask"].sum(1).tolist() == [8, 1]
+    assert all(b["num_items_in_batch"].item() == 99 and b["old_per_token_logps"] is None for b in out)
+    assert out[2] is batches[2] and out[3] is batches[3]  # already even: untouched
+    odd = [dict(b, extra=torch.zeros(3)) for b in batches[:2]]  # 3 values for 2 rows
+    assert padding_free.balanced(odd, window=2) == odd
+
+
+def _step_grads_and_microbatches(tiny_llama, grpo_args, **kw):
+    """One optimizer step of 2 microbatches (4 rows each, one generation batch of 2 prompts x 4): the
+    gradient the optimizer receives, the loss logged, and each microbatch's real tokens and rows."""
+    from transformers import TrainerCallback
+
+    grads, seen = [], []
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **k):
+            grads.extend(p.grad.detach().clone().flatten() for p in model.parameters() if p.requires_grad)
+
+    class Seen(grpotrl.GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            real = inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
+            seen.append((int(real), sorted(inputs["advantages"].tolist())))
+            return super()._compute_loss(model, inputs)
+
+    args = grpo_args(**{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1,
+                        "max_grad_norm": 0.0, "learning_rate": 0.0, "max_completion_length": 32, "guard_steps": 1,
+                        **kw})
+    trainer = Seen(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts(8),
+                   callbacks=[Grab()])
+    trainer.train()
+    return trainer, torch.cat(grads), trainer.state.log_history[0]["loss"], seen
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "luspo"])
+def test_balanced_microbatches_lower_the_heaviest_and_keep_the_step_gradient(loss_type, tiny_llama, grpo_args):
+    """Same seed, same completions: regrouped by tokens, the heaviest microbatch is lighter than TRL's
+    random grouping made it, and the optimizer step's gradient and logged loss (policy loss + KL) are the
+    same sum (1e-5 relative). The guards ran on the regrouped microbatch (guard_steps=1)."""
+    kw = {"loss_type": loss_type, "importance_sampling_level": "sequence" if loss_type == "luspo" else "token"}
+    off, g_off, loss_off, seen_off = _step_grads_and_microbatches(tiny_llama, grpo_args, balance_microbatches=False,
+                                                                  **kw)
+    on, g_on, loss_on, seen_on = _step_grads_and_microbatches(tiny_llama, grpo_args, **kw)
+    assert on.balance_microbatches is True and off.balance_microbatches is False and on.padding_free
+    assert sorted(r for _, rows in seen_on for r in rows) == sorted(r for _, rows in seen_off for r in rows)
+    assert sum(t for t, _ in seen_on) == sum(t for t, _ in seen_off)
+    assert max(t for t, _ in seen_on) < max(t for t, _ in seen_off), (seen_on, seen_off)  # regrouped, lighter
+    assert g_off.norm() > 0 and _rel(g_on, g_off) < 1e-5
+    assert loss_on == pytest.approx(loss_off, rel=1e-5)
+
+
+def test_balance_default_and_when_auto_is_off(tiny_llama, grpo_args, caplog):
+    """On by default with padding_free; off with the reason where the loss depends on which rows share a
+    microbatch; true refused there; a trl.GRPOConfig keeps TRL's grouping."""
+    from types import SimpleNamespace
+
+    def args(**kw):
+        base = dict(balance_microbatches="auto", loss_type="dapo", top_entropy_quantile=1.0, entropy_coef=0.0,
+                    use_adaptive_entropy=False, cagrad="off", steps_per_generation=4, gradient_accumulation_steps=2)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert padding_free.resolve_balance(args(), packed=True) == (True, None)
+    for kw, why in [({}, "padding_free off"), ({"loss_type": "bnpo"}, "bnpo"), ({"top_entropy_quantile": 0.2},
+                    "top_entropy_quantile"), ({"entropy_coef": 0.01}, "entropy bonus"),
+                    ({"use_adaptive_entropy": True}, "entropy bonus"), ({"cagrad": "exact"}, "CAGrad"),
+                    ({"steps_per_generation": 3}, "not a multiple")]:
+        packed = bool(kw)
+        on, reason = padding_free.resolve_balance(args(**kw), packed=packed)
+        assert on is False and why in reason, (kw, reason)
+        with pytest.raises(InputError, match="balance_microbatches=True.*change the loss"):
+            padding_free.resolve_balance(args(balance_microbatches=True, **kw), packed=packed)
+    assert padding_free.resolve_balance(args(balance_microbatches=False, loss_type="bnpo"), True) == (False, None)
+    kw = {k: v for k, v in vars(grpo_args()).items() if k in {
+        "output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length", "report_to",
+        "use_cpu", "save_strategy"}}
+    theirs = trl.GRPOConfig(**kw)
+    theirs.padding_free = True
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=theirs,
+                                  train_dataset=arithmetic_prompts(8))
+    assert trainer.padding_free is True and trainer.balance_microbatches is False
+    with caplog.at_level(logging.INFO):
+        bnpo = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(loss_type="bnpo"),
+                                   train_dataset=arithmetic_prompts(8))
+    assert bnpo.padding_free and not bnpo.balance_microbatches and "bnpo" in caplog.text
+    with pytest.raises(InputError, match="balance_microbatches"):
+        grpotrl.GRPOConfig(output_dir=kw["output_dir"], balance_microbatches="sometimes")

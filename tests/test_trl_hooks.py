@@ -101,7 +101,8 @@ def test_fused_head_backward_reads_needs_input_grad_when_it_runs():
 
 def test_our_overrides_keep_the_signatures():
     for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model",
-                 "_get_per_token_logps_and_entropies"):  # the last: padding_free's packed forward
+                 "_get_per_token_logps_and_entropies",  # padding_free's packed forward
+                 "_prepare_inputs"):  # balance_microbatches
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
     for name in ("_calculate_rewards", "_generate_and_score_completions", "_compute_loss", "training_step",
                  "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):
@@ -204,6 +205,11 @@ def test_private_trl_state_grpotrl_reads_and_sets():
         assert needle in init, f"trl.GRPOTrainer.__init__ no longer sets {needle!r}"
     prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
     assert "self._batch_environments" in inspect.getsource(trl.GRPOTrainer) and "self._buffered_inputs" in prepare
+    # balance_microbatches regroups the buffer TRL just cut, then picks the microstep's slice as TRL does
+    for needle in ("generation_batch = shuffle_sequence_dict(generation_batch)",
+                   "split_tensor_dict(generation_batch, self.args.steps_per_generation)",
+                   "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]"):
+        assert needle in prepare, f"trl.GRPOTrainer._prepare_inputs no longer has {needle!r}"
 
 
 def test_gad_relies_on_trl_training_step_bookkeeping():
@@ -277,6 +283,8 @@ INTERCEPT_FIELDS = {
                            "_last_world_entropy": [trl.GRPOTrainer.__init__]},
     "read_metrics": {"_metrics": [trl.GRPOTrainer.__init__]},
     "set_metrics": {"_metrics": [trl.GRPOTrainer.__init__]},
+    "read_buffered_inputs": {"_buffered_inputs": [trl.GRPOTrainer.__init__, trl.GRPOTrainer._prepare_inputs]},
+    "set_buffered_inputs": {"_buffered_inputs": [trl.GRPOTrainer._prepare_inputs], "_step": [trl.GRPOTrainer.__init__]},
     "set_microstep_done": {"_step": [trl.GRPOTrainer.__init__],
                            "_current_train_step_time": [trl.GRPOTrainer.__init__],
                            "_metrics": [trl.GRPOTrainer.__init__]},
@@ -360,3 +368,16 @@ def test_fused_head_shifts_labels_as_padding_free_assumes():
     src = inspect.getsource(add_fused_lm_head)
     assert "hidden_states = backbone_outputs.last_hidden_state[:, :-1]" in src
     assert "labels = labels[:, 1:]" in src and "mask = labels != -100" in src
+
+
+def test_fused_head_reads_the_compact_switch_inject_compact_head_sets():
+    """``_intercept.inject_compact_head`` shadows ``trl.trainer.utils._use_triton``, which TRL's fused forward
+    reads at call time to choose between projecting the scored positions only and every position."""
+    import trl.trainer.utils as trl_utils
+
+    src = inspect.getsource(trl_utils.add_fused_lm_head)
+    assert callable(trl_utils._use_triton)
+    assert "compact = _use_triton(hidden_states.device)" in src
+    assert "hidden_states[mask] if compact else" in src and "labels[mask] if compact else" in src
+    assert "x.new_zeros(mask.shape).masked_scatter(mask, x)" in src  # zeros where nothing is scored, as before
+    assert '"_use_triton"' in inspect.getsource(_intercept.inject_compact_head)

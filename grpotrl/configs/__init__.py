@@ -308,6 +308,17 @@ class PaddingFreeFields:
                   "trainer keeps TRL's padded forward unless it sets padding_free. The I5 guard compares it with "
                   "the padded forward token by token on guard steps."},
     )
+    balance_microbatches: str = field(
+        default="auto",
+        metadata={"help": "With padding_free on, regroup the rows of each optimizer step's microbatches (after TRL's "
+                  "shuffle) so that their token counts are even: the same rows per optimizer step and per "
+                  "microbatch count, so the step's loss and gradient are the same sum, and the heaviest microbatch, "
+                  "which sets the peak memory, is lighter. 'auto' (default): on where the loss does not depend on "
+                  "which rows share a microbatch (not loss_type='bnpo', top_entropy_quantile < 1, an entropy bonus, "
+                  "CAGrad, or steps_per_generation not a multiple of gradient_accumulation_steps); true: on (refused "
+                  "for those); false: TRL's grouping. A trl.GRPOConfig handed in keeps TRL's grouping unless it sets "
+                  "it."},
+    )
 
 
 @dataclass
@@ -351,6 +362,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
     if any(f.name == "padding_free" for f in missing):
         args.padding_free = False  # a TRL config keeps TRL's padded forward unless it asks for padding_free
+    if any(f.name == "balance_microbatches" for f in missing):
+        args.balance_microbatches = False  # and TRL's grouping of rows into microbatches
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
     check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own

@@ -130,12 +130,17 @@ PADDING_FREE = (True, False, "auto", "true", "false")
 
 
 def check_padding_free(args) -> None:
-    """``padding_free`` is true, false or 'auto' (a recipe may quote them); with image inputs or a MoE
-    router loss it is refused by the trainer, which sees the model (``trainers.padding_free.resolve``)."""
+    """``padding_free`` and ``balance_microbatches`` are true, false or 'auto' (a recipe may quote them);
+    the trainer refuses what it cannot honour once it sees the model (``trainers.padding_free.resolve``,
+    ``resolve_balance``)."""
     value = getattr(args, "padding_free", False)
     if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
         raise InputError(f"padding_free={value!r}: use true, false or 'auto' (on where the model's attention keeps "
                          "packed rows apart).")
+    value = getattr(args, "balance_microbatches", False)
+    if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
+        raise InputError(f"balance_microbatches={value!r}: use true, false or 'auto' (on where the loss does not "
+                         "depend on which rows share a microbatch).")
 
 
 def normalize_generation_kwargs(args) -> None:

@@ -30,7 +30,8 @@ _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a re
 # Fields whose documented types go beyond their annotation: TRL/transformers convert these in
 # __post_init__ (GRPOConfig: scale_rewards True -> "group", False -> "none"; TrainingArguments:
 # fsdp=True), so a drop-in must take them too (TRL's own tests pass scale_rewards=True/False).
-ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool, "padding_free": bool}  # padding_free: true/false/"auto"
+ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool, "padding_free": bool,  # true/false/"auto"
+              "balance_microbatches": bool}
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
 

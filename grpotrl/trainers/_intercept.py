@@ -12,9 +12,10 @@ model's lifetime). The names say which kind each is:
   processor list, position ids, a method shadowed for the block: ``inject_attr``).
 * ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``.
 * ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
-  ``set_metrics``).
+  ``set_metrics``, ``set_buffered_inputs``).
 * ``read_*``: returns what TRL keeps in a private field, as it is (nothing is wrapped or written):
-  ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_entropy_bonus``, ``read_metrics``.
+  ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_entropy_bonus``, ``read_metrics``,
+  ``read_buffered_inputs``.
 
 No other module of grpotrl reads or writes a private field of TRL or transformers (``self._x`` that
 TRL sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin
 
 from ..ops.losses import merge_rows
@@ -215,6 +217,22 @@ def _positions_from_attention_mask(module, args, kwargs):
     return args, kwargs
 
 
+@contextmanager
+def inject_compact_head(device: torch.device) -> Iterator[None]:
+    """Inject: on CPU, TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``) projects only the
+    positions it scores (``labels != -100``) in the block, as it already does on Triton devices, instead of
+    every position with the unscored ones zeroed after: the same values, without the head's matmuls and
+    vocabulary-wide temporaries over prompt tokens and row tails. TRL projects every position elsewhere so
+    that tile shapes do not change per batch on compiled devices (Neuron); eager CPU recompiles nothing.
+    Other devices keep TRL's choice (tests/test_trl_hooks.py pins the line it reads)."""
+    if device.type != "cpu":
+        yield
+        return
+    original = trl_utils._use_triton
+    with inject_attr(trl_utils, "_use_triton", lambda d: d.type == "cpu" or original(d)):
+        yield
+
+
 def inject_position_ids(*models) -> None:
     """Inject generate's position ids (``cumsum(mask) - 1``) into TRL's fused logprob forward of
     each model given (I5): a forward pre-hook for the models' lifetime, keyed on ``fused_lm_head``."""
@@ -284,6 +302,21 @@ def set_microstep_done(trainer, seconds: float) -> None:
     if trainer._step % trainer.current_gradient_accumulation_steps == 0:
         trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)
         trainer._current_train_step_time = 0.0
+
+
+def read_buffered_inputs(trainer) -> list[dict] | None:
+    """TRL's ``_buffered_inputs``: the microbatches ``_prepare_inputs`` cut the current generation batch
+    into (``steps_per_generation`` of them; ``None`` before the first generation). Read it; write
+    through ``set_buffered_inputs``."""
+    return trainer._buffered_inputs
+
+
+def set_buffered_inputs(trainer, batches: list[dict]) -> dict:
+    """Replace TRL's buffered microbatches with ``batches`` (as many, the same rows) and return the one
+    the current microstep trains on, as trl 1.16's ``_prepare_inputs`` picks it:
+    ``batches[_step % steps_per_generation]`` (tests/test_trl_hooks.py pins TRL's line)."""
+    trainer._buffered_inputs = batches
+    return batches[trainer._step % trainer.args.steps_per_generation]
 
 
 def set_metrics(trainer, metrics: dict[str, float], mode: str) -> None:

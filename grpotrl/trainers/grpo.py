@@ -80,8 +80,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         These KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
       * ``_get_per_token_logps_and_entropies`` (every logprob forward: the policy's with its backward, the old
         policy's, the reference's, the IS correction's): with ``padding_free`` on, a text-only call runs on packed
-        rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``);
+        rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``;
+        on CPU TRL's fused head then projects the scored positions only, ``_intercept.inject_compact_head``);
         otherwise TRL's padded forward. I5 compares it with the padded forward on guard steps.
+      * ``_prepare_inputs``: TRL's; then, with ``balance_microbatches`` on and a new generation batch just
+        cut into microbatches, each optimizer step's microbatches are regrouped by token count
+        (``padding_free.balanced``, through ``_intercept.read/set_buffered_inputs``): the same rows per
+        optimizer step and per microbatch count, a loss that does not depend on the grouping, a lower peak.
       * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
         for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
         controller), on the graph from the loss back to the entropy node (a few elementwise ops).
@@ -156,6 +161,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self.padding_free, why_not = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self))
         if why_not is not None:
             logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_not)
+        self.balance_microbatches, why_not = padding_free.resolve_balance(args, self.padding_free)
+        if why_not is not None and self.padding_free:
+            logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",
+                        why_not)
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
@@ -396,6 +405,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast,
             pad_id=pad if pad is not None else 0)
         return logps, entropies, None
+
+    def _prepare_inputs(self, generation_batch):
+        before = _intercept.read_buffered_inputs(self)
+        inputs = super()._prepare_inputs(generation_batch)
+        buffer = _intercept.read_buffered_inputs(self)
+        if not (self.balance_microbatches and self.model.training) or buffer is before:
+            return inputs  # eval, or a microstep that reuses the buffered generation batch
+        return _intercept.set_buffered_inputs(self, padding_free.balanced(buffer, self.args.gradient_accumulation_steps))
 
     def _compute_loss(self, model, inputs):
         record = self._guard_record

@@ -5,7 +5,8 @@ padding-free; every other call (image inputs, a MoE router loss) runs TRL's padd
 The call's rows are packed together (``ops.packing.pack``: rows of at most the padded width, so no
 row's attention costs more than a padded row's), run ``batch_size`` packed rows at a time through the
 model with ``position_ids`` restarting at 0 for each sequence, ``attention_mask=None`` and the
-fused head's labels on the scored tokens only, and put back in TRL's ``[B, K]`` layout
+fused head's labels on the scored tokens only (on CPU the head then projects those positions only,
+as TRL's does on Triton devices: ``_intercept.inject_compact_head``), and put back in TRL's ``[B, K]`` layout
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
 
@@ -23,7 +24,8 @@ import logging
 import torch
 
 from ..errors import InputError
-from ..ops.packing import pack, unpack
+from ..ops.packing import balance_plan, pack, unpack
+from . import _intercept
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,76 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
     return True, None
 
 
+# TRL's loss types whose reduction of an optimizer step's microbatches does not depend on which rows share
+# one (ops.reduction.reduce_rows, equal microbatch sizes): bnpo divides each microbatch by its own tokens
+GROUPING_FREE_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+
+
+def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
+    """Whether each optimizer step's microbatches are regrouped by tokens (``args.balance_microbatches``
+    for a run whose logprob forwards are ``packed`` or not), and why not where it asked for ``"auto"``
+    and it is off. An explicit ``True`` that would change the loss is an ``InputError``."""
+    want = setting(getattr(args, "balance_microbatches", False))
+    if want is False:
+        return False, None
+    why = None
+    if not packed:
+        why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
+    elif args.loss_type not in GROUPING_FREE_LOSS_TYPES:
+        why = f"loss_type={args.loss_type!r} normalises each microbatch by its own token count"
+    elif args.top_entropy_quantile < 1.0:
+        why = "top_entropy_quantile < 1 picks the high-entropy tokens per microbatch"
+    elif args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        why = "the entropy bonus is a token mean per microbatch"
+    elif getattr(args, "cagrad", "off") != "off":
+        why = "CAGrad combines the task gradients of each microbatch"
+    elif args.steps_per_generation % args.gradient_accumulation_steps:
+        why = (f"steps_per_generation={args.steps_per_generation} is not a multiple of gradient_accumulation_steps="
+               f"{args.gradient_accumulation_steps}, so a generation's microbatches straddle optimizer steps")
+    if why is None:
+        return True, None
+    if want is True:
+        raise InputError(f"balance_microbatches=True: {why}, so regrouping the rows would change the loss. "
+                         "Set balance_microbatches=False (or 'auto').")
+    return False, why
+
+
+def balanced(batches: list[dict], window: int) -> list[dict]:
+    """TRL's microbatches of one generation batch (``batches``, each a dict of per-row values and
+    shared ones), each run of ``window`` consecutive ones (one optimizer step's) regrouped so that
+    their real-token counts (prompt + completion) are even (``ops.packing.balance_plan``): the
+    same rows per window, the same number per microbatch, each microbatch's rows in TRL's order. A
+    window already even, or holding a value that is not one per row (tensor of another length), is
+    returned as it was."""
+    out = []
+    for start in range(0, len(batches), window):
+        out.extend(_balanced_window(batches[start:start + window]))
+    return out
+
+
+def _balanced_window(batches: list[dict]) -> list[dict]:
+    size = batches[0]["completion_mask"].size(0)
+    per_row = {}
+    for key, value in batches[0].items():
+        if (isinstance(value, torch.Tensor) and value.ndim > 0) or isinstance(value, list):
+            if any(len(b[key]) != size for b in batches):
+                return batches  # not one value per row: no regrouping can be vouched for
+            per_row[key] = torch.cat([b[key] for b in batches]) if isinstance(value, torch.Tensor) \
+                else [x for b in batches for x in b[key]]
+    lengths = (per_row["prompt_mask"].sum(1) + per_row["completion_mask"].sum(1)).tolist()  # [n] (a host sync)
+    plan = balance_plan(lengths, len(batches))
+    if plan == [list(range(g * size, (g + 1) * size)) for g in range(len(batches))]:
+        return batches
+    regrouped = []
+    for first, rows in zip(batches, plan):
+        index = torch.tensor(rows, dtype=torch.long)
+        regrouped.append({key: (value if key not in per_row else
+                                per_row[key][index.to(per_row[key].device)] if isinstance(value, torch.Tensor)
+                                else [per_row[key][i] for i in rows])
+                          for key, value in first.items()})
+    return regrouped
+
+
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0):
     """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
@@ -98,7 +170,7 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     logps, entropies = [], []
     for start in range(0, R, batch_size):
         rows = slice(start, min(start + batch_size, R))
-        with autocast():
+        with autocast(), _intercept.inject_compact_head(packed.input_ids.device):  # the scored positions only
             out = model(input_ids=packed.input_ids[rows], attention_mask=None, position_ids=packed.position_ids[rows],
                         labels=packed.labels[rows], fused_lm_head=True)  # log_probs [r, W - 1]
         logps.append(out.log_probs)
