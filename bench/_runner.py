@@ -34,6 +34,20 @@ def step_timer():
     return StepTimer()
 
 
+def reset_peak_rss() -> None:
+    """Restart this process's peak RSS (``VmHWM``) from its current RSS (Linux: ``/proc/self/clear_refs``,
+    "5"). Run under ``MALLOC_MMAP_THRESHOLD_`` fixed, freed tensors leave the RSS, so the next peak is the
+    work's own rather than what glibc kept from before."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def rss_kib(field: str = "VmHWM") -> int:
+    """``VmHWM`` (peak RSS since the last reset) or ``VmRSS`` of this process, KiB (``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def completion_lengths(trainer) -> list[float]:
     """The mean completion length TRL logged at each step (``completions/mean_length``): two variants'
     step times compare the same work only where these agree (same seed, same sampled tokens)."""

@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+import _runner  # noqa: E402  bench/_runner.py: the peak-RSS reset and reading
+
 from grpotrl.models import resolve_model_path  # noqa: E402
 from grpotrl.ops.packing import pack, unpack  # noqa: E402
 from grpotrl.trainers import _intercept  # noqa: E402
@@ -54,11 +56,6 @@ def batch(prompts: list[int], completions: list[int], P: int) -> tuple[torch.Ten
         mask[r, P - p:P] = 1
         mask[r, P:P + c] = 1
     return ids, mask
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def main() -> None:
@@ -94,15 +91,14 @@ def main() -> None:
         part = slice(8 * m, 8 * m + 8)
         ids, mask = batch(prompts[part], completions[part], P)
         for name, capacity, compact in runs:
-            before = _kib("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
+            before = _runner.rss_kib("VmRSS")
+            _runner.reset_peak_rss()
             t = time.perf_counter()
             logps, shape = padded(ids, mask) if capacity is None else packed(ids, mask, capacity, compact)
             logps.sum().backward()
             seconds = time.perf_counter() - t
             model.zero_grad(set_to_none=True)
-            mib = (_kib("VmHWM") - before) / 1024
+            mib = (_runner.rss_kib() - before) / 1024
             total[name] += seconds
             peak[name] = max(peak[name], mib)
             print(f"microbatch {m}: {int(mask.sum())} real tokens  {name:7s} rows x width {shape}  "

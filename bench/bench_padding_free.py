@@ -138,14 +138,10 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
-            with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to the current RSS
-                f.write("5")
+            _runner.reset_peak_rss()
 
     def read_peak() -> int:
-        if cuda:
-            return torch.cuda.max_memory_allocated()
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return torch.cuda.max_memory_allocated() if cuda else _runner.rss_kib() * 1024
 
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,

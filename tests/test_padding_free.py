@@ -375,7 +375,7 @@ def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, tiny_lla
 
 def test_balance_plan_by_hand():
     """Longest first into the lightest group with room; kept as it was where that lowers nothing."""
-    # 7 -> g0 (7); 6 -> g1 (6); 5 -> g1 (11); 2 -> g0 (9); g0 full? no: sizes 2 each -> g0 [7, 2], g1 [6, 5]
+    # 7 -> g0 (7); 6 -> g1 (6); 5 -> g1 (11, full); 2 -> g0 (9): g0 = rows [0, 2], g1 = rows [1, 3]
     # consecutive [7, 6] = 13 and [2, 5] = 7; balanced 9 and 11: heaviest 11 < 13
     assert balance_plan([7, 6, 2, 5], groups=2) == [[0, 2], [1, 3]]
     assert balance_plan([1, 2, 3, 4, 5, 6], groups=3) == [[0, 5], [1, 4], [2, 3]]  # 7, 7, 7 (was 3, 7, 11)

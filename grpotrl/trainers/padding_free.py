@@ -25,6 +25,7 @@ import torch
 
 from ..errors import InputError
 from ..ops.packing import balance_plan, pack, unpack
+from ..ops.reduction import LOSS_TYPES
 from . import _intercept
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
 
 
 # TRL's loss types whose reduction of an optimizer step's microbatches does not depend on which rows share
-# one (ops.reduction.reduce_rows, equal microbatch sizes): bnpo divides each microbatch by its own tokens
-GROUPING_FREE_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+# one (ops.reduction.reduce_rows, equal microbatch sizes): all but bnpo, which divides each by its own tokens
+GROUPING_FREE_LOSS_TYPES = tuple(t for t in LOSS_TYPES if t != "bnpo")
 
 
 def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
@@ -103,7 +104,7 @@ def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
         why = "top_entropy_quantile < 1 picks the high-entropy tokens per microbatch"
     elif args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         why = "the entropy bonus is a token mean per microbatch"
-    elif getattr(args, "cagrad", "off") != "off":
+    elif args.cagrad != "off":
         why = "CAGrad combines the task gradients of each microbatch"
     elif args.steps_per_generation % args.gradient_accumulation_steps:
         why = (f"steps_per_generation={args.steps_per_generation} is not a multiple of gradient_accumulation_steps="
@@ -131,25 +132,25 @@ def balanced(batches: list[dict], window: int) -> list[dict]:
 
 def _balanced_window(batches: list[dict]) -> list[dict]:
     size = batches[0]["completion_mask"].size(0)
-    per_row = {}
-    for key, value in batches[0].items():
-        if (isinstance(value, torch.Tensor) and value.ndim > 0) or isinstance(value, list):
-            if any(len(b[key]) != size for b in batches):
-                return batches  # not one value per row: no regrouping can be vouched for
-            per_row[key] = torch.cat([b[key] for b in batches]) if isinstance(value, torch.Tensor) \
-                else [x for b in batches for x in b[key]]
-    lengths = (per_row["prompt_mask"].sum(1) + per_row["completion_mask"].sum(1)).tolist()  # [n] (a host sync)
+    keys = [k for k, v in batches[0].items() if (isinstance(v, torch.Tensor) and v.ndim > 0) or isinstance(v, list)]
+    if any(len(b[k]) != size for b in batches for k in keys):
+        return batches  # not one value per row: no regrouping can be vouched for
+    lengths = torch.cat([b["prompt_mask"].sum(1) + b["completion_mask"].sum(1) for b in batches]).tolist()  # a sync
     plan = balance_plan(lengths, len(batches))
-    if plan == [list(range(g * size, (g + 1) * size)) for g in range(len(batches))]:
-        return batches
-    regrouped = []
-    for first, rows in zip(batches, plan):
-        index = torch.tensor(rows, dtype=torch.long)
-        regrouped.append({key: (value if key not in per_row else
-                                per_row[key][index.to(per_row[key].device)] if isinstance(value, torch.Tensor)
-                                else [per_row[key][i] for i in rows])
-                          for key, value in first.items()})
-    return regrouped
+    if all(rows == list(range(g * size, (g + 1) * size)) for g, rows in enumerate(plan)):
+        return batches  # TRL's grouping kept
+    window = {k: _concat([b[k] for b in batches]) for k in keys}  # each per-row value over the window's rows
+    return [{**first, **{k: _take(window[k], rows) for k in keys}} for first, rows in zip(batches, plan)]
+
+
+def _concat(parts: list):
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else [x for part in parts for x in part]
+
+
+def _take(values, rows: list[int]):
+    if isinstance(values, torch.Tensor):
+        return values[torch.tensor(rows, dtype=torch.long, device=values.device)]
+    return [values[i] for i in rows]
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
