@@ -17,7 +17,7 @@ from datasets import Dataset
 
 import grpotrl
 from grpotrl.errors import InputError, InvariantError
-from grpotrl.ops.packing import IGNORE, balance_plan, pack, pack_plan, unpack
+from grpotrl.ops.packing import IGNORE, balance_plan, pack, pack_plan, share_plan, unpack
 from grpotrl.trainers import padding_free
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
@@ -73,6 +73,50 @@ def test_pack_two_sequences_in_one_row_and_a_padded_tail():
     assert unpack(torch.arange(6.).view(2, 3), p).tolist() == [[3., 0.], [1., 0.], [0., 0.]]
 
 
+def test_share_plan_by_hand():
+    # prompt (1, 2, 3) twice: prefix (1, 2) shared, each row keeps 3 and its completion: own tokens 3 and 4;
+    # capacity 9 - 2 leaves 7 for own tokens, so both fit one tree (longest first: row 1, then row 0)
+    assert share_plan([(1, 2, 3), (1, 2, 3), (4,)], [5, 6, 2], capacity=9) == ([2, 2, 0], [[1, 0], [2]])
+    # capacity 8 leaves 6: 4 + 3 do not fit, two trees, each still with its prefix
+    assert share_plan([(1, 2, 3), (1, 2, 3), (4,)], [5, 6, 2], capacity=8) == ([2, 2, 0], [[1], [0], [2]])
+    # a one-token prompt has nothing to share (its token predicts each row's first completion token)
+    assert share_plan([(7,), (7,)], [3, 4], capacity=8) == ([0, 0], [[0], [1]])
+
+
+def test_pack_shared_prompts_by_hand():
+    # L = 5, K = 2; rows 0 and 1 share the prompt [11, 12]; row 2 has its own
+    ids = torch.tensor([[0, 11, 12, 13, 14],    # prompt [11, 12], completion [13, 14]
+                        [0, 11, 12, 15, 0],     # prompt [11, 12], completion [15]
+                        [21, 22, 23, 24, 0]])   # prompt [21, 22, 23], completion [24]
+    mask = (ids != 0).long()
+    p = pack(ids, mask, logits_to_keep=2, capacity=6, pad_id=0, share_prompts=True)
+    # tree 0: prefix [11], row 0's own [12, 13, 14], row 1's own [12, 15] (6 tokens); tree 1: row 2 (4 tokens)
+    assert p.input_ids.tolist() == [[11, 12, 13, 14, 12, 15], [21, 22, 23, 24, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 1, 2], [0, 1, 2, 3, 0, 1]]  # each token's place in its row
+    assert p.labels.tolist() == [[IGNORE, IGNORE, 13, 14, IGNORE, 15], [IGNORE, IGNORE, IGNORE, 24, IGNORE, IGNORE]]
+    # shifted [2, 5]: 13 <- col 1 (flat 1), 14 <- 2, 15 <- col 4 (row 1's own 12: flat 4), 24 <- (1, 2) = 7;
+    # targets in [3, 2]: (0, 0) = 0, (0, 1) = 1, (1, 0) = 2, (2, 0) = 4
+    assert p.source.tolist() == [1, 2, 4, 7] and p.target.tolist() == [0, 1, 2, 4]
+    assert p.tree.tolist() == [[0] * 6, [1, 1, 1, 1, -1, -1]]
+    assert p.branch.tolist() == [[-1, 0, 0, 0, 1, 1], [2, 2, 2, 2, -1, -1]]
+    T, F = True, False
+    assert p.attention_mask(slice(0, 2)).squeeze(1).tolist() == [
+        [[T, F, F, F, F, F],   # the shared 11
+         [T, T, F, F, F, F],   # row 0: 12 13 14 see 11 and row 0
+         [T, T, T, F, F, F],
+         [T, T, T, T, F, F],
+         [T, F, F, F, T, F],   # row 1: 12 15 see 11 and row 1, not row 0
+         [T, F, F, F, T, T]],
+        [[T, F, F, F, F, F],   # row 2, causal
+         [T, T, F, F, F, F],
+         [T, T, T, F, F, F],
+         [T, T, T, T, F, F],
+         [F, F, F, F, T, F],   # the tail sees the tail only (every query sees at least itself)
+         [F, F, F, F, T, T]]]
+    # without shared prompts: no mask (transformers reads the sequences from the restarting position ids)
+    assert pack(ids, mask, logits_to_keep=2, capacity=6).attention_mask(slice(0, 2)) is None
+
+
 # ---------------------------------------------------------------- trainer: packed == padded
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,15 +151,20 @@ def _forward(trainer, model, inputs, entropy=True, batch_size=None):
                                                       batch_size=batch_size, compute_entropy=entropy)
 
 
-def _assert_really_packed(inputs):
+def _assert_really_packed(inputs, trainer=None):
     """The batch has left padding, right padding and completions of several lengths, and packing puts
-    several sequences in one row (so a completion could attend to another sequence's tokens)."""
+    several sequences in one row (so a completion could attend to another sequence's tokens); with the
+    trainer's shared prompts (sdpa), rows share a prompt's forward (so a row could attend to another's)."""
     lengths = inputs["completion_mask"].sum(1)
     assert (inputs["prompt_mask"] == 0).any() and (inputs["completion_mask"] == 0).any()
     assert lengths.unique().numel() >= 3, lengths.tolist()
     attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, P+C]
     plan = pack_plan(attn.sum(1).tolist(), attn.size(1))
     assert len(plan) < attn.size(0), (attn.sum(1).tolist(), attn.size(1))
+    if trainer is not None:
+        assert trainer.share_prompts
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        assert pack(ids, attn, inputs["completion_ids"].size(1), attn.size(1), share_prompts=True).tree is not None
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
@@ -124,7 +173,7 @@ def test_I5_packed_logprobs_and_entropies_equal_padded(arch, request, grpo_args)
     [B, C] layout, zeros where TRL leaves zeros; TRL's batch_size chunking kept."""
     trainer, inputs = _trainer(request.getfixturevalue(arch), grpo_args)
     assert trainer.padding_free  # grpotrl's default, sdpa
-    _assert_really_packed(inputs)
+    _assert_really_packed(inputs, trainer)
     for batch_size in (None, 3):
         (lp0, h0, _), (lp1, h1, _) = _padded_and_packed(trainer, lambda: _forward(trainer, trainer.model, inputs,
                                                                                   batch_size=batch_size))
@@ -139,7 +188,8 @@ def test_a_call_is_packed_whole_and_run_in_forwards_no_larger_than_trls_chunks(t
     """The reference / old-policy call runs over a whole generation batch in TRL's ``batch_size`` chunks,
     each chunk one prompt's group (unshuffled). Packing the call whole and running ``batch_size`` packed
     rows per forward: every forward is at most ``batch_size x L`` (TRL's chunk), the rows are exactly the
-    call's first-fit-decreasing plan (fewer than packing chunk by chunk here), and the values equal padded."""
+    call's plan (its prompts shared, then first-fit decreasing: fewer than packing chunk by chunk here), and
+    the values equal padded."""
     trainer, inputs = _trainer(tiny_llama, grpo_args)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, L]
     attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, L]
@@ -149,7 +199,8 @@ def test_a_call_is_packed_whole_and_run_in_forwards_no_larger_than_trls_chunks(t
     order = attn.sum(1).argsort()
     inputs = {k: v[order] if torch.is_tensor(v) and v.dim() and v.size(0) == B else v for k, v in inputs.items()}
     lengths = attn[order].sum(1).tolist()
-    whole = len(pack_plan(lengths, L))
+    assert trainer.share_prompts  # the call's rows of one prompt run it once
+    whole = pack(ids[order], attn[order], inputs["completion_ids"].size(1), L, share_prompts=True).input_ids.size(0)
     by_chunk = sum(len(pack_plan(lengths[i:i + 3], L)) for i in range(0, B, 3))
     assert whole < by_chunk, (lengths, L)
     trainer.padding_free = False
@@ -187,6 +238,38 @@ def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, g
     assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
 
 
+def test_shared_prompts_run_each_prompt_once_where_the_attention_takes_the_tree_mask(tiny_llama, grpo_args):
+    """sdpa (the default): each forward of the call gets the tree mask, the prompts' tokens run once per
+    tree (fewer tokens than plain packing), and the values equal padded. eager (which adds a mask as a
+    float bias) and a reference model on another attention keep plain packing."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, L]
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, L]
+    K = inputs["completion_ids"].size(1)
+    seen = []  # the attention mask of each forward
+    hook = trainer.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["attention_mask"]),
+                                                   with_kwargs=True)
+    try:
+        (lp0, h0, _), (lp1, h1, _) = _padded_and_packed(trainer, lambda: _forward(trainer, trainer.model, inputs))
+    finally:
+        hook.remove()
+    assert trainer.share_prompts and seen[-1] is not None and seen[-1].dtype == torch.bool and seen[-1].dim() == 4
+    shared, plain = pack(ids, attn, K, ids.size(1), share_prompts=True), pack(ids, attn, K, ids.size(1))
+    prompts = [tuple(r[m.bool()].tolist()) for r, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+    prefix, trees = share_plan(prompts, attn.sum(1).tolist(), ids.size(1))
+    saved = sum(prefix[t[0]] * (len(t) - 1) for t in trees)  # each tree runs its prefix once
+    assert len(set(prompts)) == 2 and saved >= 2 * 3 * 10, (trees, prefix)  # 2 prompts of 4 rows, 11+ tokens
+    assert int(shared.labels.ne(-100).sum()) == int(plain.labels.ne(-100).sum())  # the same scored tokens
+    assert shared.position_ids.numel() - int((shared.tree == -1).sum()) == int(attn.sum()) - saved
+    assert _rel(lp1.detach(), lp0.detach()) < 1e-5 and _rel(h1.detach(), h0.detach()) < 1e-5
+
+    eager = _tiny_model(tiny_llama, _attn_implementation="eager")
+    assert padding_free.resolve_share(True, trainer.model) and not padding_free.resolve_share(False, trainer.model)
+    assert not padding_free.resolve_share(True, trainer.model, eager)
+    trainer, _ = _trainer(eager, grpo_args)
+    assert trainer.padding_free and not trainer.share_prompts
+
+
 def _loss_and_grads(trainer, inputs):
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
@@ -206,7 +289,7 @@ def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, g
     for each of TRL's loss types (luspo at the sequence level, as TRL requires). With beta > 0 the
     reference's logprobs, packed too, equal the padded ones."""
     trainer, inputs = _trainer(tiny_llama, grpo_args, beta=beta, num_iterations=2)
-    _assert_really_packed(inputs)
+    _assert_really_packed(inputs, trainer)
     with torch.no_grad():  # the old policy (num_iterations > 1) and the reference go through the same override
         models = [trainer.model] + ([trainer.ref_model] if beta else [])
         for model in models:
@@ -407,6 +490,25 @@ def test_balanced_moves_whole_rows_and_keeps_shared_values():
     assert padding_free.balanced(odd, window=2) == odd
 
 
+def test_balanced_with_shared_prompts_puts_a_prompts_rows_together():
+    """Rows 0 and 2 share a 6-token prompt (5 tokens run once for both), rows 1 and 3 have 1-token prompts.
+    Lengths 10, 8, 7, 5: by tokens alone [0, 3] and [1, 2] (15 and 15); counting the shared prompt once,
+    [0, 2] and [1, 3] (10 + 7 - 5 = 12 and 13)."""
+    C = 8  # completion width; prompts 6 wide
+    prompts = [[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 9], [1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 8]]
+    completions = [4, 7, 1, 4]
+    rows = [{"prompt_ids": torch.tensor([p]), "prompt_mask": (torch.tensor([p]) != 0).long(),
+             "completion_mask": torch.tensor([[1] * c + [0] * (C - c)]), "advantages": torch.tensor([float(i)])}
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+    batches = [{k: torch.cat([r[k] for r in rows[i:i + 2]]) for k in rows[0]} for i in (0, 2)]
+    assert [(b["prompt_mask"].sum(1) + b["completion_mask"].sum(1)).tolist() for b in batches] == [[10, 8], [7, 5]]
+    plain = padding_free.balanced(batches, window=2)
+    shared = padding_free.balanced(batches, window=2, share_prompts=True)
+    assert [b["advantages"].tolist() for b in plain] == [[0.0, 3.0], [1.0, 2.0]]
+    assert [b["advantages"].tolist() for b in shared] == [[0.0, 2.0], [1.0, 3.0]]
+    assert shared[0]["prompt_ids"].tolist() == [prompts[0], prompts[2]]
+
+
 def _step_grads_and_microbatches(tiny_llama, grpo_args, **kw):
     """One optimizer step of 2 microbatches (4 rows each, one generation batch of 2 prompts x 4): the
     gradient the optimizer receives, the loss logged, and each microbatch's real tokens and rows."""
@@ -419,9 +521,13 @@ def _step_grads_and_microbatches(tiny_llama, grpo_args, **kw):
             grads.extend(p.grad.detach().clone().flatten() for p in model.parameters() if p.requires_grad)
 
     class Seen(grpotrl.GRPOTrainer):
-        def _compute_loss(self, model, inputs):
-            real = inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
-            seen.append((int(real), sorted(inputs["advantages"].tolist())))
+        def _compute_loss(self, model, inputs):  # the tokens the packed forward runs (a shared prompt once a tree)
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, L]
+            attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, L]
+            p = pack(ids, attn, ids.size(1) - inputs["prompt_ids"].size(1), ids.size(1),
+                     share_prompts=self.share_prompts)
+            real = int(attn.sum()) if p.tree is None else int((p.tree != -1).sum())
+            seen.append((real, sorted(inputs["advantages"].tolist())))
             return super()._compute_loss(model, inputs)
 
     args = grpo_args(**{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1,
@@ -444,7 +550,8 @@ def test_balanced_microbatches_lower_the_heaviest_and_keep_the_step_gradient(los
     on, g_on, loss_on, seen_on = _step_grads_and_microbatches(tiny_llama, grpo_args, **kw)
     assert on.balance_microbatches is True and off.balance_microbatches is False and on.padding_free
     assert sorted(r for _, rows in seen_on for r in rows) == sorted(r for _, rows in seen_off for r in rows)
-    assert sum(t for t, _ in seen_on) == sum(t for t, _ in seen_off)
+    assert on.share_prompts  # regrouped by the tokens the forwards run: a prompt's rows together where it pays
+    assert sum(t for t, _ in seen_on) <= sum(t for t, _ in seen_off), (seen_on, seen_off)
     assert max(t for t, _ in seen_on) < max(t for t, _ in seen_off), (seen_on, seen_off)  # regrouped, lighter
     assert g_off.norm() > 0 and _rel(g_on, g_off) < 1e-5
     assert loss_on == pytest.approx(loss_off, rel=1e-5)

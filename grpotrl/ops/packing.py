@@ -16,6 +16,10 @@ back into the padded layout ``[B, K]``, zeros where nothing is scored, different
 ``balance_plan`` splits one optimizer step's rows into its microbatches (same count each) with even
 token sums: the heaviest microbatch sets the peak memory, and packing alone cannot lighten it.
 
+``share_prompts`` (``share_plan``): the rows of one prompt (a GRPO group) run the prompt once, in a tree
+(the prompt but its last token, then each row's last prompt token and completion) under an attention
+mask that keeps each row to the prompt and itself.
+
 Why rows of at most ``capacity`` (the padded width ``L``) rather than one ``[1, sum]`` row: a
 masked attention costs ``W^2`` per row. Measured on SmolLM2 (``bench/bench_packing_capacity.py``):
 one loss microbatch's forward + backward at rows of at most L, 1.5 L, 2 L, 3 L and one row took 0.64-0.67x,
@@ -54,30 +58,74 @@ def pack_plan(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def balance_plan(lengths: list[int], groups: int) -> list[list[int]]:
+def balance_plan(lengths: list[int], groups: int, prompts: list[tuple] | None = None) -> list[list[int]]:
     """Indices ``0..n-1`` split into ``groups`` groups of ``n // groups`` each (``n`` a multiple of
-    ``groups``), their token sums made even greedily: longest first (ties in index order), each into
-    the lightest group with room (ties: the lower group); each group's indices ascending. Where that
-    does not lower the heaviest group's sum, the consecutive grouping ``[0..m-1], [m..2m-1], ...`` is
-    returned unchanged.
+    ``groups``), their token costs made even greedily: longest first (ties in index order), each into
+    the group it leaves lightest among those with room (ties: the lower group); each group's indices
+    ascending. A group's cost is its rows' lengths; with ``prompts`` (each row's prompt tokens, where
+    the packed forward shares them: ``share_plan``), less each prompt's shared tokens counted once per
+    extra row, so that a row goes where its prompt already is unless that group is heavier by more. Where
+    the greedy plan does not lower the heaviest group's cost, the consecutive grouping ``[0..m-1],
+    [m..2m-1], ...`` is returned unchanged.
 
     >>> balance_plan([9, 9, 1, 1], groups=2)  # consecutive: 18 and 2; balanced: 10 and 10
     [[0, 2], [1, 3]]
     >>> balance_plan([5, 1, 1, 5], groups=2)  # consecutive is already 6 and 6
     [[0, 1], [2, 3]]
+    >>> balance_plan([10, 8, 7, 5], groups=2)  # 15 and 15
+    [[0, 3], [1, 2]]
+    >>> balance_plan([10, 8, 7, 5], groups=2, prompts=[(1,) * 6, (2,), (1,) * 6, (2,)])  # 10 + 7 - 5, 8 + 5
+    [[0, 2], [1, 3]]
     """
     n = len(lengths)
     if groups < 1 or n % groups:
         raise ValueError(f"{n} rows do not split into {groups} equal groups")
     size = n // groups
-    consecutive = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
-    plan, sums = [[] for _ in range(groups)], [0] * groups
+    saves = [max(len(p) - 1, 0) for p in prompts] if prompts is not None else [0] * n  # tokens a shared row saves
+    key = prompts if prompts is not None else list(range(n))
+
+    def cost(rows: list[int]) -> int:
+        seen, total = set(), 0
+        for i in rows:
+            total += lengths[i] - (saves[i] if key[i] in seen else 0)
+            seen.add(key[i])
+        return total
+
+    plan, sums, seen = [[] for _ in range(groups)], [0] * groups, [set() for _ in range(groups)]
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        g = min((g for g in range(groups) if len(plan[g]) < size), key=lambda g: (sums[g], g))
+        added = [lengths[i] - (saves[i] if key[i] in seen[g] else 0) for g in range(groups)]
+        g = min((g for g in range(groups) if len(plan[g]) < size), key=lambda g: (sums[g] + added[g], g))
         plan[g].append(i)
-        sums[g] += lengths[i]
-    heaviest = max(sum(lengths[i] for i in group) for group in consecutive)
-    return [sorted(group) for group in plan] if max(sums) < heaviest else consecutive
+        sums[g] += added[g]
+        seen[g].add(key[i])
+    consecutive = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
+    return [sorted(group) for group in plan] if max(sums) < max(map(cost, consecutive)) else consecutive
+
+
+def share_plan(prompts: list[tuple], lengths: list[int], capacity: int) -> tuple[list[int], list[list[int]]]:
+    """Rows with the same prompt share its forward: each row's tokens in its tree's shared prefix (the
+    prompt but its last token, which each row keeps so that it predicts the row's first completion
+    token), and the trees (rows sharing one prefix, each tree at most ``capacity`` tokens: the prefix
+    once plus each row's own tokens). A prompt's rows fill trees first-fit decreasing (``pack_plan``);
+    a prompt of fewer than 2 tokens, or a row alone with its prompt, is a tree of its own.
+
+    >>> share_plan([(1, 2, 3), (1, 2, 3), (4,)], lengths=[5, 6, 2], capacity=9)
+    ([2, 2, 0], [[1, 0], [2]])
+    """
+    rows_of: dict[tuple, list[int]] = {}
+    for b, prompt in enumerate(prompts):
+        rows_of.setdefault(prompt, []).append(b)
+    prefix, trees = [0] * len(prompts), []
+    for prompt, rows in rows_of.items():
+        shared = len(prompt) - 1
+        if shared < 1 or len(rows) < 2:
+            trees.extend([b] for b in rows)
+            continue
+        for tree in pack_plan([lengths[b] - shared for b in rows], capacity - shared):
+            trees.append([rows[i] for i in tree])
+            for i in tree:
+                prefix[rows[i]] = shared
+    return prefix, trees
 
 
 @dataclass
@@ -90,36 +138,67 @@ class Packed:
     source: torch.Tensor  # [N] flat index into the head's shifted output [R, W - 1] (the position before the token)
     target: torch.Tensor  # [N] flat index into [B, K]
     shape: tuple[int, int]  # (B, K)
+    tree: torch.Tensor | None = None  # [R, W] shared prompts only: each position's tree, -1 in a row's tail
+    branch: torch.Tensor | None = None  # [R, W] shared prompts only: each position's padded row, -1 in a prefix
+
+    def attention_mask(self, rows: slice) -> torch.Tensor | None:
+        """Shared prompts: the rows' attention mask [r, 1, W, W] (True: the query may see the key): a
+        token sees the earlier tokens of its tree's prefix and of its own row, nothing else (a row's
+        tail sees its own tail). None without shared prompts: transformers reads the sequences from the
+        restarting position ids."""
+        if self.tree is None:
+            return None
+        tree, branch = self.tree[rows], self.branch[rows]  # [r, W]
+        w = torch.arange(tree.size(1), device=tree.device)  # [W]
+        same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)  # [r, W(query), W(key)]
+        visible = (branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2))  # [r, W, W]
+        return (same_tree & visible & (w.view(1, -1) <= w.view(-1, 1))).unsqueeze(1)  # [r, 1, W, W]
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, capacity: int,
-         pad_id: int = 0) -> Packed:
+         pad_id: int = 0, share_prompts: bool = False) -> Packed:
     """Pack each row's real tokens (``input_ids [B, L]`` where ``attention_mask [B, L] == 1``) into rows
     of at most ``capacity`` tokens (``pack_plan``). The tokens in the last ``logits_to_keep`` columns
-    are scored (labels); a sequence's first token never is (nothing of its own precedes it)."""
+    are scored (labels); a sequence's first token never is (nothing of its own precedes it).
+
+    ``share_prompts``: rows with the same prompt (the real tokens before the last ``logits_to_keep``
+    columns) are laid out as one tree (``share_plan``): the prompt but its last token once, then each
+    row's last prompt token and completion; ``Packed.attention_mask`` keeps each row to the prefix and
+    itself. Position ids stay each token's place in its own sequence."""
     B, L = input_ids.shape
     K = logits_to_keep
     device = input_ids.device
     real = attention_mask.bool()  # [B, L]
     lengths = real.sum(1).tolist()  # B ints (a host sync; real.nonzero below is the other)
-    plan = pack_plan(lengths, capacity)
-    row_of, offset_of, used = [0] * B, [0] * B, []  # each sequence's packed row and start; each row's length
+    prefix, trees = [0] * B, [[b] for b in range(B)]
+    if share_prompts:
+        ids, keep = input_ids[:, :L - K].tolist(), real[:, :L - K].tolist()  # the prompts, on the host
+        prompts = [tuple(t for t, k in zip(row, kept) if k) for row, kept in zip(ids, keep)]
+        prefix, trees = share_plan(prompts, lengths, capacity)
+    plan = pack_plan([prefix[t[0]] + sum(lengths[b] - prefix[b] for b in t) for t in trees], capacity)
+    tree_of, row_of, offset_of, used = [0] * B, [0] * B, [0] * B, []  # each sequence's tree, packed row, start
+    shift_of = [0] * B  # where each row's own tokens start after its tree's prefix
     for r, row in enumerate(plan):
         offset = 0
-        for i in row:
-            row_of[i], offset_of[i] = r, offset
-            offset += lengths[i]
+        for t in row:
+            start, offset = offset, offset + prefix[trees[t][0]]  # the tree's start; its first row's own tokens
+            for b in trees[t]:
+                tree_of[b], row_of[b], offset_of[b] = t, r, start
+                shift_of[b] = offset - start - prefix[b]  # 0 for a tree's first row
+                offset += lengths[b] - prefix[b]
         used.append(offset)
     R, W = len(plan), max(max(used, default=1), 2)  # the head's shifted output [R, W - 1] must not be empty
     rank = real.long().cumsum(1) - 1  # [B, L] each real token's place within its sequence
     b, j = real.nonzero(as_tuple=True)  # [T] every real token (padded row, column)
     k = rank[b, j]  # [T]
+    own = k >= torch.tensor(prefix, dtype=torch.long, device=device)[b]  # [T] not in a shared prefix
     row = torch.tensor(row_of, dtype=torch.long, device=device)[b]  # [T] its packed row
-    col = torch.tensor(offset_of, dtype=torch.long, device=device)[b] + k  # [T] its packed column
+    col = torch.tensor(offset_of, dtype=torch.long, device=device)[b] + k \
+        + own * torch.tensor(shift_of, dtype=torch.long, device=device)[b]  # [T] its packed column
     w = torch.arange(W, device=device)  # [W]
     end = torch.tensor(used, dtype=torch.long, device=device).view(R, 1)  # [R, 1]
     pos = torch.where(w >= end, w - end, 0)  # [R, W]: the tail after the last sequence restarts at 0
-    pos[row, col] = k
+    pos[row, col] = k  # a shared prefix's tokens are written once per row, the same values each time
     ids = torch.full((R, W), pad_id, dtype=input_ids.dtype, device=device)  # [R, W]
     ids[row, col] = input_ids[b, j]
     scored = (j >= L - K) & (k > 0)  # [T] in the last K columns, not a sequence's first token
@@ -128,7 +207,13 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     source = row[scored] * (W - 1) + col[scored] - 1  # [N] the position that predicts each scored token
     target = b[scored] * K + j[scored] - (L - K)  # [N]
     order = source.argsort()  # packed order: row by row, left to right
-    return Packed(ids, pos, labels, source[order], target[order], (B, K))
+    tree = branch = None
+    if any(len(t) > 1 for t in trees):
+        tree = torch.full((R, W), -1, dtype=torch.long, device=device)  # [R, W]
+        tree[row, col] = torch.tensor(tree_of, dtype=torch.long, device=device)[b]
+        branch = torch.full((R, W), -1, dtype=torch.long, device=device)  # [R, W]
+        branch[row[own], col[own]] = b[own]
+    return Packed(ids, pos, labels, source[order], target[order], (B, K), tree, branch)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -81,12 +81,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``_get_per_token_logps_and_entropies`` (every logprob forward: the policy's with its backward, the old
         policy's, the reference's, the IS correction's): with ``padding_free`` on, a text-only call runs on packed
         rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``;
-        on CPU TRL's fused head then projects the scored positions only, ``_intercept.inject_compact_head``);
-        otherwise TRL's padded forward. I5 compares it with the padded forward on guard steps.
+        on CPU TRL's fused head then projects the scored positions only, ``_intercept.inject_compact_head``;
+        under sdpa the rows of one prompt run it once, ``share_prompts``); otherwise TRL's padded forward. I5
+        compares it with the padded forward on guard steps.
       * ``_prepare_inputs``: TRL's; then, with ``balance_microbatches`` on and a new generation batch just
         cut into microbatches, each optimizer step's microbatches are regrouped by token count
         (``padding_free.balanced``, through ``_intercept.read/set_buffered_inputs``): the same rows per
-        optimizer step and per microbatch count, a loss that does not depend on the grouping, a lower peak.
+        optimizer step and per microbatch count, a loss that does not depend on the grouping, a lower peak
+        (with ``share_prompts``, a row's prompt counted once per microbatch: rows of one prompt go together).
       * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
         for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
         controller), on the graph from the loss back to the entropy node (a few elementwise ops).
@@ -161,6 +163,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self.padding_free, why_not = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self))
         if why_not is not None:
             logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_not)
+        self.share_prompts = padding_free.resolve_share(self.padding_free, self.model, self.ref_model)
         self.balance_microbatches, why_not = padding_free.resolve_balance(args, self.padding_free)
         if why_not is not None and self.padding_free:
             logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",
@@ -403,7 +406,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         pad = _intercept.read_tokenizer(self).pad_token_id
         logps, entropies = padding_free.packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast,
-            pad_id=pad if pad is not None else 0)
+            pad_id=pad if pad is not None else 0, share_prompts=self.share_prompts)
         return logps, entropies, None
 
     def _prepare_inputs(self, generation_batch):
@@ -412,7 +415,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         buffer = _intercept.read_buffered_inputs(self)
         if not (self.balance_microbatches and self.model.training) or buffer is before:
             return inputs  # eval, or a microstep that reuses the buffered generation batch
-        return _intercept.set_buffered_inputs(self, padding_free.balanced(buffer, self.args.gradient_accumulation_steps))
+        window = self.args.gradient_accumulation_steps  # one optimizer step's microbatches
+        return _intercept.set_buffered_inputs(self, padding_free.balanced(buffer, window, self.share_prompts))
 
     def _compute_loss(self, model, inputs):
         record = self._guard_record

@@ -83,6 +83,16 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
     return True, None
 
 
+SHARED_PROMPT_ATTENTION = ("sdpa",)  # take a dense [r, 1, W, W] boolean mask as it is (transformers' masking_utils)
+
+
+def resolve_share(packed: bool, *models) -> bool:
+    """Whether the padding-free forwards run each prompt once for its rows (``ops.packing.share_plan``):
+    where every model given (the policy, the reference) runs sdpa, which applies the tree mask as it is.
+    FlashAttention reads packed rows from position ids only, and eager adds the mask as a float bias."""
+    return packed and all(_attention_of(m) in SHARED_PROMPT_ATTENTION for m in models if m is not None)
+
+
 # TRL's loss types whose reduction of an optimizer step's microbatches does not depend on which rows share
 # one (ops.reduction.reduce_rows, equal microbatch sizes): all but bnpo, which divides each by its own tokens
 GROUPING_FREE_LOSS_TYPES = tuple(t for t in LOSS_TYPES if t != "bnpo")
@@ -117,26 +127,31 @@ def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
     return False, why
 
 
-def balanced(batches: list[dict], window: int) -> list[dict]:
+def balanced(batches: list[dict], window: int, share_prompts: bool = False) -> list[dict]:
     """TRL's microbatches of one generation batch (``batches``, each a dict of per-row values and
     shared ones), each run of ``window`` consecutive ones (one optimizer step's) regrouped so that
     their real-token counts (prompt + completion) are even (``ops.packing.balance_plan``): the
-    same rows per window, the same number per microbatch, each microbatch's rows in TRL's order. A
+    same rows per window, the same number per microbatch, each microbatch's rows in TRL's order. With
+    ``share_prompts`` a row's prompt counts once per microbatch (its rows share the prompt's forward). A
     window already even, or holding a value that is not one per row (tensor of another length), is
     returned as it was."""
     out = []
     for start in range(0, len(batches), window):
-        out.extend(_balanced_window(batches[start:start + window]))
+        out.extend(_balanced_window(batches[start:start + window], share_prompts))
     return out
 
 
-def _balanced_window(batches: list[dict]) -> list[dict]:
+def _balanced_window(batches: list[dict], share_prompts: bool) -> list[dict]:
     size = batches[0]["completion_mask"].size(0)
     keys = [k for k, v in batches[0].items() if (isinstance(v, torch.Tensor) and v.ndim > 0) or isinstance(v, list)]
     if any(len(b[k]) != size for b in batches for k in keys):
         return batches  # not one value per row: no regrouping can be vouched for
     lengths = torch.cat([b["prompt_mask"].sum(1) + b["completion_mask"].sum(1) for b in batches]).tolist()  # a sync
-    plan = balance_plan(lengths, len(batches))
+    prompts = None
+    if share_prompts:  # each row's real prompt tokens, on the host
+        prompts = [tuple(t for t, m in zip(ids, mask) if m) for b in batches
+                   for ids, mask in zip(b["prompt_ids"].tolist(), b["prompt_mask"].tolist())]
+    plan = balance_plan(lengths, len(batches), prompts)
     if all(rows == list(range(g * size, (g + 1) * size)) for g, rows in enumerate(plan)):
         return batches  # TRL's grouping kept
     window = {k: _concat([b[k] for b in batches]) for k in keys}  # each per-row value over the window's rows
@@ -154,7 +169,8 @@ def _take(values, rows: list[int]):
 
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                               batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0):
+                               batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0,
+                               share_prompts: bool = False):
     """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
     per-token logprobs [B, K] and entropies [B, K] (or None), zeros where nothing is scored, as TRL's.
     ``autocast()`` is the accelerator's autocast context.
@@ -163,17 +179,19 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     ``batch_size`` packed rows per forward: no forward is larger than one of TRL's padded chunks
     (``batch_size x L``), and a call whose chunks each hold one prompt's group (the reference and
     old-policy forwards over a whole generation batch, before TRL shuffles it) packs short groups
-    together instead of leaving each chunk's rows part-empty."""
+    together instead of leaving each chunk's rows part-empty. ``share_prompts`` (``resolve_share``): the
+    rows of one prompt run its prompt once (``ops.packing.share_plan``) under a tree attention mask."""
     B, L = input_ids.shape
     batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
-    packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id)
+    packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id, share_prompts=share_prompts)
     R = packed.input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, R, batch_size):
         rows = slice(start, min(start + batch_size, R))
         with autocast(), _intercept.inject_compact_head(packed.input_ids.device):  # the scored positions only
-            out = model(input_ids=packed.input_ids[rows], attention_mask=None, position_ids=packed.position_ids[rows],
-                        labels=packed.labels[rows], fused_lm_head=True)  # log_probs [r, W - 1]
+            out = model(input_ids=packed.input_ids[rows], attention_mask=packed.attention_mask(rows),
+                        position_ids=packed.position_ids[rows], labels=packed.labels[rows],
+                        fused_lm_head=True)  # log_probs [r, W - 1]
         logps.append(out.log_probs)
         if compute_entropy:
             entropies.append(out.entropy)
