@@ -10,6 +10,10 @@ as TRL's does on Triton devices: ``_intercept.inject_compact_head``), and put ba
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
 
+Under sdpa the rows of one prompt run it once (``resolve_share``; ``ops.packing.share_plan``: a tree of
+the prompt and each row's own tokens under a boolean ``[r, 1, W, W]`` mask), and the token-balanced
+microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays.
+
 ``resolve`` turns the config's setting into on or off for a loaded model: ``"auto"`` is on where
 the model's attention keeps packed rows apart (transformers' sdpa, eager and FlashAttention 2/3,
 which read the sequence boundaries from the restarting position ids) and there are no image
