@@ -266,6 +266,11 @@ def test_shared_prompts_run_each_prompt_once_where_the_attention_takes_the_tree_
     eager = _tiny_model(tiny_llama, _attn_implementation="eager")
     assert padding_free.resolve_share(True, trainer.model) and not padding_free.resolve_share(False, trainer.model)
     assert not padding_free.resolve_share(True, trainer.model, eager)
+    # a ready 4D mask reaches sliding-window and chunked layers unchanged: their window would be lost
+    for config in ({"sliding_window": 16}, {"attention_chunk_size": 16},
+                   {"layer_types": ["full_attention", "sliding_attention"]}):
+        assert not padding_free.resolve_share(True, _tiny_model(tiny_llama, **config)), config
+    assert padding_free.resolve_share(True, _tiny_model(tiny_llama, layer_types=["full_attention"] * 2))
     trainer, _ = _trainer(eager, grpo_args)
     assert trainer.padding_free and not trainer.share_prompts
 

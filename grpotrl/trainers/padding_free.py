@@ -92,9 +92,20 @@ SHARED_PROMPT_ATTENTION = ("sdpa",)  # take a dense [r, 1, W, W] boolean mask as
 
 def resolve_share(packed: bool, *models) -> bool:
     """Whether the padding-free forwards run each prompt once for its rows (``ops.packing.share_plan``):
-    where every model given (the policy, the reference) runs sdpa, which applies the tree mask as it is.
-    FlashAttention reads packed rows from position ids only, and eager adds the mask as a float bias."""
-    return packed and all(_attention_of(m) in SHARED_PROMPT_ATTENTION for m in models if m is not None)
+    where every model given (the policy, the reference) runs sdpa, which applies the tree mask as it is,
+    in full-attention layers only. FlashAttention reads packed rows from position ids only, eager adds the
+    mask as a float bias, and transformers hands a ready 4D mask to sliding-window and chunked layers
+    unchanged (their window would be lost)."""
+    return packed and all(_attention_of(m) in SHARED_PROMPT_ATTENTION and _full_attention_only(m)
+                          for m in models if m is not None)
+
+
+def _full_attention_only(model) -> bool:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
 # TRL's loss types whose reduction of an optimizer step's microbatches does not depend on which rows share
