@@ -434,26 +434,35 @@ def test_refusals_and_auto_off_with_the_reason(tiny_llama, tmp_path, caplog):
 
 # ---------------------------------------------------------------- I5 catches attention that ignores packing
 
-def _ignores_packing(path):
-    """tiny_llama whose backbone drops ``position_ids``: transformers then numbers the packed row 0..W-1 and
-    masks it causally as ONE sequence, so each completion attends to the sequences packed before it. On the
-    padded batch (rotary positions: relative) it is the same model as before."""
+def _ignores_packing(path, dropped="position_ids"):
+    """tiny_llama whose backbone drops one packing input. ``position_ids``: transformers numbers the packed
+    row 0..W-1, so the rows of a shared prompt after the first sit at the wrong distance from it (and without
+    a tree mask the whole packed row is masked causally as ONE sequence). ``attention_mask`` (the tree mask
+    of shared prompts): transformers reads the sequences from the position ids, which cut each row after the
+    first off the shared prompt. On the padded batch (rotary positions: relative) it is the same model."""
+    def drop(m, args, kwargs):  # the 2D masks of generate and the padded forward pass through
+        mask = kwargs.get("attention_mask")
+        if dropped == "position_ids" or (mask is not None and mask.dim() == 4):
+            kwargs = {k: v for k, v in kwargs.items() if k != dropped}
+        return args, kwargs
+
     model = _tiny_model(path)
-    model.model.register_forward_pre_hook(
-        lambda m, args, kwargs: (args, {k: v for k, v in kwargs.items() if k != "position_ids"}), with_kwargs=True)
+    model.model.register_forward_pre_hook(drop, with_kwargs=True)
     return model
 
 
-@pytest.mark.parametrize("on", [True, False], ids=["padding_free", "control"])
-def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, tiny_llama, grpo_args):
+@pytest.mark.parametrize("on,dropped", [(True, "position_ids"), (True, "attention_mask"), (False, "position_ids")],
+                         ids=["padding_free", "padding_free-tree-mask", "control"])
+def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, dropped, tiny_llama, grpo_args):
     args = grpo_args(padding_free=on, guard_steps=-1, max_steps=1, per_device_train_batch_size=16, beta=0.0,
                      max_completion_length=64)
-    trainer = grpotrl.GRPOTrainer(model=_ignores_packing(tiny_llama), reward_funcs=length_reward, args=args,
+    trainer = grpotrl.GRPOTrainer(model=_ignores_packing(tiny_llama, dropped), reward_funcs=length_reward, args=args,
                                   train_dataset=arithmetic_prompts(16))
     if not on:
         trainer.train()
         assert trainer.state.global_step == 1
         return
+    assert trainer.share_prompts
     with pytest.raises(InvariantError, match=r"(?s)\[I5\].*set padding_free=False"):
         trainer.train()
     assert trainer.state.global_step == 0

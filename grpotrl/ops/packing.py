@@ -84,22 +84,35 @@ def balance_plan(lengths: list[int], groups: int, prompts: list[tuple] | None = 
     saves = [max(len(p) - 1, 0) for p in prompts] if prompts is not None else [0] * n  # tokens a shared row saves
     key = prompts if prompts is not None else list(range(n))
 
+    def added(i: int, seen: set) -> int:  # row i's cost in a group holding the prompts ``seen``
+        return lengths[i] - (saves[i] if key[i] in seen else 0)
+
     def cost(rows: list[int]) -> int:
         seen, total = set(), 0
         for i in rows:
-            total += lengths[i] - (saves[i] if key[i] in seen else 0)
+            total += added(i, seen)
             seen.add(key[i])
         return total
 
     plan, sums, seen = [[] for _ in range(groups)], [0] * groups, [set() for _ in range(groups)]
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        added = [lengths[i] - (saves[i] if key[i] in seen[g] else 0) for g in range(groups)]
-        g = min((g for g in range(groups) if len(plan[g]) < size), key=lambda g: (sums[g] + added[g], g))
+        g = min((g for g in range(groups) if len(plan[g]) < size), key=lambda g: (sums[g] + added(i, seen[g]), g))
+        sums[g] += added(i, seen[g])
         plan[g].append(i)
-        sums[g] += added[g]
         seen[g].add(key[i])
     consecutive = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
     return [sorted(group) for group in plan] if max(sums) < max(map(cost, consecutive)) else consecutive
+
+
+def prompts_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple]:
+    """Each row's real prompt tokens (``prompt_ids [B, P]`` where ``prompt_mask == 1``) as a tuple: rows
+    with equal tuples share a prompt (``share_plan``, ``balance_plan``). One host transfer.
+
+    >>> prompts_of(torch.tensor([[0, 5, 6], [5, 6, 7]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    [(5, 6), (5, 6, 7)]
+    """
+    rows = prompt_ids.masked_fill(prompt_mask == 0, -1).tolist()  # -1: no token id
+    return [tuple(t for t in row if t != -1) for row in rows]
 
 
 def share_plan(prompts: list[tuple], lengths: list[int], capacity: int) -> tuple[list[int], list[list[int]]]:
@@ -171,10 +184,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     real = attention_mask.bool()  # [B, L]
     lengths = real.sum(1).tolist()  # B ints (a host sync; real.nonzero below is the other)
     prefix, trees = [0] * B, [[b] for b in range(B)]
-    if share_prompts:
-        ids, keep = input_ids[:, :L - K].tolist(), real[:, :L - K].tolist()  # the prompts, on the host
-        prompts = [tuple(t for t, k in zip(row, kept) if k) for row, kept in zip(ids, keep)]
-        prefix, trees = share_plan(prompts, lengths, capacity)
+    if share_prompts:  # the prompts: a third host sync
+        prefix, trees = share_plan(prompts_of(input_ids[:, :L - K], real[:, :L - K]), lengths, capacity)
     plan = pack_plan([prefix[t[0]] + sum(lengths[b] - prefix[b] for b in t) for t in trees], capacity)
     tree_of, row_of, offset_of, used = [0] * B, [0] * B, [0] * B, []  # each sequence's tree, packed row, start
     shift_of = [0] * B  # where each row's own tokens start after its tree's prefix

@@ -28,7 +28,7 @@ import logging
 import torch
 
 from ..errors import InputError
-from ..ops.packing import balance_plan, pack, unpack
+from ..ops.packing import balance_plan, pack, prompts_of, unpack
 from ..ops.reduction import LOSS_TYPES
 from . import _intercept
 
@@ -49,6 +49,10 @@ def setting(value) -> bool | str:
     return bool(value)
 
 
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def _attention_of(model) -> str | None:
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
@@ -61,7 +65,7 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
     want = setting(getattr(args, "padding_free", False))
     if want is False:
         return False, None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model)
     why = None
     if is_vlm:
         why = "the processing class is multimodal (image inputs are sliced per row by TRL's padded forward)"
@@ -101,7 +105,7 @@ def resolve_share(packed: bool, *models) -> bool:
 
 
 def _full_attention_only(model) -> bool:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return all(t == "full_attention" for t in layer_types)
@@ -162,10 +166,7 @@ def _balanced_window(batches: list[dict], share_prompts: bool) -> list[dict]:
     if any(len(b[k]) != size for b in batches for k in keys):
         return batches  # not one value per row: no regrouping can be vouched for
     lengths = torch.cat([b["prompt_mask"].sum(1) + b["completion_mask"].sum(1) for b in batches]).tolist()  # a sync
-    prompts = None
-    if share_prompts:  # each row's real prompt tokens, on the host
-        prompts = [tuple(t for t, m in zip(ids, mask) if m) for b in batches
-                   for ids, mask in zip(b["prompt_ids"].tolist(), b["prompt_mask"].tolist())]
+    prompts = [p for b in batches for p in prompts_of(b["prompt_ids"], b["prompt_mask"])] if share_prompts else None
     plan = balance_plan(lengths, len(batches), prompts)
     if all(rows == list(range(g * size, (g + 1) * size)) for g, rows in enumerate(plan)):
         return batches  # TRL's grouping kept
