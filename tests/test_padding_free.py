@@ -18,7 +18,7 @@ from datasets import Dataset
 import grpotrl
 from grpotrl.errors import InputError, InvariantError
 from grpotrl.ops.packing import IGNORE, balance_plan, pack, pack_plan, share_plan, unpack
-from grpotrl.trainers import padding_free
+from grpotrl.trainers import _intercept, padding_free
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
 
@@ -236,6 +236,46 @@ def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, g
     assert sizes[-1] == scored < sizes[-2]  # packed: the completion tokens only
     assert _rel(packed, padded) < 1e-5
     assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
+
+
+def test_the_cpu_training_step_runs_the_head_512_tokens_at_a_time_forward_and_backward(tiny_llama, grpo_args,
+                                                                                     monkeypatch):
+    """On CPU the training step runs TRL's fused head through its tokens 512 at a time instead of 4096
+    (``_intercept.inject_head_token_tiles``): its forwards and its backward, which runs after the forward's
+    block. TRL's size is back after the step."""
+    import trl.kernels.chunked_logprob as ck
+
+    seen = []
+    for name in ("forward", "backward"):
+        original = getattr(ck.ChunkedLogProbFunction, name)
+        monkeypatch.setattr(ck.ChunkedLogProbFunction, name, staticmethod(
+            lambda ctx, *a, _name=name, _fn=original: seen.append((_name, ck.TOKEN_CHUNK_SIZE)) or _fn(ctx, *a)))
+    trainer, _ = _trainer(tiny_llama, grpo_args)
+    seen.clear()
+    trainer.training_step(trainer.model, next(iter(trainer.get_train_dataloader())), None)
+    assert {name for name, _ in seen} == {"forward", "backward"}
+    assert {size for _, size in seen} == {_intercept.CPU_HEAD_TOKENS}
+    assert ck.TOKEN_CHUNK_SIZE == 4096  # TRL's, restored
+
+
+def test_the_head_in_tiles_of_512_tokens_gives_the_values_and_gradients_of_one_tile():
+    """Worked on 1300 tokens (three tiles of 512 against TRL's one of 4096): each token's logprob and entropy
+    alone, the same; the hidden and weight gradients within fp32 rounding."""
+    import trl.kernels.chunked_logprob as ck
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(1300, 32), torch.randn(1000, 32) * 0.3  # [N, H], [V, H]
+    targets = torch.randint(0, 1000, (1300,))  # [N]
+    results = []
+    for device in ("cuda", "cpu"):  # TRL's size (not injected off CPU), then the CPU tiles
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with _intercept.inject_head_token_tiles(torch.device(device)):
+            logps, entropy, *_ = ck.ChunkedLogProbFunction.apply(h, w, None, targets, 0.9, 32768, None, 1.0,
+                                                                  ("log_probs", "entropy"))
+            (logps * torch.linspace(-1, 1, 1300) + 0.1 * entropy).sum().backward()
+        results.append((logps.detach(), entropy.detach(), h.grad, w.grad))
+    for one, tiles in zip(*results):
+        assert _rel(tiles, one) < 1e-6
 
 
 def test_shared_prompts_run_each_prompt_once_where_the_attention_takes_the_tree_mask(tiny_llama, grpo_args):

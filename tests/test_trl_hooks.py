@@ -370,6 +370,20 @@ def test_fused_head_shifts_labels_as_padding_free_assumes():
     assert "labels = labels[:, 1:]" in src and "mask = labels != -100" in src
 
 
+def test_fused_head_reads_its_token_tile_at_call_time_inject_head_token_tiles_sets():
+    """``_intercept.inject_head_token_tiles`` shadows ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``, which the
+    fused head's forward and backward read at call time (the backward runs after the forward's block)."""
+    import trl.kernels.chunked_logprob as ck
+    import trl.trainer.utils as trl_utils
+
+    assert trl_utils._ChunkedLogProbFunction is ck.ChunkedLogProbFunction
+    assert isinstance(ck.TOKEN_CHUNK_SIZE, int) and ck.TOKEN_CHUNK_SIZE >= _intercept.CPU_HEAD_TOKENS
+    for method in (ck.ChunkedLogProbFunction.forward, ck.ChunkedLogProbFunction.backward):
+        src = inspect.getsource(method)
+        assert "range(0, N, TOKEN_CHUNK_SIZE)" in src and "min(N, TOKEN_CHUNK_SIZE)" in src
+    assert '"TOKEN_CHUNK_SIZE"' in inspect.getsource(_intercept.inject_head_token_tiles)
+
+
 def test_fused_head_reads_the_compact_switch_inject_compact_head_sets():
     """``_intercept.inject_compact_head`` shadows ``trl.trainer.utils._use_triton``, which TRL's fused forward
     reads at call time to choose between projecting the scored positions only and every position."""

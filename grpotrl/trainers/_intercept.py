@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import trl.kernels.chunked_logprob as trl_chunked
 import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin
 
@@ -230,6 +231,28 @@ def inject_compact_head(device: torch.device) -> Iterator[None]:
         return
     original = trl_utils._use_triton
     with inject_attr(trl_utils, "_use_triton", lambda d: d.type == "cpu" or original(d)):
+        yield
+
+
+# Tokens per tile of TRL's fused head on CPU (TRL: TOKEN_CHUNK_SIZE = 4096, sized for cuBLAS). Measured on SmolLM2
+# (docs/cost.md, "The head's token tiles on CPU"): 512 cuts a loss microbatch's peak by about 0.9 GiB for +1% time;
+# 256 and 128 save 0.1-0.2 GiB more for +4-6%.
+CPU_HEAD_TOKENS = 512
+
+
+@contextmanager
+def inject_head_token_tiles(device: torch.device) -> Iterator[None]:
+    """Inject: on CPU, TRL's fused LM head (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``) works through
+    its tokens ``CPU_HEAD_TOKENS`` at a time instead of TRL's 4096 (``TOKEN_CHUNK_SIZE``). Without Triton, each
+    tile's torch fallback holds about ten fp32 temporaries of ``tokens x 32768`` (the vocabulary columns per
+    tile): at 4096 tokens, gigabytes, the largest transient of a CPU step. Each token's values are computed
+    alone, so they are the same; the weight gradient sums the same products in more tiles (fp32 rounding).
+    Forward and backward read the size at call time, so the block must hold the backward
+    (``GRPOTrainer.training_step``). Other devices keep TRL's size (tests/test_trl_hooks.py pins the reads)."""
+    if device.type != "cpu":
+        yield
+        return
+    with inject_attr(trl_chunked, "TOKEN_CHUNK_SIZE", min(CPU_HEAD_TOKENS, trl_chunked.TOKEN_CHUNK_SIZE)):
         yield
 
 
