@@ -8,7 +8,8 @@ SmolLM2-135M-Instruct on open questions, half of them asking for a short answer 
 answers run from a few tokens to the cap, as in real prompt mixes), the same config,
 seed and data for the three variants, learning rate 0 so that every variant samples the same
 completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed:
-step time, CPU time and peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``)
+step time, CPU time and the run's peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``;
+the largest of the setup's and each step's own peaks)
 as ratios against plain TRL measured in the same run; the completion-length spread and the share
 of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
 padded and padding-free grpotrl runs and their relative difference; and where a step's time goes
@@ -70,7 +71,6 @@ class PaddingShare:
 
 def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import resource
     import time
 
     import torch
@@ -124,8 +124,12 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
 
     step_peaks = []  # bytes: each step's own peak (CPU: VmHWM reset at the step's start; CUDA: reset_peak_memory_stats)
 
+    before_steps = []  # bytes: the peak up to the first step (loading, setup), before the first reset
+
     class Phases(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if not before_steps:
+                before_steps.append(read_peak())
             reset_peak()
 
         def on_step_end(self, args, state, control, **kw):
@@ -148,8 +152,8 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                        train_dataset=open_questions(), callbacks=[timer, Phases()])
     assert variant == "trl" or trainer.padding_free == (variant == "packed")
     trainer.train()
-    peak = (torch.cuda.max_memory_allocated() if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    # the run's peak: each step resets it (ru_maxrss and max_memory_allocated read the last step's alone)
+    peak = max(before_steps + step_peaks + [read_peak()])
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
                    lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",

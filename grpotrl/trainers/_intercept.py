@@ -41,7 +41,7 @@ from transformers import GenerationMixin
 
 from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
-from ..generation.sampled_logprobs import SampledLogprobRecorder, arrange_processors
+from ..generation.sampled_logprobs import arrange_processors
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "
