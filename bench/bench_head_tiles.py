@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import trl.kernels.chunked_logprob as ck  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import _runner  # noqa: E402  bench/_runner.py: the peak-RSS reset and reading
 import bench_packing_capacity as capacity  # noqa: E402  its microbatches
 
-from grpotrl.models import resolve_model_path  # noqa: E402
 from grpotrl.ops.packing import pack, unpack  # noqa: E402
 from grpotrl.trainers import _intercept  # noqa: E402
 
@@ -44,14 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbatches", type=int, default=3)
     a = ap.parse_args()
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"), dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
-    model.train()
-    prompts, completions = capacity.lengths(rng, 8 * a.microbatches)
-    P = max(prompts)
+    model, batches, P = capacity.setup(a.microbatches)
     L = P + capacity.K
     weight = model.get_output_embeddings().weight
 
@@ -67,12 +56,10 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return logps.detach(), g
 
-    warm = pack(*capacity.batch(prompts[:8], completions[:8], P), capacity.K, capacity=L, share_prompts=True)
-    run(warm, True)  # untimed: the first run pages the weights in and sets up the kernels' buffers
+    packed = [pack(ids, mask, capacity.K, capacity=L, share_prompts=True) for ids, mask in batches]
+    run(packed[0], True)  # untimed: the first run pages the weights in and sets up the kernels' buffers
     total, peak = {}, {}
-    for m in range(a.microbatches):
-        part = slice(8 * m, 8 * m + 8)
-        rows = pack(*capacity.batch(prompts[part], completions[part], P), capacity.K, capacity=L, share_prompts=True)
+    for m, rows in enumerate(packed):
         for grad in (False, True):
             trl = None
             for size in SIZES:

@@ -61,18 +61,26 @@ def batch(prompts: list[int], completions: list[int], P: int) -> tuple[torch.Ten
     return ids, mask
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--microbatches", type=int, default=4)
-    a = ap.parse_args()
+def setup(count: int):
+    """Seeded: SmolLM2 as the GRPO loss runs it (fp32, sdpa, TRL's fused head at temperature 0.9 with
+    entropies, train mode), ``count`` microbatches of 8 rows (``input_ids``, ``attention_mask`` [8, P + K])
+    and their prompt width ``P``. ``bench_head_tiles.py`` runs the same."""
     torch.manual_seed(0)
     rng = random.Random(0)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"), dtype=torch.float32,
                                                  attn_implementation="sdpa")
     add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
     model.train()
-    prompts, completions = lengths(rng, 8 * a.microbatches)
+    prompts, completions = lengths(rng, 8 * count)
     P = max(prompts)
+    return model, [batch(prompts[m:m + 8], completions[m:m + 8], P) for m in range(0, 8 * count, 8)], P
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--microbatches", type=int, default=4)
+    a = ap.parse_args()
+    model, batches, P = setup(a.microbatches)
     L = P + K
 
     def padded(ids, mask):
@@ -91,9 +99,7 @@ def main() -> None:
     runs = [("padded", None, False, False)] + [(f"{f}L", int(f * L), False, False) for f in FACTORS] + [
         ("1L head", L, True, False), ("1L head shared", L, True, True)]
     total, peak = {name: 0.0 for name, *_ in runs}, {name: 0 for name, *_ in runs}
-    for m in range(a.microbatches):
-        part = slice(8 * m, 8 * m + 8)
-        ids, mask = batch(prompts[part], completions[part], P)
+    for m, (ids, mask) in enumerate(batches):
         for name, capacity, compact, share in runs:
             before = _runner.rss_kib("VmRSS")
             _runner.reset_peak_rss()

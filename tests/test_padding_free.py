@@ -252,10 +252,12 @@ def test_the_cpu_training_step_runs_the_head_512_tokens_at_a_time_forward_and_ba
             lambda ctx, *a, _name=name, _fn=original: seen.append((_name, ck.TOKEN_CHUNK_SIZE)) or _fn(ctx, *a)))
     trainer, _ = _trainer(tiny_llama, grpo_args)
     seen.clear()
+    trl_size = ck.TOKEN_CHUNK_SIZE
+    assert trl_size > _intercept.CPU_HEAD_TOKENS  # else the step would change nothing
     trainer.training_step(trainer.model, next(iter(trainer.get_train_dataloader())), None)
     assert {name for name, _ in seen} == {"forward", "backward"}
     assert {size for _, size in seen} == {_intercept.CPU_HEAD_TOKENS}
-    assert ck.TOKEN_CHUNK_SIZE == 4096  # TRL's, restored
+    assert ck.TOKEN_CHUNK_SIZE == trl_size == 4096  # TRL's, restored
 
 
 def test_the_head_in_tiles_of_512_tokens_gives_the_values_and_gradients_of_one_tile():

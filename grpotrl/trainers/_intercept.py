@@ -235,8 +235,8 @@ def inject_compact_head(device: torch.device) -> Iterator[None]:
 
 
 # Tokens per tile of TRL's fused head on CPU (TRL: TOKEN_CHUNK_SIZE = 4096, sized for cuBLAS). Measured on SmolLM2
-# (docs/cost.md, "The head's token tiles on CPU"): 512 cuts a loss microbatch's peak by about 0.9 GiB for +1% time;
-# 256 and 128 save 0.1-0.2 GiB more for +4-6%.
+# (bench/bench_head_tiles.py, docs/cost.md): 512 cut a loss microbatch's peak by 0.89 GiB for +0.6% time; 256 and
+# 128 cut 0.26 and 0.39 GiB more for +2.9% and +5.8%.
 CPU_HEAD_TOKENS = 512
 
 
