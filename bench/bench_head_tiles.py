@@ -46,8 +46,9 @@ def main() -> None:
 
     def run(rows, grad: bool):
         with torch.set_grad_enabled(grad), _intercept.inject_compact_head(rows.input_ids.device):
-            out = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(slice(None)),
-                        position_ids=rows.position_ids, labels=rows.labels, fused_lm_head=True)
+            out = model(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                        attention_mask=rows.attention_mask(slice(None), rows.input_ids.size(1)), labels=rows.labels,
+                        fused_lm_head=True)
             logps = unpack(out.log_probs, rows)  # [8, K]
         if not grad:
             return logps, None

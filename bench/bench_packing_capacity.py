@@ -92,8 +92,9 @@ def main() -> None:
     def packed(ids, mask, capacity, compact=False, share=False):
         rows = pack(ids, mask, K, capacity=capacity, share_prompts=share)
         with _intercept.inject_compact_head(ids.device) if compact else contextlib.nullcontext():
-            out = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(slice(None)),
-                        position_ids=rows.position_ids, labels=rows.labels, fused_lm_head=True)
+            out = model(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                        attention_mask=rows.attention_mask(slice(None), rows.input_ids.size(1)), labels=rows.labels,
+                        fused_lm_head=True)
         return unpack(out.log_probs, rows), tuple(rows.input_ids.shape)
 
     runs = [("padded", None, False, False)] + [(f"{f}L", int(f * L), False, False) for f in FACTORS] + [

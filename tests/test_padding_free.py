@@ -12,12 +12,12 @@ import logging
 import pytest
 import torch
 import trl
-from conftest import arithmetic_prompts, length_reward
+from conftest import arithmetic_prompts, length_reward, perturbed_batch
 from datasets import Dataset
 
 import grpotrl
 from grpotrl.errors import InputError, InvariantError
-from grpotrl.ops.packing import IGNORE, balance_plan, pack, pack_plan, share_plan, unpack
+from grpotrl.ops.packing import IGNORE, balance_plan, forward_plan, pack, pack_plan, share_plan, unpack
 from grpotrl.trainers import _intercept, padding_free
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
@@ -34,6 +34,23 @@ def test_pack_plan_first_fit_decreasing():
     assert pack_plan([], capacity=4) == []
     with pytest.raises(ValueError, match="does not fit"):
         pack_plan([5], capacity=4)
+
+
+def test_forward_plan_by_hand():
+    # widths 200, 298, 122, 290 -> sorted rows 1 (298), 3 (290), 0 (200), 2 (122); a run costs rows x its first
+    # row's width + the overhead. Overhead 64: [1, 3] [0] [2] = 596 + 200 + 122 + 3 x 64 = 1110, against
+    # [1, 3] [0, 2] = 1124, [1, 3, 0] [2] = 1144, each alone 1166, all four 1256
+    assert forward_plan([200, 298, 122, 290], max_rows=8, overhead=64) == [[1, 3], [0], [2]]
+    # overhead 0: each row alone costs only its tokens (910); a large one: a single forward (1192 + 1000)
+    assert forward_plan([200, 298, 122, 290], max_rows=8, overhead=0) == [[1], [3], [0], [2]]
+    assert forward_plan([200, 298, 122, 290], max_rows=8, overhead=1000) == [[1, 3, 0, 2]]
+    # None: the fewest forwards max_rows allows (ceil(5 / 2) = 3), then the fewest cells; of sorted 9 8 5 5 1,
+    # runs of 2, 2, 1 = 18 + 10 + 1 = 29 cells, against 2, 1, 2 = 18 + 5 + 10 = 33 and 1, 2, 2 = 9 + 16 + 10 = 35
+    assert forward_plan([5, 9, 1, 8, 5], max_rows=2) == [[1, 3], [0, 4], [2]]
+    assert forward_plan([7, 7, 7], max_rows=3, overhead=0) == [[0, 1, 2]]  # equal cost: the fewest forwards
+    assert forward_plan([], max_rows=4) == []
+    with pytest.raises(ValueError, match="max_rows"):
+        forward_plan([3], max_rows=0)
 
 
 def test_pack_and_unpack_by_hand():
@@ -100,7 +117,8 @@ def test_pack_shared_prompts_by_hand():
     assert p.tree.tolist() == [[0] * 6, [1, 1, 1, 1, -1, -1]]
     assert p.branch.tolist() == [[-1, 0, 0, 0, 1, 1], [2, 2, 2, 2, -1, -1]]
     T, F = True, False
-    assert p.attention_mask(slice(0, 2)).squeeze(1).tolist() == [
+    assert p.widths == [6, 4]  # row 1's last two columns are its tail
+    assert p.attention_mask(torch.tensor([0, 1]), 6).squeeze(1).tolist() == [
         [[T, F, F, F, F, F],   # the shared 11
          [T, T, F, F, F, F],   # row 0: 12 13 14 see 11 and row 0
          [T, T, T, F, F, F],
@@ -113,8 +131,11 @@ def test_pack_shared_prompts_by_hand():
          [T, T, T, T, F, F],
          [F, F, F, F, T, F],   # the tail sees the tail only (every query sees at least itself)
          [F, F, F, F, T, T]]]
+    # a forward of row 1 alone, cut to its width: the same mask without the tail
+    assert p.attention_mask(torch.tensor([1]), 4).squeeze(1).tolist() == [
+        [[T, F, F, F], [T, T, F, F], [T, T, T, F], [T, T, T, T]]]
     # without shared prompts: no mask (transformers reads the sequences from the restarting position ids)
-    assert pack(ids, mask, logits_to_keep=2, capacity=6).attention_mask(slice(0, 2)) is None
+    assert pack(ids, mask, logits_to_keep=2, capacity=6).attention_mask(torch.tensor([0, 1]), 6) is None
 
 
 # ---------------------------------------------------------------- trainer: packed == padded
@@ -218,6 +239,41 @@ def test_a_call_is_packed_whole_and_run_in_forwards_no_larger_than_trls_chunks(t
     assert _rel(lp1.detach(), lp0.detach()) < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_each_forward_is_cut_to_its_widest_row(arch, request, grpo_args):
+    """One sequence of the padded width L = 300 and five of 20 tokens pack into rows of 300 and 100 used
+    columns. One forward of both would run 2 x 300 cells + 64 (``CPU_FORWARD_OVERHEAD``) = 664; two forwards,
+    each cut to its row, 300 + 100 + 2 x 64 = 528 (``forward_plan``): the call runs [1, 300] then [1, 100],
+    and the values equal padded. A batch_size of 1 runs the same two forwards."""
+    trainer, _ = _trainer(request.getfixturevalue(arch), grpo_args)
+    assert padding_free.CPU_FORWARD_OVERHEAD == 64
+    B, L, K = 6, 300, 280
+    torch.manual_seed(0)
+    ids = torch.randint(3, 1000, (B, L))  # [B, L]
+    attn = torch.zeros(B, L, dtype=torch.long)  # [B, L]
+    attn[0] = 1  # prompt of 20 + completion of 280
+    attn[1:, L - K - 10:L - K + 10] = 1  # prompts of 10 (left-padded) + completions of 10 (right-padded)
+    packed = pack(ids, attn, K, L)
+    assert packed.widths == [300, 100]
+    for batch_size in (None, 1):
+        shapes = []  # [rows, width] of each forward
+
+        def call():
+            shapes.clear()
+            return trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, K, batch_size=batch_size,
+                                                              compute_entropy=True)
+
+        hook = trainer.model.register_forward_pre_hook(
+            lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            (lp0, h0, _), (lp1, h1, _) = _padded_and_packed(trainer, call)
+        finally:
+            hook.remove()
+        assert shapes == [(1, 300), (1, 100)], shapes  # the packed call's two forwards
+        assert _rel(lp1.detach(), lp0.detach()) < 1e-5 and _rel(h1.detach(), h0.detach()) < 1e-5
+        assert (lp1[:, :] != 0).sum() == attn[:, L - K:].sum()  # every scored token, each once
+
+
 def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, grpo_args, monkeypatch):
     """On CPU TRL's fused head projects every position (prompt tokens, row tails) and zeroes the unscored
     ones; the packed forward has it project the scored positions only (``_intercept.inject_compact_head``),
@@ -229,11 +285,19 @@ def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, g
     monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
                         lambda hidden, *a: sizes.append(hidden.size(0)) or original(hidden, *a))
     trainer, inputs = _trainer(tiny_llama, grpo_args)
-    (padded, _, _), (packed, _, _) = _padded_and_packed(trainer, lambda: _forward(trainer, trainer.model, inputs))
+    calls = []  # the head's token counts, per call of _forward
+
+    def forward():
+        sizes.clear()
+        out = _forward(trainer, trainer.model, inputs)
+        calls.append(list(sizes))
+        return out
+
+    (padded, _, _), (packed, _, _) = _padded_and_packed(trainer, forward)
     scored = int(inputs["completion_mask"].sum())
     B, L = inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
-    assert sizes[-2] == B * (L - 1)  # padded: every position of every row
-    assert sizes[-1] == scored < sizes[-2]  # packed: the completion tokens only
+    assert calls[0] == [B * (L - 1)]  # padded: every position of every row
+    assert sum(calls[1]) == scored < B * (L - 1)  # packed (one or more forwards): the completion tokens only
     assert _rel(packed, padded) < 1e-5
     assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
 
@@ -326,7 +390,7 @@ def _loss_and_grads(trainer, inputs):
 
     (l0, g0), (l1, g1) = _padded_and_packed(trainer, run)
     flat0, flat1 = torch.cat([g.flatten() for g in g0]), torch.cat([g.flatten() for g in g1])
-    assert flat0.norm() > 0
+    assert flat0.norm() > 0 and l0.abs() > 1e-4, (l0, flat0.norm())  # a relative difference means something
     return _rel(l1, l0), _rel(flat1, flat0)
 
 
@@ -342,6 +406,11 @@ def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, g
         for model in models:
             (a, _, _), (b, _, _) = _padded_and_packed(trainer, lambda: _forward(trainer, model, inputs, False))
             assert _rel(b, a) < 1e-5
+    # the old policy a little away from the policy: ratios not 1, so that the loss is not a sum of advantages
+    # (about 0, where fp32 rounding of the logprobs alone makes any relative difference)
+    torch.manual_seed(0)
+    old = inputs["old_per_token_logps"]
+    inputs = {**inputs, "old_per_token_logps": old + 0.1 * torch.randn_like(old) * inputs["completion_mask"]}
     level = trainer.importance_sampling_level
     for loss_type in LOSS_TYPES:
         trainer.loss_type = loss_type
@@ -386,7 +455,8 @@ def test_cagrad_step_gradients_equal_padded(tiny_llama, grpo_args):
 
 
 def test_gad_loss_and_gradients_equal_padded(tiny_llama, grpo_args):
-    """GADTrainer (GSPO defaults, in-loss KL k3 against the reference): the loss and gradients."""
+    """GADTrainer (GSPO defaults, in-loss KL k3 against the reference, the policy moved off it): the loss and
+    gradients."""
     from test_gad import toy_rows
 
     base = {k: v for k, v in vars(grpo_args()).items() if k in {
@@ -395,9 +465,7 @@ def test_gad_loss_and_gradients_equal_padded(tiny_llama, grpo_args):
     args = grpotrl.GADConfig(**base, beta=0.1, guard_steps=0, check_step0_identity=False, disable_tqdm=True)
     trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
     assert trainer.padding_free
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = perturbed_batch(trainer)  # the policy away from the reference: a KL term that is not 0 (the loss about 0 else)
     assert (inputs["completion_mask"] == 0).any()
     loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
     assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)

@@ -20,6 +20,9 @@ token sums: the heaviest microbatch sets the peak memory, and packing alone cann
 (the prompt but its last token, then each row's last prompt token and completion) under an attention
 mask that keeps each row to the prompt and itself.
 
+``forward_plan`` groups the packed rows into forwards, each cut to its widest row: the row of one long
+sequence sets its own forward's width, not every row's.
+
 Why rows of at most ``capacity`` (the padded width ``L``) rather than one ``[1, sum]`` row: a
 masked attention costs ``W^2`` per row. Measured on SmolLM2 (``bench/bench_packing_capacity.py``):
 one loss microbatch's forward + backward at rows of at most L, 1.5 L, 2 L, 3 L and one row took 0.64-0.67x,
@@ -141,6 +144,41 @@ def share_plan(prompts: list[tuple], lengths: list[int], capacity: int) -> tuple
     return prefix, trees
 
 
+def forward_plan(widths: list[int], max_rows: int, overhead: int | None = None) -> list[list[int]]:
+    """Packed rows (each row's used width) grouped into forwards of at most ``max_rows`` rows, each forward
+    cut to its widest row (``rows x widest`` cells): rows widest first (ties in index order), in
+    consecutive runs that minimise the cells plus ``overhead`` cells per forward (what a forward costs
+    besides its tokens); ``overhead=None``: the fewest forwards ``max_rows`` allows, and among those the
+    fewest cells. Consecutive runs of the sorted rows lose nothing: swapping a narrower row of an earlier
+    run with a wider one of a later run never makes either run wider.
+
+    >>> forward_plan([200, 298, 122, 290], max_rows=8, overhead=64)  # 596 + 200 + 122 + 3 x 64 = 1110 cells
+    [[1, 3], [0], [2]]
+    >>> forward_plan([200, 298, 122, 290], max_rows=8)  # one forward of 4 x 298
+    [[1, 3, 0, 2]]
+    >>> forward_plan([200, 298, 122, 290], max_rows=2)  # two forwards at least: 2 x 298 + 2 x 200 cells
+    [[1, 3], [0, 2]]
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+    order = sorted(range(len(widths)), key=lambda r: (-widths[r], r))
+    w = [widths[r] for r in order]
+    n = len(w)
+    # None: a forward outweighs any cells saved (every plan's cells lie in [sum(w), n * w[0]])
+    per_forward = n * w[0] + 1 if overhead is None and n else overhead or 0
+    best, cut = [0] + [None] * n, [0] * (n + 1)  # the cheapest plan of the j widest rows; where its last run starts
+    for j in range(1, n + 1):
+        for i in range(max(0, j - max_rows), j):
+            cost = best[i] + (j - i) * w[i] + per_forward  # rows i..j-1, as wide as row i
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
+
+
 @dataclass
 class Packed:
     """Packed rows and the map back to the padded layout."""
@@ -151,21 +189,22 @@ class Packed:
     source: torch.Tensor  # [N] flat index into the head's shifted output [R, W - 1] (the position before the token)
     target: torch.Tensor  # [N] flat index into [B, K]
     shape: tuple[int, int]  # (B, K)
+    widths: list[int]  # R ints: each row's used width (its sequences; the tail after them is unused)
     tree: torch.Tensor | None = None  # [R, W] shared prompts only: each position's tree, -1 in a row's tail
     branch: torch.Tensor | None = None  # [R, W] shared prompts only: each position's padded row, -1 in a prefix
 
-    def attention_mask(self, rows: slice) -> torch.Tensor | None:
-        """Shared prompts: the rows' attention mask [r, 1, W, W] (True: the query may see the key): a
-        token sees the earlier tokens of its tree's prefix and of its own row, nothing else (a row's
-        tail sees its own tail). None without shared prompts: transformers reads the sequences from the
-        restarting position ids."""
+    def attention_mask(self, rows: torch.Tensor | slice, width: int) -> torch.Tensor | None:
+        """Shared prompts: the attention mask [r, 1, w, w] of ``rows`` (indices) cut to their first ``width``
+        columns (True: the query may see the key): a token sees the earlier tokens of its tree's prefix and
+        of its own row, nothing else (a row's tail sees its own tail). None without shared prompts:
+        transformers reads the sequences from the restarting position ids."""
         if self.tree is None:
             return None
-        tree, branch = self.tree[rows], self.branch[rows]  # [r, W]
-        w = torch.arange(tree.size(1), device=tree.device)  # [W]
-        same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)  # [r, W(query), W(key)]
-        visible = (branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2))  # [r, W, W]
-        return (same_tree & visible & (w.view(1, -1) <= w.view(-1, 1))).unsqueeze(1)  # [r, 1, W, W]
+        tree, branch = self.tree[rows, :width], self.branch[rows, :width]  # [r, w]
+        w = torch.arange(tree.size(1), device=tree.device)  # [w]
+        same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)  # [r, w(query), w(key)]
+        visible = (branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2))  # [r, w, w]
+        return (same_tree & visible & (w.view(1, -1) <= w.view(-1, 1))).unsqueeze(1)  # [r, 1, w, w]
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, capacity: int,
@@ -224,7 +263,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
         tree[row, col] = torch.tensor(tree_of, dtype=torch.long, device=device)[b]
         branch = torch.full((R, W), -1, dtype=torch.long, device=device)  # [R, W]
         branch[row[own], col[own]] = b[own]
-    return Packed(ids, pos, labels, source[order], target[order], (B, K), tree, branch)
+    return Packed(ids, pos, labels, source[order], target[order], (B, K), used, tree, branch)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -3,9 +3,9 @@
 ``GRPOTrainer._get_per_token_logps_and_entropies`` hands a text-only call here when the run is
 padding-free; every other call (image inputs, a MoE router loss) runs TRL's padded forward.
 The call's rows are packed together (``ops.packing.pack``: rows of at most the padded width, so no
-row's attention costs more than a padded row's), run ``batch_size`` packed rows at a time through the
-model with ``position_ids`` restarting at 0 for each sequence, ``attention_mask=None`` and the
-fused head's labels on the scored tokens only (on CPU the head then projects those positions only,
+row's attention costs more than a padded row's), run at most ``batch_size`` packed rows at a time, each
+forward cut to its widest row (``ops.packing.forward_plan``), through the model with ``position_ids``
+restarting at 0 for each sequence, ``attention_mask=None`` and the fused head's labels on the scored tokens only (on CPU the head then projects those positions only,
 as TRL's does on Triton devices: ``_intercept.inject_compact_head``), and put back in TRL's ``[B, K]`` layout
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import InputError
-from ..ops.packing import balance_plan, pack, prompts_of, unpack
+from ..ops.packing import balance_plan, forward_plan, pack, prompts_of, unpack
 from ..ops.reduction import LOSS_TYPES
 from . import _intercept
 
@@ -184,6 +185,11 @@ def _take(values, rows: list[int]):
     return [values[i] for i in rows]
 
 
+# What a CPU forward (and its backward) costs besides its tokens, in packed cells: about 0.7 s of a loss
+# microbatch's forward + backward on SmolLM2, 2 cores (docs/cost.md, "Forwards cut to their rows' width").
+CPU_FORWARD_OVERHEAD = 64
+
+
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0,
                                share_prompts: bool = False):
@@ -192,24 +198,33 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     ``autocast()`` is the accelerator's autocast context.
 
     All ``B`` rows of the call are packed together (rows of at most the padded width ``L``), then run
-    ``batch_size`` packed rows per forward: no forward is larger than one of TRL's padded chunks
+    at most ``batch_size`` packed rows per forward: no forward is larger than one of TRL's padded chunks
     (``batch_size x L``), and a call whose chunks each hold one prompt's group (the reference and
-    old-policy forwards over a whole generation batch, before TRL shuffles it) packs short groups
-    together instead of leaving each chunk's rows part-empty. ``share_prompts`` (``resolve_share``): the
-    rows of one prompt run its prompt once (``ops.packing.share_plan``) under a tree attention mask."""
+    old-policy forwards over a whole generation batch, before TRL shuffles it) packs short groups together
+    instead of leaving each chunk's rows part-empty. Each forward is cut to its widest row
+    (``ops.packing.forward_plan``: on CPU the fewest cells, counting ``CPU_FORWARD_OVERHEAD`` per forward;
+    elsewhere the fewest forwards). ``share_prompts`` (``resolve_share``): the rows of one prompt run its
+    prompt once (``ops.packing.share_plan``) under a tree attention mask."""
     B, L = input_ids.shape
     batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
     packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id, share_prompts=share_prompts)
-    R = packed.input_ids.size(0)
+    device = packed.input_ids.device
+    R, W = packed.input_ids.shape
+    plan = forward_plan(packed.widths, batch_size, CPU_FORWARD_OVERHEAD if device.type == "cpu" else None)
     logps, entropies = [], []
-    for start in range(0, R, batch_size):
-        rows = slice(start, min(start + batch_size, R))
-        with autocast(), _intercept.inject_compact_head(packed.input_ids.device):  # the scored positions only
-            out = model(input_ids=packed.input_ids[rows], attention_mask=packed.attention_mask(rows),
-                        position_ids=packed.position_ids[rows], labels=packed.labels[rows],
-                        fused_lm_head=True)  # log_probs [r, W - 1]
-        logps.append(out.log_probs)
+    for rows in plan:
+        width = min(max(packed.widths[rows[0]], 2), W)  # the widest first; the head's output [r, w - 1] not empty
+        index = torch.tensor(rows, dtype=torch.long, device=device)  # [r]
+        with autocast(), _intercept.inject_compact_head(device):  # the scored positions only
+            out = model(input_ids=packed.input_ids[index, :width], attention_mask=packed.attention_mask(index, width),
+                        position_ids=packed.position_ids[index, :width], labels=packed.labels[index, :width],
+                        fused_lm_head=True)  # log_probs [r, w - 1]
+        logps.append(F.pad(out.log_probs, (0, W - width)))  # [r, W - 1]: the cut columns score nothing
         if compute_entropy:
-            entropies.append(out.entropy)
-    logps = unpack(torch.cat(logps, dim=0), packed)  # [B, K]
-    return logps, unpack(torch.cat(entropies, dim=0), packed) if compute_entropy else None
+            entropies.append(F.pad(out.entropy, (0, W - width)))
+    back = torch.tensor([r for rows in plan for r in rows], device=device).argsort()  # [R] each packed row's place
+
+    def unpacked(parts):
+        return unpack(torch.cat(parts, dim=0)[back], packed)  # [R, W - 1] in packed order -> [B, K]
+
+    return unpacked(logps), unpacked(entropies) if compute_entropy else None
