@@ -302,45 +302,56 @@ def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, g
     assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
 
 
-def test_the_cpu_training_step_runs_the_head_512_tokens_at_a_time_forward_and_backward(tiny_llama, grpo_args,
-                                                                                     monkeypatch):
-    """On CPU the training step runs TRL's fused head through its tokens 512 at a time instead of 4096
-    (``_intercept.inject_head_token_tiles``): its forwards and its backward, which runs after the forward's
-    block. TRL's size is back after the step."""
+def test_the_cpu_steps_run_the_head_in_tiles_of_512_tokens_by_4096_columns(tiny_llama, grpo_args, monkeypatch):
+    """On CPU the training step runs TRL's fused head in tiles of 512 tokens x 4096 vocabulary columns instead of
+    4096 x 32768 (``_intercept.inject_head_tiles``): its forwards and its backward, which runs after the
+    forward's block; evaluation's ``prediction_step`` too. TRL's sizes are back after each."""
     import trl.kernels.chunked_logprob as ck
+    import trl.trainer.utils as trl_utils
 
-    seen = []
-    for name in ("forward", "backward"):
-        original = getattr(ck.ChunkedLogProbFunction, name)
-        monkeypatch.setattr(ck.ChunkedLogProbFunction, name, staticmethod(
-            lambda ctx, *a, _name=name, _fn=original: seen.append((_name, ck.TOKEN_CHUNK_SIZE)) or _fn(ctx, *a)))
+    seen = []  # (forward or backward, tokens per tile, vocabulary columns per tile)
+    original_forward, original_backward = ck.ChunkedLogProbFunction.forward, ck.ChunkedLogProbFunction.backward
+    monkeypatch.setattr(ck.ChunkedLogProbFunction, "forward", staticmethod(
+        lambda ctx, *a: seen.append(("forward", ck.TOKEN_CHUNK_SIZE, a[5])) or original_forward(ctx, *a)))
+    monkeypatch.setattr(ck.ChunkedLogProbFunction, "backward", staticmethod(
+        lambda ctx, *a: seen.append(("backward", ck.TOKEN_CHUNK_SIZE, ctx.chunk_size)) or original_backward(ctx, *a)))
     trainer, _ = _trainer(tiny_llama, grpo_args)
+    assert len(trainer.processing_class) > _intercept.CPU_HEAD_COLUMNS  # the vocabulary spans several tiles
+    trl_sizes = ck.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    assert trl_sizes[0] > _intercept.CPU_HEAD_TOKENS and trl_sizes[1] > _intercept.CPU_HEAD_COLUMNS  # else no change
     seen.clear()
-    trl_size = ck.TOKEN_CHUNK_SIZE
-    assert trl_size > _intercept.CPU_HEAD_TOKENS  # else the step would change nothing
     trainer.training_step(trainer.model, next(iter(trainer.get_train_dataloader())), None)
-    assert {name for name, _ in seen} == {"forward", "backward"}
-    assert {size for _, size in seen} == {_intercept.CPU_HEAD_TOKENS}
-    assert ck.TOKEN_CHUNK_SIZE == trl_size == 4096  # TRL's, restored
+    assert {name for name, *_ in seen} == {"forward", "backward"}
+    assert {tuple(sizes) for _, *sizes in seen} == {(_intercept.CPU_HEAD_TOKENS, _intercept.CPU_HEAD_COLUMNS)}
+    assert (ck.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE) == trl_sizes == (4096, 32768)  # restored
+    seen.clear()
+    trainer.model.eval()
+    trainer.prediction_step(trainer.model, next(iter(trainer.get_train_dataloader())), prediction_loss_only=True)
+    assert seen and {tuple(sizes) for _, *sizes in seen} == {(_intercept.CPU_HEAD_TOKENS, _intercept.CPU_HEAD_COLUMNS)}
+    assert (ck.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE) == trl_sizes
 
 
-def test_the_head_in_tiles_of_512_tokens_gives_the_values_and_gradients_of_one_tile():
-    """Worked on 1300 tokens (three tiles of 512 against TRL's one of 4096): each token's logprob and entropy
-    alone, the same; the hidden and weight gradients within fp32 rounding."""
+def test_the_head_in_cpu_tiles_gives_the_values_and_gradients_of_trls_tiles():
+    """Worked on 1300 tokens and 10000 vocabulary columns (TRL's one tile of 4096 x 32768 against the CPU's three
+    of 512 tokens by three of 4096 columns): logprobs, entropies and the hidden and weight gradients within
+    fp32 rounding (the online logsumexp folds the same logits in more vocabulary tiles)."""
     import trl.kernels.chunked_logprob as ck
+    import trl.trainer.utils as trl_utils
 
     torch.manual_seed(0)
-    hidden, weight = torch.randn(1300, 32), torch.randn(1000, 32) * 0.3  # [N, H], [V, H]
-    targets = torch.randint(0, 1000, (1300,))  # [N]
+    hidden, weight = torch.randn(1300, 32), torch.randn(10000, 32) * 0.3  # [N, H], [V, H]
+    targets = torch.randint(0, 10000, (1300,))  # [N]
     results = []
-    for device in ("cuda", "cpu"):  # TRL's size (not injected off CPU), then the CPU tiles
+    for device in ("cuda", "cpu"):  # TRL's sizes (not injected off CPU), then the CPU tiles
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with _intercept.inject_head_token_tiles(torch.device(device)):
-            logps, entropy, *_ = ck.ChunkedLogProbFunction.apply(h, w, None, targets, 0.9, 32768, None, 1.0,
+        with _intercept.inject_head_tiles(torch.device(device)):
+            columns = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE  # what TRL's fused forward hands the head
+            logps, entropy, *_ = ck.ChunkedLogProbFunction.apply(h, w, None, targets, 0.9, columns, None, 1.0,
                                                                   ("log_probs", "entropy"))
             (logps * torch.linspace(-1, 1, 1300) + 0.1 * entropy).sum().backward()
-        results.append((logps.detach(), entropy.detach(), h.grad, w.grad))
-    for one, tiles in zip(*results):
+        results.append((columns, logps.detach(), entropy.detach(), h.grad, w.grad))
+    assert results[0][0] == 32768 and results[1][0] == _intercept.CPU_HEAD_COLUMNS
+    for one, tiles in zip(results[0][1:], results[1][1:]):
         assert _rel(tiles, one) < 1e-6
 
 

@@ -28,6 +28,7 @@ GRPO_HOOKS = {
     "_tokenize_prompts": ["self", "prompts"],
     "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     "training_step": ["self", "model", "inputs", "num_items_in_batch"],
+    "prediction_step": ["self", "model", "inputs", "prediction_loss_only", "ignore_keys"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_save_checkpoint": ["self", "model", "trial"],
     "save_model": ["self", "output_dir", "_internal_call"],
@@ -102,7 +103,8 @@ def test_fused_head_backward_reads_needs_input_grad_when_it_runs():
 def test_our_overrides_keep_the_signatures():
     for name in ("_generate", "_generate_and_score_completions", "_compute_loss", "compute_loss", "save_model",
                  "_get_per_token_logps_and_entropies",  # padding_free's packed forward
-                 "_prepare_inputs"):  # balance_microbatches
+                 "_prepare_inputs",  # balance_microbatches
+                 "training_step", "prediction_step"):  # the head's CPU tiles
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
     for name in ("_calculate_rewards", "_generate_and_score_completions", "_compute_loss", "training_step",
                  "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):
@@ -370,18 +372,27 @@ def test_fused_head_shifts_labels_as_padding_free_assumes():
     assert "labels = labels[:, 1:]" in src and "mask = labels != -100" in src
 
 
-def test_fused_head_reads_its_token_tile_at_call_time_inject_head_token_tiles_sets():
-    """``_intercept.inject_head_token_tiles`` shadows ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``, which the
-    fused head's forward and backward read at call time (the backward runs after the forward's block)."""
+def test_fused_head_reads_its_tile_sizes_at_call_time_inject_head_tiles_sets():
+    """``_intercept.inject_head_tiles`` shadows ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``, which the fused
+    head's forward and backward read at call time (the backward runs after the forward's block), and
+    ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``, the vocabulary columns TRL's fused forward hands the head
+    at call time (its backward takes them from ``ctx``)."""
     import trl.kernels.chunked_logprob as ck
     import trl.trainer.utils as trl_utils
 
     assert trl_utils._ChunkedLogProbFunction is ck.ChunkedLogProbFunction
     assert isinstance(ck.TOKEN_CHUNK_SIZE, int) and ck.TOKEN_CHUNK_SIZE >= _intercept.CPU_HEAD_TOKENS
+    assert isinstance(trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, int)
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE >= _intercept.CPU_HEAD_COLUMNS
     for method in (ck.ChunkedLogProbFunction.forward, ck.ChunkedLogProbFunction.backward):
         src = inspect.getsource(method)
         assert "range(0, N, TOKEN_CHUNK_SIZE)" in src and "min(N, TOKEN_CHUNK_SIZE)" in src
-    assert '"TOKEN_CHUNK_SIZE"' in inspect.getsource(_intercept.inject_head_token_tiles)
+        assert "range(0, vocab, chunk_size)" in src
+    assert "chunk_size = ctx.chunk_size" in inspect.getsource(ck.ChunkedLogProbFunction.backward)
+    fused = inspect.getsource(trl_utils.add_fused_lm_head)
+    assert "_ChunkedLogProbFunction.apply(" in fused and "_CHUNKED_LOGPROB_CHUNK_SIZE," in fused
+    src = inspect.getsource(_intercept.inject_head_tiles)
+    assert '"TOKEN_CHUNK_SIZE"' in src and '"_CHUNKED_LOGPROB_CHUNK_SIZE"' in src
 
 
 def test_fused_head_reads_the_compact_switch_inject_compact_head_sets():

@@ -234,25 +234,33 @@ def inject_compact_head(device: torch.device) -> Iterator[None]:
         yield
 
 
-# Tokens per tile of TRL's fused head on CPU (TRL: TOKEN_CHUNK_SIZE = 4096, sized for cuBLAS). Measured on SmolLM2
-# (bench/bench_head_tiles.py, docs/cost.md): 512 cut a loss microbatch's peak by 0.89 GiB for +0.6% time; 256 and
-# 128 cut 0.26 and 0.39 GiB more for +2.9% and +5.8%.
+# TRL's fused head on CPU works through tiles of CPU_HEAD_TOKENS tokens x CPU_HEAD_COLUMNS vocabulary columns (TRL:
+# 4096 x 32768, sized for cuBLAS and Triton). Without Triton each tile is folded by about ten elementwise torch
+# passes, each over the whole tile: at 4096 x 32768 fp32, 512 MiB per temporary. Measured on SmolLM2
+# (bench/bench_head_tiles.py, docs/cost.md): 512 tokens cut a loss microbatch's peak by 0.89 GiB for +0.6% time
+# (256 and 128: 0.26 and 0.39 GiB more for +2.9% and +5.8%); then 4096 columns (an 8 MiB tile, in the last-level
+# cache) made the head's forward + backward on 900 tokens 2.2x faster.
 CPU_HEAD_TOKENS = 512
+CPU_HEAD_COLUMNS = 4096
 
 
 @contextmanager
-def inject_head_token_tiles(device: torch.device) -> Iterator[None]:
-    """Inject: on CPU, TRL's fused LM head (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``) works through
-    its tokens ``CPU_HEAD_TOKENS`` at a time instead of TRL's 4096 (``TOKEN_CHUNK_SIZE``). Without Triton, each
-    tile's torch fallback holds about ten fp32 temporaries of ``tokens x 32768`` (the vocabulary columns per
-    tile): at 4096 tokens, gigabytes, the largest transient of a CPU step. Each token's values are computed
-    alone, so they are the same; the weight gradient sums the same products in more tiles (fp32 rounding).
-    Forward and backward read the size at call time, so the block must hold the backward
-    (``GRPOTrainer.training_step``). Other devices keep TRL's size (tests/test_trl_hooks.py pins the reads)."""
+def inject_head_tiles(device: torch.device) -> Iterator[None]:
+    """Inject: on CPU, TRL's fused LM head (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``) works in tiles
+    of ``CPU_HEAD_TOKENS`` tokens (TRL's ``TOKEN_CHUNK_SIZE``: 4096) by ``CPU_HEAD_COLUMNS`` vocabulary columns
+    (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``: 32768). Without Triton, each tile's torch fallback makes
+    about ten passes over fp32 temporaries of the tile's size: at TRL's sizes, gigabytes, the largest transient
+    of a CPU step, and every pass from main memory. Each token's logprob and entropy folds the same logits in
+    more vocabulary tiles, and the weight gradient sums the same products in more token tiles (fp32 rounding).
+    The forward reads both sizes at call time (the backward the token size at call time, the columns from the
+    forward's ``ctx``), so the block must hold the backward (``GRPOTrainer.training_step``). Other devices keep
+    TRL's sizes (tests/test_trl_hooks.py pins the reads)."""
     if device.type != "cpu":
         yield
         return
-    with inject_attr(trl_chunked, "TOKEN_CHUNK_SIZE", min(CPU_HEAD_TOKENS, trl_chunked.TOKEN_CHUNK_SIZE)):
+    with inject_attr(trl_chunked, "TOKEN_CHUNK_SIZE", min(CPU_HEAD_TOKENS, trl_chunked.TOKEN_CHUNK_SIZE)), \
+            inject_attr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE",
+                        min(CPU_HEAD_COLUMNS, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)):
         yield
 
 

@@ -92,9 +92,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
         for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
         controller), on the graph from the loss back to the entropy node (a few elementwise ops).
-      * ``training_step``: TRL's, with TRL's fused LM head working through 512 tokens at a time on CPU instead of
-        4096 (``_intercept.inject_head_token_tiles``): its CPU fallback holds about ten tile-sized fp32
-        temporaries, the largest transient of a CPU step. The same values per token.
+      * ``training_step`` and ``prediction_step``: TRL's, with TRL's fused LM head working on CPU in tiles of 512
+        tokens x 4096 vocabulary columns instead of 4096 x 32768 (``_intercept.inject_head_tiles``): its CPU
+        fallback makes about ten passes over tile-sized fp32 temporaries, the largest transient of a CPU step, at
+        TRL's sizes from main memory. The same values per token within fp32 rounding.
       * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
         ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
@@ -113,8 +114,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
         it samples from.
       * ``self.beta`` in ``_compute_loss`` (``inject_attr``): 0 for TRL's loss, whose KL grpotrl replaces.
-      * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` in ``training_step`` on CPU (``inject_head_token_tiles``):
-        512, for the step's forwards and backward.
+      * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
+        ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
+        forwards and backward.
       * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``
         (``record_backbone_output``): its last hidden states, which the LM head turns into the loss forward's logits.
       * a forward pre-hook on the policy and reference models, for their lifetime (``inject_position_ids``):
@@ -591,8 +593,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch):
-        with _intercept.inject_head_token_tiles(self.accelerator.device):  # CPU: the head's peak (its backward too)
+        with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: the head's tiles (its backward too)
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: evaluation's forwards, as training's
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
         """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
