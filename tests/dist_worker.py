@@ -15,6 +15,8 @@ next starts from there (GRPO after SFT checks the template fingerprint written u
 shards gathered), a checksum of this rank's optimizer shard, the logged D metrics, and the same
 checksums after resuming a second trainer from the step-1 checkpoint and training to step 2
 (D's weights and optimizer state saved and restored by DeepSpeed or torch).
+``grpo`` also records one packed logprob call whose forward plan differs between the ranks (``probe``: under
+ZeRO-3 every rank must run as many forwards).
 A method that stops with ``grpotrl.InputError`` or ``InvariantError`` records the message (``"error"``);
 ``grpo_nosync`` is GRPO with the gradient all-reduce skipped (I12 must stop it). ``rank_checks``: the
 I12 checks each rank ran.
@@ -154,6 +156,49 @@ RL = dict(num_generations=4, max_completion_length=8, temperature=0.7,
           generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]})  # rows stop at different lengths
 
 
+class ProbedGRPOTrainer(grpotrl.GRPOTrainer):
+    """GRPO with, before its first step, one packed logprob call whose forward plan differs between the ranks
+    (``probe_packed_forwards``)."""
+
+    probe = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.probe is None:
+            self.probe = probe_packed_forwards(self, model)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def probe_packed_forwards(trainer, model) -> dict:
+    """One no-grad packed logprob call (the reference's kind) on this rank's own rows: rank 0 a sequence of the
+    padded width 300 and five of 20 tokens (packed rows of 300 and 100 used columns: 2 forwards, each cut to its
+    row), every other rank six of 20 (1 packed row: 1 forward). Under ZeRO-3 each forward gathers the layers'
+    parameters from every rank, so every rank must run as many forwards. Returns this rank's plan, the forwards
+    it ran and the largest gap to the padded forward."""
+    from grpotrl.ops.packing import forward_plan, pack
+    from grpotrl.trainers import padding_free
+
+    rank = trainer.accelerator.process_index
+    B, L, K = 6, 300, 280
+    ids = torch.randint(3, 1000, (B, L), generator=torch.Generator().manual_seed(rank))  # [B, L]
+    attn = torch.zeros(B, L, dtype=torch.long)  # [B, L]
+    attn[:, L - K - 10:L - K + 10] = 1  # prompts of 10 + completions of 10
+    if rank == 0:
+        attn[0] = 1
+    plan = forward_plan(pack(ids, attn, K, L).widths, B, padding_free.CPU_FORWARD_OVERHEAD)
+    seen = []
+    hook = trainer.accelerator.unwrap_model(model).register_forward_pre_hook(lambda m, a: seen.append(1))
+    try:
+        with torch.no_grad():
+            packed = trainer._get_per_token_logps_and_entropies(model, ids, attn, K)[0]
+            forwards = len(seen)
+            trainer.padding_free = False
+            padded = trainer._get_per_token_logps_and_entropies(model, ids, attn, K)[0]
+    finally:
+        trainer.padding_free = True
+        hook.remove()
+    return {"plan": len(plan), "forwards": forwards, "gap": float((packed - padded).abs().max())}
+
+
 class NoSyncGRPOTrainer(grpotrl.GRPOTrainer):
     """TRL 1.14's bug class, reintroduced (method ``grpo_nosync``): every forward and backward under DDP's
     ``no_sync``, so the gradients are never all-reduced and each rank steps its own weights (I12)."""
@@ -183,7 +228,7 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
         trainer = grpotrl.SFTTrainer(model=model_dir, args=args, train_dataset=sft_rows(), callbacks=[clock])
     elif method in ("grpo", "grpo_nosync"):
         args = grpotrl.GRPOConfig(**common(os.path.join(out, method), steps), beta=0.04, **RL)
-        cls = NoSyncGRPOTrainer if method == "grpo_nosync" else grpotrl.GRPOTrainer
+        cls = NoSyncGRPOTrainer if method == "grpo_nosync" else ProbedGRPOTrainer
         trainer = cls(model=model_dir, reward_funcs=length_reward, args=args,
                                       train_dataset=grpo_prompts(), callbacks=[clock])
     else:
@@ -270,6 +315,8 @@ def main() -> None:
             "start_dir": start_dir,
             **weight_change(unwrapped, start_dir),
         }
+        if method == "grpo":
+            evidence["probe"] = trainer.probe
         if method == "gad":
             evidence.update(gad_evidence(trainer, start_dir, a.out, a.steps))
         save_dir = os.path.join(a.out, method)

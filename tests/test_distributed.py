@@ -119,6 +119,18 @@ def test_I1_to_I5_guards_ran_on_every_rank_every_step(launched):
         assert ev["guard_max_gap"] == max(ev["logged_gaps"]) < 1e-4, rank
 
 
+def test_packed_forwards_agree_across_ranks_under_zero3(launched):
+    """One packed call planned as 2 forwards on rank 0 and 1 on rank 1 (``dist_worker.probe_packed_forwards``):
+    under ZeRO-3, where each forward gathers the parameters from every rank, rank 1 runs a second forward on
+    padding (without it the ranks' gathers would not match); under DDP and ZeRO-2 each rank runs its own plan.
+    The values equal the padded forward's on every rank."""
+    probes = [launched["evidence"]["grpo", r]["probe"] for r in (0, 1)]
+    assert [p["plan"] for p in probes] == [2, 1], probes
+    expected = [2, 2] if launched["stage"] == 3 else [2, 1]
+    assert [p["forwards"] for p in probes] == expected, probes
+    assert all(p["gap"] < 1e-5 for p in probes), probes
+
+
 def test_weights_changed_and_agree_across_ranks(launched):
     for method in {m for m, _ in trained(launched)}:
         ranks = [launched["evidence"][method, r] for r in (0, 1)]

@@ -7,6 +7,7 @@ checkpointing, CAGrad and GAD; the default (on for grpotrl's config, off for a `
 the refusals; and I5 stopping a model whose attention ignores the packing at step 1.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -274,6 +275,42 @@ def test_each_forward_is_cut_to_its_widest_row(arch, request, grpo_args):
         assert (lp1[:, :] != 0).sum() == attn[:, L - K:].sum()  # every scored token, each once
 
 
+def test_forwards_agreed_across_processes_run_on_padding_and_join_the_graph(tiny_llama, grpo_args):
+    """``agree_forwards`` (ZeRO-3, where each forward gathers the parameters from every process, so every
+    process must run as many): where another process runs more forwards, the missing ones run on a 2-token row
+    of padding and join the result with weight 0. The values and gradients are the plan's own, and the
+    backward runs through every forward, as the other process's does (tests/test_distributed.py runs it under
+    a real ZeRO-3 launch)."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args, gradient_checkpointing=False)
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)  # [B, L]
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)  # [B, L]
+    K = inputs["completion_ids"].size(1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    layer = model.model.layers[0]
+    forwards, backwards = [], []
+    hooks = [layer.register_forward_pre_hook(lambda m, a: forwards.append(1)),
+             layer.register_full_backward_hook(lambda m, grad_in, grad_out: backwards.append(1))]
+    results = []
+    try:
+        for agree in (None, lambda n: n + 2):
+            forwards.clear()
+            backwards.clear()
+            logps, _ = padding_free.packed_logps_and_entropies(
+                model, ids, attn, K, None, False, contextlib.nullcontext, share_prompts=trainer.share_prompts,
+                agree_forwards=agree)
+            grads = torch.autograd.grad((logps * torch.linspace(-1, 1, K)).sum(), params)
+            results.append((len(forwards), len(backwards), logps.detach(), torch.cat([g.flatten() for g in grads])))
+    finally:
+        for h in hooks:
+            h.remove()
+    (f0, b0, lp0, g0), (f1, b1, lp1, g1) = results
+    assert f0 >= 1 and f1 == f0 + 2  # the plan's forwards, then two on padding
+    assert b0 == f0 and b1 == f1  # the backward ran through each, the padding's too
+    assert torch.equal(lp1, lp0)
+    assert g0.norm() > 0 and _rel(g1, g0) < 1e-6
+
+
 def test_the_packed_head_projects_only_the_scored_positions_on_cpu(tiny_llama, grpo_args, monkeypatch):
     """On CPU TRL's fused head projects every position (prompt tokens, row tails) and zeroes the unscored
     ones; the packed forward has it project the scored positions only (``_intercept.inject_compact_head``),
@@ -329,6 +366,32 @@ def test_the_cpu_steps_run_the_head_in_tiles_of_512_tokens_by_4096_columns(tiny_
     trainer.prediction_step(trainer.model, next(iter(trainer.get_train_dataloader())), prediction_loss_only=True)
     assert seen and {tuple(sizes) for _, *sizes in seen} == {(_intercept.CPU_HEAD_TOKENS, _intercept.CPU_HEAD_COLUMNS)}
     assert (ck.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE) == trl_sizes
+
+
+def _gad_args(grpo_args, **kw):
+    """A GADConfig with the small GRPO settings of ``grpo_args`` (those GADConfig takes) and ``kw``."""
+    base = {k: v for k, v in vars(grpo_args()).items() if k in {
+        "output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
+        "logging_steps", "report_to", "use_cpu", "temperature", "save_strategy", "seed", "generation_kwargs"}}
+    return grpotrl.GADConfig(**base, **kw)
+
+
+def test_gad_warmup_steps_run_the_reference_head_in_the_cpu_tiles(tiny_llama, grpo_args, monkeypatch):
+    """GADTrainer's discriminator-only warmup steps skip TRL's ``training_step`` but run the reference forward
+    (``_prepare_inputs``): in the same CPU tiles as a training step."""
+    import trl.kernels.chunked_logprob as ck
+    from test_gad import toy_rows
+
+    seen = []  # (tokens per tile, vocabulary columns per tile) of each head forward
+    original = ck.ChunkedLogProbFunction.forward
+    monkeypatch.setattr(ck.ChunkedLogProbFunction, "forward", staticmethod(
+        lambda ctx, *a: seen.append((ck.TOKEN_CHUNK_SIZE, a[5])) or original(ctx, *a)))
+    args = _gad_args(grpo_args, beta=0.1, discriminator_warmup_steps=1, guard_steps=0, disable_tqdm=True)
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    assert trainer.state.global_step < args.discriminator_warmup_steps  # the step below is a warmup step
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip
+    trainer.training_step(trainer.model, next(iter(trainer.get_train_dataloader())), None)
+    assert seen and set(seen) == {(_intercept.CPU_HEAD_TOKENS, _intercept.CPU_HEAD_COLUMNS)}, seen
 
 
 def test_the_head_in_cpu_tiles_gives_the_values_and_gradients_of_trls_tiles():
@@ -470,10 +533,7 @@ def test_gad_loss_and_gradients_equal_padded(tiny_llama, grpo_args):
     gradients."""
     from test_gad import toy_rows
 
-    base = {k: v for k, v in vars(grpo_args()).items() if k in {
-        "output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
-        "logging_steps", "report_to", "use_cpu", "temperature", "save_strategy", "seed", "generation_kwargs"}}
-    args = grpotrl.GADConfig(**base, beta=0.1, guard_steps=0, check_step0_identity=False, disable_tqdm=True)
+    args = _gad_args(grpo_args, beta=0.1, guard_steps=0, check_step0_identity=False, disable_tqdm=True)
     trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
     assert trainer.padding_free
     inputs = perturbed_batch(trainer)  # the policy away from the reference: a KL term that is not 0 (the loss about 0 else)

@@ -72,7 +72,7 @@ class GADTrainer(GRPOTrainer):
         "sequence"`` (GAD's default), where TRL broadcasts the sequence's ratio: that keeps k1's and k3's
         gradient the KL's.
       * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
-        update) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
+        update; on CPU with the fused head's tiles of ``GRPOTrainer.training_step``) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
         ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
       * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
       * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
@@ -80,7 +80,8 @@ class GADTrainer(GRPOTrainer):
         state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
         restores both.
 
-    Wraps at run time (``trainers/_intercept.py``): grpotrl.GRPOTrainer's only.
+    Wraps at run time (``trainers/_intercept.py``): grpotrl.GRPOTrainer's, and in warmup, around
+    ``_prepare_inputs``, its CPU head tiles (``inject_head_tiles``).
     TRL's private fields, only through ``trainers/_intercept.py``: ``_tokenizer`` (``read_tokenizer``: D's
     pad id and template), ``_metrics`` (``set_metrics``: D's metrics, ``kl``), and in warmup ``_step``,
     ``_current_train_step_time`` (``set_microstep_done``). Calls TRL's ``_get_per_token_logps_and_entropies``
@@ -169,7 +170,8 @@ class GADTrainer(GRPOTrainer):
         # no student parameter gets a gradient, so the optimizer step leaves them all as they are.
         start = time.perf_counter()
         model.train()
-        self._prepare_inputs(inputs)
+        with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: the reference forward's head, as in training
+            self._prepare_inputs(inputs)
         _intercept.set_microstep_done(self, time.perf_counter() - start)  # TRL's generation schedule counts microsteps
         return torch.zeros((), device=self.args.device)
 

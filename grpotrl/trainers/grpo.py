@@ -82,8 +82,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         policy's, the reference's, the IS correction's): with ``padding_free`` on, a text-only call runs on packed
         rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``;
         on CPU TRL's fused head then projects the scored positions only, ``_intercept.inject_compact_head``;
-        under sdpa the rows of one prompt run it once, ``share_prompts``); otherwise TRL's padded forward. I5
-        compares it with the padded forward on guard steps.
+        under sdpa the rows of one prompt run it once, ``share_prompts``; each forward cut to its widest row;
+        under ZeRO-3 or FSDP every process runs as many forwards, agreed by a gather before the first,
+        ``_most_forwards``); otherwise TRL's padded forward. I5 compares it with the padded forward on guard steps.
       * ``_prepare_inputs``: TRL's; then, with ``balance_microbatches`` on and a new generation batch just
         cut into microbatches, each optimizer step's microbatches are regrouped by token count
         (``padding_free.balanced``, through ``_intercept.read/set_buffered_inputs``): the same rows per
@@ -413,8 +414,20 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         pad = _intercept.read_tokenizer(self).pad_token_id
         logps, entropies = padding_free.packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast,
-            pad_id=pad if pad is not None else 0, share_prompts=self.share_prompts)
+            pad_id=pad if pad is not None else 0, share_prompts=self.share_prompts,
+            agree_forwards=self._most_forwards if self._sharded_parameters() else None)
         return logps, entropies, None
+
+    def _sharded_parameters(self) -> bool:
+        """Whether each forward gathers the parameters from every process (ZeRO-3, FSDP), so that every process
+        must run as many forwards."""
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        zero3 = plugin is not None and plugin.zero_stage == 3
+        return self.accelerator.num_processes > 1 and (zero3 or self.is_fsdp_enabled)
+
+    def _most_forwards(self, forwards: int) -> int:
+        """The largest number of packed forwards any process runs for this call (a collective)."""
+        return int(self.accelerator.gather(torch.tensor([forwards], device=self.accelerator.device)).max())
 
     def _prepare_inputs(self, generation_batch):
         before = _intercept.read_buffered_inputs(self)

@@ -24,12 +24,13 @@ token by token: a model whose attention ignores the packing stops there (``I5_HI
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..ops.packing import balance_plan, forward_plan, pack, prompts_of, unpack
+from ..ops.packing import IGNORE, balance_plan, forward_plan, pack, prompts_of, unpack
 from ..ops.reduction import LOSS_TYPES
 from . import _intercept
 
@@ -192,7 +193,7 @@ CPU_FORWARD_OVERHEAD = 64
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0,
-                               share_prompts: bool = False):
+                               share_prompts: bool = False, agree_forwards: Callable[[int], int] | None = None):
     """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
     per-token logprobs [B, K] and entropies [B, K] (or None), zeros where nothing is scored, as TRL's.
     ``autocast()`` is the accelerator's autocast context.
@@ -204,13 +205,20 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     instead of leaving each chunk's rows part-empty. Each forward is cut to its widest row
     (``ops.packing.forward_plan``: on CPU the fewest cells, counting ``CPU_FORWARD_OVERHEAD`` per forward;
     elsewhere the fewest forwards). ``share_prompts`` (``resolve_share``): the rows of one prompt run its
-    prompt once (``ops.packing.share_plan``) under a tree attention mask."""
+    prompt once (``ops.packing.share_plan``) under a tree attention mask.
+
+    ``agree_forwards`` (sharded parameters, ZeRO-3: each forward gathers every layer's parameters, a collective):
+    takes this process's number of forwards and returns the number every process runs (the largest); the
+    missing ones run on a 2-token row of padding, their output in the result with weight 0, so that the
+    backward (and a checkpointed layer's recompute) runs through them too, as through another process's."""
     B, L = input_ids.shape
     batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
     packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id, share_prompts=share_prompts)
     device = packed.input_ids.device
     R, W = packed.input_ids.shape
     plan = forward_plan(packed.widths, batch_size, CPU_FORWARD_OVERHEAD if device.type == "cpu" else None)
+    # before any forward: the agreement is a collective, and so is each forward under ZeRO-3
+    forwards = agree_forwards(len(plan)) if agree_forwards is not None else len(plan)
     logps, entropies = [], []
     for rows in plan:
         width = min(max(packed.widths[rows[0]], 2), W)  # the widest first; the head's output [r, w - 1] not empty
@@ -227,4 +235,12 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     def unpacked(parts):
         return unpack(torch.cat(parts, dim=0)[back], packed)  # [R, W - 1] in packed order -> [B, K]
 
-    return unpacked(logps), unpacked(entropies) if compute_entropy else None
+    logps = unpacked(logps)  # [B, K]
+    for _ in range(forwards - len(plan)):  # another process runs more forwards: as many here, on padding
+        with autocast(), _intercept.inject_compact_head(device):
+            out = model(input_ids=packed.input_ids.new_full((1, 2), pad_id),
+                        position_ids=torch.arange(2, device=device).view(1, 2),
+                        labels=torch.tensor([[IGNORE, pad_id]], dtype=packed.input_ids.dtype, device=device),
+                        fused_lm_head=True)  # log_probs [1, 1]
+        logps = logps + 0.0 * out.log_probs.sum()  # in the graph, adding 0
+    return logps, unpacked(entropies) if compute_entropy else None
