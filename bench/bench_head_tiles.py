@@ -36,7 +36,7 @@ from grpotrl.ops.packing import pack, unpack  # noqa: E402
 from grpotrl.trainers import _intercept  # noqa: E402
 
 TRL_TILE = ck.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE  # 4096 x 32768 in trl 1.16
-SIZES = (TRL_TILE, (512, 32768), (256, 32768), (512, 8192), (512, 4096), (1024, 4096), (512, 2048))  # tokens, columns
+SIZES = (TRL_TILE, (512, 32768), (512, 8192), (512, 4096), (1024, 4096), (512, 2048))  # tokens, vocabulary columns
 
 
 def set_tile(size: tuple[int, int]) -> None:

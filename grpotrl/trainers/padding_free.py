@@ -5,8 +5,9 @@ padding-free; every other call (image inputs, a MoE router loss) runs TRL's padd
 The call's rows are packed together (``ops.packing.pack``: rows of at most the padded width, so no
 row's attention costs more than a padded row's), run at most ``batch_size`` packed rows at a time, each
 forward cut to its widest row (``ops.packing.forward_plan``), through the model with ``position_ids``
-restarting at 0 for each sequence, ``attention_mask=None`` and the fused head's labels on the scored tokens only (on CPU the head then projects those positions only,
-as TRL's does on Triton devices: ``_intercept.inject_compact_head``), and put back in TRL's ``[B, K]`` layout
+restarting at 0 for each sequence, ``attention_mask=None`` and the fused head's labels on the scored
+tokens only (on CPU the head then projects those positions only, as TRL's does on Triton devices:
+``_intercept.inject_compact_head``), and put back in TRL's ``[B, K]`` layout
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
 
@@ -187,7 +188,7 @@ def _take(values, rows: list[int]):
 
 
 # What a CPU forward (and its backward) costs besides its tokens, in packed cells: about 0.7 s of a loss
-# microbatch's forward + backward on SmolLM2, 2 cores (docs/cost.md, "Forwards cut to their rows' width").
+# microbatch's forward + backward on SmolLM2, 2 cores (docs/cost.md, "Forwards cut to their rows").
 CPU_FORWARD_OVERHEAD = 64
 
 
