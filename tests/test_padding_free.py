@@ -272,7 +272,7 @@ def test_each_forward_is_cut_to_its_widest_row(arch, request, grpo_args):
             hook.remove()
         assert shapes == [(1, 300), (1, 100)], shapes  # the packed call's two forwards
         assert _rel(lp1.detach(), lp0.detach()) < 1e-5 and _rel(h1.detach(), h0.detach()) < 1e-5
-        assert (lp1[:, :] != 0).sum() == attn[:, L - K:].sum()  # every scored token, each once
+        assert (lp1 != 0).sum() == attn[:, L - K:].sum()  # every scored token, each once
 
 
 def test_forwards_agreed_across_processes_run_on_padding_and_join_the_graph(tiny_llama, grpo_args):
@@ -536,7 +536,7 @@ def test_gad_loss_and_gradients_equal_padded(tiny_llama, grpo_args):
     args = _gad_args(grpo_args, beta=0.1, guard_steps=0, check_step0_identity=False, disable_tqdm=True)
     trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
     assert trainer.padding_free
-    inputs = perturbed_batch(trainer)  # the policy away from the reference: a KL term that is not 0 (the loss about 0 else)
+    inputs = perturbed_batch(trainer)  # the policy off its reference: a KL term not 0 (else the loss is about 0)
     assert (inputs["completion_mask"] == 0).any()
     loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
     assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)

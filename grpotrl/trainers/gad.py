@@ -72,8 +72,9 @@ class GADTrainer(GRPOTrainer):
         "sequence"`` (GAD's default), where TRL broadcasts the sequence's ratio: that keeps k1's and k3's
         gradient the KL's.
       * ``training_step``: during warmup, runs TRL's ``_prepare_inputs`` (generation, rewards, D's
-        update; on CPU with the fused head's tiles of ``GRPOTrainer.training_step``) and TRL's step bookkeeping (``_intercept.set_microstep_done``: ``_step``,
-        ``_current_train_step_time``, ``step_time``) only; the student gets no grad.
+        update; on CPU with the fused head's tiles of ``GRPOTrainer.training_step``) and TRL's step
+        bookkeeping (``_intercept.set_microstep_done``: ``_step``, ``_current_train_step_time``, ``step_time``)
+        only; the student gets no grad.
       * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
       * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
         checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
