@@ -109,3 +109,29 @@ def test_bad_generation_args_stop_before_the_model_loads(tiny_llama, grpo_args, 
     with pytest.raises(InputError, match=match):
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**bad),
                             train_dataset=arithmetic_prompts())
+
+
+@pytest.mark.parametrize("extra, plain", [(dict(top_k=0), True), (dict(top_k=0, repetition_penalty=1.3), False),
+                                          (dict(top_k=5), False)])
+def test_I5_recorder_raw_logprob_is_the_logits_over_t(tiny_llama, extra, plain):
+    """The recorder's ``raw`` measure is log_softmax(R / T)[token] from generate's own raw logits; with
+    nothing but one temperature warper it reuses the sampled scores' normaliser (they are R / T)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpotrl.generation.sampled_logprobs import SampledLogprobRecorder
+    from grpotrl.trainers import _intercept
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    batch = tok(["1 + 1 =", "Hi there"], return_tensors="pt", padding=True)
+    recorder = SampledLogprobRecorder()
+    torch.manual_seed(0)
+    with torch.no_grad(), _intercept.inject_recorders_after_warpers(model):
+        out = model.generate(**batch, max_new_tokens=5, do_sample=True, temperature=0.7,
+                             logits_processor=[recorder], return_dict_in_generate=True, output_logits=True,
+                             pad_token_id=tok.pad_token_id, **extra)
+    assert recorder.scores_are_raw_over_t is plain
+    P = batch["input_ids"].size(1)
+    want = torch.stack([torch.log_softmax(r / 0.7, -1).gather(1, out.sequences[:, P + t, None]).squeeze(1)
+                        for t, r in enumerate(out.logits)], dim=1)  # [B, C] by hand
+    torch.testing.assert_close(recorder.measures(out.sequences)["raw"], want, rtol=0, atol=1e-5)

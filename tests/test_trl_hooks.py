@@ -161,6 +161,30 @@ def test_generate_builds_its_processor_list_in_get_logits_processor():
     assert "probs = nn.functional.softmax(next_token_scores, dim=-1)" in sample
 
 
+def test_decoding_loop_pads_finished_rows_as_skip_finished_rows_expects():
+    """``_intercept.skip_finished_rows`` (padding_free's rollout) shadows ``_get_stopping_criteria`` to see each
+    step's stopping decision, drops the finished rows from the model's forward and its ``cache`` argument, and
+    hands back zeros as their logits: transformers' loop must still build its criteria there, stop rows with
+    ``unfinished & ~criteria``, pad every finished row whatever its logits, and call the model on keyword
+    arguments (forward hooks see them) with the cache named ``cache``."""
+    from transformers import GenerationMixin
+    from transformers.generation.configuration_utils import GenerationMode
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    assert list(inspect.signature(GenerationMixin._get_stopping_criteria).parameters)[:3] == [
+        "self", "generation_config", "stopping_criteria"]
+    assert "self._get_stopping_criteria(" in inspect.getsource(GenerationMixin.generate)
+    assert GENERATION_MODES_MAPPING[GenerationMode.SAMPLE] == GENERATION_MODES_MAPPING[GenerationMode.GREEDY_SEARCH] \
+        == "_sample"
+    sample = inspect.getsource(GenerationMixin._sample)
+    assert "unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)" in sample
+    assert "next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)" in sample
+    assert 'has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)' \
+        in sample
+    assert "outputs = model_forward(**model_inputs, return_dict=True)" in sample
+    assert 'model_inputs["cache"] = cache' in inspect.getsource(GenerationMixin.prepare_inputs_for_generation)
+
+
 def test_generate_return_tuple_layout():
     """``_intercept.TRLGenerate`` names the positions of ``_generate``'s tuple (grpotrl replaces its
     ``logprobs`` and reads ``prompt_ids``, ``completion_ids``, ``tool_mask``, ``completions``): TRL

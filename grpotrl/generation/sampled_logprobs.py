@@ -133,6 +133,7 @@ class SampledLogprobRecorder(LogitsProcessor):
         self.processors: list[str] = []  # class names of the processors other than temperature and truncation
         self.truncation: list[str] = []  # class names of the truncation warpers
         self.own_processors: list[str] = []  # of ``processors``, grpotrl's own (I6: penalties, min_new_tokens)
+        self.scores_are_raw_over_t = False  # no processor but at most one temperature warper: W is R / T itself
         self._prompt_width: int | None = None  # P, the width of the first step's input_ids
         self._width: int | None = None  # width of the last step's input_ids
         self._pending: torch.Tensor | None = None  # [B, V] the last step's final scores
@@ -165,7 +166,12 @@ class SampledLogprobRecorder(LogitsProcessor):
             s = self.untruncated.float()  # [B, V]
             log_mass = torch.logsumexp(s.masked_fill(~torch.isfinite(w), -math.inf), dim=-1) \
                 - torch.logsumexp(s, dim=-1)  # [B] log of the full softmax's mass over the kept set
-        lse_raw = None if self.raw is None else torch.logsumexp(self.raw.float() / self.temperature, dim=-1)  # [B]
+        if self.raw is None:
+            lse_raw = None
+        elif self.scores_are_raw_over_t:  # W = R / T, by the one temperature warper: the same [B] numbers
+            lse_raw = lse_w
+        else:
+            lse_raw = torch.logsumexp(self.raw.float() / self.temperature, dim=-1)  # [B]
         self._pending = scores  # [B, V], dropped at the next step
         self._pending_raw, self._pending_lse = self.raw, (lse_w, log_mass, lse_raw)
         self.raw = self.untruncated = None
@@ -249,6 +255,8 @@ def arrange_processors(processors) -> LogitsProcessorList:
         r.processors = [type(p).__name__ for p in rest if not isinstance(p, (*TRUNCATION_WARPERS,
                                                                               TemperatureLogitsWarper))]
         r.own_processors = [type(p).__name__ for p in rest if isinstance(p, own_processors._ResponseOnly)]
+        r.scores_are_raw_over_t = not r.processors and not r.truncation and \
+            sum(isinstance(p, TemperatureLogitsWarper) for p in rest) <= 1
     head = [_Tap(r, "raw") for r in recorders]
     mid = [_Tap(r, "untruncated") for r in recorders] if cut is not None else []
     cut = len(rest) if cut is None else cut

@@ -38,9 +38,11 @@ import torch
 import trl.kernels.chunked_logprob as trl_chunked
 import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
 
 from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
+from ..generation.finished_rows import FinishedRows, ObservedCriteria, usable
 from ..generation.sampled_logprobs import arrange_processors
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
@@ -208,6 +210,61 @@ def inject_recorders_after_warpers(model) -> Iterator[None]:
 
     with inject_attr(gen, "_get_logits_processor", recorders_last):
         yield
+
+
+@contextmanager
+def skip_finished_rows(model) -> Iterator[list[FinishedRows]]:
+    """Skip: in each ``model.generate`` call of the block that decodes plainly (greedy or sampling, no
+    assistant, no custom loop), the rows that have stopped leave the model's forward and its KV cache
+    (``generation.finished_rows``); the loop still pads them and samples for every row. Yields each such
+    call's ``FinishedRows`` (its ``forward_rows``: the rows each forward ran).
+
+    Wraps, on the model's generating module (as ``inject_recorders_after_warpers``), ``generate`` (to scope
+    each call and refuse assisted or custom decoding) and ``_get_stopping_criteria`` (transformers 5.24 builds
+    the loop's criteria there: ``ObservedCriteria`` hands each step's decision to the call's
+    ``FinishedRows``), plus a forward pre-hook and hook for the block."""
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    gen = next((m for m in modules if isinstance(m, GenerationMixin)), None)
+    calls: list[FinishedRows] = []
+    if gen is None:
+        yield calls
+        return
+    current: list[FinishedRows | None] = [None]  # the running call's, None outside a usable call
+    plain = [False]  # the running generate call decodes with transformers' own loop, no assistant
+    original_generate, original_criteria = gen.generate, gen._get_stopping_criteria
+
+    def generate(*args, **kwargs):
+        plain[0] = not any(kwargs.get(k) is not None for k in ("assistant_model", "custom_generate",
+                                                                 "prompt_lookup_num_tokens"))
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            current[0], plain[0] = None, False
+
+    def criteria(generation_config, *args, **kwargs):
+        built = original_criteria(generation_config, *args, **kwargs)
+        mode = generation_config.get_generation_mode()
+        if not plain[0] or mode not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH) \
+                or not usable(generation_config, built, gen.config.is_encoder_decoder):
+            return built
+        current[0] = FinishedRows()
+        calls.append(current[0])
+        return ObservedCriteria(built, current[0].observe)
+
+    def before(module, args, kwargs):
+        return (args, current[0].before_forward(kwargs)) if current[0] is not None and not args else None
+
+    def after(module, args, kwargs, output):
+        return current[0].after_forward(output) if current[0] is not None and not args else None
+
+    handles = [gen.register_forward_pre_hook(before, with_kwargs=True),
+               gen.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with inject_attr(gen, "generate", generate), inject_attr(gen, "_get_stopping_criteria", criteria):
+            yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _positions_from_attention_mask(module, args, kwargs):

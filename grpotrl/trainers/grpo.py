@@ -21,6 +21,7 @@ from .. import guards, health
 from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InvariantError
+from ..generation.finished_rows import decoding_share
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import denominator, identity
@@ -194,6 +195,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
         self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
         self._sampler_measures: dict | None = None  # what the recorder measured (the sampler gap's causes)
+        self._decoding_rows: list = []  # the last generate calls' FinishedRows (padding_free drops finished rows)
 
     def _guard_now(self) -> bool:
         return guards.due(self.args.guard_steps, self.state.global_step)
@@ -222,9 +224,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # a user's rollout_func may call generate its own way (several turns, other prompts): not observed
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
+            drop = _intercept.skip_finished_rows(model) if inject and self.padding_free else contextlib.nullcontext([])
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
-                    _intercept.inject_recorders_after_warpers(model):
+                    _intercept.inject_recorders_after_warpers(model), drop as self._decoding_rows:
                 out = TRLGenerate(*super()._generate(prompts))
+            if self._decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
+                self._append({"padding_free/decoding_rows": decoding_share(self._decoding_rows)})
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
         sampled = recorded_logprobs(calls[-1], out.completion_ids,

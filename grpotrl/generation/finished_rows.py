@@ -1,0 +1,136 @@
+"""Finished rows leave ``generate``'s decoding batch: the model runs the rows still generating only.
+
+Letters: ``B`` rows of the ``generate`` call, ``b`` of them still generating (``b <= B``), ``V``
+vocabulary, ``S`` tokens fed per decoding step (1), ``T`` tokens in the KV cache.
+
+transformers' sampling loop (``GenerationMixin._sample``, 5.24) runs the model on all ``B`` rows at
+every step until the last row stops; a row that has stopped gets the pad token whatever its logits
+say (``next_tokens * unfinished + pad * (1 - unfinished)``, where a stopping criterion with an
+``eos_token_id`` is in the list). With completions of uneven length that is the padding of the
+rollout: at 8 x 8 x 256 on SmolLM2 a third of the decoding batch is rows that have stopped.
+
+``FinishedRows`` keeps the rows that have stopped out of the model's forward, and hands the loop
+back what it expects:
+
+* ``observe(is_done)``: each step's ``stopping_criteria(input_ids, scores)`` ``[B]`` (the loop's own
+  decision: ``unfinished = unfinished & ~is_done``), so a row counts as finished exactly when the loop
+  pads it from then on;
+* ``before_forward(kwargs)``: on a decoding step, drops the finished rows from the KV cache
+  (``DynamicCache.batch_select_indices``, when the set changed; the ``cache`` argument) and from the batch inputs
+  (``input_ids``, ``attention_mask``, ``position_ids``);
+* ``after_forward(output)``: the logits ``[b, S, V]`` back to ``[B, S, V]``, zeros in the finished
+  rows' places. The loop pads those rows, so their logits choose nothing; the sampler still draws for
+  all ``B`` rows (``torch.multinomial`` on ``[B, V]``), so the random stream is the one the full batch
+  would use.
+
+The rows still generating get the logits the full batch would give them up to the attention kernel's
+rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token can then flip
+where two tokens' draws are that close, as between any two machines).
+
+It is used only where this is exact (``usable``): the plain decoding loop (``_sample``; not beam search or
+assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
+sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), and no
+batch-shaped model input other than the three above. Elsewhere the call runs as transformers wrote it.
+At least one row always stays in the forward, so a process whose rows have all stopped but that keeps
+running forwards for the others (ZeRO-3's ``synced_gpus``) runs a forward of one row.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, StoppingCriteriaList
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+BATCH_INPUTS = ("input_ids", "attention_mask", "position_ids")  # the decoding step's inputs with one row per row
+CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # whose batch_select_indices keeps every row's state
+
+
+def usable(generation_config, stopping_criteria, is_encoder_decoder: bool) -> bool:
+    """Whether a plain decoding loop (``_sample``) may run without its finished rows: the loop pads them (a
+    criterion with an ``eos_token_id``), returns the sequences alone, and the model is a decoder."""
+    pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    return pads_finished and not generation_config.return_dict_in_generate and not is_encoder_decoder
+
+
+class ObservedCriteria(StoppingCriteriaList):
+    """``generate``'s stopping criteria, unchanged, each step's ``[B]`` decision handed to ``observe``."""
+
+    def __init__(self, criteria, observe):
+        super().__init__(criteria)
+        self.observe = observe
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        is_done = super().__call__(input_ids, scores, **kwargs)  # [B]
+        self.observe(is_done)
+        return is_done
+
+
+class FinishedRows:
+    """The rows of one decoding loop still in the model's forward (module docstring)."""
+
+    def __init__(self):
+        self.finished: torch.Tensor | None = None  # [B] bool, the loop's ``~unfinished`` after each step
+        self.live: torch.Tensor | None = None  # [b] ascending row indices in the forward and the cache
+        self.rows: int | None = None  # B, from the first forward
+        self.off = False  # a loop this class cannot vouch for: it runs as transformers wrote it
+        self.forward_rows: list[int] = []  # the rows each forward ran (a measure, and for tests)
+
+    def observe(self, is_done: torch.Tensor) -> None:
+        """The loop's stopping decision of one step, ``[B]`` bool."""
+        self.finished = is_done.clone() if self.finished is None else self.finished | is_done
+
+    def before_forward(self, kwargs: dict) -> dict:
+        """The forward's keyword arguments, the finished rows left out on a decoding step."""
+        ids = kwargs.get("input_ids")
+        if self.off:
+            return kwargs
+        if self.rows is None:  # the prefill: all rows; decide once whether the loop can be vouched for
+            self.rows = ids.size(0) if isinstance(ids, torch.Tensor) else 0
+            self.live = torch.arange(self.rows, device=ids.device) if self.rows else None
+            self.off = self.rows < 2 or not _plain_inputs(kwargs, self.rows)
+            self.forward_rows.append(self.rows)
+            return kwargs
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 names it ``cache``
+        if self.live.numel() == self.rows and not _droppable(cache, kwargs, self.rows):
+            self.off = True  # nothing dropped yet: the loop goes on with every row
+            return kwargs
+        keep = (~self.finished).nonzero().squeeze(1) if self.finished is not None else self.live  # [b'] ascending
+        if keep.numel() == 0:
+            keep = self.live[:1]  # every row stopped and the loop runs on (synced_gpus): a forward of one row
+        if keep.numel() != self.live.numel():  # rows only ever stop: keep is a subset of live
+            cache.batch_select_indices(torch.searchsorted(self.live, keep))
+            self.live = keep
+        self.forward_rows.append(self.live.numel())
+        if self.live.numel() == self.rows:
+            return kwargs
+        return {name: value.index_select(0, self.live) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
+                else value for name, value in kwargs.items()}
+
+    def after_forward(self, output):
+        """The forward's output, its logits ``[b, S, V]`` back in ``[B, S, V]`` (zeros for finished rows)."""
+        if self.off or self.live is None or self.live.numel() == self.rows:
+            return output
+        logits = output.logits  # [b, S, V]
+        full = logits.new_zeros((self.rows, *logits.shape[1:]))  # [B, S, V]
+        output.logits = full.index_copy(0, self.live, logits)
+        return output
+
+
+def _plain_inputs(kwargs: dict, rows: int) -> bool:
+    """No batch-shaped tensor among a forward's inputs but ``BATCH_INPUTS`` (images, token types, embeddings:
+    this class would not know to cut them)."""
+    return not any(isinstance(v, torch.Tensor) and v.ndim and v.size(0) == rows
+                   for name, v in kwargs.items() if name not in BATCH_INPUTS and name != "cache_position")
+
+
+def _droppable(cache, kwargs: dict, rows: int) -> bool:
+    """A decoding step whose cache can lose rows and whose inputs are ``BATCH_INPUTS`` alone."""
+    return (isinstance(cache, DynamicCache) and cache.get_seq_length() > 0
+            and all(type(layer) in CACHE_LAYERS for layer in cache.layers) and _plain_inputs(kwargs, rows))
+
+
+def decoding_share(calls: list[FinishedRows]) -> float:
+    """The share of the decoding batch's row-steps the model ran, over ``calls`` (1.0: no row dropped)."""
+    ran = sum(sum(c.forward_rows) for c in calls)
+    full = sum(c.rows * len(c.forward_rows) for c in calls if c.rows)
+    return ran / full if full else 1.0
