@@ -13,8 +13,9 @@ the largest of the setup's and each step's own peaks)
 as ratios against plain TRL measured in the same run; the completion-length spread and the share
 of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
 padded and padding-free grpotrl runs and their relative difference; and where a step's time goes
-(sampling + rewards, which packing does not touch; the no-grad reference/old-policy logprob forwards;
-the loss forward + backward), each against plain TRL's; and each step's own peak memory (CPU: the peak
+(sampling + rewards, where padding_free's rollout leaves the rows that have stopped out of the decoding
+batch; the no-grad reference/old-policy logprob forwards; the loss forward + backward), each against plain
+TRL's, and the share of the decoding batch the padding-free run's model ran; and each step's own peak memory (CPU: the peak
 RSS, reset at each step's start through ``/proc/self/clear_refs``), so that the steps after grpotrl's
 guard steps can be compared. ``--variants trl,packed`` skips the padded grpotrl run (its loss
 comparison with it).
@@ -159,7 +160,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",
                    losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                    real=share.real, cells=share.cells, completion_lengths=share.lengths,
-                   phases=per_step, step_peaks=step_peaks)
+                   phases=per_step, step_peaks=step_peaks,
+                   decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
+                                  if "padding_free/decoding_rows" in h])
 
 
 def _rel(a: float, b: float) -> float:
@@ -224,12 +227,16 @@ def main() -> None:
         return statistics.mean(statistics.mean(one(res)) for res in results[v])
 
     print(f"phases per step ({'steps %d..%d' % (guard + 1, a.steps) if a.steps > guard else 'every step'}; "
-          "padding_free changes only the last two):")
+          "padding_free runs the sampling without its finished rows and packs the last two):")
     names = {"sampling": "sampling + rewards", "no_grad_logps": "reference/old logprob forwards",
              "loss": "loss forward + backward"}
     for v in variants:
         print(f"  {v:7s} " + "   ".join(f"{names[k]} {phase(v, k):7.2f} s ({phase(v, k) / max(phase('trl', k), 1e-9):.3f}x)"
                                       for k in names))
+    for v in variants:
+        if results[v][0].get("decoding_rows"):
+            print(f"  {v:7s} share of the decoding batch the model ran, per step (round 0; "
+                  "padding_free/decoding_rows): " + "  ".join(f"{x:.3f}" for x in results[v][0]["decoding_rows"]))
     print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
     for v in variants:
         print(f"  {v:7s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")

@@ -295,7 +295,8 @@ class KLFields:
 
 @dataclass
 class PaddingFreeFields:
-    """The padding-free logprob forwards (``grpotrl/trainers/padding_free.py``): TRL's SFT name."""
+    """The padding-free logprob forwards (``grpotrl/trainers/padding_free.py``) and rollout
+    (``grpotrl/generation/finished_rows.py``): TRL's SFT name."""
 
     padding_free: str = field(
         default="auto",
@@ -306,7 +307,9 @@ class PaddingFreeFields:
                   "rows apart (sdpa, eager, flash_attention_2/3) and there are no image inputs or MoE router losses; "
                   "true: on (refused for those); false: TRL's padded forward. A trl.GRPOConfig handed to a grpotrl "
                   "trainer keeps TRL's padded forward unless it sets padding_free. The I5 guard compares it with "
-                  "the padded forward token by token on guard steps."},
+                  "the padded forward token by token on guard steps. On the transformers generate path the rollout "
+                  "is padding-free too: a row that has stopped leaves the decoding batch (its KV cache and its "
+                  "forward), and is padded as before (generation/finished_rows.py)."},
     )
     balance_microbatches: str = field(
         default="auto",

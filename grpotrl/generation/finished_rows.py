@@ -7,7 +7,7 @@ transformers' sampling loop (``GenerationMixin._sample``, 5.24) runs the model o
 every step until the last row stops; a row that has stopped gets the pad token whatever its logits
 say (``next_tokens * unfinished + pad * (1 - unfinished)``, where a stopping criterion with an
 ``eos_token_id`` is in the list). With completions of uneven length that is the padding of the
-rollout: at 8 x 8 x 256 on SmolLM2 a third of the decoding batch is rows that have stopped.
+rollout: the rows that have stopped still run every layer and grow their KV cache.
 
 ``FinishedRows`` keeps the rows that have stopped out of the model's forward, and hands the loop
 back what it expects:
@@ -27,7 +27,7 @@ The rows still generating get the logits the full batch would give them up to th
 rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token can then flip
 where two tokens' draws are that close, as between any two machines).
 
-It is used only where this is exact (``usable``): the plain decoding loop (``_sample``; not beam search or
+It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not beam search or
 assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
 sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), and no
 batch-shaped model input other than the three above. Elsewhere the call runs as transformers wrote it.

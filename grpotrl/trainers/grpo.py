@@ -115,6 +115,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``
         (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
         it samples from.
+      * with ``padding_free`` on the transformers path, the policy's ``generate`` and ``_get_stopping_criteria``
+        and a forward pre-hook and hook on it, in ``_generate`` (``skip_finished_rows``): a row that has stopped
+        leaves the decoding batch (its KV cache and its forward); the loop pads it and samples as before.
       * ``self.beta`` in ``_compute_loss`` (``inject_attr``): 0 for TRL's loss, whose KL grpotrl replaces.
       * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
         ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
