@@ -40,10 +40,10 @@ import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from ..ops.losses import merge_rows
-from ..ops.masking import position_ids_from_mask
 from ..generation.finished_rows import FinishedRows, ObservedCriteria, usable
 from ..generation.sampled_logprobs import arrange_processors
+from ..ops.losses import merge_rows
+from ..ops.masking import position_ids_from_mask
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "
