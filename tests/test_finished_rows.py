@@ -1,6 +1,8 @@
 """padding_free's rollout: rows that have stopped leave ``generate``'s decoding batch
 (``generation.finished_rows``, ``_intercept.skip_finished_rows``), and nothing the loop returns changes."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import arithmetic_prompts, length_reward
@@ -41,19 +43,11 @@ def _generate(model, tok, batch, drop: bool, stops=(1, 3, 3, 6), **kwargs):
     processors = [StopAt(list(stops), batch["input_ids"].size(1), tok.eos_token_id), SampledLogprobRecorder()]
     torch.manual_seed(0)
     with torch.no_grad(), _intercept.inject_recorders_after_warpers(model), \
-            (_intercept.skip_finished_rows(model) if drop else _nothing()) as calls:
+            (_intercept.skip_finished_rows(model) if drop else contextlib.nullcontext([])) as calls:
         out = model.generate(**batch, max_new_tokens=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                              logits_processor=processors, **kwargs)
     sequences = out.sequences if hasattr(out, "sequences") else out
     return out, processors[-1].logprobs(sequences), calls
-
-
-class _nothing:
-    def __enter__(self):
-        return []
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0)])
