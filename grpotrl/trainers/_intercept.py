@@ -186,6 +186,13 @@ def _sampler_stop_ids(model, kwargs: dict) -> list[int]:
     return [int(i) for i in ([ids] if isinstance(ids, int) else ids or [])]
 
 
+def _generating_module(model):
+    """The module whose ``generate`` runs the decoding loop: the model itself, or the base model under PEFT
+    (the first ``GenerationMixin`` in ``model.modules()``); None if there is none."""
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    return next((m for m in modules if isinstance(m, GenerationMixin)), None)
+
+
 @contextmanager
 def inject_recorders_after_warpers(model) -> Iterator[None]:
     """Within the block, every ``SampledLogprobRecorder`` handed to ``model.generate(logits_processor=...)``
@@ -198,8 +205,7 @@ def inject_recorders_after_warpers(model) -> Iterator[None]:
     recorders to the end of the list it returns, and restores it on exit. A recorder used outside
     the block raises when read instead of returning pre-temperature logprobs.
     """
-    modules = model.modules() if hasattr(model, "modules") else [model]
-    gen = next((m for m in modules if isinstance(m, GenerationMixin)), None)
+    gen = _generating_module(model)
     if gen is None:
         yield
         return
@@ -223,8 +229,7 @@ def skip_finished_rows(model) -> Iterator[list[FinishedRows]]:
     each call and refuse assisted or custom decoding) and ``_get_stopping_criteria`` (transformers 5.24 builds
     the loop's criteria there: ``ObservedCriteria`` hands each step's decision to the call's
     ``FinishedRows``), plus a forward pre-hook and hook for the block."""
-    modules = model.modules() if hasattr(model, "modules") else [model]
-    gen = next((m for m in modules if isinstance(m, GenerationMixin)), None)
+    gen = _generating_module(model)
     calls: list[FinishedRows] = []
     if gen is None:
         yield calls
