@@ -17,17 +17,25 @@ import time
 
 def step_timer():
     """A TrainerCallback recording wall time and process CPU time (all threads) per step: on a
-    shared machine the CPU time is the steadier measure of the work a step does."""
+    shared machine the CPU time is the steadier measure of the work a step does. On CUDA each step
+    starts and ends with ``torch.cuda.synchronize()``, so its kernels count in it, not in the next one."""
+    import torch
     from transformers import TrainerCallback
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.times, self.cpu, self.t = [], [], None
 
         def on_step_begin(self, args, state, control, **kw):
+            sync()
             self.t = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             self.times.append(time.perf_counter() - self.t[0])
             self.cpu.append(time.process_time() - self.t[1])
 
@@ -93,7 +101,7 @@ def mean_per_step(results: dict, variant: str, key: str = "step_times", steps: s
 
 
 def add_shape_args(parser, prompts: int = 2, generations: int = 4, length: int = 32) -> None:
-    """--prompts, --generations, --length: the shape of one generation batch (issue 17 asks for 8 x 8 x 256)."""
+    """--prompts, --generations, --length: the shape of one generation batch (docs/cost.md measures 8 x 8 x 256)."""
     parser.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
     parser.add_argument("--generations", type=int, default=generations, help="completions per prompt")
     parser.add_argument("--length", type=int, default=length, help="max_completion_length")

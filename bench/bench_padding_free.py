@@ -1,14 +1,23 @@
-"""Cost of padding_free: plain ``trl.GRPOTrainer`` vs grpotrl padded vs grpotrl padding-free.
+"""Cost of padding_free: plain ``trl.GRPOTrainer`` vs grpotrl's variants, at 8 x 8 x 256 by default.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # issue 30's shape: 8 x 8 x 256
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # CPU: trl, padded, packed; 2 rounds
+    python bench/bench_padding_free.py                                       # CUDA: trl, default, packed; 1 round
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
     MALLOC_MMAP_THRESHOLD_=131072 ... --variants trl,packed --steps 3    # each step's own CPU peak (slower)
 
+The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``default`` (grpotrl's GRPOConfig
+defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
+``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on). ``--variants`` defaults to
+``trl,padded,packed`` on CPU and ``trl,default,packed`` on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so
+that on a GPU the three variants' 4 steps at 8 x 8 x 256, each child's setup included, run in one command of a
+few minutes. CUDA runs bf16 (autocast over the fp32 weights).
+
 SmolLM2-135M-Instruct on open questions, half of them asking for a short answer (so a batch's
 answers run from a few tokens to the cap, as in real prompt mixes), the same config,
-seed and data for the three variants, learning rate 0 so that every variant samples the same
-completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed:
-step time, CPU time and the run's peak memory (CPU: peak RSS; CUDA: bf16, ``torch.cuda.max_memory_allocated``;
+seed and data for every variant, learning rate 0 so that every variant samples the same
+completions; fresh subprocesses, variants rotated round by round (``_runner.alternate``). Printed: a header
+with the device's name, the date and the torch / transformers / trl versions; then
+step time, CPU time and the run's peak memory (CPU: peak RSS; CUDA: ``torch.cuda.max_memory_allocated``;
 the largest of the setup's and each step's own peaks)
 as ratios against plain TRL measured in the same run; the completion-length spread and the share
 of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and grad norm of the
@@ -16,12 +25,14 @@ padded and padding-free grpotrl runs and their relative difference; and where a 
 (sampling + rewards, where padding_free's rollout leaves the rows that have stopped out of the decoding
 batch; the no-grad reference/old-policy logprob forwards; the loss forward + backward), each against plain
 TRL's, and the share of the decoding batch the padding-free run's model ran; and each step's own peak memory (CPU: the peak
-RSS, reset at each step's start through ``/proc/self/clear_refs``), so that the steps after grpotrl's
-guard steps can be compared. ``--variants trl,packed`` skips the padded grpotrl run (its loss
-comparison with it).
-Goals (issue 30): step time <= 0.75x and peak memory <= 0.8x plain TRL; loss and grad norm equal to
-the padded path's within 1e-5 relative, step by step.
-The guards run on grpotrl's default schedule (the first 2 steps), in both grpotrl variants.
+RSS, reset at each step's start through ``/proc/self/clear_refs``; CUDA: ``reset_peak_memory_stats``), so that
+the steps after grpotrl's guard steps can be compared. On CUDA each timed span starts and ends with
+``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
+``padded``, or ``default`` where it resolved to padding_free off.
+Goals: step time <= 0.75x and peak memory <= 0.8x plain TRL for ``packed``; loss and grad norm equal to the
+padded path's within 1e-5 relative (fp32), step by step.
+The guards run on grpotrl's default schedule (the first 2 steps), in every grpotrl variant. A variant whose
+run fails (an ``InvariantError`` from a guard, say) stops the bench with its stderr's tail.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import statistics
 
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
-VARIANTS = ("trl", "padded", "packed")
+VARIANTS = ("trl", "default", "padded", "packed")
+DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,packed"}
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
@@ -89,6 +101,8 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     share = PaddingShare()
     if variant == "trl":
         trainer_class, args = trl.GRPOTrainer, trl.GRPOConfig(**common)
+    elif variant == "default":  # padding_free left at 'auto': what it resolves to on this device
+        trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common)
     else:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
 
@@ -96,11 +110,17 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     per_step = {k: [] for k in phases}
 
     def timed(key, fn):
+        sync()
         t = time.perf_counter()
         try:
             return fn()
         finally:
+            sync()
             phases[key] += time.perf_counter() - t
+
+    def sync():  # CUDA: the span's kernels finish inside it
+        if cuda:
+            torch.cuda.synchronize()
 
     class Recorded(trainer_class):
         def _compute_loss(self, model, inputs):
@@ -151,7 +171,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
                        train_dataset=open_questions(), callbacks=[timer, Phases()])
-    assert variant == "trl" or trainer.padding_free == (variant == "packed")
+    assert variant in ("trl", "default") or trainer.padding_free == (variant == "packed")
     trainer.train()
     # the run's peak: each step resets it (ru_maxrss and max_memory_allocated read the last step's alone)
     peak = max(before_steps + step_peaks + [read_peak()])
@@ -162,7 +182,8 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    real=share.real, cells=share.cells, completion_lengths=share.lengths,
                    phases=per_step, step_peaks=step_peaks,
                    decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
-                                  if "padding_free/decoding_rows" in h])
+                                  if "padding_free/decoding_rows" in h],
+                   padding_free=getattr(trainer, "padding_free", None))
 
 
 def _rel(a: float, b: float) -> float:
@@ -170,16 +191,27 @@ def _rel(a: float, b: float) -> float:
 
 
 def main() -> None:
+    import datetime
+
+    import torch
+    import transformers
+    import trl
+
+    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1 if cuda else 2)
     p.add_argument("--child", choices=VARIANTS)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated subset of trl,padded,packed (trl is always run: the ratios are against it)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS["cuda" if cuda else "cpu"],
+                   help="comma-separated subset of " + ",".join(VARIANTS) + " (trl is always run: the ratios are "
+                        "against it); default: " + " on CPU, ".join(DEFAULT_VARIANTS.values()) + " on CUDA")
     _runner.add_shape_args(p, prompts=8, generations=8, length=256)
     a = p.parse_args()
     if a.child:
         return child(a.child, a.steps, (a.prompts, a.generations, a.length))
+    device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
+    print(f"{device}  {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}  torch {torch.__version__}  "
+          f"transformers {transformers.__version__}  trl {trl.__version__}", flush=True)
     variants = tuple(v for v in VARIANTS if v == "trl" or v in a.variants.split(","))
     results = _runner.alternate(__file__, variants, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
                                 describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
@@ -192,8 +224,11 @@ def main() -> None:
 
     first = results[variants[-1]][0]
     lengths = first["completion_lengths"]
-    print(f"\ndevice={first['device']} steps={a.steps} rounds={a.rounds} "
+    print(f"\ndevice={first['device']} ({device}) steps={a.steps} rounds={a.rounds} "
           f"shape={a.prompts} prompts x {a.generations} generations x {a.length} tokens")
+    if "default" in variants:
+        print(f"default: grpotrl's GRPOConfig defaults; padding_free 'auto' resolved to "
+              f"{'on' if results['default'][0]['padding_free'] else 'off'} on this device")
     print(f"completion lengths (round 0, every loss row): min {min(lengths):.0f}  median "
           f"{statistics.median(lengths):.0f}  max {max(lengths):.0f}  stdev {statistics.pstdev(lengths):.1f}")
     print(f"padding share of the padded [B, P + C] loss batches: {1 - first['real'] / first['cells']:.1%}")
@@ -240,10 +275,13 @@ def main() -> None:
     print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
     for v in variants:
         print(f"  {v:7s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
-    if not {"padded", "packed"} <= set(variants):
+    padded = "padded" if "padded" in variants else next(
+        (v for v in variants if v == "default" and not results[v][0]["padding_free"]), None)
+    if padded is None or "packed" not in variants:
         return
-    print("per step, padded vs padding-free (round 0; goal: relative difference <= 1e-5):")
-    pad, pf = results["padded"][0], results["packed"][0]
+    label = "padded" if padded == "padded" else "default (padded)"
+    print(f"per step, {label} vs padding-free (round 0; goal: relative difference <= 1e-5):")
+    pad, pf = results[padded][0], results["packed"][0]
     for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):
         print(f"  step {s + 1}: loss {l0:+.8e} vs {l1:+.8e} (rel {_rel(l1, l0):.1e})   "
               f"grad_norm {g0:.8e} vs {g1:.8e} (rel {_rel(g1, g0):.1e})")

@@ -339,6 +339,47 @@ def test_help_describes_datasets_rewards_and_judges():
         assert phrase in text, phrase
 
 
+# huggingface_hub 2.x imports httpx2 itself, so grpotrl's imports alone are refused it here; huggingface_hub
+# 1.x (which TRL 1.16 accepts) imports httpx, and there no package imports httpx2 at all.
+WITHOUT_HTTPX2 = """
+import builtins
+
+real_import = builtins.__import__
+
+
+def without_httpx2(name, globals=None, *args, **kwargs):
+    if name.partition(".")[0] == "httpx2" and (globals or {}).get("__name__", "").startswith("grpotrl"):
+        raise ModuleNotFoundError("No module named 'httpx2'", name="httpx2")
+    return real_import(name, globals, *args, **kwargs)
+
+
+builtins.__import__ = without_httpx2
+import grpotrl.cli
+from grpotrl.errors import InputError
+from grpotrl.rewards.recipe import parse_judges
+
+try:
+    grpotrl.cli.main(["sft", "--help"])
+except SystemExit as exit_:
+    print("help exit", exit_.code)
+try:
+    parse_judges({"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "rubric": "fairness"}})
+except InputError as err:
+    print("InputError:", err)
+"""
+
+
+def test_the_cli_runs_without_the_judge_extra_and_an_http_judge_says_what_to_install():
+    """Without httpx2 (the ``judge`` extra) ``grpotrl sft`` loads and answers --help; a recipe's HTTP judge is
+    an InputError naming the package and the extra, where it is built (before any model loads)."""
+    out = subprocess.run([sys.executable, "-c", WITHOUT_HTTPX2], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--dataset_name" in out.stdout and "help exit 0" in out.stdout
+    assert "InputError: HttpJudge needs the package httpx2" in out.stdout
+    assert "pip install 'grpotrl[judge]'" in out.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 16: bad input is one `grpotrl CMD: error:` line (exit 2) before any weights are read
 # ---------------------------------------------------------------------------------------------

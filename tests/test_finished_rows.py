@@ -121,3 +121,23 @@ def test_padding_free_rollout_samples_what_the_full_batch_samples(tiny_llama, gr
               if "padding_free/decoding_rows" in h]
     assert len(shares) == 2 and all(0 < s < 1 for s in shares), shares
     assert not any("padding_free/decoding_rows" in h for h in runs[False].state.log_history)
+
+
+def test_rows_stay_in_the_decoding_batch_where_padding_free_resolved_off(tiny_llama, grpo_args, monkeypatch, caplog):
+    """The rollout follows padding_free's resolved state: on a device where 'auto' is not measured faster
+    (here CPU taken off the list, as CUDA is), every row stays in the forward and nothing is logged for it."""
+    from grpotrl.trainers import padding_free
+
+    monkeypatch.setattr(padding_free, "MEASURED_FASTER_ON", ())
+    entered = []
+    skip = _intercept.skip_finished_rows
+    monkeypatch.setattr(_intercept, "skip_finished_rows", lambda model: entered.append(model) or skip(model))
+    with caplog.at_level("INFO", logger="grpotrl.trainers.grpo"):
+        trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                      args=grpo_args(max_steps=1))
+    assert trainer.padding_free is False
+    assert "padding_free off (auto: not measured faster than TRL's padded forward on cpu; see docs/cost.md); " \
+           "finished-row rollout off (padding_free off)" in caplog.text
+    trainer.train()
+    assert entered == []
+    assert not any("padding_free/decoding_rows" in h for h in trainer.state.log_history)

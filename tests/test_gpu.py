@@ -1,11 +1,15 @@
 """The shipped recipes on a CUDA GPU in bf16, guards on every step, as a user launches them:
 ``grpotrl CMD --config recipes/smollm2/... --use_cpu false --bf16 true``, and the GRPO recipe under
-``accelerate launch`` with DeepSpeed ZeRO-2 and ZeRO-3 (one process).
+``accelerate launch`` with DeepSpeed ZeRO-2 and ZeRO-3 (one process); and I5 against a planted fault
+in bf16 through the Python API.
 
 Skipped without CUDA (CI has none): run on a GPU machine with ``pytest -q tests/test_gpu.py``. Each
 case is a bug class the CPU suite cannot see: a tensor left on the CPU beside CUDA ones (CAGrad
 low-memory's Gram matrix, found here on an H100), or a guard tolerance set for fp32 that bf16's
-rounding trips (GAD's I9 check: 0.0078 between two batch shapes, one bf16 epsilon).
+rounding trips (GAD's I9 check: 0.0078 between two batch shapes, one bf16 epsilon; I5's logprob
+comparison on the GRPO recipe's defaults, with ``padding_free`` as CUDA resolves it and forced on).
+A bf16 tolerance must still stop a real fault: the loss scoring at 1.1x the sampling temperature
+(``LossAtScaledTemperature``, a trainer that runs on CPU too) raises I5, and the same trainer at 1.0x trains.
 """
 
 import json
@@ -16,6 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trl.trainer.utils import add_fused_lm_head
+
+import grpotrl
+from grpotrl import InvariantError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
 
@@ -48,6 +56,84 @@ def test_grpo_recipe_on_cuda_bf16_with_every_guard(sft_model, tmp_path, extra):
     logs = cli(["grpo", "--config", "recipes/smollm2/grpo_quickstart.yaml", "--model_name_or_path", str(sft_model),
                 "--max_steps", "3", *extra], tmp_path / "out")
     assert sum("reward" in e for e in logs) == 3
+
+
+@pytest.mark.parametrize("padding_free", [[], ["--padding_free", "true"]],
+                         ids=["padding_free-default", "padding_free-on"])
+def test_grpo_recipe_defaults_on_cuda_bf16_pass_every_guard(sft_model, tmp_path, padding_free):
+    """The recipe as shipped (beta 0, padding_free 'auto' or forced on), every guard at every step: each step
+    trains and logs I5's gap (``guards/logprob_max_gap``) and I11's share (``guards/denominator_checked_share``),
+    so the guards ran rather than stood aside."""
+    logs = cli(["grpo", "--config", "recipes/smollm2/grpo_quickstart.yaml", "--model_name_or_path", str(sft_model),
+                "--max_steps", "3", *padding_free], tmp_path / "out")
+    steps = [e for e in logs if "reward" in e]
+    assert len(steps) == 3
+    for name in ("guards/logprob_max_gap", "guards/denominator_checked_share"):
+        assert all(name in e for e in steps), f"{name} missing from a step's log: {steps}"
+    if padding_free:  # the padding-free rollout ran: the flag reached the trainer
+        assert any("padding_free/decoding_rows" in e for e in steps)
+
+
+class LossAtScaledTemperature(grpotrl.GRPOTrainer):
+    """grpotrl's GRPOTrainer whose loss scores the completions at ``factor`` x the sampling temperature:
+    an I5 fault, planted. Runs on CPU and CUDA alike.
+
+    Overrides ``_get_per_token_logps_and_entropies``: on a call with gradients on (the loss's forward in
+    ``_compute_loss``; the reference and old-policy forwards run without, generation and I5's recompute do not
+    call it), the policy gets TRL's fused LM head again, built at ``factor * temperature``, for that call; its
+    forward is put back after. TRL 1.16 reads the temperature once, when ``add_fused_lm_head`` builds the head at
+    init, so scaling ``self.temperature`` around the call would change nothing. Factor 1.0 runs the same path (the
+    control). Everything else is grpotrl's. Not for a PEFT model (TRL puts the head on its base model)."""
+
+    factor = 1.1
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        policy = self.accelerator.unwrap_model(model)
+        forward = policy.forward
+        add_fused_lm_head(policy, temperature=self.factor * self.temperature,
+                          cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
+        try:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        finally:
+            policy.forward = forward
+
+
+def train_at_loss_temperature(model: str, factor: float, **config) -> grpotrl.GRPOTrainer:
+    """``LossAtScaledTemperature`` at ``factor`` trained on the quickstart rows with the GRPO recipe's rewards and
+    shape (2 prompts x 4 completions of up to 16 tokens, T = 1.0, beta 0, every guard at every step); ``config``:
+    the device, precision, steps and ``output_dir``. Returns the trainer after ``train()``."""
+    from grpotrl.data import load_quickstart
+    from grpotrl.rewards.rules import exact_answer_reward, format_reward
+
+    args = grpotrl.GRPOConfig(**{**dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
+                                        temperature=1.0, beta=0.0, guard_steps=-1, logging_steps=1, report_to="none",
+                                        save_strategy="no", disable_tqdm=True, seed=42), **config})
+    trainer = LossAtScaledTemperature(model=model, reward_funcs=[exact_answer_reward, format_reward], args=args,
+                                      train_dataset=load_quickstart("train"))
+    trainer.factor = factor
+    trainer.train()
+    return trainer
+
+
+def bf16_api_config(output_dir: Path, padding_free) -> dict:
+    """The Python API's settings for the planted-fault runs: CUDA, bf16 weights and autocast, 2 steps."""
+    return dict(output_dir=str(output_dir), use_cpu=False, bf16=True, model_init_kwargs={"dtype": "bfloat16"},
+                max_steps=2, padding_free=padding_free)
+
+
+@pytest.mark.parametrize("padding_free", ["auto", True], ids=["padding_free-default", "padding_free-on"])
+def test_I5_stops_a_loss_at_1_1x_the_sampling_temperature_in_bf16(sft_model, tmp_path, padding_free):
+    with pytest.raises(InvariantError, match=r"\[I5\]"):
+        train_at_loss_temperature(str(sft_model), 1.1, **bf16_api_config(tmp_path / "out", padding_free))
+
+
+@pytest.mark.parametrize("padding_free", ["auto", True], ids=["padding_free-default", "padding_free-on"])
+def test_I5_passes_the_same_trainer_at_the_sampling_temperature_in_bf16(sft_model, tmp_path, padding_free):
+    trainer = train_at_loss_temperature(str(sft_model), 1.0, **bf16_api_config(tmp_path / "out", padding_free))
+    steps = [e for e in trainer.state.log_history if "reward" in e]
+    assert trainer.state.global_step == 2 and all("guards/logprob_max_gap" in e for e in steps)
 
 
 @pytest.mark.parametrize("cagrad", ["exact", "low_memory"])

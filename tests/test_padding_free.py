@@ -586,31 +586,79 @@ def _tiny_model(path, **config):
 
 
 def test_refusals_and_auto_off_with_the_reason(tiny_llama, tmp_path, caplog):
-    """Image inputs, a MoE router loss and the full-KL estimator (which reads the padded hidden states)
-    are refused for padding_free=True and turn 'auto' off with the reason; an attention implementation
-    grpotrl does not know turns 'auto' off, and True is the user's call (I5 checks it)."""
+    """Image inputs, a MoE router loss, the full-KL estimator (which reads the padded hidden states) and
+    FlashAttention (packed sequences kept apart in a forward of one row only) are refused for
+    padding_free=True and turn 'auto' off with the reason; an attention implementation grpotrl does not
+    know turns 'auto' off, and True is the user's call (I5 checks it)."""
     from types import SimpleNamespace
 
     model = _tiny_model(tiny_llama)
     on = SimpleNamespace(padding_free=True)
     auto = SimpleNamespace(padding_free="auto")
     with pytest.raises(InputError, match="multimodal.*padding_free=False"):
-        padding_free.resolve(on, model, is_vlm=True)
-    assert padding_free.resolve(auto, model, is_vlm=True)[0] is False
+        padding_free.resolve(on, model, is_vlm=True, device_type="cpu")
+    assert padding_free.resolve(auto, model, is_vlm=True, device_type="cpu")[0] is False
     with pytest.raises(InputError, match="kl_estimator='full'"):
-        padding_free.resolve(SimpleNamespace(padding_free=True, kl_estimator="full"), model, is_vlm=False)
+        padding_free.resolve(SimpleNamespace(padding_free=True, kl_estimator="full"), model, False, "cpu")
     moe = _tiny_model(tiny_llama, output_router_logits=True)
     with pytest.raises(InputError, match="router"):
-        padding_free.resolve(on, moe, is_vlm=False)
-    off, why = padding_free.resolve(auto, moe, is_vlm=False)
+        padding_free.resolve(on, moe, is_vlm=False, device_type="cpu")
+    off, why = padding_free.resolve(auto, moe, is_vlm=False, device_type="cpu")
     assert off is False and "router" in why
-    assert padding_free.resolve(SimpleNamespace(padding_free=False), model, is_vlm=False) == (False, None)
+    assert padding_free.resolve(SimpleNamespace(padding_free=False), model, False, "cpu") == (False, None)
+    for flash in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2"):
+        model.config._attn_implementation = flash
+        with pytest.raises(InputError, match=rf"attn_implementation='{flash}'.*batch_size == 1.*cu_seq_lens.*"
+                                             r"padding_free=False, or attn_implementation='sdpa'"):
+            padding_free.resolve(on, model, is_vlm=False, device_type="cuda")
+        off, why = padding_free.resolve(auto, model, is_vlm=False, device_type="cpu")
+        assert off is False and flash in why and "cu_seq_lens" in why
     model.config._attn_implementation = "my_kernel"
-    off, why = padding_free.resolve(auto, model, is_vlm=False)
+    off, why = padding_free.resolve(auto, model, is_vlm=False, device_type="cpu")
     assert off is False and "my_kernel" in why
     with caplog.at_level(logging.WARNING):
-        assert padding_free.resolve(on, model, is_vlm=False) == (True, None)
+        assert padding_free.resolve(on, model, is_vlm=False, device_type="cpu") == (True, None)
     assert "I5 guard" in caplog.text
+
+
+def test_auto_is_on_only_on_the_devices_where_it_was_measured_faster(tiny_llama):
+    """'auto' is on on CPU and off, with the reason, on CUDA and every other device (measured slower on an
+    H100 in bf16, docs/cost.md); an explicit True is honoured on any device."""
+    from types import SimpleNamespace
+
+    model = _tiny_model(tiny_llama)
+    auto, on = SimpleNamespace(padding_free="auto"), SimpleNamespace(padding_free=True)
+    assert padding_free.resolve(auto, model, is_vlm=False, device_type="cpu") == (True, None)
+    for device in ("cuda", "xpu", "mps", "npu"):
+        off, why = padding_free.resolve(auto, model, is_vlm=False, device_type=device)
+        assert off is False and why == f"not measured faster than TRL's padded forward on {device}; see docs/cost.md"
+        assert padding_free.resolve(on, model, is_vlm=False, device_type=device) == (True, None)
+    # balance_microbatches follows: off with padding_free off
+    balance = SimpleNamespace(balance_microbatches="auto")
+    assert padding_free.resolve_balance(balance, packed=False) == \
+        (False, "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row")
+
+
+def test_startup_line_says_what_was_chosen_and_why(tiny_llama, grpo_args, caplog):
+    """At init the trainer logs one line: padding_free, the finished-row rollout and balance_microbatches,
+    on or off, and why; on CUDA the same defaults read off (the line built for "cuda")."""
+    with caplog.at_level(logging.INFO, logger="grpotrl.trainers.grpo"):
+        trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
+                                      train_dataset=arithmetic_prompts(8))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grpotrl: padding_free")]
+    assert lines == ["grpotrl: padding_free on (auto: measured faster than TRL's padded forward on cpu; see "
+                     "docs/cost.md); finished-row rollout on (padding_free on, transformers' generate); "
+                     "balance_microbatches on (auto)"], lines
+    args = trainer.args
+    why = "not measured faster than TRL's padded forward on cuda; see docs/cost.md"
+    balance_why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
+    assert padding_free.startup_line(args, "cuda", False, why, False, False, balance_why) == (
+        f"grpotrl: padding_free off (auto: {why}); finished-row rollout off (padding_free off); "
+        f"balance_microbatches off (auto: {balance_why})")
+    args.padding_free, args.balance_microbatches = True, False
+    assert padding_free.startup_line(args, "cuda", True, None, True, False, None) == (
+        "grpotrl: padding_free on (set true); finished-row rollout on (padding_free on, transformers' generate); "
+        "balance_microbatches off (set false)")
 
 
 # ---------------------------------------------------------------- I5 catches attention that ignores packing

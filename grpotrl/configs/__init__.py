@@ -303,13 +303,16 @@ class PaddingFreeFields:
         metadata={"help": "Run the policy's, old policy's and reference's logprob forwards (and the backward) on "
                   "packed rows without padding: each completion with its prompt, position ids restarting per "
                   "sequence, rows no wider than the padded batch; the per-token logprobs go back into TRL's layout, "
-                  "so the loss is the padded one's. 'auto' (default): on where the model's attention keeps packed "
-                  "rows apart (sdpa, eager, flash_attention_2/3) and there are no image inputs or MoE router losses; "
-                  "true: on (refused for those); false: TRL's padded forward. A trl.GRPOConfig handed to a grpotrl "
-                  "trainer keeps TRL's padded forward unless it sets padding_free. The I5 guard compares it with "
-                  "the padded forward token by token on guard steps. On the transformers generate path the rollout "
-                  "is padding-free too: a row that has stopped leaves the decoding batch (its KV cache and its "
-                  "forward), and is padded as before (generation/finished_rows.py)."},
+                  "so the loss is the padded one's. 'auto' (default): on where it was measured faster than TRL's "
+                  "padded forward, on CPU (off on CUDA and every other device: slower there in bf16, docs/cost.md), "
+                  "where the model's attention keeps packed rows apart (sdpa, eager) and there are no image inputs "
+                  "or MoE router losses; true: on, on any device (refused for those and for FlashAttention, which "
+                  "keeps packed sequences apart in a forward of one row only); false: TRL's padded forward. A "
+                  "trl.GRPOConfig handed to a grpotrl trainer keeps TRL's padded forward unless it sets padding_free. "
+                  "The I5 guard compares it with the padded forward token by token on guard steps. With padding_free "
+                  "on (auto or true), on the transformers generate path the rollout is padding-free too: a row that "
+                  "has stopped leaves the decoding batch (its KV cache and its forward), and is padded as before "
+                  "(generation/finished_rows.py). The trainer logs what it chose, and why, at init."},
     )
     balance_microbatches: str = field(
         default="auto",

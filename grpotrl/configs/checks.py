@@ -133,11 +133,11 @@ def check_padding_free(args) -> None:
     """``padding_free`` and ``balance_microbatches`` are true, false or 'auto' (a recipe may quote them);
     the trainer refuses what it cannot honour once it sees the model (``trainers.padding_free.resolve``,
     ``resolve_balance``)."""
-    for name, auto in (("padding_free", "the model's attention keeps packed rows apart"),
-                       ("balance_microbatches", "the loss does not depend on which rows share a microbatch")):
+    for name, auto in (("padding_free", "on CPU where the model's attention keeps packed rows apart"),
+                       ("balance_microbatches", "on where the loss does not depend on which rows share a microbatch")):
         value = getattr(args, name, False)
         if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
-            raise InputError(f"{name}={value!r}: use true, false or 'auto' (on where {auto}).")
+            raise InputError(f"{name}={value!r}: use true, false or 'auto' ({auto}).")
 
 
 def normalize_generation_kwargs(args) -> None:

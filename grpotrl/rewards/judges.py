@@ -5,7 +5,9 @@ r"""LLM judges as TRL reward functions: ``(prompts, completions, **columns) -> l
 memory; ``JudgeRouter`` sends each row to the judge of its ``task`` column. All three are
 ordinary reward functions: pass them in ``reward_funcs`` (TRL 1.16 awaits async ones on its
 own event-loop thread, in parallel with other async rewards) or call them yourself
-(``asyncio.run(judge(prompts, completions))``). Scores are mapped to [0, 1].
+(``asyncio.run(judge(prompts, completions))``). Scores are mapped to [0, 1]. ``HttpJudge`` needs
+httpx2 (``pip install 'grpotrl[judge]'``), imported when one is built; without it this module, the
+CLI and the other judges load, and building an ``HttpJudge`` is an ``InputError`` saying what to install.
 
 Failure semantics (INVARIANTS I8). Whatever the server or the transport does -- a timeout, a
 dropped connection, an HTTP error, a corrupt or non-UTF-8 body, a body that is not a chat
@@ -45,7 +47,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx2 as httpx
 import torch
 from trl.trainer.utils import is_async_callable
 
@@ -161,6 +162,17 @@ def _has_columns(row: dict) -> bool:
     return all(v is not None and str(v).strip() != "" for v in row.values())
 
 
+def _httpx():
+    """httpx2, the HTTP client of ``HttpJudge`` (the ``judge`` extra); imported where a judge is built or asks,
+    so that grpotrl and its CLI load without it. Missing, it is an ``InputError`` saying what to install."""
+    try:
+        import httpx2
+    except ImportError:
+        raise InputError("HttpJudge needs the package httpx2 (its HTTP client), which is not installed: "
+                         "pip install 'grpotrl[judge]' (or pip install 'httpx2>=2.16').") from None
+    return httpx2
+
+
 class HttpJudge:
     """Scores each completion by asking an OpenAI-compatible ``/chat/completions`` endpoint.
 
@@ -201,6 +213,7 @@ class HttpJudge:
             raise InputError(f"HttpJudge: need max_concurrency >= 1, timeout > 0, max_retries >= 0, max_reply_bytes "
                              f">= 1024; got {max_concurrency}, {timeout}, {max_retries}, {max_reply_bytes}.")
         _check_base_url(base_url)
+        _httpx()  # the HTTP client is there before a run counts on this judge
         self.rubric, self.base_url, self.model, self.api_key_env = rubric, base_url.rstrip("/"), model, api_key_env
         self.name = self.__name__ = name or rubric.name  # TRL names the reward column after __name__
         self.max_concurrency, self.timeout = max_concurrency, timeout
@@ -286,6 +299,7 @@ class HttpJudge:
         # shorter than PIECE); they live in this call only.
         secrets = (*headers.values(), key) if key else ()
         slots = asyncio.Semaphore(self.max_concurrency)
+        httpx = _httpx()
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         # One client per call: TRL's event loop is long-lived, a user's asyncio.run() is not,
         # and a client must not outlive the loop its connections belong to.
@@ -320,6 +334,7 @@ class HttpJudge:
         a 429's Retry-After). Never raises but for cancellation: whatever the server or the
         transport does becomes a verdict with a reason (I8)."""
         status, encoding = 0, ""
+        httpx = _httpx()
         try:
             async with asyncio.timeout(self.timeout):
                 async with client.stream("POST", f"{self.base_url}/chat/completions", json=body) as response:

@@ -52,7 +52,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too);
         refuses ``cagrad`` settings it would ignore (only ``MultiTaskGRPOTrainer`` reads them); stops
         generation on every stop id; adds the health callbacks and, on several ranks, I12's ``RankAgreement``
-        (``guards.ranks``: the trainable parameters agree across ranks after step 1 and on guard steps).
+        (``guards.ranks``: the trainable parameters agree across ranks after step 1 and on guard steps);
+        resolves ``padding_free`` and ``balance_microbatches`` for the model and the accelerator's kind of
+        device (``padding_free.resolve``: ``'auto'`` on CPU only, where it was measured faster than TRL) and
+        logs the choice, with the finished-row rollout's, in one line (``padding_free.startup_line``).
       * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
         row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
         the reward text is its decoding, no chat header) and I4 from the tokens (each completion ends
@@ -172,14 +175,20 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,
                                                       **vllm_penalties(args)}
         _intercept.inject_position_ids(self.model, self.ref_model)
-        self.padding_free, why_not = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self))
-        if why_not is not None:
-            logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_not)
+        # padding_free (and with it the finished-row rollout and balance_microbatches): 'auto' is on only on a
+        # kind of device where it was measured faster than TRL's padded forward (docs/cost.md)
+        device = self.accelerator.device.type
+        self.padding_free, why_packed = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self), device)
+        if why_packed is not None:
+            logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_packed)
         self.share_prompts = padding_free.resolve_share(self.padding_free, self.model, self.ref_model)
-        self.balance_microbatches, why_not = padding_free.resolve_balance(args, self.padding_free)
-        if why_not is not None and self.padding_free:
+        self.balance_microbatches, why_balanced = padding_free.resolve_balance(args, self.padding_free)
+        if why_balanced is not None and self.padding_free:
             logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",
-                        why_not)
+                        why_balanced)
+        rollout = self.padding_free and self._hf_generate_path() and not self.tools  # as _generate decides
+        logger.info(padding_free.startup_line(args, device, self.padding_free, why_packed, rollout,
+                                              self.balance_microbatches, why_balanced))
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap

@@ -15,11 +15,15 @@ Under sdpa the rows of one prompt run it once (``resolve_share``; ``ops.packing.
 the prompt and each row's own tokens under a boolean ``[r, 1, W, W]`` mask), and the token-balanced
 microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays.
 
-``resolve`` turns the config's setting into on or off for a loaded model: ``"auto"`` is on where
-the model's attention keeps packed rows apart (transformers' sdpa, eager and FlashAttention 2/3,
-which read the sequence boundaries from the restarting position ids) and there are no image
-inputs or router losses. The I5 guard recomputes the padded forward on guard steps and compares
-token by token: a model whose attention ignores the packing stops there (``I5_HINT``).
+``resolve`` turns the config's setting into on or off for a loaded model on a kind of device: ``"auto"``
+is on where the model's attention keeps packed rows apart (transformers' sdpa and eager, which read the
+sequence boundaries from the restarting position ids in every row), there are no image inputs or router
+losses, and the device is one where the padding-free step was measured faster than TRL's padded one
+(``MEASURED_FASTER_ON``: CPU; on an H100 in bf16 it was slower, docs/cost.md). FlashAttention is refused:
+transformers reads the boundaries from position ids there only in a forward of one row, and a packed
+forward holds several. The finished-row rollout follows the resolved ``padding_free`` (an explicit
+``True`` turns both on, on any device). The I5 guard recomputes the padded forward on guard steps and
+compares token by token: a model whose attention ignores the packing stops there (``I5_HINT``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from . import _intercept
 
 logger = logging.getLogger(__name__)
 
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")  # honour restarting position ids
+PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every row of a forward
+MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
 I5_HINT = (" padding_free is on: the loss's logprobs came from packed rows, the reference from the padded batch. "
            "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
            "padding_free=False.")
@@ -61,10 +66,12 @@ def _attention_of(model) -> str | None:
     return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
-def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
-    """Whether the run's logprob forwards are padding-free (``args.padding_free`` for ``model``), and
-    why not where it asked for ``"auto"`` and it is off. An explicit ``True`` that cannot work is an
-    ``InputError``."""
+def resolve(args, model, is_vlm: bool, device_type: str) -> tuple[bool, str | None]:
+    """Whether the run's logprob forwards (and with them its rollout, ``generation.finished_rows``) are
+    padding-free (``args.padding_free`` for ``model`` on a device of ``device_type``, ``torch.device.type``:
+    "cpu", "cuda", ...), and why not where it asked for ``"auto"`` and it is off. ``"auto"`` is on only on
+    ``MEASURED_FASTER_ON``; an explicit ``True`` is honoured on any device. An explicit ``True`` that cannot
+    work is an ``InputError``: image inputs, a MoE router loss, ``kl_estimator='full'``, FlashAttention."""
     want = setting(getattr(args, "padding_free", False))
     if want is False:
         return False, None
@@ -83,6 +90,14 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
             raise InputError(f"padding_free=True: {why}. Set padding_free=False (or 'auto').")
         return False, why
     attention = _attention_of(model)
+    if attention is not None and "flash" in attention.lower():
+        why = (f"attn_implementation={attention!r}: under FlashAttention transformers keeps the sequences of a "
+               "packed row apart only in a forward of one row (it reads their boundaries from the position ids "
+               "when batch_size == 1), and a packed forward holds several rows of several sequences each: keeping "
+               "them apart needs cu_seq_lens, which grpotrl does not pass")
+        if want is True:
+            raise InputError(f"padding_free=True: {why}. Set padding_free=False, or attn_implementation='sdpa'.")
+        return False, why
     if attention not in PACKED_ATTENTION:
         if want is True:  # the user's call: I5 compares with the padded forward on guard steps
             logger.warning("padding_free=True with attn_implementation=%r, which grpotrl does not know to keep "
@@ -91,7 +106,38 @@ def resolve(args, model, is_vlm: bool) -> tuple[bool, str | None]:
             return True, None
         return False, (f"attn_implementation={attention!r} is not one known to keep packed rows apart "
                        f"({', '.join(PACKED_ATTENTION)})")
+    if want == "auto" and device_type not in MEASURED_FASTER_ON:
+        return False, f"not measured faster than TRL's padded forward on {device_type}; see docs/cost.md"
     return True, None
+
+
+def startup_line(args, device_type: str, packed: bool, why_packed: str | None, rollout: bool, balanced: bool,
+                 why_balanced: str | None) -> str:
+    """The line a trainer logs once at init: what ``padding_free``, the finished-row rollout and
+    ``balance_microbatches`` resolved to on ``device_type``, and why, e.g. ``grpotrl: padding_free off (auto:
+    not measured faster than TRL's padded forward on cuda; see docs/cost.md); finished-row rollout off
+    (padding_free off); balance_microbatches off (auto: the logprob forwards run padded ...)``.
+    ``why_packed`` and ``why_balanced`` are ``resolve``'s and ``resolve_balance``'s reasons; ``rollout``:
+    whether rows that have stopped leave the decoding batch (``padding_free`` on, transformers' generate)."""
+    if packed and why_packed is None and setting(args.padding_free) == "auto":
+        why_packed = f"measured faster than TRL's padded forward on {device_type}; see docs/cost.md"
+    if rollout:
+        why_rollout = "padding_free on, transformers' generate"
+    elif not packed:
+        why_rollout = "padding_free off"
+    else:
+        why_rollout = "not transformers' generate: vLLM, continuous batching, a rollout_func or tools"
+    parts = [_chosen("padding_free", setting(args.padding_free), packed, why_packed),
+             _chosen("finished-row rollout", None, rollout, why_rollout),
+             _chosen("balance_microbatches", setting(getattr(args, "balance_microbatches", False)), balanced,
+                     why_balanced)]
+    return "grpotrl: " + "; ".join(parts)
+
+
+def _chosen(name: str, asked: bool | str | None, on: bool, why: str | None) -> str:
+    """``"name on (auto: why)"``, ``"name off (set false)"``; ``asked`` None: a choice that follows another."""
+    how = [] if asked is None else ["auto" if asked == "auto" else f"set {str(asked).lower()}"]
+    return f"{name} {'on' if on else 'off'} ({': '.join(how + ([why] if why else []))})"
 
 
 SHARED_PROMPT_ATTENTION = ("sdpa",)  # take a dense [r, 1, W, W] boolean mask as it is (transformers' masking_utils)
@@ -100,9 +146,8 @@ SHARED_PROMPT_ATTENTION = ("sdpa",)  # take a dense [r, 1, W, W] boolean mask as
 def resolve_share(packed: bool, *models) -> bool:
     """Whether the padding-free forwards run each prompt once for its rows (``ops.packing.share_plan``):
     where every model given (the policy, the reference) runs sdpa, which applies the tree mask as it is,
-    in full-attention layers only. FlashAttention reads packed rows from position ids only, eager adds the
-    mask as a float bias, and transformers hands a ready 4D mask to sliding-window and chunked layers
-    unchanged (their window would be lost)."""
+    in full-attention layers only. Eager adds the mask as a float bias, and transformers hands a ready 4D
+    mask to sliding-window and chunked layers unchanged (their window would be lost)."""
     return packed and all(_attention_of(m) in SHARED_PROMPT_ATTENTION and _full_attention_only(m)
                           for m in models if m is not None)
 
