@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trl.trainer.utils import add_fused_lm_head
+from planted import LossAtScaledTemperature
 
 import grpotrl
 from grpotrl import InvariantError
@@ -72,32 +72,6 @@ def test_grpo_recipe_defaults_on_cuda_bf16_pass_every_guard(sft_model, tmp_path,
         assert all(name in e for e in steps), f"{name} missing from a step's log: {steps}"
     if padding_free:  # the padding-free rollout ran: the flag reached the trainer
         assert any("padding_free/decoding_rows" in e for e in steps)
-
-
-class LossAtScaledTemperature(grpotrl.GRPOTrainer):
-    """grpotrl's GRPOTrainer whose loss scores the completions at ``factor`` x the sampling temperature:
-    an I5 fault, planted. Runs on CPU and CUDA alike.
-
-    Overrides ``_get_per_token_logps_and_entropies``: on a call with gradients on (the loss's forward in
-    ``_compute_loss``; the reference and old-policy forwards run without, generation and I5's recompute do not
-    call it), the policy gets TRL's fused LM head again, built at ``factor * temperature``, for that call; its
-    forward is put back after. TRL 1.16 reads the temperature once, when ``add_fused_lm_head`` builds the head at
-    init, so scaling ``self.temperature`` around the call would change nothing. Factor 1.0 runs the same path (the
-    control). Everything else is grpotrl's. Not for a PEFT model (TRL puts the head on its base model)."""
-
-    factor = 1.1
-
-    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        policy = self.accelerator.unwrap_model(model)
-        forward = policy.forward
-        add_fused_lm_head(policy, temperature=self.factor * self.temperature,
-                          cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, outputs=("log_probs", "entropy"))
-        try:
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        finally:
-            policy.forward = forward
 
 
 def train_at_loss_temperature(model: str, factor: float, **config) -> grpotrl.GRPOTrainer:

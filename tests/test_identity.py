@@ -14,7 +14,10 @@ from conftest import arithmetic_prompts, length_reward
 import grpotrl
 from grpotrl import InvariantError
 from grpotrl.guards import identity
+from grpotrl.guards.precision import tolerances
 from grpotrl.ops import importance
+
+FP32, BF16 = tolerances(torch.float32), tolerances(torch.bfloat16)
 
 
 def _trainer(model, args, **kwargs):
@@ -40,18 +43,18 @@ def test_I10_check_fails_on_a_gap_and_on_nan_names_the_token(smollm2_tokenizer):
     policy = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
     mask = torch.ones(2, 2)
     assert identity.check_step0_identity(smollm2_tokenizer, policy, policy + 5e-5, mask, ids, "reference",
-                                         False, [7, 8]) == pytest.approx((5e-5, 5e-5), rel=1e-2)
+                                         FP32, [7, 8]) == pytest.approx((5e-5, 5e-5), rel=1e-2)
     with pytest.raises(InvariantError, match=r"\[I10\].*row 8, completion token 1 .*gap 2\.00e-03"):
         identity.check_step0_identity(smollm2_tokenizer, policy, policy + torch.tensor([[0, 0], [0, 2e-3]]),
-                                      mask, ids, "reference", False, [7, 8])
+                                      mask, ids, "reference", FP32, [7, 8])
     # bf16: a single rounding step on one token passes, a reference off by 0.2 nats on average does not
     assert identity.check_step0_identity(smollm2_tokenizer, policy, policy + torch.tensor([[0, 0], [0, 0.125]]),
-                                         mask, ids, "reference", True, [0, 1])[1] == 0.125
+                                         mask, ids, "reference", BF16, [0, 1])[1] == 0.125
     with pytest.raises(InvariantError, match=r"\[I10\]"):
-        identity.check_step0_identity(smollm2_tokenizer, policy, policy + 0.2, mask, ids, "reference", True, [0, 1])
+        identity.check_step0_identity(smollm2_tokenizer, policy, policy + 0.2, mask, ids, "reference", BF16, [0, 1])
     with pytest.raises(InvariantError, match=r"\[I10\].*the reference logprob is nan"):
         identity.check_step0_identity(smollm2_tokenizer, policy, torch.tensor([[-1.0, math.nan], [-3.0, -4.0]]),
-                                      mask, ids, "reference", True, [0, 1])
+                                      mask, ids, "reference", BF16, [0, 1])
 
 
 def test_raw_ratio_stats_by_hand():
@@ -102,7 +105,7 @@ def test_I10_healthy_run_logs_kl_0_and_ratio_1_at_step_0(tiny_llama, grpo_args):
     trainer.train()
     for key in ("identity/step0_ref_logp_gap/max", "identity/step0_old_logp_gap/max"):
         (gap,) = _logged(trainer, key)  # step 0 only
-        assert gap <= identity.FP32_MAX_GAP
+        assert gap <= FP32.identity_max
 
 
 def test_I10_reference_in_bf16_stops_at_step_1(tiny_llama, grpo_args):
@@ -149,7 +152,7 @@ def test_I10_peft_ref_adapter_that_is_not_the_policy_start_stops(tiny_llama, grp
     healthy = _trainer(model, grpo_args(max_steps=1))
     assert "ref" in healthy.model.peft_config  # TRL copied the adapter as the reference: identical so far
     healthy.train()
-    assert _logged(healthy, "identity/step0_ref_logp_gap/max")[0] <= identity.FP32_MAX_GAP
+    assert _logged(healthy, "identity/step0_ref_logp_gap/max")[0] <= FP32.identity_max
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))

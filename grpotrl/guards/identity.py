@@ -21,22 +21,10 @@ import torch
 
 from ..errors import InvariantError
 from .logprobs import require_finite, masked_gap, worst_token
+from .precision import Tolerances, gap_statistics
 from ..ops.losses import importance_sampling_ratio
 
 logger = logging.getLogger(__name__)
-
-# I10 tolerances, per token, in nats. fp32: the two forwards differ only in batch shape (the reference
-# is computed over the whole generation batch, the loss over its microbatch), which moves a 49k-vocabulary
-# log-softmax by ~1e-6 to 1e-5 nats (I5 measures up to 1.6e-5 between kernels): 1e-4 leaves a margin and
-# still catches a bf16 reference (~1e-2 nats per token). bf16/fp16: a logit keeps 8 (11) mantissa bits,
-# so two forwards of the same weights over differently shaped batches may differ by a rounding step of a
-# large logit (0.06-0.125 nats at |logit| ~ 20) on single tokens; the mean over the microbatch's tokens
-# stays near 1e-2. Low precision is therefore held on the mean (0.05) and on the worst token (1.0): a
-# reference that is another model, adapter or dtype is off by 0.1-several nats on average.
-FP32_MAX_GAP = 1e-4
-LOW_PRECISION_MEAN_GAP = 0.05
-LOW_PRECISION_MAX_GAP = 1.0
-
 
 def masked_gap_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, tuple[int, int]]:
     """Mean and max of ``|a - b|`` over ``mask`` (a, b, mask: [B, C]) and the (row, token) of the max.
@@ -53,37 +41,43 @@ def masked_gap_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tu
     return float(gap.sum()) / n, float(gap.max()), worst_token(gap)
 
 
-def identity_tolerance(low_precision: bool) -> tuple[float, float]:
-    """(mean, max) per-token gap I10 allows: see the module constants for why."""
-    return (LOW_PRECISION_MEAN_GAP, LOW_PRECISION_MAX_GAP) if low_precision else (FP32_MAX_GAP, FP32_MAX_GAP)
-
-
 def check_step0_identity(tokenizer, policy: torch.Tensor, other: torch.Tensor, mask: torch.Tensor,
-                         completion_ids: torch.Tensor, what: str, low_precision: bool, rows,
+                         completion_ids: torch.Tensor, what: str, tol: Tolerances, rows,
                          causes: str = "") -> tuple[float, float]:
     """I10: at step 0 ``other`` (the reference's or the old policy's per-token logprobs, [B, C]) equals
-    the loss's own ``policy`` logprobs [B, C] on every token in ``mask`` [B, C]. Returns (mean, max) gap;
-    raises naming the first worst token and the likely causes."""
+    the loss's own ``policy`` logprobs [B, C] on every token in ``mask`` [B, C], within ``tol``
+    (``guards.precision``): in fp32 every token to ``tol.identity_max`` (the two forwards differ only in
+    batch shape, ~1e-6 to 1e-5 nats; a bf16 reference is off by ~1e-2); in bf16/fp16, where a batch shape
+    moves single tokens by a rounding step of a large logit, the mean gap ``<= tol.identity_mean``, the
+    median ``<= tol.median_gap`` and no row's mean above ``tol.row_gap`` (a reference that is another model,
+    adapter or dtype is off by 0.1 to several nats on most tokens). Returns (mean, max) gap; raises
+    naming the worst token and the likely causes."""
     policy, other = policy.detach(), other.detach()
     require_finite("I10", tokenizer, completion_ids, mask.bool(), rows, ("the loss's logprob", policy),
                     (f"the {what} logprob", other))
     mean, worst, (i, t) = masked_gap_stats(policy, other, mask)
-    mean_tol, max_tol = identity_tolerance(low_precision)
-    if not (mean <= mean_tol and worst <= max_tol):
+    if tol.low_precision:
+        stats = gap_statistics(policy - other, mask, tol.row_min_tokens)
+        ok = mean <= tol.identity_mean and stats.median <= tol.median_gap and stats.row_mean <= tol.row_gap
+        allowed = (f"allowed in {tol.name}: mean {tol.identity_mean:g}, median {tol.median_gap:g}, a row's mean "
+                   f"{tol.row_gap:g}; here median {stats.median:.2e}, worst row's mean {stats.row_mean:.2e}")
+    else:
+        ok = worst <= tol.identity_max
+        allowed = f"allowed {tol.identity_max:.0e} per token in fp32"
+    if not ok:  # NaN fails too
         token = tokenizer.decode([int(completion_ids[i, t])]) if tokenizer is not None else "?"
         raise InvariantError(
             "I10",
             f"at step 0, before any update, the {what} logprobs are not the policy's: row {rows[i]}, completion "
             f"token {t} ({token!r}) has {float(other[i, t]):.6f} vs the policy's {float(policy[i, t]):.6f} "
-            f"(gap {worst:.2e}; mean gap {mean:.2e} over {int(mask.sum())} tokens; allowed mean {mean_tol:.0e}, "
-            f"max {max_tol:.0e} in {'bf16/fp16' if low_precision else 'fp32'}). Every KL / ratio from step 1 on "
-            f"would measure this difference, not training.{causes}",
+            f"(gap {worst:.2e}; mean gap {mean:.2e} over {int(mask.sum())} tokens; {allowed}). Every KL / ratio "
+            f"from step 1 on would measure this difference, not training.{causes}",
         )
     return mean, worst
 
 
 def check_step0_logprobs(tokenizer, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor, rows,
-                         low_precision: bool, policy_model, ref_model) -> dict[str, float]:
+                         tol: Tolerances, policy_model, ref_model) -> dict[str, float]:
     """I10 on the loss's first (step-0) microbatch: the reference's (``ref_per_token_logps``) and the
     old policy's (``old_per_token_logps``) logprobs in ``inputs``, where present, equal the loss's own
     ``used`` [B, C] on ``loss_mask``. ``policy_model`` / ``ref_model``: unwrapped, for the likely causes.
@@ -100,7 +94,7 @@ def check_step0_logprobs(tokenizer, used: torch.Tensor, inputs: dict, loss_mask:
     out = {}
     for key, what, other, causes in sides:
         mean, worst = check_step0_identity(tokenizer, used, other, loss_mask, inputs["completion_ids"], what,
-                                           low_precision, rows, causes)
+                                           tol, rows, causes)
         out[f"identity/step0_{key}_logp_gap/mean"], out[f"identity/step0_{key}_logp_gap/max"] = mean, worst
     return out
 

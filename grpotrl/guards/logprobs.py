@@ -1,8 +1,10 @@
 """Run-time checks of INVARIANTS.md I5 and I7: the logprobs and entropies the loss used.
 
 I5: the logprobs the loss used equal an independent ``log_softmax(logits / T)`` recomputation
-(``recompute_logprobs``: a plain forward with generate's position ids, dropout off), to a
-tolerance relative to the logit scale. I7: the entropy bonus enters the backpropagated loss as
+(``recompute_logprobs``: a plain forward with generate's position ids, dropout off): in fp32 token by
+token, to a tolerance relative to the logit scale; in bf16/fp16, where two correct forwards differ by
+rounding, as a fitted temperature and the median and per-row gaps (``check_logprobs_in_precision``,
+tolerances in ``precision``). I7: the entropy bonus enters the backpropagated loss as
 ``- c * H`` (``check_entropy_sign`` differentiates the loss along the entropy node), and that
 node is the policy's own entropy (``check_entropy_values``). Also the helpers these comparisons
 share (``masked_gap``, ``worst_token``, ``require_finite``; ``identity.py`` reuses them) and the
@@ -19,8 +21,9 @@ import logging
 import torch
 
 from ..errors import InvariantError
-from ..ops.logprobs import completion_logits, token_logprobs
+from ..ops.logprobs import completion_logits, fit_along, token_logprobs
 from ..ops.masking import position_ids_from_mask
+from .precision import Tolerances, gap_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +98,12 @@ def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
                    completion_ids: torch.Tensor, temperature: float, atol: float, rows,
-                   scale: torch.Tensor | None = None) -> float:
-    """I5: the logprobs the loss used agree with the reference on every masked-in token, to
+                   scale: torch.Tensor | None = None, slope: torch.Tensor | None = None) -> float:
+    """I5 in fp32: the logprobs the loss used agree with the reference on every masked-in token, to
     ``atol`` times the logit scale ``max |logits / T|`` where that exceeds 1 (fp32 rounding of
     a log-softmax over a 49k vocabulary grows with the logits: on SmolLM2 the fused head and a
-    plain log_softmax differ by up to 1.6e-5 nats). Returns the largest scaled gap."""
+    plain log_softmax differ by up to 1.6e-5 nats). ``slope`` [B, C] (``temperature_slope``): the
+    message then says which temperature the gaps fit. Returns the largest scaled gap."""
     used = used.detach()
     on = mask.bool()  # [B, C]
     require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used),
@@ -110,17 +114,100 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
     worst = float(scaled.max()) if scaled.numel() else 0.0
     if not worst <= atol:  # NaN fails too
         i, t = worst_token(scaled)
+        fit = ""
+        if slope is not None and torch.isfinite(slope.float()[on]).all():
+            coef = float(fit_along(used.float() - reference.float(), slope, on)[0])
+            fit = f" The gaps fit a temperature of {_fitted_temperature(temperature, coef):.4g}."
         raise InvariantError(
             "I5",
             f"row {rows[i]}, completion token {t} ({tokenizer.decode([int(completion_ids[i, t])])!r}): the "
             f"loss used logprob {float(used[i, t]):.6f}, but log_softmax(logits / T={temperature})[token] "
             f"with generate's position ids is {float(reference[i, t]):.6f} (gap {float(gap[i, t]):.2e}, "
-            f"{worst:.1e} relative to the logit scale > {atol:.0e}).\n"
+            f"{worst:.1e} relative to the logit scale > {atol:.0e}).{fit}\n"
             "The loss must score tokens with the distribution that sampled them: divide the logits by the "
             "sampling temperature, take the logit at position P + t - 1, use the attention mask's position ids "
             "(cumsum - 1) as generate does, and turn dropout off (`disable_dropout=True`).",
         )
     return worst
+
+
+def check_logprobs_in_precision(tokenizer, used: torch.Tensor, reference: torch.Tensor, slope: torch.Tensor,
+                                scale: torch.Tensor, mask: torch.Tensor, completion_ids: torch.Tensor,
+                                temperature: float, tol: Tolerances, rows, packed: bool = False) -> dict[str, float]:
+    """I5 in the forwards' compute precision (``tol``, ``guards.precision``). fp32: ``check_logprobs``, token
+    by token. bf16/fp16, where two correct forwards differ by rounding: (1) the temperature the loss's
+    logprobs follow, fitted along ``slope`` [B, C] (``ops.logprobs.temperature_slope`` of the reference's
+    logits), within ``tol.scale_rtol`` (+ 4 standard errors) of ``temperature``; (2) what the fit leaves
+    (other position ids, packed rows that see each other, another prompt or model): its median over the
+    loss tokens ``<= tol.median_gap`` and no row's mean ``> tol.row_gap``. ``packed``: the loss's logprobs
+    came from padding-free packed rows (said in the message). Returns the ``guards/logprob_*`` metrics."""
+    worst = _scaled_max(used, reference, mask, scale)
+    if not tol.low_precision:
+        try:
+            check_logprobs(tokenizer, used, reference, mask, completion_ids, temperature, tol.logprob_atol, rows,
+                           scale=scale, slope=slope)
+        except InvariantError as err:
+            if not packed:
+                raise
+            raise InvariantError("I5", str(err).removeprefix("[I5] ") + " " + _PACKED_CAUSE) from err
+        return {"guards/logprob_max_gap": worst}
+    on = mask.bool()  # [B, C]
+    require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used.detach()),
+                   ("the independent log_softmax(logits / T)", reference),
+                   ("d logprob / d (1 / T)", slope))
+    coef, se, residual = fit_along(used.detach().float() - reference.float(), slope, on)  # residual [B, C]
+    fitted = _fitted_temperature(temperature, float(coef))
+    ratio, ratio_se = fitted / temperature, temperature * float(se)
+    stats = gap_statistics(residual, on, tol.row_min_tokens)
+    metrics = {"guards/logprob_max_gap": worst, "guards/logprob_temperature_ratio": ratio,
+               "guards/logprob_median_gap": stats.median, "guards/logprob_row_gap": stats.row_mean}
+    if not (stats.median <= tol.median_gap and stats.row_mean <= tol.row_gap):  # NaN fails too
+        i, t = worst_token(residual.abs())
+        raise InvariantError(
+            "I5",
+            f"the loss's logprobs are not log_softmax(logits / T={temperature}) recomputed with generate's position "
+            f"ids, by more than {tol.name} rounding: over {stats.tokens} loss tokens the median gap is "
+            f"{stats.median:.3g} nats (rounding: <= {tol.median_gap:g}) and row {rows[stats.row]}'s mean gap "
+            f"{stats.row_mean:.3g} (<= {tol.row_gap:g}); the worst token is row {rows[i]}, completion token {t} "
+            f"({tokenizer.decode([int(completion_ids[i, t])])!r}): {float(used[i, t]):.4f} vs "
+            f"{float(reference[i, t]):.4f} (the gaps fit a temperature of {fitted:.4g}).\n"
+            + _layout_causes(packed),
+        )
+    if not abs(ratio - 1) <= tol.scale_rtol + 4 * ratio_se:  # NaN fails too
+        raise InvariantError(
+            "I5",
+            f"the loss's logprobs follow temperature {fitted:.4g}, not the sampling temperature T={temperature}: "
+            f"fitted along d logprob / d (1 / T) over {stats.tokens} loss tokens, the ratio is {ratio:.4f} "
+            f"(+- {ratio_se:.1e}; {tol.name} rounding allows 1 +- {tol.scale_rtol:g}).\n"
+            "The loss must score tokens with the distribution that sampled them: divide the logits by the "
+            "sampling temperature, once, in every logprob forward (policy, old policy, reference).",
+        )
+    return metrics
+
+
+def _scaled_max(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor | None) -> float:
+    gap = masked_gap(used, reference, mask.bool())  # [B, C]
+    scaled = gap / (scale.float().clamp(min=1.0) if scale is not None else 1.0)  # [B, C]
+    return float(scaled.max()) if scaled.numel() else 0.0
+
+
+def _fitted_temperature(temperature: float, coef: float) -> float:
+    """The temperature whose inverse is ``1 / temperature + coef`` (inf where that is not positive)."""
+    inverse = 1.0 / temperature + coef
+    return 1.0 / inverse if inverse > 0 else float("inf")
+
+
+def _layout_causes(packed: bool) -> str:
+    causes = ("Rounding moves single tokens; this moves the bulk of the tokens or whole rows. Score each token "
+              "with the logit at position P + t - 1 of the prompt generation saw, with the attention mask's "
+              "position ids (cumsum - 1) as generate does, each sequence attending to itself only, dropout off "
+              "(`disable_dropout=True`).")
+    return causes + " " + _PACKED_CAUSE if packed else causes
+
+
+_PACKED_CAUSE = ("padding_free is on: the loss's logprobs came from packed rows, the reference from the padded batch. "
+                 "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
+                 "padding_free=False.")
 
 
 def require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:
@@ -215,13 +302,29 @@ def check_slope(slope: float, coef: float, where: str) -> float:
     return slope
 
 
-def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float) -> None:
+def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float,
+                         tol: Tolerances | None = None) -> None:
     """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
     every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
-    (so a negated or rescaled "entropy" cannot pass the sign check)."""
+    (so a negated or rescaled "entropy" cannot pass the sign check). fp32 (``tol`` None or fp32):
+    token by token, to ``atol``. bf16/fp16: ``H_used`` fitted as a multiple of ``H_ref`` within
+    ``tol.scale_rtol`` (+ 4 standard errors) of 1, and what the fit leaves as I5's layout statistics
+    (median ``<= tol.median_gap``, no row's mean ``> tol.row_gap``)."""
     on = mask.bool()  # [B, C]
     require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
                     ("the entropy of softmax(logits / T)", reference))
+    if tol is not None and tol.low_precision:
+        coef, se, residual = fit_along(used.detach().float() - reference.float(), reference, on)
+        stats = gap_statistics(residual, on, tol.row_min_tokens)
+        scale_ok = abs(float(coef)) <= tol.scale_rtol + 4 * float(se)
+        if not (scale_ok and stats.median <= tol.median_gap and stats.row_mean <= tol.row_gap):  # NaN fails too
+            raise InvariantError(
+                "I7", f"the entropy the loss used is not the entropy of softmax(logits / T) within {tol.name} "
+                f"rounding: over {stats.tokens} loss tokens it is {1 + float(coef):.4f} x the recomputed one (1 +- "
+                f"{tol.scale_rtol:g}), and what that leaves has median {stats.median:.3g} (<= {tol.median_gap:g}) and "
+                f"row {stats.row}'s mean {stats.row_mean:.3g} (<= {tol.row_gap:g}). The entropy bonus must act on "
+                "the policy's own entropy at the sampling temperature.")
+        return
     gap = masked_gap(used, reference, on)  # [B, C]
     worst = float(gap.max()) if gap.numel() else 0.0
     if not worst <= atol:

@@ -38,3 +38,52 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     """
     logps = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, C, V]
     return -(logps.exp() * logps).sum(-1)  # [B, C]
+
+
+def temperature_slope(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``d log_softmax(s * logits)[token] / d s`` at ``s = 1 / T``: ``z_token - E_{softmax(z / T)}[z]``, in fp32.
+
+    A logprob scored at another temperature ``T'`` differs from the one at ``T`` by about
+    ``(1 / T' - 1 / T) * slope`` per token, whatever the logits: the direction along which a
+    temperature error moves every token (``fit_along``). ``logits`` [B, C, V], ``tokens``
+    [B, C] -> [B, C]; rows in chunks, so no more than one [rows, C, V] fp32 temporary lives at a time.
+
+    >>> z = torch.tensor([[[2.0, 0.0]]])  # E[z] under softmax([2, 0]) = 2 sigmoid(2) = 1.761594
+    >>> round(temperature_slope(z, torch.tensor([[0]]), 1.0).item(), 6)  # 2 - 1.761594
+    0.238406
+    """
+    B, C, V = logits.shape
+    rows = max(1, (1 << 24) // max(1, C * V))  # about 64 MiB of fp32 per chunk
+    out = []
+    for start in range(0, B, rows):
+        z = logits[start:start + rows].float()  # [b, C, V]
+        p = torch.softmax(z / temperature, dim=-1)  # [b, C, V]
+        mean = (p * z).sum(-1)  # [b, C]
+        out.append(z.gather(-1, tokens[start:start + rows].unsqueeze(-1)).squeeze(-1) - mean)
+    return torch.cat(out) if out else logits.new_zeros((B, C), dtype=torch.float32)
+
+
+def fit_along(gap: torch.Tensor, direction: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Least-squares fit of ``gap ~ coef * direction`` over ``mask`` (all [B, C]). With ``gap`` the
+    logprobs under test minus the reference at ``1 / T`` and ``direction`` the ``temperature_slope`` there,
+    ``coef`` is how far their inverse temperature is from ``1 / T``; with ``gap = H_used - H_ref`` and
+    ``direction = H_ref``, how far ``H_used`` is from a rescaled ``H_ref``. Returns ``coef``, its standard
+    error (from the residual's spread) and the residual ``gap - coef * direction`` [B, C] (0 off the
+    mask), all fp32.
+
+    >>> direction = torch.tensor([[1.0, -2.0, 3.0]])
+    >>> coef, se, residual = fit_along(-0.1 * direction, direction, torch.ones(1, 3))
+    >>> round(coef.item(), 6), round(se.item(), 6), round(residual.abs().max().item(), 6)
+    (-0.1, 0.0, 0.0)
+    """
+    on = mask.bool()  # [B, C]
+    g = torch.where(on, gap.float(), 0.0)  # [B, C]
+    f = torch.where(on, direction.float(), 0.0)  # [B, C]
+    n = on.sum()
+    tiny = torch.finfo(torch.float32).tiny
+    power = (f * f).sum()
+    coef = (g * f).sum() / power.clamp(min=tiny)
+    residual = torch.where(on, g - coef * f, 0.0)  # [B, C]
+    spread = ((residual * residual).sum() / (n - 1).clamp(min=1)).sqrt()
+    return coef, spread / power.sqrt().clamp(min=tiny), residual

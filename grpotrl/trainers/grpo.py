@@ -24,12 +24,12 @@ from ..errors import InvariantError
 from ..generation.finished_rows import decoding_share
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
-from ..guards import denominator, identity
+from ..guards import denominator, identity, precision
 from ..guards.ranks import add_rank_agreement
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
-from ..ops.logprobs import entropy_from_logits
+from ..ops.logprobs import entropy_from_logits, temperature_slope
 from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling, padding_free
 from ._common import CheckedResume
@@ -189,6 +189,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         rollout = self.padding_free and self._hf_generate_path() and not self.tools  # as _generate decides
         logger.info(padding_free.startup_line(args, device, self.padding_free, why_packed, rollout,
                                               self.balance_microbatches, why_balanced))
+        # what the numeric guards (I5, I7, I10, I11) allow between two correct forwards in this run's precision
+        self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
+                                                     args.guard_logprob_atol)
         self._guard_record: dict | None = None
         self._guard_max_gap = 0.0
         self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
@@ -499,21 +502,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self._log_logit_signals(logits, loss_mask)
         if not guard or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
             return loss  # under dropout the loss's forward samples masks: no deterministic reference exists
-        low_precision = 100 if (self.args.bf16 or self.args.fp16) else 1
-        try:
-            gap = guards.check_logprobs(tok, used, reference, cmask, completion_ids, self.temperature,
-                                        self.args.guard_logprob_atol * low_precision, rows, scale=scale)
-        except InvariantError as err:
-            if not self.padding_free:
-                raise
-            raise InvariantError(err.invariant, str(err).removeprefix(f"[{err.invariant}] ") + padding_free.I5_HINT
-                                 ) from err
+        tol = self.guard_tolerances
+        slope = temperature_slope(logits, completion_ids, self.temperature) if tol.low_precision else None  # [B, C]
+        metrics = guards.check_logprobs_in_precision(tok, used, reference, slope, scale, cmask, completion_ids,
+                                                     self.temperature, tol, rows, packed=self.padding_free)
         if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
-                                        atol=1e-3 * low_precision)
+                                        atol=tol.entropy_atol, tol=tol)
         del logits
-        self._guard_max_gap = max(self._guard_max_gap, gap)
-        self._append({"guards/logprob_max_gap": gap}, "train")
+        self._guard_max_gap = max(self._guard_max_gap, metrics["guards/logprob_max_gap"])
+        self._append(metrics, "train")
         return loss
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
@@ -525,8 +523,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         rows = inputs[ROW_KEY].tolist() if ROW_KEY in inputs else list(range(used.size(0)))
         ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
         self._append(identity.check_step0_logprobs(_intercept.read_tokenizer(self), used, inputs, loss_mask, rows,
-                                                   bool(self.args.bf16 or self.args.fp16),
-                                                   self.accelerator.unwrap_model(model), ref), "train")
+                                                   self.guard_tolerances, self.accelerator.unwrap_model(model), ref),
+                     "train")
 
     def _log_sampler_gap(self, used: torch.Tensor, inputs: dict) -> None:
         """The sampler against the trainer on the loss's tokens (``ops.importance.sampler_gap_local``): the raw,
@@ -594,7 +592,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             accumulation=args.gradient_accumulation_steps, window_tokens=getattr(self, "_window_tokens", None),
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)  # [B]
         metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
-                                                rtol=1e-2 if (args.bf16 or args.fp16) else 1e-4,
+                                                rtol=self.guard_tolerances.denominator_rtol,
                                                 tiny=1024 * torch.finfo(used.dtype).tiny)
         if not metrics["guards/denominator_checked_share"] and "denominator" not in self._said:
             self._said.add("denominator")

@@ -23,7 +23,7 @@ losses, and the device is one where the padding-free step was measured faster th
 transformers reads the boundaries from position ids there only in a forward of one row, and a packed
 forward holds several. The finished-row rollout follows the resolved ``padding_free`` (an explicit
 ``True`` turns both on, on any device). The I5 guard recomputes the padded forward on guard steps and
-compares token by token: a model whose attention ignores the packing stops there (``I5_HINT``).
+compares: a model whose attention ignores the packing stops there (``guards.check_logprobs_in_precision``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every row of a forward
 MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
-I5_HINT = (" padding_free is on: the loss's logprobs came from packed rows, the reference from the padded batch. "
-           "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
-           "padding_free=False.")
 
 
 def setting(value) -> bool | str:

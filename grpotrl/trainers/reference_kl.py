@@ -71,7 +71,8 @@ class ReferenceKL:
             m = inputs["completion_mask"].bool()
             gap = (mine - logp.detach())[m].abs().max().item() if m.any() else 0.0
             scale = logits.detach().abs().max().item() / self.temperature
-            if gap > self.args.guard_logprob_atol * max(scale, 1.0) * (100 if self.args.bf16 else 1):
+            tol = self.guard_tolerances  # the same hidden states through the head: one rounding of the logits
+            if gap > tol.logprob_atol * max(scale, 1.0) * (100 if tol.low_precision else 1):
                 raise InvariantError("I5", f"kl_estimator='full' rebuilt the policy's logits from the loss's forward, "
                                            f"but their logprobs differ from the loss's by {gap:.2e} nats (logit scale "
                                            f"{scale:.1f}). This model's LM head is not a plain linear layer (logit "
