@@ -3,7 +3,7 @@
 ``InputError``: bad input found before any model is loaded or compute is spent (what, which
 value, what to do). ``InvariantError``: a guard of ``INVARIANTS.md`` saw the trainer's real
 tensors break a guarantee; the message names the invariant and shows the offending sample.
-``HealthStop``: a health rule set to stop (``grpotrl.callbacks``) stopped training after a
+``HealthStop``: a health rule set to stop (``grpotrl.health.callbacks``) stopped training after a
 checkpoint was saved; the message names the rule, the values and the step.
 """
 

@@ -109,6 +109,13 @@ def arithmetic_prompts(n: int = 16) -> "Dataset":
     return Dataset.from_list(rows)
 
 
+def logged_max(trainer, name: str = "guards/logprob_max_gap") -> float:
+    """The largest value of metric ``name`` the trainer logged; fails when it logged none (the guard never ran)."""
+    values = [e[name] for e in trainer.state.log_history if name in e]
+    assert values, f"{name} was never logged"
+    return max(values)
+
+
 def length_reward(completions, **kwargs):
     return [len(c[0]["content"]) / 10 for c in completions]
 

@@ -303,7 +303,6 @@ def main() -> None:
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "global_step": trainer.state.global_step,
             "guard_calls": dict(GUARD_CALLS),
-            "guard_max_gap": getattr(trainer, "_guard_max_gap", None),
             "padding_free": getattr(trainer, "padding_free", None),
             "logged_gaps": [e["guards/logprob_max_gap"] for e in trainer.state.log_history
                             if "guards/logprob_max_gap" in e],

@@ -8,25 +8,49 @@ from conftest import arithmetic_prompts, length_reward
 import grpotrl
 from grpotrl.errors import InvariantError
 from grpotrl.guards.denominator import check_denominator, expected_normaliser, token_slope
+from grpotrl.ops.loss_types import LOSS_TYPES, PerToken
 
-LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])  # row 0: 3 loss tokens, row 1: 1; B = 2, C = 4
 
+NORMALISER_BY_HAND = {
+    "grpo": [3 * 2 * 2, 1 * 2 * 2],  # n_i * B * GA
+    "sapo": [12, 4],
+    "bnpo": [4 * 2, 4 * 2],  # the microbatch's 4 tokens * GA
+    "dr_grpo": [2 * 6 * 2, 24],  # B * max_completion_length (6) * GA
+    "luspo": [2 * 2, 4],  # B * GA
+    "dapo": [10 / 2 * 2 / 2] * 2,  # 10 window tokens over 2 processes, GA 2, steps_per_generation 2: 5
+    "cispo": [5.0, 5.0],
+    "vespo": [5.0, 5.0],
+}
 
-@pytest.mark.parametrize("loss_type, want", [
-    ("grpo", [3 * 2 * 2, 1 * 2 * 2]),  # n_i * B * GA
-    ("sapo", [12, 4]),
-    ("bnpo", [4 * 2, 4 * 2]),  # the microbatch's 4 tokens * GA
-    ("dr_grpo", [2 * 6 * 2, 24]),  # B * max_completion_length (6) * GA
-    ("luspo", [2 * 2, 4]),  # B * GA
-    ("dapo", [10 / 2 * 2 / 2] * 2),  # 10 window tokens over 2 processes, GA 2, steps_per_generation 2: 5
-    ("cispo", [5.0, 5.0]),
-    ("vespo", [5.0, 5.0]),
-])
+
+@pytest.mark.parametrize("loss_type, want", NORMALISER_BY_HAND.items())
 def test_I11_expected_normaliser_by_hand(loss_type, want):
     got = expected_normaliser(loss_type, MASK, max_completion_length=6, accumulation=2, window_tokens=10.0,
                               num_processes=2, steps_per_generation=2)
     assert got.tolist() == pytest.approx(want)
+
+
+def test_I11_every_loss_type_of_the_table_has_a_hand_worked_normaliser():
+    assert set(NORMALISER_BY_HAND) == set(LOSS_TYPES)
+
+
+def test_I11_token_sum_loss_types_need_the_window_tokens_and_unknown_ones_are_named():
+    for name, kind in LOSS_TYPES.items():
+        if kind.token_sum:
+            with pytest.raises(ValueError, match=f"loss_type='{name}'.*window_tokens"):
+                expected_normaliser(name, MASK, max_completion_length=6, accumulation=2, window_tokens=None,
+                                    num_processes=2, steps_per_generation=2)
+        else:
+            got = expected_normaliser(name, MASK, max_completion_length=6, accumulation=2, window_tokens=None,
+                                      num_processes=2, steps_per_generation=2)
+            assert got.tolist() == pytest.approx(NORMALISER_BY_HAND[name]), name
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        expected_normaliser("ppo", MASK, max_completion_length=6, accumulation=2, window_tokens=10.0,
+                            num_processes=2, steps_per_generation=2)
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        token_slope("ppo", torch.ones(2), torch.zeros(2, 4), MASK, sequence_level=False, epsilon_low=0.2,
+                    epsilon_high=0.2)
 
 
 def test_I11_token_slope_by_hand():
@@ -42,6 +66,24 @@ def test_I11_token_slope_by_hand():
     assert torch.isnan(sapo[1]).all()
     cispo = token_slope("cispo", adv, log_ratio, mask, **kw)
     assert cispo[0].tolist() == pytest.approx([-2.0 * 0.2, -2.0 * 0.2])  # min(r, 0.2) = 0.2 for both
+    # vespo: phi(w) = 1 only where the row's summed log-ratio is 0: row 0 sums 0.5 (unreadable), row 1 has A = 0
+    vespo = token_slope("vespo", adv, log_ratio, mask, **kw)
+    assert vespo.isnan().all()
+    vespo = token_slope("vespo", adv, torch.zeros(2, 2), mask, **kw)
+    assert vespo[0].tolist() == [-2.0, -2.0] and vespo[1].isnan().all()
+
+
+def test_I11_loss_types_of_one_per_token_family_share_one_slope():
+    """The slope is the family's (``PerToken``), whatever the normaliser: e.g. grpo, bnpo, dr_grpo, dapo, luspo."""
+    adv, mask = torch.tensor([2.0, -1.0]), torch.ones(2, 3)
+    log_ratio = torch.tensor([[0.0, 0.1, 0.5], [-0.1, 0.0, 0.05]])
+    kw = dict(sequence_level=False, epsilon_low=0.2, epsilon_high=0.2)
+    for family in PerToken:
+        names = [name for name, kind in LOSS_TYPES.items() if kind.per_token is family]
+        first = token_slope(names[0], adv, log_ratio, mask, **kw)
+        for name in names[1:]:
+            assert torch.equal(token_slope(name, adv, log_ratio, mask, **kw).isnan(), first.isnan()), name
+            assert torch.allclose(token_slope(name, adv, log_ratio, mask, **kw).nan_to_num(), first.nan_to_num())
 
 
 def test_I11_check_denominator_names_the_loss_type_expected_and_found():
@@ -87,7 +129,7 @@ def test_I11_dapo_by_the_microbatch_tokens_is_stopped_at_step_1(tiny_llama, grpo
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 def test_I11_every_loss_type_passes_with_accumulation(tiny_llama, grpo_args, loss_type, accumulation):
     """Control: TRL 1.16's own loss, every loss type, GA 1 and 2: the check runs, reads most tokens, passes."""
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),

@@ -106,7 +106,7 @@ class FlippedLoss:
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
-        H, mask = self._loss_entropies
+        H, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask
         entropy_loss = -(H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
         return loss + 2 * self.entropy_coef * (-entropy_loss)  # TRL's -cH turned into +cH
 
@@ -124,7 +124,7 @@ class FlippedRegulariser(grpotrl.MultiTaskGRPOTrainer):
 
     def _loss_terms(self, model, inputs, coef):
         full, tasks, reg = super()._loss_terms(model, inputs, coef)
-        H, mask = self._loss_entropies
+        H, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask
         return full, tasks, reg + 2 * coef * (H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
 
 
@@ -133,7 +133,7 @@ class EntropyInsideTasks(grpotrl.MultiTaskGRPOTrainer):
 
     def _loss_terms(self, model, inputs, coef):
         full, tasks, reg = super()._loss_terms(model, inputs, coef)
-        H, mask = self._loss_entropies
+        H, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask
         bonus = coef * (H * mask).sum() / mask.sum() / self.current_gradient_accumulation_steps
         return full, {k: v - bonus / len(tasks) for k, v in tasks.items()}, reg + bonus
 

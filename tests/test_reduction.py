@@ -17,7 +17,8 @@ max_completion_length=4, num_items_in_batch=12 (the generation batch's loss toke
 import pytest
 import torch
 
-from grpotrl.ops.reduction import LOSS_TYPES, aggregate_like_trl
+from grpotrl.ops.loss_types import LOSS_TYPES, Normaliser, named
+from grpotrl.ops.reduction import aggregate_like_trl
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])  # [B=2, C=3]
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])  # [B, C]
@@ -78,3 +79,50 @@ def test_unknown_loss_type_and_missing_token_count_are_named():
         aggregate_like_trl(PER_TOKEN, MASK, "ppo", **SETTINGS)
     with pytest.raises(ValueError, match="num_items_in_batch"):
         aggregate_like_trl(PER_TOKEN, MASK, "dapo", **{**SETTINGS, "num_items_in_batch": None})
+
+
+def test_unknown_loss_type_is_named_with_trls_list():
+    with pytest.raises(ValueError, match="loss_type='ppo' is not one of TRL 1.16's: grpo, sapo, bnpo"):
+        named("ppo")
+
+
+def test_only_token_sum_loss_types_need_the_generation_batchs_token_count():
+    # the ROW_TOKEN_MEAN, MICROBATCH_TOKENS, MAX_LENGTH_ROWS, ROWS normalisers never read num_items_in_batch
+    for name, kind in LOSS_TYPES.items():
+        assert kind.token_sum == (kind.normaliser is Normaliser.WINDOW_TOKENS), name
+        if kind.token_sum:
+            with pytest.raises(ValueError, match="num_items_in_batch"):
+                aggregate_like_trl(PER_TOKEN, MASK, name, **{**SETTINGS, "num_items_in_batch": None})
+        else:
+            got = aggregate_like_trl(PER_TOKEN, MASK, name, **{**SETTINGS, "num_items_in_batch": None})
+            assert got.item() == pytest.approx(EXPECTED[name][0], rel=1e-6), name
+
+
+# One optimizer step of 4 rows in 2 microbatches of 2 rows (gradient_accumulation_steps=2 = steps_per_generation,
+# num_items_in_batch = all 7 loss tokens), grouped two ways. Row i's per-token loss is i + 1 on each token:
+#
+#     rows 0..3: tokens [1, 1, 1], [2, 0, 0], [3, 3, 0], [4, 0, 0]   (loss, masked)   counts [3, 1, 2, 1]
+#
+# bnpo divides each microbatch by its own token count, then by GA 2:
+#   {0, 1} + {2, 3}: (3 + 2) / 4 / 2 + (6 + 4) / 3 / 2 = 0.625 + 1.6667 = 2.2917
+#   {0, 2} + {1, 3}: (3 + 6) / 5 / 2 + (2 + 4) / 2 / 2 = 0.9 + 1.5 = 2.4
+# every other normaliser gives each row the same divisor in either grouping: the same sum.
+STEP_LOSS = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0], [4.0, 4.0, 4.0]])  # [4, C]
+STEP_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]])
+STEP = dict(max_completion_length=4, num_items_in_batch=torch.tensor(7), num_processes=1,
+            gradient_accumulation_steps=2, steps_per_generation=2)
+
+
+def _step_loss(loss_type, grouping):
+    return sum(aggregate_like_trl(STEP_LOSS[list(g)], STEP_MASK[list(g)], loss_type, **STEP).item()
+               for g in grouping)
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_grouping_free_means_the_step_loss_does_not_depend_on_the_microbatches(loss_type):
+    """What ``trainers.padding_free.resolve_balance`` relies on to regroup an optimizer step's rows."""
+    trl_grouping, regrouped = _step_loss(loss_type, [(0, 1), (2, 3)]), _step_loss(loss_type, [(0, 2), (1, 3)])
+    if named(loss_type).grouping_free:
+        assert regrouped == pytest.approx(trl_grouping, rel=1e-6)
+    else:
+        assert (trl_grouping, regrouped) == pytest.approx((5 / 4 / 2 + 10 / 3 / 2, 9 / 5 / 2 + 6 / 2 / 2), rel=1e-6)

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from grpotrl.ops.loss_types import LOSS_TYPES
 from grpotrl.ops.task_losses import PolicyLoss, Reduction, policy_loss_terms, regulariser
 
 LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # [B, C]
@@ -140,8 +141,7 @@ class _TRLState:
         return self._forward
 
 
-@pytest.mark.parametrize("loss_type,level", [(t, "token") for t in
-                                             ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")]
+@pytest.mark.parametrize("loss_type,level", [(t, "token") for t in LOSS_TYPES]  # every entry of the table
                          + [("grpo", "sequence"), ("luspo", "sequence")])
 def test_I7_terms_and_regulariser_add_up_to_trls_own_loss(loss_type, level):
     """The restatement against TRL 1.16's ``_compute_loss`` itself, every loss type: KL (beta 0.1) and
@@ -180,3 +180,32 @@ def test_trl_fields_multitask_reads_for_the_restated_loss():
         assert needle in init, f"trl.GRPOTrainer.__init__ no longer sets {needle!r}"
     loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
     assert "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)" in loss
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+def test_I7_sampler_ratio_multiplies_the_loss_or_goes_into_the_weight_as_trl_does(loss_type):
+    """vLLM's importance-sampling correction on: TRL multiplies each token's policy loss by the sampler's
+    ratio, except for a loss type that ``folds_sampler_ratio`` into its sequence weight (VESPO's gamma
+    weight). The restatement with the same ratio is TRL's loss, every loss type."""
+    import trl
+
+    entropies = torch.tensor([[1.0, 2.0], [3.0, 9.0]])
+    ref = LOGP + torch.tensor([[0.3, -0.2], [0.1, 0.4]])
+    level = "sequence" if loss_type == "luspo" else "token"
+    state = _TRLState(loss_type, entropies, level, **({"epsilon_high": 1.2} if loss_type == "cispo" else {}))
+    state.use_vllm = state.vllm_importance_sampling_correction = True
+    ratio = torch.tensor([[0.9, 1.3], [1.1, 1.0]])  # [B, C], the sampler's truncated ratio
+    inputs = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1),
+              "completion_ids": torch.zeros(2, 2, dtype=torch.long), "completion_mask": MASK, "advantages": ADV,
+              "old_per_token_logps": OLD, "ref_per_token_logps": ref, "num_items_in_batch": torch.tensor(6.0),
+              "importance_sampling_ratio": ratio}
+    trl_loss = float(trl.GRPOTrainer._compute_loss(state, None, inputs))
+    settings = PolicyLoss(loss_type, importance_sampling_level=level, epsilon_high=state.epsilon_high)
+    reduction = Reduction(loss_type, rows=2, tokens=MASK.sum(), max_completion_length=4, accumulation=GA,
+                          num_items_in_batch=torch.tensor(6.0), num_processes=1, steps_per_generation=4)
+    task = policy_loss_terms({k: LOGP[r] for k, r in ROWS.items()}, ROWS, OLD, ADV, MASK, settings, reduction,
+                             importance_sampling_ratio=ratio)
+    reg = regulariser(LOGP, OLD, ref, entropies, MASK, settings, reduction, beta=0.1, entropy_coef=0.5)
+    assert float(sum(task.values()) + reg) == pytest.approx(trl_loss, rel=1e-6, abs=1e-7)
+    without = policy_loss_terms({k: LOGP[r] for k, r in ROWS.items()}, ROWS, OLD, ADV, MASK, settings, reduction)
+    assert float(sum(without.values())) != pytest.approx(float(sum(task.values())), rel=1e-3)  # the ratio counts

@@ -11,6 +11,7 @@ import re
 import trl
 
 import grpotrl
+from grpotrl.ops.loss_types import LOSS_TYPES, Normaliser, PerToken
 from grpotrl.trainers import _intercept
 
 # hook -> the parameter names grpotrl's override was written against
@@ -283,12 +284,89 @@ def test_gad_kl_reduction_restates_trl_per_loss_type():
     ):
         assert needle in src, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
     known = {"grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo"}
-    assert set(reduction.LOSS_TYPES) == known
-    assert all(f'"{k}"' in inspect.getsource(reduction.reduce_rows) for k in known)
+    assert set(LOSS_TYPES) == known
+    # every normaliser of the table has its branch in grpotrl's reduction
+    assert all(f"Normaliser.{n.name}" in inspect.getsource(reduction.reduce_rows) for n in Normaliser)
     start = src.index('if self.loss_type in ["grpo", "sapo"]:')
     reduced = src[start:src.index('raise ValueError(f"Unknown loss type', start)]  # the reduction's branches
     trl_types = set(re.findall(r'"(\w+)"', " ".join(re.findall(r"self\.loss_type (?:==|in) ([^:]+):", reduced))))
     assert trl_types == known, f"TRL's loss types changed: {sorted(trl_types ^ known)}"
+
+
+def _trl_loss_type_choices() -> set[str]:
+    """The ``loss_type`` values TRL 1.16 accepts: the ``GRPOConfig`` field's ``choices`` where TRL declares
+    them, else the help's "Supported values are ..." sentence (TRL 1.16 has no choices, and refuses any
+    other value only in ``_compute_loss``'s ``Unknown loss type``)."""
+    import dataclasses
+
+    field = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}["loss_type"]
+    if "choices" in field.metadata:
+        return set(field.metadata["choices"])
+    sentence = re.search(r"Supported values are (.+?)\.\s", field.metadata["help"])
+    assert sentence, f"trl.GRPOConfig.loss_type's help no longer lists its values: {field.metadata['help']!r}"
+    return set(re.findall(r"'(\w+)'", sentence.group(1)))
+
+
+def _trl_loss_type_branches(start: str) -> list[tuple[set[str], str]]:
+    """``(loss types, body)`` per branch of the ``self.loss_type`` chain of ``trl.GRPOTrainer._compute_loss``
+    that opens with ``start``, up to its ``Unknown loss type`` error."""
+    src = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert start in src, f"trl.GRPOTrainer._compute_loss no longer has {start!r}"
+    chain = src[src.index(start):src.index('raise ValueError(f"Unknown loss type', src.index(start))]
+    branches = []
+    for line in chain.splitlines():
+        test = re.match(r"\s*(?:if|elif) self\.loss_type (?:==|in) (.+):$", line)
+        if test:
+            branches.append((set(re.findall(r'"(\w+)"', test.group(1))), ""))
+        elif branches:
+            branches[-1] = (branches[-1][0], branches[-1][1] + line + "\n")
+    return branches
+
+
+def _branch_kind(body: str, needles: dict) -> object:
+    """The one table value whose TRL line ``body`` holds (``needles``: TRL's line -> table value)."""
+    found = [kind for needle, kind in needles.items() if needle in body]
+    assert len(found) == 1, f"a loss_type branch of trl.GRPOTrainer._compute_loss reads unlike the table:\n{body}"
+    return found[0]
+
+
+def test_loss_type_table_is_trls_choices():
+    """``ops.loss_types.LOSS_TYPES`` holds exactly TRL 1.16's ``loss_type`` choices: a loss type TRL adds
+    (or drops) fails here, before a run trains on a loss grpotrl's guards and restatements do not know."""
+    table, trl_choices = set(LOSS_TYPES), _trl_loss_type_choices()
+    assert table == trl_choices, (f"TRL's loss_type choices and grpotrl's table differ: only TRL's "
+                                  f"{sorted(trl_choices - table)}, only grpotrl's {sorted(table - trl_choices)}")
+    for start in ('if self.loss_type == "cispo":', 'if self.loss_type in ["grpo", "sapo"]:'):
+        branched = set().union(*(names for names, _ in _trl_loss_type_branches(start)))
+        assert branched == table, f"TRL's _compute_loss branches on {sorted(branched ^ table)} unlike the table"
+
+
+def test_loss_type_table_takes_trls_branch_per_loss_type():
+    """Each table entry's ``per_token`` and ``normaliser`` are the branches TRL 1.16's ``_compute_loss``
+    takes for that name (told apart by one TRL line each), and ``folds_sampler_ratio`` holds for exactly
+    the loss types TRL exempts from multiplying the per-token loss by vLLM's importance ratio."""
+    per_token = {"torch.clamp(coef_1, max=self.epsilon_high).detach()": PerToken.CISPO,
+                 "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)": PerToken.CLIPPED,
+                 "torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures": PerToken.SAPO,
+                 "phi_seq = self.get_gamma_weights(": PerToken.VESPO}
+    normaliser = {
+        "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()": Normaliser.ROW_TOKEN_MEAN,
+        "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)": Normaliser.MICROBATCH_TOKENS,
+        "(per_token_loss.size(0) * self.max_completion_length)": Normaliser.MAX_LENGTH_ROWS,
+        "loss = (per_token_loss * mask).sum(-1).mean()": Normaliser.ROWS,
+        'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes':
+            Normaliser.WINDOW_TOKENS}
+    for start, needles, field in (('if self.loss_type == "cispo":', per_token, "per_token"),
+                                  ('if self.loss_type in ["grpo", "sapo"]:', normaliser, "normaliser")):
+        for names, body in _trl_loss_type_branches(start):
+            kind = _branch_kind(body, needles)
+            for name in names:
+                assert getattr(LOSS_TYPES[name], field) is kind, (name, field, kind)
+    src = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    exempt = re.findall(r"if self\.use_vllm and self\.vllm_importance_sampling_correction and "
+                        r'self\.loss_type != "(\w+)":', src)
+    assert exempt and {t.name for t in LOSS_TYPES.values() if t.folds_sampler_ratio} == set(exempt), exempt
+    assert 'importance_sampling_ratio=inputs.get("importance_sampling_ratio")' in src  # the folded ratio, if any
 
 
 def test_gad_reference_forward_and_adapter_helper():
@@ -369,7 +447,7 @@ def _trl_private_fields() -> set[str]:
 def test_only_intercept_touches_trl_private_fields():
     """No module of grpotrl but ``trainers/_intercept.py`` reads or writes a private field of TRL's or
     transformers' trainers (``self._metrics``, ``trainer._tokenizer``, ...): each goes through one
-    pinned helper there. grpotrl's own private attributes (``self._guard_record``) are not TRL's."""
+    pinned helper there. grpotrl's own attributes (``self.hook_record``) are not TRL's."""
     import ast
     import pathlib
 

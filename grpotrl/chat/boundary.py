@@ -1,4 +1,4 @@
-"""The prompt/completion boundary as text: what seed 000 asked people to read by eye.
+"""The prompt/completion boundary as text, to read by eye where a run's first steps are checked by hand.
 
 ``boundary_snippet`` shows a prompt's tail and its completion's head, ids and decoded text with
 special tokens visible; ``batch_boundary_report`` does so for the first rows of a generation
@@ -17,7 +17,7 @@ from . import templates
 
 
 def boundary_snippet(tokenizer, prompt_ids: list[int], completion_ids: list[int], width: int = 8) -> str:
-    """The view seed 000 asked people to read by eye: prompt tail | completion head, ids and text."""
+    """The boundary as a person checks it: prompt tail | completion head, ids and text."""
     tail, head = list(prompt_ids[-width:]), list(completion_ids[:width])
     return (
         f"    prompt tail: {tokenizer.decode(tail, skip_special_tokens=False)!r}  ids {tail}\n"
@@ -97,7 +97,7 @@ def reward_headers(tokenizer, chat_template: str | None, **template_kwargs) -> l
     return chat_headers(tokenizer, chat_template, new_turn=False, **template_kwargs)
 
 
-# ---------------------------------------------------------------- the boundary report (seed 000, by eye)
+# ---------------------------------------------------------------- the boundary report (read by eye)
 
 
 def batch_boundary_report(tokenizer, batch: dict, stop_ids: list[int], headers: list[str] = (), n: int = 4,

@@ -4,8 +4,8 @@ Letters: B rows, P padded prompt width (prompts are left-padded), G tokens gener
 V vocabulary, C completion width (``G`` at the end of ``generate``).
 
 INVARIANT I6: presence, frequency and repetition penalties count only ``input_ids[:, P:]``,
-the tokens generated so far in each row, never the prompt or its left padding (seed 000 bug
-#2: twenty " the" in the prompt and a 0.4 frequency penalty put " the" 8 logits down, so EOS,
+the tokens generated so far in each row, never the prompt or its left padding (counted over the prompt,
+twenty " the" in the prompt and a 0.4 frequency penalty put " the" 8 logits down, so EOS,
 never in that prompt, came out ~3000x likelier and answers were one token long). Because
 prompts are left-padded, every row's response starts at column ``P`` whatever its prompt
 length, so one integer is enough. transformers' own ``RepetitionPenaltyLogitsProcessor``, as

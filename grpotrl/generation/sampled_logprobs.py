@@ -12,7 +12,7 @@ same tensors (``sampler_logprobs`` reads those; ``tests/test_processors.py`` che
 a real ``generate``). ``generation_extras`` builds a call's processors and recorder;
 ``recorded_logprobs`` reads the recorder back from a recorded call.
 
-**Truncated sampling (issue 31, item 4; trl#6789).** With top-k / top-p / min-p (and transformers'
+**Truncated sampling (trl#6789).** With top-k / top-p / min-p (and transformers'
 other truncation warpers) the sampler draws from ``q_trunc = softmax(S)`` renormalised over the kept
 set ``K``, where ``S`` are the scores after every processor and temperature, while the trainer scores
 the full softmax. Their ratio ``pi / q_trunc`` at a kept token is ``pi / q`` times the kept mass

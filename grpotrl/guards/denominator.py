@@ -1,19 +1,20 @@
-"""The loss's own denominator (issue 31.3): what TRL's loss divides each token by, read from the loss.
+"""The loss's own denominator (I11): what TRL's loss divides each token by, read from the loss.
 
-TRL's DAPO/CISPO/VESPO losses were off by the gradient-accumulation factor for months (trl#5619); verl
-had the same class of bug. Nothing downstream notices: the update is just k times too small or large.
-On guard steps the trainer reads, from the loss it is about to backpropagate, the weight each loss token
-carries, and compares it with the normaliser recomputed here from the completion mask, the
-accumulation window and the world size alone (never TRL's ``num_items_in_batch``).
+A normaliser off by the gradient-accumulation factor (a token-sum loss divided by one microbatch's tokens
+instead of the accumulation window's) scales every update k times too small or large, and nothing
+downstream notices. On guard steps the trainer reads, from the loss it is about to backpropagate,
+the weight each loss token carries, and compares it with the normaliser recomputed here from the
+completion mask, the accumulation window and the world size alone (never TRL's ``num_items_in_batch``).
+What each ``loss_type`` divides by and which per-token loss it has comes from ``ops.loss_types``.
 
 How the weight is read. TRL's loss is ``sum_t w_t * l_t`` over the microbatch's loss tokens, ``w_t =
 1 / normaliser_t``. For the policy logprob ``logp_t`` the loss used, ``d loss / d logp_t = w_t * d l_t /
-d logp_t``, and ``d l_t / d logp_t`` is known in closed form per loss type (``token_slope``): ``-A r`` for
-the clipped family inside the clip range (grpo, bnpo, dr_grpo, dapo, luspo; ``r`` the ratio), ``-A * 4 s (1 -
-s) * r`` for sapo (``s = sigmoid(tau (r - 1))``), ``-A * min(r, epsilon_high)`` for cispo, ``-A * phi(w)`` for
-vespo where ``phi(1) = 1``. So ``normaliser_t = token_slope_t / (d loss / d logp_t)``. A token whose
-advantage is 0, whose ratio is clipped, or whose vespo weight is not 1 (``w != 1``) carries no
-readable weight: it is counted as unchecked, never passed as checked.
+d logp_t``, and ``d l_t / d logp_t`` is known in closed form per ``loss_types.PerToken`` (``token_slope``):
+``-A r`` for ``CLIPPED`` inside the clip range (``r`` the ratio), ``-A * 4 s (1 - s) * r`` for ``SAPO``
+(``s = sigmoid(tau (r - 1))``), ``-A * min(r, epsilon_high)`` for ``CISPO``, ``-A * phi(w)`` for ``VESPO``
+where ``phi(1) = 1``. So ``normaliser_t = token_slope_t / (d loss / d logp_t)``. A token whose advantage
+is 0, whose ratio is clipped, or whose VESPO weight is not 1 (``w != 1``) carries no readable weight: it
+is counted as unchecked, never passed as checked.
 
 Letters: B rows of the microbatch, C completion width.
 """
@@ -23,22 +24,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvariantError
-
-TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # normalised by the generation batch's token count
+from ..ops.loss_types import Normaliser, PerToken, named
 
 
 def expected_normaliser(loss_type: str, mask: torch.Tensor, *, max_completion_length: int, accumulation: int,
                         window_tokens: float | None, num_processes: int, steps_per_generation: int) -> torch.Tensor:
     """What each row's loss tokens must be divided by [B], for TRL 1.16's ``loss_type`` in training, from
     ``mask`` [B, C] (this microbatch's loss mask), ``accumulation`` (the configured
-    ``gradient_accumulation_steps``), and for dapo/cispo/vespo ``window_tokens`` (the loss tokens of the
-    whole generation batch, summed over all ``num_processes``):
+    ``gradient_accumulation_steps``), and for a token-sum loss type ``window_tokens`` (the loss tokens of
+    the whole generation batch, summed over all ``num_processes``). By its ``loss_types.Normaliser``:
 
-    * grpo, sapo: each row's token mean, then the mean over rows: ``n_i * B * accumulation``;
-    * bnpo: the microbatch's token mean: ``sum(mask) * accumulation``;
-    * dr_grpo: ``B * max_completion_length * accumulation``;
-    * luspo: each row's token sum, mean over rows: ``B * accumulation``;
-    * dapo, cispo, vespo: the token count of one accumulation window, per process:
+    * ``ROW_TOKEN_MEAN``: each row's token mean, then the mean over rows: ``n_i * B * accumulation``;
+    * ``MICROBATCH_TOKENS``: the microbatch's token mean: ``sum(mask) * accumulation``;
+    * ``MAX_LENGTH_ROWS``: ``B * max_completion_length * accumulation``;
+    * ``ROWS``: each row's token sum, mean over rows: ``B * accumulation``;
+    * ``WINDOW_TOKENS``: the token count of one accumulation window, per process:
       ``window_tokens / num_processes * accumulation / steps_per_generation``.
 
     >>> m = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -49,34 +49,34 @@ def expected_normaliser(loss_type: str, mask: torch.Tensor, *, max_completion_le
     ...                     num_processes=1, steps_per_generation=2).tolist()  # 6 tokens over the window
     [6.0, 6.0]
     """
+    kind = named(loss_type).normaliser
     mask = mask.float()  # [B, C]
     B = mask.size(0)
     ones = torch.ones(B, device=mask.device)  # [B]
-    if loss_type in ("grpo", "sapo"):
+    if kind is Normaliser.ROW_TOKEN_MEAN:
         return mask.sum(-1).clamp(min=1.0) * B * accumulation  # [B]
-    if loss_type == "bnpo":
+    if kind is Normaliser.MICROBATCH_TOKENS:
         return ones * mask.sum().clamp(min=1.0) * accumulation
-    if loss_type == "dr_grpo":
+    if kind is Normaliser.MAX_LENGTH_ROWS:
         return ones * B * max_completion_length * accumulation
-    if loss_type == "luspo":
+    if kind is Normaliser.ROWS:
         return ones * B * accumulation
-    if loss_type in TOKEN_SUM_LOSSES:
+    if kind is Normaliser.WINDOW_TOKENS:
         if window_tokens is None:
             raise ValueError(f"loss_type={loss_type!r} normalises by the generation batch's loss tokens: pass "
                              "window_tokens.")
         return ones * max(float(window_tokens), 1.0) / num_processes * accumulation / steps_per_generation
-    raise ValueError(f"loss_type={loss_type!r}: no normaliser known (TRL 1.16's are grpo, sapo, bnpo, dr_grpo, "
-                     "luspo, dapo, cispo, vespo)")
+    raise ValueError(f"loss_type={loss_type!r}: no normaliser known for {kind}")
 
 
 def token_slope(loss_type: str, advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, *,
                 sequence_level: bool, epsilon_low: float, epsilon_high: float, delta: float | None = None,
                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> torch.Tensor:
-    """``d l_t / d logp_t`` [B, C] of TRL 1.16's per-token policy loss ``l_t`` (before any reduction), and
-    NaN where it cannot be read: advantage 0, ratio clipped, vespo's weight not 1. ``advantages`` [B] or
-    [B, C]; ``log_ratio`` [B, C] = ``logp - old_logp`` (0 on-policy). Under ``sequence_level`` the ratio is
-    the row's mean over ``mask``: the slope then holds for a row whose tokens share one weight
-    (every TRL loss type), summed over the row.
+    """``d l_t / d logp_t`` [B, C] of TRL 1.16's per-token policy loss ``l_t`` (before any reduction, by the
+    loss type's ``loss_types.PerToken``), and NaN where it cannot be read: advantage 0, ratio clipped,
+    VESPO's weight not 1. ``advantages`` [B] or [B, C]; ``log_ratio`` [B, C] = ``logp - old_logp`` (0
+    on-policy). Under ``sequence_level`` the ratio is the row's mean over ``mask``: the slope then holds for
+    a row whose tokens share one weight (every TRL loss type), summed over the row.
 
     >>> a, z, m = torch.tensor([2.0, 0.0]), torch.zeros(2, 1), torch.ones(2, 1)
     >>> token_slope("dapo", a, z, m, sequence_level=False, epsilon_low=0.2, epsilon_high=0.2).tolist()
@@ -85,23 +85,24 @@ def token_slope(loss_type: str, advantages: torch.Tensor, log_ratio: torch.Tenso
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # [B, 1] or [B, C]
     if sequence_level:
         log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+    family = named(loss_type).per_token
     r = torch.exp(log_ratio)  # [B, C] or [B, 1]
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if family is PerToken.CLIPPED:
         inside = (r > 1 - epsilon_low) & (r < 1 + epsilon_high)
         if delta is not None:
             inside = inside & (r < delta)
         slope = torch.where(inside, -adv * r, torch.nan)
-    elif loss_type == "sapo":
+    elif family is PerToken.SAPO:
         tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         s = torch.sigmoid(tau * (r - 1))
         slope = -adv * 4 * s * (1 - s) * r
-    elif loss_type == "cispo":
+    elif family is PerToken.CISPO:
         slope = -adv * torch.clamp(r, max=epsilon_high)
-    elif loss_type == "vespo":  # phi(w) = 1 at w = 1 only: the sequence's summed log-ratio must be 0
+    elif family is PerToken.VESPO:  # phi(w) = 1 at w = 1 only: the sequence's summed log-ratio must be 0
         seq = (log_ratio * mask).sum(-1, keepdim=True) if not sequence_level else log_ratio
         slope = torch.where(seq.abs() < 1e-6, -adv, torch.nan)
     else:
-        raise ValueError(f"loss_type={loss_type!r}: no per-token slope known")
+        raise ValueError(f"loss_type={loss_type!r}: no per-token slope known for {family}")
     slope = slope.expand_as(mask) if slope.shape != mask.shape else slope  # [B, C]
     return torch.where(slope == 0, torch.nan, slope)
 

@@ -1,4 +1,4 @@
-"""Checks no GRPO framework runs in a user's run (INVARIANTS.md I10; issue 19).
+"""Checks no GRPO framework runs in a user's run (INVARIANTS.md I10).
 
 * **I10, step-0 identity.** Before the first optimizer step the policy has not moved, so on the
   first microbatch the reference (a separate ref model, PEFT's disabled adapter, a ``ref``

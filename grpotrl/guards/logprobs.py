@@ -280,7 +280,7 @@ def check_slope(slope: float, coef: float, where: str) -> float:
     1e-4 of max(c, 1); a NaN or inf fails. Returns ``slope``."""
     if not coef >= 0:  # NaN fails too
         raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
-                             "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy (seed 004). Keep "
+                             "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy. Keep "
                              "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
     if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
         if slope != slope or abs(slope) == float("inf"):
@@ -289,7 +289,7 @@ def check_slope(slope: float, coef: float, where: str) -> float:
             problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
         elif coef and slope * coef > 0:
             problem = ("the entropy term enters with a FLIPPED sign, so every step lowers entropy "
-                       "(seed 004: entropy collapsed from ~1 to 0.005)")
+                       "(entropy then collapses, from ~1 to 0.005 in a multi-task CAGrad run)")
         else:
             problem = "the entropy term enters with the wrong weight"
         raise InvariantError(

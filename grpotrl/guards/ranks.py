@@ -1,4 +1,4 @@
-"""Every rank holds the same model (INVARIANTS.md I12; issue 31, item 2).
+"""Every rank holds the same model (INVARIANTS.md I12).
 
 TRL 1.14 shipped a fused loss that, under plain DDP, never all-reduced the gradients: each rank
 stepped its own weights on its own data and nothing said so. After the first optimizer step and on

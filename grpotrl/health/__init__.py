@@ -4,7 +4,7 @@ These are the numbers seeds 000 and 004 read by hand in the first steps of a run
 0.000, max prob 99.9 %, logit gap 7-10, 36 end-of-turn tokens, 1-token answers, rewards all
 zero, a response that starts with the chat header). ``grpotrl.GRPOTrainer`` logs them every
 step through TRL's metrics (so they reach TensorBoard / trackio / W&B like TRL's own);
-``grpotrl.callbacks`` turns them into warnings or a stop. Nothing here runs a model.
+``grpotrl.health.callbacks`` turns them into warnings or a stop. Nothing here runs a model.
 
 Letters: B rows (completions), G completions per prompt, P padded prompt width, C padded
 completion width, V vocabulary, K top-k.
@@ -64,7 +64,7 @@ def summarise_samples(per_sample: torch.Tensor) -> dict[str, float]:
 def logit_stats(logits: torch.Tensor, temperature: float = 1.0, k: int = 5) -> dict[str, torch.Tensor]:
     """Per-token statistics of the completion logits, each [B, C]:
 
-    * ``logits/max``: the largest raw logit (seed 004: 20-25 healthy, 30+ collapsed);
+    * ``logits/max``: the largest raw logit (SmolLM2-sized models: 20-25 healthy, 30+ collapsed);
     * ``logits/top1_top2_gap``: largest minus second-largest raw logit (3-5 healthy, 7-10 collapsed);
     * ``logits/top1_prob`` and ``logits/top{k}_mass``: probability of the top token and total
       probability of the top ``k`` under ``softmax(logits / T)``, the distribution that sampled.
@@ -128,7 +128,7 @@ def count_ids(ids: torch.Tensor, mask: torch.Tensor, id_set: list[int]) -> torch
     """How many of each row's masked-in tokens are in ``id_set``, [B].
 
     Count stop tokens in prompts with the prompt mask (left padding is left out, even when the
-    pad token is itself a stop token: seed 000's "50+ eot in the prompt" was padding) and in
+    pad token is itself a stop token: "50+ end-of-turn tokens in the prompt" counted over the mask was padding) and in
     completions with the completion mask (the tokens the loss trains on).
 
     >>> ids = torch.tensor([[2, 2, 5, 2, 7, 2], [5, 2, 6, 6, 2, 9]])  # pad == 2 == a stop id
@@ -144,7 +144,7 @@ def generated_stop_counts(raw: torch.Tensor, stop_ids: list[int], sampler_stop_i
     prompt, [B, C] -> [B]: every token in ``stop_ids`` up to and including the first token of the
     sampler's own stop set (``sampler_stop_ids``; after it ``generate`` writes padding), so a
     sampler that kept going past an end-of-turn token it did not stop on shows every one of them
-    (seed 000: "10+ end tokens in the response"), where the loss's completion, cut at the first
+    (10+ end-of-turn tokens in one response), where the loss's completion, cut at the first
     stop, holds one. A healthy batch reads 1 for a row that stopped and 0 for one cut at the cap.
 
     >>> raw = torch.tensor([[5, 2, 6, 2, 2, 0, 9], [5, 6, 0, 9, 9, 9, 9]])  # stops {0, 2}; the sampler stops on 0
@@ -296,7 +296,7 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
 
 
 def zero_reward_share(rewards: torch.Tensor) -> float:
-    """Share of scored completions whose reward is exactly 0 (seed 000: "reward signal all zero").
+    """Share of scored completions whose reward is exactly 0 (a reward signal that is all zero trains nothing).
 
     >>> zero_reward_share(torch.tensor([0.0, 1.0, 0.0, float("nan")]))
     0.6666666666666666

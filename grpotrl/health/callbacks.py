@@ -5,7 +5,7 @@ has and appends them to TRL's metrics, so they are logged like TRL's own. The ca
 read the values of the optimizer step that just ended and act on them:
 
 * ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
-  ``health_report_steps`` steps (seed 000's "check the first 2 steps by eye").
+  ``health_report_steps`` steps, as one checks a new run's first steps by eye.
 * Health rules, each a ``HealthRule``. Three only fire on a broken run and stop it by default:
   ``NonFiniteRule`` (loss or grad norm NaN/inf), ``NonFiniteRewardRule`` (a reward function
   returned +-inf), ``HeaderRule`` (a completion starts with the chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
@@ -132,7 +133,7 @@ class HeaderRule(HealthRule):
 
 class OneTokenRule(HealthRule):
     name = "one_token"
-    advice = ("Completions stop at once (seed 000 bug #2: penalties that counted prompt tokens made EOS relatively "
+    advice = ("Completions stop at once (penalties that count prompt tokens make EOS relatively "
               "likely). Check logits processors and min_new_tokens, and that SFT trained the response before its "
               "stop token.")
 
@@ -150,7 +151,7 @@ class OneTokenRule(HealthRule):
 
 class EntropyRule(HealthRule):
     name = "entropy_collapse"
-    advice = ("The policy collapsed (seed 004: an entropy bonus with a flipped sign drove entropy from ~1 to 0.005). "
+    advice = ("The policy collapsed (an entropy bonus with a flipped sign drives entropy from ~1 to 0.005). "
               "Check the entropy bonus sign and coefficient, the learning rate and the temperature; logits/* show "
               "how peaked the distribution is.")
 
@@ -195,7 +196,7 @@ class NonFiniteRule(HealthRule):
         self._seen: tuple[bool, float, str] | None = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        losses, self.trainer._step_losses = self.trainer._step_losses, []
+        losses = self.trainer.step_findings.take_losses()
         loss = torch.stack([x.float() for x in losses]).sum().item() if losses else 0.0
         grads = [p.grad.detach() for p in self.trainer.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
@@ -232,13 +233,36 @@ class NonFiniteRewardRule(HealthRule):
         shares = [v for name in names for v in self.step_values(f"rewards/{name}/nonfinite_share")]
         if not shares:
             return None
-        found, self.trainer._nonfinite_rewards = self.trainer._nonfinite_rewards, []
+        found = self.trainer.step_findings.take_nonfinite_rewards()
         return max(shares) > 0, max(shares), "; ".join(dict.fromkeys(found))
 
 
-def add_health_callbacks(trainer, args) -> None:
-    """The boundary report (``health_report_steps``) and every health rule not turned off, added
-    to ``trainer``; NonFiniteRule, when on, gets the step's losses in ``trainer._step_losses``."""
+@dataclass
+class StepFindings:
+    """What the trainer found during one optimizer step for the health rules, which take it at the step's
+    end: ``losses``, the losses it backpropagated (None: no rule reads them, NonFiniteRule is off), and
+    ``nonfinite_rewards``, the names of the reward functions that returned +-inf."""
+
+    losses: list | None = None
+    nonfinite_rewards: list[str] = field(default_factory=list)
+
+    def take_losses(self) -> list:
+        """The step's losses, emptied for the next step."""
+        if self.losses is None:
+            return []
+        losses, self.losses = self.losses, []
+        return losses
+
+    def take_nonfinite_rewards(self) -> list[str]:
+        """The step's +-inf reward names, emptied for the next step."""
+        found, self.nonfinite_rewards = self.nonfinite_rewards, []
+        return found
+
+
+def add_health_callbacks(trainer, args) -> StepFindings:
+    """Adds to ``trainer`` the boundary report (``health_report_steps``) and every health rule not turned
+    off. Returns the ``StepFindings`` the trainer fills and the rules take (as ``trainer.step_findings``);
+    its ``losses`` are collected only while NonFiniteRule is on."""
     if args.health_report_steps:
         trainer.add_callback(BoundaryReport(trainer, args.health_report_steps))
     rules = [NonFiniteRule(trainer), NonFiniteRewardRule(trainer), HeaderRule(trainer),
@@ -249,5 +273,4 @@ def add_health_callbacks(trainer, args) -> None:
     for rule in rules:
         if rule.action != "off":
             trainer.add_callback(rule)
-    if rules[0].action != "off":  # NonFiniteRule reads the step's losses
-        trainer._step_losses = []
+    return StepFindings(losses=[] if rules[0].action != "off" else None)  # NonFiniteRule reads the step's losses

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .loss_types import PerToken, named
 from .losses import kl_loss_term
-from .reduction import LOSS_TYPES, Reduction, reduce_rows
+from .reduction import Reduction, reduce_rows
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ class PolicyLoss:
     off_policy_threshold: float | None = None
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} is not one of TRL 1.16's {LOSS_TYPES}")
+        named(self.loss_type)  # a ValueError naming an unknown loss_type
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: 'token' or 'sequence'")
 
@@ -96,35 +96,38 @@ def per_token_policy_loss(per_token_logps: torch.Tensor, old_per_token_logps: to
                           sampling_per_token_logps: torch.Tensor | None = None,
                           entropy_mask: torch.Tensor | None = None) -> torch.Tensor:
     """TRL's per-token policy loss ``[n, C]`` (``[n, 1]`` for a sequence-level ratio), before the
-    reduction and without KL: the clipped ratio (grpo, bnpo, dr_grpo, dapo, luspo; ``delta`` caps
-    it from above), CISPO's clipped-weight REINFORCE, SAPO's sigmoid gate or VESPO's gamma weight;
+    reduction and without KL, by the loss type's ``loss_types.PerToken``: the clipped ratio (``delta``
+    caps it from above), CISPO's clipped-weight REINFORCE, SAPO's sigmoid gate or VESPO's gamma weight;
     then the off-policy mask, the high-entropy token mask and the sampler correction
-    ``importance_sampling_ratio`` (vespo: inside its weight instead). ``old_per_token_logps`` None:
-    on-policy, ``per_token_logps.detach()``; ``sampling_per_token_logps`` None: the old logprobs."""
-    s = settings
+    ``importance_sampling_ratio`` (inside the weight instead where the loss type ``folds_sampler_ratio``).
+    ``old_per_token_logps`` None: on-policy, ``per_token_logps.detach()``; ``sampling_per_token_logps``
+    None: the old logprobs."""
+    s, kind = settings, named(settings.loss_type)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [n, 1] or [n, C]
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps  # [n, C]
     log_weights = log_importance_weights(per_token_logps, old, mask, s.importance_sampling_level)
     coef_1 = torch.exp(log_weights)  # [n, C] or [n, 1]
-    if s.loss_type == "cispo":
+    if kind.per_token is PerToken.CISPO:
         loss = -torch.clamp(coef_1, max=s.epsilon_high).detach() * adv * per_token_logps
-    elif s.loss_type == "sapo":
+    elif kind.per_token is PerToken.SAPO:
         temperatures = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
         loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
-    elif s.loss_type == "vespo":
+    elif kind.per_token is PerToken.VESPO:
         phi = vespo_weights(adv, per_token_logps - old, mask, importance_sampling_ratio, s)  # [n, 1]
         loss = -phi * adv * per_token_logps
-    else:  # grpo, bnpo, dr_grpo, dapo, luspo
+    elif kind.per_token is PerToken.CLIPPED:
         coef_2 = torch.clamp(coef_1, 1 - s.epsilon_low, 1 + s.epsilon_high)
         if s.delta is not None:
             coef_1 = torch.clamp(coef_1, max=s.delta)
         loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    else:
+        raise ValueError(f"loss_type={s.loss_type!r}: no per-token loss for {kind.per_token}")
     if s.off_policy_threshold is not None:
         sampled = old if sampling_per_token_logps is None else sampling_per_token_logps
         loss = loss * off_policy_mask(adv, per_token_logps, sampled, mask, s.off_policy_threshold)
     if entropy_mask is not None:
         loss = loss * entropy_mask
-    if importance_sampling_ratio is not None and s.loss_type != "vespo":
+    if importance_sampling_ratio is not None and not kind.folds_sampler_ratio:
         loss = loss * importance_sampling_ratio
     return loss
 

@@ -45,6 +45,7 @@ from ..generation.processors import build_processors
 from ..models import resolve_model_path
 from ..models.quantization import pin_quantized_kernels, quantized_bits
 from ..models.sources import check_model_source, generation_config, model_file
+from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
 from ..rewards.tasks import per_task
@@ -213,11 +214,14 @@ def _uses_peft(model, peft_config) -> bool:
 # GRPO (and its subclasses)
 # ---------------------------------------------------------------------------------------------
 
-def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs: dict):
+def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs: dict, *,
+               trainer_name: str, multitask: bool, resume_kind: str):
     """Every check of ``GRPOTrainer.__init__`` (GAD's and multi-task's run theirs first) before TRL
     loads anything; then the local judges load (``rewards.recipe.LocalJudgeSpec``) and rewards per
-    task become TRL's flat list. Returns ``(model, processing_class, reward_funcs, stop_token_ids,
-    ResumeCheck)``."""
+    task become TRL's flat list. ``trainer_name``: the trainer class, as errors name it; ``multitask``: the
+    trainer reads task labels (rewards per task, CAGrad: ``MultiTaskGRPOTrainer``); ``resume_kind``: the
+    trainer kind whose checkpoints a resume must hold ("grpo", "gad"). Returns ``(model, processing_class,
+    reward_funcs, stop_token_ids, ResumeCheck)``."""
     peft_config = kwargs.get("peft_config")
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
@@ -235,16 +239,16 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
         scored_eval = eval_dataset if args.eval_strategy != "no" else None  # TRL never scores an unused eval set
         for name, dataset in named_splits(train_dataset, scored_eval):  # the columns the rewards read
             check_reward_columns(reward_funcs, dataset, name)
-    if getattr(trainer, "_task_rewards", False):  # MultiTaskGRPOTrainer
+    if multitask:
         check_tasks(reward_funcs, args, train_dataset, eval_dataset)
     elif isinstance(reward_funcs, Mapping):
         raise InputError(f"reward_funcs maps tasks to functions ({list(reward_funcs)}), which "
-                         f"{type(trainer).__name__} does not read: use grpotrl.MultiTaskGRPOTrainer (rows labelled "
+                         f"{trainer_name} does not read: use grpotrl.MultiTaskGRPOTrainer (rows labelled "
                          "in task_column), or pass one list of reward functions.")
     _check_reward_models(reward_funcs, args)
     _check_generation_args(args, kwargs)
-    if not trainer._reads_cagrad and (args.cagrad != "off" or args.cagrad_c != 0.5):
-        raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {type(trainer).__name__}, which trains "
+    if not multitask and (args.cagrad != "off" or args.cagrad_c != 0.5):
+        raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {trainer_name}, which trains "
                          "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
                          "labelled by task_column). Use it, or drop the cagrad settings.")
     if args.dynamic_sampling and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
@@ -252,7 +256,7 @@ def check_grpo(trainer, model, reward_funcs, args, train_dataset, eval_dataset, 
                          "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
     # a reward column empty everywhere (per task: on the task's own rows)
     check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
-    resume = check_resume(args, trainer._resume_kind, processing_class, _uses_peft(model_in, peft_config),
+    resume = check_resume(args, resume_kind, processing_class, _uses_peft(model_in, peft_config),
                           template_kwargs, model=model, peft_config=peft_config)
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
@@ -281,9 +285,11 @@ def _check_generation_args(args, kwargs: dict) -> None:
     if penalties and kwargs.get("tools"):
         raise InputError("presence/frequency penalties and min_new_tokens are not supported with tools yet: "
                          "the multi-turn loop calls generate several times per completion. Set them to 0.")
-    if args.hf_importance_sampling_correction and args.loss_type == "vespo":
+    kind = LOSS_TYPES.get(args.loss_type)
+    if args.hf_importance_sampling_correction and kind is not None and kind.folds_sampler_ratio:
         raise InputError("hf_importance_sampling_correction folds the ratio into the advantages, which is not "
-                         "equivalent for loss_type='vespo'. Use another loss_type or turn the correction off.")
+                         f"equivalent for loss_type={args.loss_type!r}, whose loss weighs each sequence by the "
+                         "ratio itself. Use another loss_type or turn the correction off.")
 
 
 def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:

@@ -17,9 +17,13 @@ model's lifetime). The names say which kind each is:
   ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_entropy_bonus``, ``read_metrics``,
   ``read_buffered_inputs``.
 
-No other module of grpotrl reads or writes a private field of TRL or transformers (``self._x`` that
-TRL sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
-``self._get_per_token_logps_and_entropies``, ``self._prepare_inputs``), each pinned by signature.
+No other module of grpotrl reads or writes a private field of a TRL trainer (``self._x`` that TRL
+sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
+``self._get_per_token_logps_and_entropies``, ``self._prepare_inputs``), each pinned by signature. Two
+private names are read where they are used, both pinned in ``tests/test_trl_hooks.py``: a model config's
+``_attn_implementation`` (``trainers/padding_free.py``: the attention that runs, as transformers sets
+it) and TRL's config classes' ``_VALID_DICT_FIELDS`` (``configs/__init__.py`` extends it with grpotrl's
+dict-valued fields).
 Each helper here is pinned by ``tests/test_trl_hooks.py`` against TRL's source: a renamed field or
 method fails there, not silently in a run.
 

@@ -1,11 +1,14 @@
-"""``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I5, I7, I10, I11 and I12 guarded on its real tensors.
+"""``grpotrl.GRPOTrainer``: TRL's GRPOTrainer with INVARIANTS I1-I7 and I10-I12 guarded on its real tensors.
 
-The class docstring lists the hooks it overrides and what it wraps at run time.
+The class docstring is a map of the TRL hooks it overrides and the TRL methods it wraps at run time;
+each hook's own docstring states its contract. What one hook hands the next travels in
+``hook_record`` (``trainers/records.py``).
 
-Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0.
-Health rules (stopping only certainly broken runs by default, warning otherwise) and the
-boundary report are callbacks (``grpotrl.callbacks``) added at init;
-``boundary_report()`` prints the last generation batch's prompt/completion boundary on demand.
+Guards run for the first ``guard_steps`` steps (default 2), every step with -1, never with 0, with the
+tolerances of the run's compute dtype (``guard_tolerances``, ``guards/precision.py``). Health rules
+(stopping only certainly broken runs by default, warning otherwise) and the boundary report are
+callbacks (``grpotrl.health.callbacks``) added at init; ``boundary_report()`` prints the last
+generation batch's prompt/completion boundary on demand.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance
 from ..ops.logprobs import entropy_from_logits, temperature_slope
+from ..ops.loss_types import named
 from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling, padding_free
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
+from .records import Generated, HookRecord, LossTerms
 from .reference_kl import ReferenceKL
 
 logger = logging.getLogger(__name__)
@@ -43,69 +48,25 @@ TASK_KEY = "grpotrl_task"  # [B] index into trainer.task_names, when rows carry 
 
 
 class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
-    """TRL's GRPOTrainer with INVARIANTS I1-I5, I7 and I10 guarded (module docstring).
+    """TRL's GRPOTrainer with INVARIANTS I1-I7 and I10-I12 guarded (module docstring).
 
-    Overrides (everything else is TRL's):
-      * ``__init__``: takes a ``trl.GRPOConfig`` (or a subclass) too, filling in grpotrl's fields
-        (``configs.complete_grpo_config``); validates the model path, tokenizer, stop tokens,
-        dataset (an ``IterableDataset`` on its first rows), rewards and the checkpoint's template
-        fingerprint (I2) before TRL loads anything, once (``preflight.check_grpo``, the CLI's path too);
-        refuses ``cagrad`` settings it would ignore (only ``MultiTaskGRPOTrainer`` reads them); stops
-        generation on every stop id; adds the health callbacks and, on several ranks, I12's ``RankAgreement``
-        (``guards.ranks``: the trainable parameters agree across ranks after step 1 and on guard steps);
-        resolves ``padding_free`` and ``balance_microbatches`` for the model and the accelerator's kind of
-        device (``padding_free.resolve``: ``'auto'`` on CPU only, where it was measured faster than TRL) and
-        logs the choice, with the finished-row rollout's, in one line (``padding_free.startup_line``).
-      * ``_generate``: checks I1 (prompt ids are the chat template plus generation prompt, with the
-        row's tools and ``chat_template_kwargs``, no doubled BOS), I3 (completion is ``output[i, P:]``;
-        the reward text is its decoding, no chat header) and I4 from the tokens (each completion ends
-        right after its first stop id, or has none and is generation's cap long; on every sampler) against
-        what ``generate`` saw and returned (``guards.check_generation``); on TRL's tool loop every turn's
-        call (a later turn's prompt is the previous prompt + completion + tool result, ``tool_mask`` covers
-        the model's turns only). A ``rollout_func`` generates its own way and is not observed. On the
-        transformers path puts the sampler's own logprobs where TRL keeps vLLM's (under top-k/top-p/min-p those of
-        the full softmax, ``truncated_sampling_correction``). Logs completion shape.
-      * ``_calculate_rewards``: a +-inf reward is counted (``rewards/<name>/nonfinite_share``) and made
-        missing (NaN, as TRL reads ``None``) for the ``nonfinite_reward`` health rule, which stops the
-        run by default; TRL alone zeroes the whole group's advantages and logs ``reward: inf``.
-      * ``_generate_and_score_completions``: tags each row so the loss can be traced back to its
-        generation; logs the batch's health signals (``health``); runs DAPO dynamic sampling when asked
-        (``dynamic_sampling.refill``); applies the optional importance-sampling correction on the
-        transformers path (``hf_importance_sampling_correction``).
-      * ``_compute_loss``: on the microbatch the loss really uses, checks I1, I3/I4
-        (``guards.check_loss_inputs``) and I5 (the logprobs the loss used equal ``log_softmax(logits / T)``
-        recomputed independently; not while dropout is active) and I11 (each token's weight in TRL's policy loss,
-        read from its gradient, is the ``loss_type``'s normaliser: ``guards.denominator``); on the first microbatch I10 (reference and
-        old logprobs equal the policy's, ``identity``); logs the sampler/trainer logprob gap, per-sample
-        entropy, and the logit signals where the I5 forward (or ``health_logit_steps``) has logits. The KL to
-        the reference is grpotrl's (``KLFields``): TRL's unclamped in-loss k3 is left out (``beta`` injected as 0
-        for the call) and ``beta * losses.kl_loss_term`` added, reduced as TRL reduces for ``loss_type``
-        (``_kl_loss``); with ``use_kl_in_reward`` the reward column ``kl_penalty`` (``kl_reward``) is added at init.
-        These KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
-      * ``_get_per_token_logps_and_entropies`` (every logprob forward: the policy's with its backward, the old
-        policy's, the reference's, the IS correction's): with ``padding_free`` on, a text-only call runs on packed
-        rows without padding and returns TRL's ``[B, C]`` layout (``padding_free.packed_logps_and_entropies``;
-        on CPU TRL's fused head then projects the scored positions only, ``_intercept.inject_compact_head``;
-        under sdpa the rows of one prompt run it once, ``share_prompts``; each forward cut to its widest row;
-        under ZeRO-3 or FSDP every process runs as many forwards, agreed by a gather before the first,
-        ``_most_forwards``); otherwise TRL's padded forward. I5 compares it with the padded forward on guard steps.
-      * ``_prepare_inputs``: TRL's; then, with ``balance_microbatches`` on and a new generation batch just
-        cut into microbatches, each optimizer step's microbatches are regrouped by token count
-        (``padding_free.balanced``, through ``_intercept.read/set_buffered_inputs``): the same rows per
-        optimizer step and per microbatch count, a loss that does not depend on the grouping, a lower peak
-        (with ``share_prompts``, a row's prompt counted once per microbatch: rows of one prompt go together).
-      * ``compute_loss``: checks I7 on the loss about to be backpropagated: ``d loss / d H == -c``
-        for the entropy bonus coefficient ``c`` in force (TRL's ``entropy_coef`` / adaptive
-        controller), on the graph from the loss back to the entropy node (a few elementwise ops).
-      * ``training_step`` and ``prediction_step``: TRL's, with TRL's fused LM head working on CPU in tiles of 512
-        tokens x 4096 vocabulary columns instead of 4096 x 32768 (``_intercept.inject_head_tiles``): its CPU
-        fallback makes about ten passes over tile-sized fp32 temporaries, the largest transient of a CPU step, at
-        TRL's sizes from main memory. The same values per token within fp32 rounding.
-      * ``save_model``: writes the chat-template fingerprint beside the weights (I2).
+    Overrides (each hook's docstring has its contract; everything else is TRL's):
+      * ``__init__``: every check that can fail before a model loads, then grpotrl's settings (I2, I6, KL,
+        ``padding_free``, the guards' precision, health callbacks, I12 on several ranks).
+      * ``_generate``: observes ``generate`` (I6 processors, the sampler's logprobs, rows that stopped leave
+        the decoding batch under ``padding_free``); I1, I3, I4 on guard steps.
+      * ``_generate_and_score_completions``: rows tagged, health signals, dynamic sampling, the IS correction.
+      * ``_calculate_rewards``: a +-inf reward made missing and counted (``nonfinite_reward`` health rule).
+      * ``_get_per_token_logps_and_entropies``: packed rows under ``padding_free``, TRL's layout back.
+      * ``_prepare_inputs``: token-balanced microbatches under ``balance_microbatches``.
+      * ``_compute_loss``: grpotrl's KL in place of TRL's; I1, I3, I4, I11 on the microbatch, then
+        ``_check_loss``: I10 at step 0, the sampler gap, entropy health, I5 and I7's entropy values.
+      * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated.
+      * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles.
+      * ``save_model``: the chat-template fingerprint beside the weights (I2).
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
-        ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
-        checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
-        keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
+        ``output_dir`` locked against a second run; a resume checkpoint checked before anything loads; a full
+        disk named. The KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
 
     Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
       * ``self._calculate_rewards`` in ``_generate_and_score_completions`` (``record_rewards``): records
@@ -142,14 +103,34 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "grpotrl"]
-    _reads_cagrad = False  # MultiTaskGRPOTrainer's fields: refused here rather than ignored
+    _multitask = False  # reads task labels (rewards per task, CAGrad): the preflight refuses them otherwise
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
+        """TRL's ``GRPOTrainer.__init__`` with the same arguments, after every check that can fail before a model
+        loads (``preflight.check_grpo``: model path, tokenizer, stop tokens, dataset, rewards, resume checkpoint,
+        chat-template fingerprint I2), then grpotrl's own settings.
+
+        Args:
+            model: a model id or path, as TRL takes it (or a loaded model).
+            reward_funcs: TRL's reward functions (callables, reward-model ids, judges), one or a list.
+            args: a ``grpotrl.GRPOConfig``; a ``trl.GRPOConfig`` is completed with grpotrl's defaults
+                (``configs.complete_grpo_config``), keeping TRL's padded forward unless it sets ``padding_free``.
+            train_dataset, eval_dataset, processing_class, **kwargs: as TRL's.
+
+        Raises:
+            InputError: bad input, said before any weights load (what, which value, what to do).
+
+        After TRL's init: generation stops on every stop id; the KL settings (``KLFields``); generate's position
+        ids into every logprob forward; ``padding_free`` / ``balance_microbatches`` resolved for the model and the
+        kind of device, and logged in one line; the guards' tolerances for the run's compute dtype
+        (``guard_tolerances``); the health callbacks and, on several ranks, I12's ``RankAgreement``.
+        """
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
         model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume = check_grpo(
-            self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs)
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs,
+            trainer_name=type(self).__name__, multitask=self._multitask, resume_kind=self._resume_kind)
         reward_funcs = self._with_kl_reward_column(reward_funcs, args)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
@@ -192,25 +173,18 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # what the numeric guards (I5, I7, I10, I11) allow between two correct forwards in this run's precision
         self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
                                                      args.guard_logprob_atol)
-        self._guard_record: dict | None = None
-        self._guard_max_gap = 0.0
+        self.hook_record = HookRecord()  # what one hook hands the next (trainers/records.py)
         self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
         self._identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10, first microbatch
         self._last_batch: dict | None = None  # for boundary_report()
-        self._step_losses: list | None = None  # for NonFiniteRule, when it is on
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         tok = _intercept.read_tokenizer(self)
         self._chat_headers = boundary.chat_headers(tok, self._template, **self.chat_template_kwargs)
         self._reward_headers = boundary.reward_headers(tok, self._template, **self.chat_template_kwargs)
-        self._nonfinite_rewards: list[str] = []  # what +-inf rewards this step held, for NonFiniteRewardRule
         self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
-        callbacks.add_health_callbacks(self, args)
+        self.step_findings = callbacks.add_health_callbacks(self, args)  # what each step found, for the rules
         add_rank_agreement(self, args.guard_steps)  # I12: ranks hold one model (several ranks only)
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
-        self._loss_entropies: tuple | None = None  # (entropies [B, C], mask [B, C]) of the last loss, for I7
-        self._generated_stops: torch.Tensor | None = None  # [B] stop tokens generate wrote per row (stops/*)
-        self._sampler_measures: dict | None = None  # what the recorder measured (the sampler gap's causes)
-        self._decoding_rows: list = []  # the last generate calls' FinishedRows (padding_free drops finished rows)
 
     def _guard_now(self) -> bool:
         return guards.due(self.args.guard_steps, self.state.global_step)
@@ -235,30 +209,49 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
 
     def _generate(self, prompts: list):
+        """TRL's ``_generate`` (one round of generation for this process's prompts), observed: on the transformers
+        generate path grpotrl's processors (response-only penalties, min-new-tokens over every stop id) and the
+        sampler's logprob recorder are injected, and with ``padding_free`` rows that stopped leave the decoding
+        batch; on guard steps I1, I3 and I4 are checked against what ``generate`` saw and returned
+        (``_check_generation``).
+
+        Args:
+            prompts: this process's prompts (chat messages or text), ``num_generations`` times each.
+
+        Returns:
+            TRL's ``(prompt_ids, completion_ids, tool_mask, completions, num_items_in_batch, logprobs, extra)``
+            (``TRLGenerate``), with the sampler's own logprobs in ``logprobs`` where they were recorded (under
+            top-k/top-p/min-p those of the full softmax with ``truncated_sampling_correction``). Writes
+            ``hook_record.generated`` for ``_generate_and_score_completions``.
+
+        Raises:
+            InvariantError: I1, I3 or I4 failed on a guard step.
+        """
         inject = self._hf_generate_path() and not self.tools
         # a user's rollout_func may call generate its own way (several turns, other prompts): not observed
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
             drop = _intercept.skip_finished_rows(model) if inject and self.padding_free else contextlib.nullcontext([])
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
-                    _intercept.inject_recorders_after_warpers(model), drop as self._decoding_rows:
+                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows:
                 out = TRLGenerate(*super()._generate(prompts))
-            if self._decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
-                self._append({"padding_free/decoding_rows": decoding_share(self._decoding_rows)})
+            if decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
+                self._append({"padding_free/decoding_rows": decoding_share(decoding_rows)})
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
         sampled = recorded_logprobs(calls[-1], out.completion_ids,
                                     full_softmax=self.args.truncated_sampling_correction) if calls else None
         # the sampler's own per-token logprobs, where TRL keeps vLLM's (I5); under top-k/top-p/min-p those of
         # the full softmax of its processed scores (sampled_logprobs' docstring; truncated_sampling_correction)
-        self._sampler_measures = recorded_measures(calls[-1]) if sampled is not None else None
         if sampled is not None:
             out = out._replace(logprobs=sampled)
-        self._log_completion_shape(out.completion_ids, calls[-1] if calls else None)
-        # stop tokens generate wrote per row [B], past the cut completion (not on vLLM, CB, a tool loop)
-        self._generated_stops = None if not calls or self.tools else \
-            health.generated_stops_of(calls[-1], self.eos_token_ids).to(self.accelerator.device)
-        self._guard_record = self._check_generation(prompts, out, calls) if self._guard_now() else None
+        self.hook_record.generated = Generated(
+            completion_lengths=self._log_completion_shape(out.completion_ids, calls[-1] if calls else None),
+            # stop tokens generate wrote per row [B], past the cut completion (not on vLLM, CB, a tool loop)
+            generated_stops=None if not calls or self.tools else
+            health.generated_stops_of(calls[-1], self.eos_token_ids).to(self.accelerator.device),
+            guard=self._check_generation(prompts, out, calls) if self._guard_now() else None,
+            sampler=recorded_measures(calls[-1]) if sampled is not None else None)
         return out
 
     def _check_generation(self, prompts: list, out: TRLGenerate, calls: list[dict]) -> dict:
@@ -295,32 +288,53 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return [templates.prompt_ids(tok, p, self._template, tools=t, **self.chat_template_kwargs)
                 for p, t in zip(prompts, tools)]
 
-    def _log_completion_shape(self, completion_ids: list, call: dict | None = None) -> None:
-        """The shares of 1-token and capped completions (``health.length_shares``) and the
-        min-new-tokens trigger rate, over every process's completions."""
+    def _log_completion_shape(self, completion_ids: list, call: dict | None = None) -> torch.Tensor:
+        """Logs the shares of 1-token and capped completions (``health.length_shares``) and the
+        min-new-tokens trigger rate, over every process's completions; returns this process's completion
+        lengths [B]."""
         lengths = torch.tensor([len(c) for c in completion_ids], device=self.accelerator.device)  # [B]
-        self._completion_lengths = lengths
         local = torch.cat([lengths, lengths.new_tensor([min_new_tokens_fired(call)])])  # [B + 1]
         self._append(health.completion_shape(self.accelerator.gather(local).view(-1, local.numel()),
                                              self.args.max_completion_length, self.args.min_new_tokens))
+        return lengths
 
     # ------------------------------------------------------------------ scoring, health, dynamic sampling
 
     def _generate_and_score_completions(self, inputs):
-        output, rewards = self._score_round(inputs)
+        """TRL's generation batch for ``inputs``, rows tagged and health signals logged (``_score_round``); with
+        ``dynamic_sampling`` the groups whose rewards are all equal refilled (``dynamic_sampling.refill``); on the
+        transformers path with ``hf_importance_sampling_correction`` the advantages corrected. Writes
+        ``hook_record.guard`` (the batch's I1/I3/I4 record, None off guard steps) and, on training guard steps,
+        ``hook_record.window_tokens`` (the batch's loss tokens over every process, I11) for its microbatches.
+
+        Args:
+            inputs: this process's rows of the generation batch (the dataset's columns, one dict a row).
+
+        Returns:
+            TRL's dict: ``prompt_ids`` / ``prompt_mask`` [B, P], ``completion_ids`` / ``completion_mask`` [B, C],
+            ``advantages`` [B], ..., plus ``grpotrl_row`` [B] (each row's index in the generation batch, which the
+            loss's guards trace rows back by) and, when rows carry a task, ``grpotrl_task`` [B].
+        """
+        output, rewards, generated = self._score_round(inputs)
+        guard = generated.guard
+
+        def rescore(rows):  # one more round of generation for dynamic sampling, with its own guard record
+            round_output, round_rewards, round_generated = self._score_round(rows)
+            return round_output, round_rewards, round_generated.guard
+
         if self.args.dynamic_sampling and self.model.training:
-            output, self._guard_record = dynamic_sampling.refill(  # _generate sets each round's guard record
-                output, rewards, self._guard_record, log=self._append,
-                score_round=lambda rows: (*self._score_round(rows), self._guard_record),
+            output, guard = dynamic_sampling.refill(
+                output, rewards, guard, log=self._append, score_round=rescore,
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
                 pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
+        self.hook_record.guard, self.hook_record.window_tokens = guard, None
         if self._guard_now() and self.model.training:  # I11: the generation batch's loss tokens, every process
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
-            self._window_tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().item()
+            self.hook_record.window_tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().item()
         return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -334,13 +348,15 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         shares, found = health.nonfinite_rewards(rewards_per_func, self.reward_func_names)
         self._append(shares)
         if self.model.training:
-            self._nonfinite_rewards.extend(found)
+            self.step_findings.nonfinite_rewards.extend(found)
         return rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan"))  # [B_global, K]
 
-    def _score_round(self, inputs) -> tuple[dict, torch.Tensor]:
-        """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global]."""
+    def _score_round(self, inputs) -> tuple[dict, torch.Tensor, Generated]:
+        """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global] and what
+        the round's ``_generate`` saw."""
         with _intercept.record_rewards(self) as scored:
             output = super()._generate_and_score_completions(inputs)
+        generated = self.hook_record.generated
         output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)
         if self.task_names and isinstance(inputs[0], dict):
             output[TASK_KEY] = torch.tensor([self.task_names.index(str(x[self.args.task_column])) for x in inputs],
@@ -348,30 +364,31 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             _check_groups_single_task(self.accelerator.gather(output[TASK_KEY]), self.num_generations,
                                       self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
-        self._log_batch_health(inputs, output, rewards)
-        return output, rewards
+        self._log_batch_health(inputs, output, rewards, generated)
+        return output, rewards, generated
 
-    def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor) -> None:
+    def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor, generated: Generated) -> None:
         """Stop tokens in prompts and completions, chat-header starts, zero rewards (``health.stop_rows``,
         ``health.batch_metrics``), per-task lengths and rewards when rows have a ``task``; keeps the
         batch for ``boundary_report()``."""
-        per_row, stop_mask, stops = health.stop_rows(_intercept.read_tokenizer(self), output, self._completion_lengths,
-                                                     self._generated_stops, self.eos_token_ids, self._chat_headers)
+        lengths = generated.completion_lengths  # [B]
+        per_row, stop_mask, stops = health.stop_rows(_intercept.read_tokenizer(self), output, lengths,
+                                                     generated.generated_stops, self.eos_token_ids, self._chat_headers)
         metrics = health.batch_metrics(self.accelerator.gather(per_row), rewards)
         column = self.args.task_column
         if isinstance(inputs[0], dict) and column in inputs[0]:
             tasks = gather_object([str(x[column]) for x in inputs])
-            lengths = self.accelerator.gather(self._completion_lengths)  # [B_global]
-            metrics.update({**health.task_lengths(tasks, lengths), **health.task_rewards(tasks, rewards)})
+            metrics.update({**health.task_lengths(tasks, self.accelerator.gather(lengths)),  # [B_global]
+                            **health.task_rewards(tasks, rewards)})
         self._append(metrics)
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
-                            "completion_ids": output["completion_ids"], "lengths": self._completion_lengths,
+                            "completion_ids": output["completion_ids"], "lengths": lengths,
                             "stop_mask": stop_mask, "generated_stops": stops,
                             "rewards": rewards[start:start + len(inputs)]}
 
     def boundary_report(self, n: int = 4) -> str:
-        """The last generation batch by eye (seed 000): prompt tail and completion head with
+        """The last generation batch by eye: prompt tail and completion head with
         special tokens shown, ids around the boundary, stop-token counts. Printed after the
         first ``health_report_steps`` steps; call it any time."""
         if self._last_batch is None:
@@ -389,8 +406,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             tasks = [self.task_names[i] for i in self.accelerator.gather(task).tolist()]
             metrics.update(health.task_means(tasks, per_sample, "entropy"))
         self._append(metrics)
-        if self._step_losses is not None and self.model.training:
-            self._step_losses.append(loss.detach())
+        if self.step_findings.losses is not None and self.model.training:
+            self.step_findings.losses.append(loss.detach())
 
     def _log_logit_signals(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """logits/max, top1_top2_gap, top1_prob, top5_mass: token means over the completion mask."""
@@ -422,8 +439,19 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                            image_grid_thw=None, num_images=None, pixel_attention_mask=None,
                                            spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None,
                                            mm_token_type_ids=None, image_position_ids=None):
-        """TRL's logprob forward; with ``padding_free`` on and a text-only call, on packed rows
-        (``padding_free.packed_logps_and_entropies``): ``(logps [B, C], entropies [B, C] or None, None)``."""
+        """TRL's logprob forward (the policy's with its backward, the old policy's, the reference's); with
+        ``padding_free`` on and a text-only call without a router loss, on packed rows without padding
+        (``padding_free.packed_logps_and_entropies``), returned in TRL's layout.
+
+        Args:
+            model: the policy or the reference model. input_ids, attention_mask: [B, P + C], left-padded prompts
+                and right-padded completions. logits_to_keep: C. batch_size: at most this many rows per forward.
+            compute_entropy, compute_aux_loss, and the image inputs: as TRL's.
+
+        Returns:
+            ``(logps [B, C], entropies [B, C] or None, aux_loss or None)``: each completion token's
+            ``log_softmax(logits / T)`` and entropy, 0 where nothing is scored, as TRL's.
+        """
         multimodal = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles,
                       image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
         if not self.padding_free or compute_aux_loss or any(x is not None for x in multimodal):
@@ -450,6 +478,17 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return int(self.accelerator.gather(torch.tensor([forwards], device=self.accelerator.device)).max())
 
     def _prepare_inputs(self, generation_batch):
+        """TRL's: the next microbatch of the buffered generation batch (generating a new batch when due). With
+        ``balance_microbatches`` on, a new generation batch's microbatches are regrouped by token count, each
+        optimizer step's window on its own (``padding_free.balanced``): the same rows per optimizer step and per
+        microbatch count, so the step's loss is the same sum.
+
+        Args:
+            generation_batch: the dataloader's rows for one generation batch (TRL's argument).
+
+        Returns:
+            The microbatch dict the loss takes (``_compute_loss``'s ``inputs``).
+        """
         before = _intercept.read_buffered_inputs(self)
         inputs = super()._prepare_inputs(generation_batch)
         buffer = _intercept.read_buffered_inputs(self)
@@ -459,60 +498,87 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return _intercept.set_buffered_inputs(self, padding_free.balanced(buffer, window, self.share_prompts))
 
     def _compute_loss(self, model, inputs):
-        record = self._guard_record
-        guard = record is not None and self._guard_now() and ROW_KEY in inputs
-        tok = _intercept.read_tokenizer(self)
-        if guard:
-            rows = inputs[ROW_KEY].tolist()
-            guards.check_loss_inputs(tok, record, inputs, rows, self.eos_token_ids,
-                                     self._completion_cap(), self.mask_truncated_completions)
+        """TRL's loss on one microbatch with grpotrl's KL term (``KLFields``) in place of TRL's, and the loss-side
+        guards on it (``_check_loss``).
+
+        TRL's own in-loss KL (an unclamped k3) is left out by running TRL's loss with ``beta`` 0, and ``beta *
+        losses.kl_loss_term`` reduced as TRL reduces for ``loss_type`` is added (``_kl_loss``); with
+        ``kl_estimator='full'`` the loss forward runs padded and its backbone's hidden states are recorded.
+
+        Args:
+            model: the (wrapped) policy.
+            inputs: one microbatch of ``_generate_and_score_completions``' dict: ``prompt_ids`` / ``prompt_mask``
+                [B, P], ``completion_ids`` / ``completion_mask`` [B, C], ``advantages`` [B], ``grpotrl_row`` [B],
+                and TRL's optional ``old_per_token_logps``, ``ref_per_token_logps``, ``sampling_per_token_logps``
+                [B, C].
+
+        Returns:
+            The scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies and loss mask TRL's
+            loss used) for ``compute_loss``'s I7 check.
+
+        Raises:
+            InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11).
+        """
+        guard = self.hook_record.guard if self._guard_now() and ROW_KEY in inputs else None
+        if guard is not None:  # I1, I3, I4 on the microbatch the loss uses, before any compute
+            guards.check_loss_inputs(_intercept.read_tokenizer(self), guard, inputs, inputs[ROW_KEY].tolist(),
+                                     self.eos_token_ids, self._completion_cap(), self.mask_truncated_completions)
         full_kl = self._kl_in_loss and self.args.kl_estimator == "full"
         capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full_kl \
             else contextlib.nullcontext([])
         # 'full' rebuilds logits from the loss forward's hidden states in the padded layout: that forward runs
         # padded (padding_free's 'auto' is off for it at init; this covers a config changed afterwards)
         padded = _intercept.inject_attr(self, "padding_free", False) if full_kl else contextlib.nullcontext()
-        # TRL's own in-loss KL (unclamped k3) is left out: grpotrl adds its own below (_kl_loss)
         with _intercept.record_loss_forward(self) as calls, _intercept.inject_attr(self, "beta", 0.0), \
                 capture as hidden, padded:
             loss = super()._compute_loss(model, inputs)
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
-        completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
-        loss_mask = cmask * inputs.get("tool_mask", 1)  # [B, C]
-        if guard and self.model.training:  # I11 on TRL's policy loss (grpotrl's KL is not added yet)
+        loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
+        if guard is not None and self.model.training:  # I11 on TRL's policy loss (grpotrl's KL is not added yet)
             self._check_denominator(loss, used, inputs, loss_mask)
         if self._kl_in_loss:
             loss = loss + self._kl_loss(model, inputs, used, loss_mask, hidden[0] if full_kl else None)
+        self.hook_record.loss = LossTerms(entropies, loss_mask)
+        self._check_loss(model, inputs, loss, used, entropies, loss_mask, guarded=guard is not None)
+        return loss
+
+    def _check_loss(self, model, inputs: dict, loss: torch.Tensor, used: torch.Tensor, entropies: torch.Tensor | None,
+                    loss_mask: torch.Tensor, guarded: bool) -> None:
+        """The checks and signals of the loss a microbatch is about to backpropagate, in order: I10 on the first
+        microbatch of step 0 (the reference's and old policy's logprobs equal ``used``); the sampler/trainer gap
+        where the sampler's logprobs exist; the per-sample entropy and the loss for the health rules; and, on
+        guard steps (``guarded``) or logit-signal steps, one independent padded forward (``guards.recompute_logprobs``)
+        for the logit signals, I5 (``used`` [B, C] is ``log_softmax(logits / T)`` at generate's positions, in the
+        run's precision: ``guard_tolerances``) and I7's entropy values (``entropies`` [B, C] are the policy's)."""
         if self._identity_due and self.model.training:
             self._identity_due = False
             if self.state.global_step == 0:
                 self._check_step0_identity(model, used, inputs, loss_mask)
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
-        self._loss_entropies = (entropies, loss_mask) if entropies is not None else None
         if entropies is not None:
             self._log_loss_health(loss, entropies, loss_mask, inputs.get(TASK_KEY))
-        if not (guard or self._logit_signals_due()):
-            return loss
+        if not (guarded or self._logit_signals_due()):
+            return
+        completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([inputs["prompt_mask"], cmask], dim=1)  # [B, P+C]
         reference, scale, logits = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids,
                                                              attention_mask, completion_ids.size(1), self.temperature,
                                                              return_logits=True)
         self._log_logit_signals(logits, loss_mask)
-        if not guard or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
-            return loss  # under dropout the loss's forward samples masks: no deterministic reference exists
+        if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
+            return  # under dropout the loss's forward samples masks: no deterministic reference exists
         tol = self.guard_tolerances
         slope = temperature_slope(logits, completion_ids, self.temperature) if tol.low_precision else None  # [B, C]
-        metrics = guards.check_logprobs_in_precision(tok, used, reference, slope, scale, cmask, completion_ids,
-                                                     self.temperature, tol, rows, packed=self.padding_free)
+        metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, reference, slope, scale,
+                                                     cmask, completion_ids, self.temperature, tol,
+                                                     inputs[ROW_KEY].tolist(), packed=self.padding_free)
         if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
                                         atol=tol.entropy_atol, tol=tol)
         del logits
-        self._guard_max_gap = max(self._guard_max_gap, metrics["guards/logprob_max_gap"])
         self._append(metrics, "train")
-        return loss
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
         """I10: the reference's and the old policy's logprobs on this (first, step-0) microbatch are
@@ -539,7 +605,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         trainer = used.detach() if old is None else old  # [B, C]
         sampler = inputs["sampling_per_token_logps"]  # [B, C]
         local = importance.sampler_gap_local(used, trainer, sampler, mask)  # [2 + K]
-        measured = self._sampler_measures
+        measured = self.hook_record.generated.sampler if self.hook_record.generated is not None else None
         if measured is not None and ROW_KEY in inputs and not self.args.dynamic_sampling:
             rows, C = inputs[ROW_KEY], mask.size(1)
             raw, log_mass = (_fit_columns(measured[k].to(used.device)[rows], C) for k in ("raw", "log_kept_mass"))
@@ -581,15 +647,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             sequence_level=self.importance_sampling_level == "sequence", epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg)  # [B, C]
-        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+        folds = named(self.loss_type).folds_sampler_ratio
+        if self.use_vllm and self.vllm_importance_sampling_correction and not folds:
             slope = slope * inputs["importance_sampling_ratio"]  # TRL multiplies the per-token loss by it
-        if self.loss_type == "vespo" and inputs.get("importance_sampling_ratio") is not None:
-            slope = torch.full_like(slope, torch.nan)  # folded into vespo's weight: phi != 1, not readable
+        if folds and inputs.get("importance_sampling_ratio") is not None:
+            slope = torch.full_like(slope, torch.nan)  # inside the sequence weight: phi != 1, not readable
         if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
             slope = torch.where(grad == 0, torch.nan, slope)  # a token TRL masked out carries no weight to read
         expected = denominator.expected_normaliser(
             self.loss_type, mask, max_completion_length=self.max_completion_length,
-            accumulation=args.gradient_accumulation_steps, window_tokens=getattr(self, "_window_tokens", None),
+            accumulation=args.gradient_accumulation_steps, window_tokens=self.hook_record.window_tokens,
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)  # [B]
         metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
                                                 rtol=self.guard_tolerances.denominator_rtol,
@@ -614,17 +681,33 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         return float(self.entropy_coef)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's (which calls ``_compute_loss``), then I7 on the loss about to be backpropagated: ``d loss / d H``
+        along the entropies the loss used (``hook_record.loss``) is ``-c``, the coefficient in force before the
+        adaptive controller updated it.
+
+        Returns:
+            The loss, as TRL's.
+
+        Raises:
+            InvariantError: the entropy bonus enters with another sign or weight (I7).
+        """
         coef = self.entropy_coef_in_force()  # before the adaptive controller updates it in the loss
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.model.training and self._loss_entropies is not None:
-            self._check_entropy_sign(loss, self._loss_entropies[0], coef, "the GRPO loss")
+        terms = self.hook_record.loss
+        if self.model.training and terms is not None and terms.entropies is not None:
+            self._check_entropy_sign(loss, terms.entropies, coef, "the GRPO loss")
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's, with TRL's fused LM head on CPU in tiles of 512 tokens x 4096 vocabulary columns
+        (``_intercept.inject_head_tiles``): its CPU fallback makes about ten passes over tile-sized fp32
+        temporaries, at TRL's sizes the step's largest transient. The same values per token within fp32
+        rounding; elsewhere TRL's tiles."""
         with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: the head's tiles (its backward too)
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        """TRL's, with the LM head's CPU tiles as in ``training_step``."""
         with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: evaluation's forwards, as training's
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
@@ -637,6 +720,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints (I2)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """TRL's, then the chat-template fingerprint (``grpotrl_template.json``) beside the weights, which I2 checks
+        when the checkpoint is trained on. A full disk is a ``DiskFullError`` naming the file."""
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:

@@ -24,6 +24,7 @@ from .. import guards
 from ..ops import task_losses as ops
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
+from ..ops.loss_types import named
 from ..ops.losses import cagrad_coefficients
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
@@ -89,19 +90,18 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``aux_loss_enabled``, ``router_aux_loss_coef``, and ``args``' ``delta``, ``sapo_*``, ``vespo_*``,
         ``use_bias_correction_kl``, ``steps_per_generation``); TRL's ``current_gradient_accumulation_steps``,
         ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
-        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``_loss_entropies``, ``_append``
+        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_append``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
     """
 
     _tag_names = ["trl", "grpo", "grpotrl", "multi-task"]
-    _reads_cagrad = True
+    _multitask = True
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
-        self._task_rewards = True  # GRPO's preflight runs check_tasks; reward_funcs may map tasks to functions
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
@@ -116,7 +116,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         coef = self.entropy_coef_in_force()
         full, task_losses, reg = self._loss_terms(model, inputs, coef)
         present = {k for k, r in _task_rows(inputs, len(self.task_names)).items() if r.numel()}
-        entropies = self._loss_entropies[0] if self._loss_entropies is not None else None
+        entropies = self.hook_record.loss.entropies if self.hook_record.loss is not None else None  # [B, C]
         for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
             if entropies is None or not loss.requires_grad:
                 continue
@@ -187,7 +187,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             self.loss_type, rows=mask.size(0), tokens=mask.sum(), max_completion_length=self.max_completion_length,
             accumulation=self.current_gradient_accumulation_steps, num_items_in_batch=inputs.get("num_items_in_batch"),
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)
-        if self.loss_type == "vespo":  # folded into its gamma weight whenever present
+        if named(self.loss_type).folds_sampler_ratio:  # into its sequence weight whenever present
             ratio = inputs.get("importance_sampling_ratio")
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             ratio = inputs["importance_sampling_ratio"]
@@ -255,7 +255,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         """I7, exact mode: with the bonus acting alone (no task direction, ``.grad`` holding what
         the backward of ``-c H`` gives), the update ``_compose_update`` applies must raise H to
         first order: ``dH = -lr <u, dH/dtheta> > 0``. One extra backward of H (guard steps only)."""
-        entropies, mask = self._loss_entropies
+        entropies, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask  # [B, C]
         H = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
         grad_h = torch.autograd.grad(H, params, retain_graph=True, allow_unused=True)
         grad_h = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grad_h)]

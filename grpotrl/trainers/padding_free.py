@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..ops.packing import IGNORE, balance_plan, forward_plan, pack, prompts_of, unpack
-from ..ops.reduction import LOSS_TYPES
+from ..ops.loss_types import LOSS_TYPES
 from . import _intercept
 
 logger = logging.getLogger(__name__)
@@ -157,11 +157,6 @@ def _full_attention_only(model) -> bool:
     return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
 
 
-# TRL's loss types whose reduction of an optimizer step's microbatches does not depend on which rows share
-# one (ops.reduction.reduce_rows, equal microbatch sizes): all but bnpo, which divides each by its own tokens
-GROUPING_FREE_LOSS_TYPES = tuple(t for t in LOSS_TYPES if t != "bnpo")
-
-
 def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
     """Whether each optimizer step's microbatches are regrouped by tokens (``args.balance_microbatches``
     for a run whose logprob forwards are ``packed`` or not), and why not where it asked for ``"auto"``
@@ -169,10 +164,10 @@ def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
     want = setting(getattr(args, "balance_microbatches", False))
     if want is False:
         return False, None
-    why = None
+    why, kind = None, LOSS_TYPES.get(args.loss_type)  # kind None: not a TRL loss type, TRL's loss refuses it
     if not packed:
         why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
-    elif args.loss_type not in GROUPING_FREE_LOSS_TYPES:
+    elif kind is None or not kind.grouping_free:  # the step's loss depends on which rows share a microbatch
         why = f"loss_type={args.loss_type!r} normalises each microbatch by its own token count"
     elif args.top_entropy_quantile < 1.0:
         why = "top_entropy_quantile < 1 picks the high-entropy tokens per microbatch"

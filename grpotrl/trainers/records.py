@@ -1,0 +1,62 @@
+"""The values grpotrl's GRPO hooks hand each other. TRL calls its hooks with TRL's arguments and keeps
+their TRL return values, so what grpotrl learns in one hook and needs in a later one travels in one
+documented record on the trainer (``GRPOTrainer.hook_record``), typed here, never in loose fields.
+
+Who writes and who reads each field, in the order TRL calls the hooks:
+
+* ``_generate`` (inside TRL's ``_generate_and_score_completions``) writes ``generated``: what the round's
+  ``generate`` calls saw and returned;
+* ``_generate_and_score_completions`` reads it (health signals, dynamic sampling) and writes ``guard`` (the
+  generation batch's I1/I3/I4 record, after dynamic sampling's refills) and ``window_tokens`` (I11);
+* ``_compute_loss`` (each microbatch) reads ``guard`` and ``window_tokens`` and writes ``loss``;
+* ``compute_loss`` (TRL's wrapper around ``_compute_loss``) and the multi-task trainer read ``loss`` (I7).
+
+Letters: B rows of this process's generation batch (or microbatch), C completion width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one ``_generate`` call saw and returned.
+
+    ``completion_lengths`` [B]: each completion's token count. ``generated_stops`` [B]: the stop ids
+    ``generate`` wrote per row, past the cut completion too (None where ``generate`` was not observed: vLLM,
+    continuous batching, a tool loop, a ``rollout_func``). ``guard``: ``guards.check_generation``'s record of the
+    prompt and completion ids per row, which the loss's microbatches are checked against (None off guard
+    steps). ``sampler``: what the sampler's logprob recorder measured (``sampled_logprobs.recorded_measures``:
+    the raw logprobs, the log kept mass, the temperature and processors; None where nothing was recorded)."""
+
+    completion_lengths: torch.Tensor
+    generated_stops: torch.Tensor | None
+    guard: dict | None
+    sampler: dict | None
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What the last ``_compute_loss`` fed TRL's loss: the policy's per-token ``entropies`` [B, C] (None
+    when TRL computed none) and the ``mask`` [B, C] of the tokens in the loss."""
+
+    entropies: torch.Tensor | None
+    mask: torch.Tensor
+
+
+@dataclass
+class HookRecord:
+    """The record the GRPO hooks hand each other (module docstring: who writes, who reads).
+
+    ``generated``: the last ``_generate`` call's ``Generated``. ``guard``: the generation batch's I1/I3/I4
+    record for its microbatches (None off guard steps). ``window_tokens``: the loss tokens of the whole
+    generation batch over every process, the normaliser of dapo/cispo/vespo that I11 checks (None off guard
+    steps). ``loss``: the last microbatch's ``LossTerms``."""
+
+    generated: Generated | None = None
+    guard: dict | None = None
+    window_tokens: float | None = None
+    loss: LossTerms | None = None
