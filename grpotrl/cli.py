@@ -36,6 +36,7 @@ from __future__ import annotations
 import grpotrl  # noqa: I001  first: sets OMP_WAIT_POLICY before torch is imported
 
 import difflib
+import logging
 import math
 import os
 import sys
@@ -320,6 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in (*COMMANDS, "report"):
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    # grpotrl's own INFO lines (what the trainer chose at init and why: padding_free on this device, ...) on
+    # stderr, beside TRL's; its warnings as before
+    shown = logging.StreamHandler()
+    shown.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("grpotrl").addHandler(shown)
+    logging.getLogger("grpotrl").setLevel(logging.INFO)
     try:
         if argv[0] == "report":
             from grpotrl.report import main as report

@@ -245,6 +245,29 @@ def test_reward_errors_list_the_options():
         resolve.resolve_reward_funcs(["format"], judges={"format": lambda **kw: []})
 
 
+@pytest.mark.parametrize("entry, expected", [
+    ("os.system", r"reward_funcs entry 'os\.system': Reward posix\.system\(command\) cannot be called as TRL calls a "
+                  r"reward function"),
+    ("a:os.system", r"reward_funcs entry 'a:os\.system': Reward posix\.system\(command\) cannot be called"),
+    ("collections.Counter", r"reward_funcs entry 'collections\.Counter': Reward collections\.Counter is a class"),
+    ("builtins.getattr", r"reward_funcs entry 'builtins\.getattr': Reward builtins\.getattr: its signature cannot "
+                         r"be read"),
+    ("a:no_such_lib.rewards.f", r"reward_funcs entry 'a:no_such_lib\.rewards\.f': cannot import module "
+                                r"'no_such_lib\.rewards'"),
+    ("grpotrl.rewards.rules.exact_answer", r"reward_funcs entry 'grpotrl\.rewards\.rules\.exact_answer': module "
+                                           r"'grpotrl\.rewards\.rules' \(\S+rules\.py\) has no callable 'exact_answer' "
+                                           r"\(did you mean 'exact_answer_reward'\?\)"),
+    ("os.sep", r"reward_funcs entry 'os\.sep': .* has no callable 'sep'.*; its callables: \[.*\] and \d+ more\.$"),
+    (".my_reward", r"reward_funcs entry '\.my_reward' is not a dotted import path: write it as module\.function"),
+    ("my-lib.f", r"reward_funcs entry 'my-lib\.f' is not a dotted import path"),
+])
+def test_a_reward_entry_that_cannot_be_used_is_named_as_the_recipe_writes_it(entry, expected):
+    """``os.system`` resolves to ``posix.system``: the error leads with the entry as written (task prefix
+    included), then what it resolved to and why TRL could not call it."""
+    with pytest.raises(InputError, match="^" + expected):
+        resolve.resolve_reward_funcs([entry])
+
+
 # ---------------------------------------------------------------------------------------------
 # Judges
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +315,8 @@ def test_judges_parse_into_http_judges_and_local_specs(tmp_path, tiny_llama):
     ({**HTTP, "timeout": "soon"}, r"timeout must be a number, got 'soon'"),
     ({**HTTP, "max_reply_bytes": 1.5}, r"max_reply_bytes must be an integer, got 1.5"),
     ({**HTTP, "api_key_env": "JUDGE_KEY_NOT_SET_ANYWHERE"}, "'JUDGE_KEY_NOT_SET_ANYWHERE', which is not set"),
-    ({"model_path": "/no/such/judge", "rubric": "fairness"}, "does not exist"),
+    ({"model_path": "/no/such/judge", "rubric": "fairness"},
+     r"^judges\.j\.model_path '/no/such/judge': Model dir '/no/such/judge' does not exist"),
 ])
 def test_bad_judge_settings_are_clear_errors(settings, error):
     with pytest.raises(InputError, match=error):
@@ -435,6 +459,53 @@ def test_recipe_values_argparse_would_convert_pass(tmp_path):
                     f"output_dir: {tmp_path / 'out'}\n")
     script_args, args, model_args = cli.parse_args("grpo", ["--config", str(path)])
     assert args.learning_rate == 1e-5 and model_args.use_peft is True and args.beta == 0
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"reward_weights": [1.0, "x"]}, r"reward_weights: \[1\.0, 'x'\] is a list, but reward_weights takes a list of "
+                                     r"numbers or null \(reward_weights\[1\] is 'x', a str\)"),
+    ({"reward_weights": [1, float("nan")]}, r"reward_weights: \[1, nan\] is a list, .* \(reward_weights\[1\] is nan, "
+                                            r"a NaN\)"),
+    ({"report_to": ["wandb", 3]}, r"report_to: \['wandb', 3\] is a list, but report_to takes null or a string or a list "
+                                  r"of strings \(report_to\[1\] is 3, an int\)"),
+    ({"liger_kernel_config": {"rope": 2}}, r"liger_kernel_config: \{'rope': 2\} is a dict, but liger_kernel_config "
+                                           r"takes a mapping \(keys: strings, values: true or false\) or null "
+                                           r"\(liger_kernel_config\['rope'\] is 2, an int\)"),
+    ({"model_init_kwargs": {1: "bf16"}}, r"model_init_kwargs: \{1: 'bf16'\} is a dict, .*\(model_init_kwargs has the "
+                                         r"key 1, an int\)"),
+    ({"eval_steps": "often"}, r"eval_steps: 'often' is a str, but eval_steps takes a number or null\."),
+    ({"dataset_config": 3}, r"dataset_config: 3 is an int, but dataset_config takes a string or null \(quote it"),
+    ({"trackio_static_space_id": True}, r"trackio_static_space_id: True is a bool, but trackio_static_space_id takes "
+                                        r"a string or null or one of False"),
+    ({"bf16": 2, "max_steps": 1.0}, r"bf16: 2 is an int, but bf16 takes true or false or null; max_steps: 1\.0 is a "
+                                    r"float, but max_steps takes an integer \(write 1\)\."),
+])
+def test_recipe_value_of_the_wrong_type_names_the_wrong_item(value, expected):
+    """Inside a list or mapping the error names the wrong item by index or key (the value itself is
+    shown too); an Optional field takes null besides its type, a Literal one its choices."""
+    from grpotrl.configs.recipe_types import check_recipe_types
+
+    with pytest.raises(InputError, match=r"^Recipe r\.yaml: " + expected):
+        check_recipe_types(value, cli.make_parser("grpo").dataclass_types, "r.yaml")
+
+
+def test_recipe_and_config_values_that_passed_before_pass(tmp_path):
+    """An int for a float, inf (the range checks judge it), a quoted number, yes for a bool, one string for
+    a list of strings, 'auto' or true where TRL takes them beyond the annotation, False for the Literal,
+    an enum's value in a list, null for an Optional; in Python also a tuple for a list and numpy's ints."""
+    import numpy as np
+
+    import grpotrl
+    from grpotrl.configs.recipe_types import check_recipe_types
+
+    check_recipe_types({"reward_weights": [1, 2.5], "max_grad_norm": float("inf"), "learning_rate": "1e-5",
+                        "use_peft": "Yes", "reward_funcs": "exact_answer", "padding_free": "auto",
+                        "scale_rewards": True, "trackio_static_space_id": False, "debug": ["underflow_overflow"],
+                        "liger_kernel_config": {"rope": True}, "model_init_kwargs": {"dtype": "float32"},
+                        "eval_steps": None, "max_steps": -1}, cli.make_parser("grpo").dataclass_types, "r.yaml")
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, reward_weights=(1, 2.0),
+                              logging_steps=np.int64(2))
+    assert args.reward_weights == (1, 2.0) and args.logging_steps == 2
 
 
 def test_command_line_value_of_the_wrong_type_is_one_error_line(tmp_path, capsys):
@@ -794,8 +865,8 @@ def test_a_reward_that_trl_cannot_call_is_refused_before_the_load(func, expected
 
 def test_cli_reward_builtin_by_dotted_path_is_one_error_before_the_load(tmp_path, smollm2_path, no_model_load, capsys):
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, reward_funcs=["os.system"])])
-    assert re.search(r"grpotrl grpo: error: Reward posix\.system\(command\) cannot be called as TRL calls a reward "
-                     r"function", line), line
+    assert re.search(r"grpotrl grpo: error: reward_funcs entry 'os\.system': Reward posix\.system\(command\) cannot be "
+                     r"called as TRL calls a reward function", line), line
 
 
 def test_no_reward_funcs_reaches_trls_own_rule(tmp_path, tiny_llama):

@@ -96,6 +96,7 @@ def test_seeds_pipeline_sft_then_judged_multitask_grpo_through_the_cli(serve, ti
                     "--judges", judges_at(proxy.url, serve["model"])], tmp_path / "grpo.log")
         check_judged_run(history(grpo), proxy, steps=2)
     assert "grpotrl grpo: 2 steps" in text
+    assert "grpotrl: padding_free on (auto: measured faster" in text  # the trainer's startup line reaches the user
 
 
 @pytest.mark.slow  # ~85 s

@@ -573,7 +573,7 @@ def test_bad_padding_free_value_is_refused_at_the_config(value, tmp_path):
 @pytest.mark.parametrize("value,expected", [("true", True), ("False", False), ("auto", "auto"), (True, True)])
 def test_recipe_strings_and_bools_are_read(value, expected, tmp_path):
     args = grpotrl.GRPOConfig(output_dir=str(tmp_path), padding_free=value)
-    assert padding_free.setting(args.padding_free) == expected
+    assert padding_free.parse_setting(args.padding_free) == expected
 
 
 def _tiny_model(path, **config):

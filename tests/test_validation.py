@@ -13,6 +13,8 @@ import transformers
 from datasets import Dataset
 from safetensors.torch import save_file
 
+import grpotrl
+from conftest import arithmetic_prompts, length_reward
 from grpotrl import checkpoints, cli
 from grpotrl.data import checks as preflight_data
 from grpotrl.configs import checks
@@ -573,3 +575,9 @@ def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_lla
     trainer.train(overwrite_output_dir=True)  # the user said so
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 25  # save_state not called yet
     assert trainer.state.global_step == 1
+
+
+def test_an_unknown_loss_type_is_refused_before_the_model_loads(tiny_llama, grpo_args):
+    with pytest.raises(InputError, match=r"loss_type='gspo' is not one of TRL 1.16's loss types: grpo, "):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(loss_type="gspo"),
+                            train_dataset=arithmetic_prompts())

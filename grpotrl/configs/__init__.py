@@ -64,7 +64,7 @@ class GuardFields(TemplateGuardFields):
         metadata={"help": "I5 tolerance in fp32 between the loss's per-token logprobs and an independent "
                   "log_softmax(logits / T) recomputation, in nats per nat of logit scale max|logits / T| "
                   "(fp32 rounding grows with it). In bf16/fp16 (autocast, or weights loaded in them) I5 is "
-                  "statistical instead: the temperature fitted over the loss's tokens within 1% of T, the median "
+                  "statistical instead: the temperature fitted over the loss's tokens within a relative 0.01 of T, the median "
                   "gap <= 0.02 nats and no row's mean gap > 0.5 (grpotrl/guards/precision.py, docs/guarantees.md)."},
     )
     check_step0_identity: bool = field(
@@ -188,7 +188,7 @@ class HealthFields:
         metadata={"help": "Log the logit signals (logits/max, logits/top1_top2_gap, logits/top1_prob, "
                   "logits/top5_mass) every N steps with one extra no-grad forward per microbatch that "
                   "materialises the completion logits [B, C, V] (TRL's fused loss head never does): N=1 cost "
-                  "+15% step time on SmolLM2-135M (bench/bench_health.py --logit-steps 1) and B*C*V*4 bytes. "
+                  "1.15x the step time on SmolLM2-135M (bench/bench_health.py --logit-steps 1) and B*C*V*4 bytes. "
                   "0: only on guard steps, where the I5 guard's forward provides them for free."},
     )
 

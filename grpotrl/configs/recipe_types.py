@@ -4,25 +4,33 @@
 defaults; argparse converts only strings, so ``learning_rate: [1]``, ``bf16: 2`` or
 ``max_steps: 1.5`` reached the trainer as they were. ``read_recipe`` turns a YAML syntax error
 into one line (file, line, column, problem); ``check_recipe_types`` refuses each value its
-field's annotation cannot hold, naming the field, the value and the expected type;
-``check_config_types`` does the same for the fields a Python user set on a grpotrl config.
+field's annotation cannot hold, naming the field, the value, the expected type and, inside a
+list or mapping, the item; ``check_config_types`` does the same for the fields a Python user
+set on a grpotrl config.
 
-What a field takes is read from its annotation: ``bool`` (true/false, or a string argparse
-reads as one), ``int`` (no float, no bool), ``float`` (any finite-or-infinite number, never
-NaN), ``str`` (a string: quote numbers), ``list[X]``, ``dict``, unions, ``Literal``, enums
-(their values, or any string where the field also takes ``str``). A string where a number or
-bool is expected passes only if argparse would convert it. Annotations this module does not
-know pass (the config's own checks see them).
+pydantic checks each value against its field's annotation (``pydantic.TypeAdapter``), in its lax
+mode (a tuple is a list, an enum's value is the enum) except for the plain types, which
+``_PLAIN_TYPES`` makes strict: a bool is true or false (``bf16: 2`` is refused), an int no bool
+and no float (``max_steps: 1.5``, ``max_steps: true``), a float any int or float but NaN (inf
+passes: ``checks.RANGES`` refuses it where it means nothing), a str a string (quote numbers).
+Each also takes a string argparse converts to it (``learning_rate: '1.0e-5'``, ``use_peft: yes``),
+and a ``list[str]`` one string (``reward_funcs: exact_answer``, argparse's ``nargs``). Any other
+class (``ParallelismConfig``) takes its instances only. An annotation pydantic cannot read passes
+(the config's own checks see it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+import functools
 import math
 import numbers
 import types
 import typing
+from typing import Annotated
+
+import pydantic
+from pydantic import AfterValidator, StrictBool, StrictStr
 
 from ..errors import InputError
 
@@ -64,6 +72,89 @@ def read_recipe(path: str) -> dict:
     return recipe
 
 
+def _bool_string(text: str) -> str:
+    if text.lower() not in _BOOL_STRINGS:
+        raise ValueError(f"argparse reads only {sorted(_BOOL_STRINGS)} as a bool")
+    return text
+
+
+def _no_bool(number):
+    if isinstance(number, bool):
+        raise ValueError("a bool is no number")
+    return number
+
+
+def _not_nan(number: float) -> float:
+    if math.isnan(number):
+        raise ValueError("NaN is no number")
+    return number
+
+
+# What a value may be where an annotation names a plain type: the type itself, strictly (numpy's numbers
+# are numbers, a bool is none), or a string argparse converts to it (transformers' string_to_bool, int, float).
+_Integral = Annotated[pydantic.InstanceOf[numbers.Integral], AfterValidator(_no_bool)]
+_Real = Annotated[pydantic.InstanceOf[numbers.Real], AfterValidator(_no_bool)]
+_PLAIN_TYPES = {
+    bool: StrictBool | Annotated[str, AfterValidator(_bool_string)],
+    int: _Integral | Annotated[str, AfterValidator(int)],
+    float: Annotated[_Real | Annotated[str, AfterValidator(float)], AfterValidator(_not_nan)],
+    str: StrictStr,
+}
+
+
+def _checked_as(tp):
+    """The type pydantic checks a value for a field annotated ``tp`` against: ``tp`` with each plain type
+    replaced by its ``_PLAIN_TYPES`` entry, one string also taken for a ``list[str]``, and a dataclass
+    (``ParallelismConfig``) taken as an instance only, never built from a mapping."""
+    if tp in _PLAIN_TYPES:
+        return _PLAIN_TYPES[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_checked_as(a) for a in args)]
+    if origin is list and args == (str,):
+        return list[StrictStr] | StrictStr
+    if origin in (list, dict) and args:
+        return origin[tuple(_checked_as(a) for a in args)]
+    if dataclasses.is_dataclass(tp):
+        return pydantic.InstanceOf[tp]
+    return tp
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(tp) -> pydantic.TypeAdapter | None:
+    """pydantic's validator for a field annotated ``tp``; None for an annotation pydantic cannot read."""
+    try:
+        return pydantic.TypeAdapter(_checked_as(tp), config=pydantic.ConfigDict(arbitrary_types_allowed=True))
+    except pydantic.PydanticUserError:
+        return None
+
+
+def _refusal(value, tp) -> pydantic.ValidationError | None:
+    """pydantic's error for ``value`` (as YAML or a Python call gives it) where a field is annotated
+    ``tp``; None where the field holds it."""
+    adapter = _adapter(tp)
+    if adapter is None:
+        return None
+    try:  # strict=None: each type as ``_checked_as`` made it (True or False would override that)
+        adapter.validate_python(value, strict=None)
+    except pydantic.ValidationError as err:
+        return err
+    return None
+
+
+def matches(value, tp) -> bool:
+    """Whether ``value`` (as YAML gives it) is something a field annotated ``tp`` holds.
+
+    >>> matches(1, float), matches(1.5, int), matches(2, bool), matches(float("nan"), float)
+    (True, False, False, False)
+    >>> matches("1e-5", float), matches([1, 2], list[float]), matches(None, int | None)
+    (True, True, True)
+    >>> matches("exact_answer", list[str] | None), matches([1, "x"], list[float]), matches({"a": 2}, dict[str, bool])
+    (True, False, False)
+    """
+    return _refusal(value, tp) is None
+
+
 def _type_name(tp) -> str:
     if tp is type(None):
         return "null"
@@ -77,59 +168,55 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(map(repr, args))
     if origin is list:
         return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
-    if origin is dict:
-        return "a mapping"
+    if origin is dict and args:
+        keys, values = _type_name(args[0]).removeprefix("a ").removeprefix("an "), _type_name(args[1])
+        return f"a mapping (keys: {keys}s" + (f", values: {values})" if args[1] is not typing.Any else ")")
     return str(tp)
 
 
-def _is_number_string(value: str, kind: type) -> bool:
-    try:
-        number = kind(value)
-    except ValueError:
-        return False
-    return not (kind is float and math.isnan(number))
+def _kind(value) -> str:
+    """``value``'s kind with its article: ``an int``, ``a str``, ``a NaN``."""
+    kind = "NaN" if isinstance(value, float) and math.isnan(value) else type(value).__name__
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
 
-def matches(value, tp) -> bool:
-    """Whether ``value`` (as YAML gives it) is something a field annotated ``tp`` holds.
+def _shown(value, width: int) -> str:
+    return repr(value) if len(repr(value)) <= width else repr(value)[:width - 3] + "..."
 
-    >>> matches(1, float), matches(1.5, int), matches(2, bool), matches(float("nan"), float)
-    (True, False, False, False)
-    >>> matches("1e-5", float), matches([1, 2], list[float]), matches(None, int | None)
-    (True, True, True)
-    """
-    if tp is typing.Any or tp is object:
-        return True
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(matches(value, a) for a in args)
-    if origin is typing.Literal:
-        return value in args
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool) or (isinstance(value, str) and value.lower() in _BOOL_STRINGS)
-    if tp is int:
-        return (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
-            isinstance(value, str) and _is_number_string(value, int))
-    if tp is float:
-        if isinstance(value, str):
-            return _is_number_string(value, float)
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
-    if tp is str:
-        return isinstance(value, str)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in {m.value for m in tp}
-    if origin is list or tp is list:
-        if isinstance(value, str) and args and args[0] is str:  # one string for a list of strings: argparse's nargs
-            return True
-        return isinstance(value, (list, tuple)) and all(matches(v, args[0]) for v in value) if args else \
-            isinstance(value, (list, tuple))
-    if origin is dict or tp is dict:
-        return isinstance(value, dict)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True  # an annotation this module does not know: the config checks it
+
+def _wrong_item(name: str, value, err: pydantic.ValidationError) -> str:
+    """The deepest wrong item pydantic found in ``value`` (a list or mapping), as ``reward_weights[1] is 'x',
+    a str`` or ``model_init_kwargs has the key 1, an int``; '' where ``value`` itself is wrong. A location
+    also names the union members pydantic tried (``'list[...]'``): those index nothing and are skipped."""
+    found, depth = "", 0
+    for error in err.errors():
+        where, item, steps, is_key = name, value, 0, False
+        for key in error["loc"]:
+            if key == "[key]":  # the key of the item reached so far is wrong, not its value
+                where, item, is_key = where.rpartition("[")[0], error["input"], True
+            elif isinstance(item, (list, tuple)) and isinstance(key, int) and 0 <= key < len(item):
+                where, item, steps = f"{where}[{key}]", item[key], steps + 1
+            elif isinstance(item, dict) and key in item:
+                where, item, steps = f"{where}[{key!r}]", item[key], steps + 1
+        if steps > depth:
+            found, depth = f"{where} {'has the key' if is_key else 'is'} {_shown(item, 60)}, {_kind(item)}", steps
+    return found
+
+
+def _problem(name: str, value, tp) -> str | None:
+    """What is wrong with ``value`` for the field ``name`` annotated ``tp``, e.g. ``bf16: 2 is an int, but
+    bf16 takes true or false``, with the wrong item of a list or mapping; None where the field holds it."""
+    err = _refusal(value, tp)
+    if err is None:
+        return None
+    hint = ""
+    if tp in (int, int | None) and isinstance(value, float) and value.is_integer():
+        hint = f" (write {int(value)})"
+    elif str in typing.get_args(tp) or tp is str:
+        hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
+    if item := _wrong_item(name, value, err):
+        hint += f" ({item})"
+    return f"{name}: {_shown(value, 80)} is {_kind(value)}, but {name} takes {_type_name(tp)}{hint}"
 
 
 def _fields(dataclass_types) -> dict:
@@ -149,23 +236,11 @@ def _annotation(name: str, hints: dict):
     return tp | ALSO_TAKES[name] if name in ALSO_TAKES and tp is not typing.Any else tp
 
 
-def _problem(name: str, value, tp) -> str:
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    kind = "NaN" if isinstance(value, float) and math.isnan(value) else type(value).__name__
-    hint = ""
-    if tp in (int, int | None) and isinstance(value, float) and value.is_integer():
-        hint = f" (write {int(value)})"
-    elif str in typing.get_args(tp) or tp is str:
-        hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
-    return f"{name}: {shown} is {article} {kind}, but {name} takes {_type_name(tp)}{hint}"
-
-
 def check_recipe_types(recipe: dict, dataclass_types, path: str) -> None:
     """Raise ``InputError`` listing every value of ``recipe`` whose field (in ``dataclass_types``)
     cannot hold it. Keys no dataclass knows are left to the parser (it names them with hints)."""
     fields = _fields(dataclass_types)
-    bad = [_problem(k, v, fields[k]) for k, v in recipe.items() if k in fields and not matches(v, fields[k])]
+    bad = [problem for k, v in recipe.items() if k in fields and (problem := _problem(k, v, fields[k]))]
     if bad:
         raise InputError(f"Recipe {path}: " + "; ".join(bad) + ". Fix the value(s); `--help` describes every key.")
 
@@ -183,8 +258,8 @@ def check_config_types(config) -> None:
         value = getattr(config, f.name, None)
         if _same(value, default) or not isinstance(value, _PLAIN):
             continue  # left as it was, or an object the user built on purpose (AcceleratorConfig, ...)
-        if not matches(value, _annotation(f.name, hints)):
-            bad.append(_problem(f.name, value, _annotation(f.name, hints)))
+        if problem := _problem(f.name, value, _annotation(f.name, hints)):
+            bad.append(problem)
     if bad:
         raise InputError(f"{type(config).__name__}: " + "; ".join(bad) + ".")
 

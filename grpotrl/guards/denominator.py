@@ -25,6 +25,7 @@ import torch
 
 from ..errors import InvariantError
 from ..ops.loss_types import Normaliser, PerToken, named
+from ..ops.masking import masked_mean
 
 
 def expected_normaliser(loss_type: str, mask: torch.Tensor, *, max_completion_length: int, accumulation: int,
@@ -84,7 +85,7 @@ def token_slope(loss_type: str, advantages: torch.Tensor, log_ratio: torch.Tenso
     """
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # [B, 1] or [B, C]
     if sequence_level:
-        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+        log_ratio = masked_mean(log_ratio, mask, dim=-1, keepdim=True)
     family = named(loss_type).per_token
     r = torch.exp(log_ratio)  # [B, C] or [B, 1]
     if family is PerToken.CLIPPED:

@@ -131,3 +131,16 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     if (last < 0).any():
         raise ValueError("a row of the attention mask is all zeros: there is no token to score")
     return last
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The mean of ``x`` over the positions where ``mask`` is 1, along ``dim`` (all positions when None); an
+    empty mask gives 0 (the sum over nothing, over at least 1). ``x``, ``mask``: the same shape, e.g. [B, C].
+
+    >>> x, m = torch.tensor([[1.0, 3.0, 9.0], [2.0, 5.0, 7.0]]), torch.tensor([[1, 1, 0], [0, 0, 0]])
+    >>> masked_mean(x, m, dim=-1).tolist(), masked_mean(x, m).item()
+    ([2.0, 0.0], 2.0)
+    """
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim, keepdim=keepdim) / mask.sum(dim, keepdim=keepdim).clamp(min=1.0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .loss_types import Normaliser, named
+from .masking import masked_mean
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def reduce_rows(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: Red
     r, kind = reduction, named(reduction.loss_type).normaliser
     masked = per_token_loss * mask  # [n, C]
     if kind is Normaliser.ROW_TOKEN_MEAN:
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / r.rows / r.accumulation
+        return masked_mean(per_token_loss, mask, dim=-1).sum() / r.rows / r.accumulation
     if kind is Normaliser.MICROBATCH_TOKENS:
         return masked.sum() / torch.as_tensor(r.tokens).clamp(min=1.0) / r.accumulation
     if kind is Normaliser.MAX_LENGTH_ROWS:

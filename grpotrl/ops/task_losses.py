@@ -23,6 +23,7 @@ import torch
 
 from .loss_types import PerToken, named
 from .losses import kl_loss_term
+from .masking import masked_mean
 from .reduction import Reduction, reduce_rows
 
 
@@ -61,7 +62,7 @@ def log_importance_weights(per_token_logps: torch.Tensor, old_per_token_logps: t
     log_ratio = per_token_logps - old_per_token_logps  # [n, C]
     if level == "token":
         return log_ratio
-    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [n, 1]
+    return masked_mean(log_ratio, mask, dim=-1, keepdim=True)  # [n, 1]
 
 
 def off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -69,7 +70,7 @@ def off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor, sam
     """``[n, 1]``: 1 keeps a row (advantage >= 0, or its mean ``log pi_sampler - log pi`` <= ``threshold``),
     0 drops it (DeepSeek-V3.2's off-policy sequence mask; a NaN sampler logprob counts as 0)."""
     kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)  # [n, C]
-    mean_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [n, 1]
+    mean_kl = masked_mean(kl, mask, dim=1, keepdim=True)  # [n, 1]
     return ((advantages >= 0) | (mean_kl <= threshold)).to(dtype=mask.dtype)
 
 

@@ -285,8 +285,10 @@ def _check_generation_args(args, kwargs: dict) -> None:
     if penalties and kwargs.get("tools"):
         raise InputError("presence/frequency penalties and min_new_tokens are not supported with tools yet: "
                          "the multi-turn loop calls generate several times per completion. Set them to 0.")
-    kind = LOSS_TYPES.get(args.loss_type)
-    if args.hf_importance_sampling_correction and kind is not None and kind.folds_sampler_ratio:
+    if args.loss_type not in LOSS_TYPES:  # TRL would fail at the first loss, after generation
+        raise InputError(f"loss_type={args.loss_type!r} is not one of TRL 1.16's loss types: "
+                         f"{', '.join(LOSS_TYPES)}.")
+    if args.hf_importance_sampling_correction and LOSS_TYPES[args.loss_type].folds_sampler_ratio:
         raise InputError("hf_importance_sampling_correction folds the ratio into the advantages, which is not "
                          f"equivalent for loss_type={args.loss_type!r}, whose loss weighs each sequence by the "
                          "ratio itself. Use another loss_type or turn the correction off.")

@@ -125,8 +125,11 @@ def _judge(name, settings):
         from ..models.sources import check_model_source
         from ..models import resolve_model_path
 
-        path = resolve_model_path(str(settings["model_path"]))  # an alias, a local dir or a Hub id
-        check_model_source(path, what=f"{where}.model_path")
+        try:  # an alias, a local dir or a Hub id; the error names the judge and the path as written
+            path = resolve_model_path(str(settings["model_path"]))
+            check_model_source(path)
+        except InputError as err:
+            raise InputError(f"{where}.model_path {settings['model_path']!r}: {err}") from None
         return LocalJudgeSpec(name, rubric, path, batch_size=_number(settings, "batch_size", 4, int, where))
     if "model" not in settings:
         raise InputError(f"{where} has no `model`: the model name the server at base_url serves (the `model` "

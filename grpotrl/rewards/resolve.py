@@ -3,7 +3,9 @@ once, before any weights load, by the trainers' preflight (``grpotrl/preflight/`
 rewards come from a recipe (``RewardNames``) or from Python.
 
 * ``resolve_reward_funcs``: each name looked up in the recipe's judges, grpotrl's ``REWARD_FUNCS``
-  (``rules.py``), the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path;
+  (``rules.py``), the names ``trl grpo`` knows (``trl_reward_funcs``), then a dotted import path,
+  whose function is checked as TRL calls it at once; each error quotes the entry as the recipe or
+  command line wrote it (``reward_funcs entry 'os.system': Reward posix.system(command) ...``).
   ``task:name`` entries give a mapping task -> functions (``MultiTaskGRPOTrainer``).
 * ``check_reward_callables``: every reward is something TRL can call as it does,
   ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
@@ -51,26 +53,38 @@ def trl_reward_funcs() -> dict:
             "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)}
 
 
-def _import_reward(path: str):
+def _import_reward(path: str, entry: str):
     """``my_lib.rewards.custom_reward`` -> that function, as ``trl grpo`` imports it (the working
-    directory is put first on ``sys.path``)."""
+    directory is put first on ``sys.path``), checked as TRL will call it (``_uncallable``, before the
+    columns are known). ``entry`` is the ``reward_funcs`` entry as written (``task:path`` included):
+    every error quotes it."""
+    import difflib
     import importlib
     import sys
 
     module_path, _, attr = path.rpartition(".")
+    if not all(part.isidentifier() for part in path.split(".")):
+        raise InputError(f"reward_funcs entry {entry!r} is not a dotted import path: write it as module.function, "
+                         "e.g. my_lib.rewards.custom_reward (each part a Python name).")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_path)
     except ModuleNotFoundError as err:
-        raise InputError(f"Reward {path!r}: cannot import module {module_path!r} ({err}). Put the directory that "
-                         f"holds it on PYTHONPATH (the working directory {os.getcwd()} is searched), or fix the "
-                         "dotted path.") from None
+        raise InputError(f"reward_funcs entry {entry!r}: cannot import module {module_path!r} ({err}). Put the "
+                         f"directory that holds it on PYTHONPATH (the working directory {os.getcwd()} is searched), "
+                         "or fix the dotted path.") from None
     func = getattr(module, attr, None)
     if not callable(func):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise InputError(f"Reward {path!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) has no "
-                         f"callable {attr!r}; its callables: {names}.")
+        close = difflib.get_close_matches(attr, names, n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        more = f" and {len(names) - 30} more" if len(names) > 30 else ""
+        raise InputError(f"reward_funcs entry {entry!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) "
+                         f"has no callable {attr!r}{hint}; its callables: {names[:30]}{more}.")
+    problem = _uncallable(func, _trl_keywords(environments=False))
+    if problem:
+        raise InputError(f"reward_funcs entry {entry!r}: {problem}")
     return func
 
 
@@ -106,11 +120,12 @@ def resolve_reward_funcs(names: list[str] | str | None, judges: dict | None = No
             "my_lib.rewards.custom_reward; any of them as task:name for rewards per task."
         )
 
-    def lookup(name):
+    def lookup(entry):
+        name = entry.rpartition(":")[2]
         for table in (judges, REWARD_FUNCS, trl_funcs):
             if name in table:
                 return table[name]
-        return _import_reward(name)
+        return _import_reward(name, entry)
 
     if not names or not all(tagged):
         return ([reward_model] if reward_model else []) + [lookup(n) for n in names]
@@ -120,8 +135,7 @@ def resolve_reward_funcs(names: list[str] | str | None, judges: dict | None = No
                          "and name it per task.")
     per_task: dict[str, list] = {}
     for n in names:
-        task, _, name = n.rpartition(":")
-        per_task.setdefault(task, []).append(lookup(name))
+        per_task.setdefault(n.rpartition(":")[0], []).append(lookup(n))
     return per_task
 
 
@@ -161,51 +175,65 @@ def _listed(funcs) -> list:
 REWARD_SIGNATURE = "def my_reward(prompts, completions, **kwargs) -> list[float | None]"
 
 
+def _trl_keywords(environments: bool) -> list[str]:
+    """The keywords TRL 1.16's ``_calculate_rewards`` passes every reward besides the columns, in this order
+    (an error names the first one a function does not take)."""
+    return ["prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+            *(["environments"] if environments else [])]
+
+
+def _uncallable(func, keywords: list[str]) -> str | None:
+    """Why TRL could not call the reward ``func`` with ``keywords`` (TRL's own and one per column) and its
+    own required arguments (those a column must fill: ``check_reward_columns``' error), or None. Reward
+    models (a path or Hub id, an ``nn.Module``) and local judges not loaded yet are TRL's / grpotrl's to check."""
+    import torch
+
+    from .recipe import LocalJudgeSpec
+
+    if isinstance(func, (str, torch.nn.Module, LocalJudgeSpec)):
+        return None
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    where = f"Reward {getattr(func, '__module__', None) or '?'}.{name}"
+    if inspect.isclass(func):
+        return (f"{where} is a class, not a reward function: TRL would call {name}(prompts=..., completions=...) "
+                f"and get an instance, not rewards. Pass an instance ({name}(...)) whose __call__ is "
+                f"{REWARD_SIGNATURE}, or a function.")
+    if not callable(func):
+        return (f"A reward in reward_funcs is {func!r:.80} (of type {type(func).__name__}), not a function. A "
+                f"reward is a function {REWARD_SIGNATURE}, a reward model's path, or a judge.")
+    try:
+        signature = inspect.signature(func)
+    except (ValueError, TypeError):
+        return (f"{where}: its signature cannot be read (a builtin or C function), so nothing shows that it takes "
+                f"TRL's keywords. Wrap it in a Python function {REWARD_SIGNATURE}.")
+    params = signature.parameters.values()
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                              p.KEYWORD_ONLY)]
+    try:
+        signature.bind(**dict.fromkeys([*keywords, *required]))
+    except TypeError as err:
+        return (f"{where}{signature} cannot be called as TRL calls a reward function, with the keywords prompts, "
+                f"completions, completion_ids, trainer_state, log_extra, log_metric and one per dataset column "
+                f"({err}). Give it the signature {REWARD_SIGNATURE} (take the columns you need by name before "
+                "**kwargs).")
+    return None
+
+
 def check_reward_callables(reward_funcs, columns: list[str] | None = None, environments: bool = False) -> None:
     """Every reward function can be called the way TRL 1.16's ``_calculate_rewards`` calls it:
     ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
     log_metric=..., **row)`` with a keyword per dataset column in ``columns`` (all but prompt,
     completion, completion_ids; ``environments=`` with an ``environment_factory``), or else an
-    ``InputError`` naming it and the signature required. Reward models (a path or Hub id, an
-    ``nn.Module``) and local judges not loaded yet are TRL's / grpotrl's to check. A required
-    argument named after a column the dataset lacks is ``check_reward_columns``' error, not this one.
+    ``InputError`` naming it and the signature required (``_uncallable``). A required argument named
+    after a column the dataset lacks is ``check_reward_columns``' error, not this one.
     ``reward_funcs``: one function, a list, or a mapping task -> function(s)."""
-    import torch
-
-    from .recipe import LocalJudgeSpec
-
     if isinstance(reward_funcs, Mapping):
         reward_funcs = [f for funcs in reward_funcs.values() for f in _listed(funcs)]
-    trl_kwargs = ["prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
-                  *(["environments"] if environments else [])]  # in this order, so the error names the first
     row = [c for c in (columns or []) if c not in ("prompt", "completion", "completion_ids")]
     for func in _listed(reward_funcs):
-        if isinstance(func, (str, torch.nn.Module, LocalJudgeSpec)):
-            continue
-        name = getattr(func, "__qualname__", None) or type(func).__name__
-        where = f"Reward {getattr(func, '__module__', None) or '?'}.{name}"
-        if inspect.isclass(func):
-            raise InputError(f"{where} is a class, not a reward function: TRL would call {name}(prompts=..., "
-                             f"completions=...) and get an instance, not rewards. Pass an instance ({name}(...)) "
-                             f"whose __call__ is {REWARD_SIGNATURE}, or a function.")
-        if not callable(func):
-            raise InputError(f"A reward in reward_funcs is {func!r:.80} (of type {type(func).__name__}), not a "
-                             f"function. A reward is a function {REWARD_SIGNATURE}, a reward model's path, or a judge.")
-        try:
-            signature = inspect.signature(func)
-        except (ValueError, TypeError):
-            raise InputError(f"{where}: its signature cannot be read (a builtin or C function), so nothing shows "
-                             f"that it takes TRL's keywords. Wrap it in a Python function {REWARD_SIGNATURE}.") from None
-        params = signature.parameters.values()
-        required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-                                                                                  p.KEYWORD_ONLY)]
-        try:  # a required argument no column fills: check_reward_columns names the column
-            signature.bind(**dict.fromkeys([*trl_kwargs, *row, *required]))
-        except TypeError as err:
-            raise InputError(f"{where}{signature} cannot be called as TRL calls a reward function, with the "
-                             f"keywords prompts, completions, completion_ids, trainer_state, log_extra, log_metric and "
-                             f"one per dataset column ({err}). Give it the signature {REWARD_SIGNATURE} (take the "
-                             "columns you need by name before **kwargs).") from None
+        problem = _uncallable(func, [*_trl_keywords(environments), *row])
+        if problem:
+            raise InputError(problem)
 
 
 def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:

@@ -302,11 +302,9 @@ def inject_compact_head(device: torch.device) -> Iterator[None]:
 
 # TRL's fused head on CPU works through tiles of CPU_HEAD_TOKENS tokens x CPU_HEAD_COLUMNS vocabulary columns (TRL:
 # 4096 x 32768, sized for cuBLAS and Triton). Without Triton each tile is folded by about ten elementwise torch
-# passes, each over the whole tile: at 4096 x 32768 fp32, 512 MiB per temporary. Measured on SmolLM2
-# (bench/bench_head_tiles.py, docs/cost.md): 512 tokens cut a loss microbatch's peak by 0.89 GiB for +0.6% time
-# (256 and 128: 0.26 and 0.39 GiB more for +2.9% and +5.8%); then 4096 columns (an 8 MiB tile, in the last-level
-# cache) took the microbatch's forward + backward from 0.838x to 0.678x of TRL's tiles' time, its peak from 0.846x
-# to 0.703x (8192 columns: 0.741x; 2048: 0.693x).
+# passes, each over the whole tile: at 4096 x 32768 fp32, 512 MiB per temporary; at 512 x 4096 an 8 MiB tile stays
+# in the last-level cache. The sizes were chosen by bench/bench_head_tiles.py (figures: docs/cost.md, "The head's
+# token tiles on CPU" and "Forwards cut to their rows, and the head's vocabulary tiles").
 CPU_HEAD_TOKENS = 512
 CPU_HEAD_COLUMNS = 4096
 

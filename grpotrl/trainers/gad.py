@@ -141,7 +141,7 @@ class GADTrainer(GRPOTrainer):
         scores, metrics = self._d.score_and_step(
             self._d_reward, inputs, prompts, completions, completion_ids_list, update=self.model.training,
             check_alone=self._guard_now() and self.args.disable_dropout)  # [N]
-        self._append(metrics)
+        self._record_metrics(metrics)
         columns = [scores]
         if self.args.use_kl_in_reward:
             columns.append(torch.tensor(self.kl_reward(prompts, completions, completion_ids_list),

@@ -174,7 +174,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
                                                      args.guard_logprob_atol)
         self.hook_record = HookRecord()  # what one hook hands the next (trainers/records.py)
-        self._said: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
+        self._warned: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
         self._identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10, first microbatch
         self._last_batch: dict | None = None  # for boundary_report()
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
@@ -189,7 +189,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _guard_now(self) -> bool:
         return guards.due(self.args.guard_steps, self.state.global_step)
 
-    def _append(self, metrics: dict[str, float], mode: str | None = None) -> None:
+    def _record_metrics(self, metrics: dict[str, float], mode: str | None = None) -> None:
         """Each value onto TRL's metric list of its name (logged as their mean at the next log step):
         ``mode``'s, else the current one's (``_intercept.set_metrics``)."""
         _intercept.set_metrics(self, metrics, mode or ("train" if self.model.training else "eval"))
@@ -236,7 +236,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                     _intercept.inject_recorders_after_warpers(model), drop as decoding_rows:
                 out = TRLGenerate(*super()._generate(prompts))
             if decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
-                self._append({"padding_free/decoding_rows": decoding_share(decoding_rows)})
+                self._record_metrics({"padding_free/decoding_rows": decoding_share(decoding_rows)})
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
         sampled = recorded_logprobs(calls[-1], out.completion_ids,
@@ -294,7 +294,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         lengths [B]."""
         lengths = torch.tensor([len(c) for c in completion_ids], device=self.accelerator.device)  # [B]
         local = torch.cat([lengths, lengths.new_tensor([min_new_tokens_fired(call)])])  # [B + 1]
-        self._append(health.completion_shape(self.accelerator.gather(local).view(-1, local.numel()),
+        self._record_metrics(health.completion_shape(self.accelerator.gather(local).view(-1, local.numel()),
                                              self.args.max_completion_length, self.args.min_new_tokens))
         return lengths
 
@@ -324,7 +324,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
         if self.args.dynamic_sampling and self.model.training:
             output, guard = dynamic_sampling.refill(
-                output, rewards, guard, log=self._append, score_round=rescore,
+                output, rewards, guard, log=self._record_metrics, score_round=rescore,
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
@@ -346,7 +346,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self._nonfinite_reward_action == "off":
             return rewards_per_func
         shares, found = health.nonfinite_rewards(rewards_per_func, self.reward_func_names)
-        self._append(shares)
+        self._record_metrics(shares)
         if self.model.training:
             self.step_findings.nonfinite_rewards.extend(found)
         return rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan"))  # [B_global, K]
@@ -380,7 +380,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             tasks = gather_object([str(x[column]) for x in inputs])
             metrics.update({**health.task_lengths(tasks, self.accelerator.gather(lengths)),  # [B_global]
                             **health.task_rewards(tasks, rewards)})
-        self._append(metrics)
+        self._record_metrics(metrics)
         start = self.accelerator.process_index * len(inputs)
         self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": output["completion_ids"], "lengths": lengths,
@@ -405,14 +405,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if task is not None:
             tasks = [self.task_names[i] for i in self.accelerator.gather(task).tolist()]
             metrics.update(health.task_means(tasks, per_sample, "entropy"))
-        self._append(metrics)
+        self._record_metrics(metrics)
         if self.step_findings.losses is not None and self.model.training:
             self.step_findings.losses.append(loss.detach())
 
     def _log_logit_signals(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """logits/max, top1_top2_gap, top1_prob, top5_mass: token means over the completion mask."""
         totals = self.accelerator.gather(health.logit_signal_sums(logits, mask, self.temperature))  # [world*K, 2]
-        self._append(health.means_of_sums(health.LOGIT_SIGNALS,
+        self._record_metrics(health.means_of_sums(health.LOGIT_SIGNALS,
                                           totals.view(-1, len(health.LOGIT_SIGNALS), 2).sum(0)))
 
     def _logit_signals_due(self) -> bool:
@@ -430,7 +430,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                     self.model, ids, attn, output["completion_ids"].size(1),
                     batch_size=self.args.per_device_train_batch_size)[0]
         ratio = identity.correct_advantages(output, self.args)  # [B, C] or [B, 1]
-        self._append({"sampling/importance_sampling_ratio/mean": self.accelerator.gather(ratio.mean()).mean().item()})
+        self._record_metrics({"sampling/importance_sampling_ratio/mean": self.accelerator.gather(ratio.mean()).mean().item()})
 
     # ------------------------------------------------------------------ loss (I1, I3, I4, I5, I10)
 
@@ -567,7 +567,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                                              attention_mask, completion_ids.size(1), self.temperature,
                                                              return_logits=True)
         self._log_logit_signals(logits, loss_mask)
-        if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._said):
+        if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._warned):
             return  # under dropout the loss's forward samples masks: no deterministic reference exists
         tol = self.guard_tolerances
         slope = temperature_slope(logits, completion_ids, self.temperature) if tol.low_precision else None  # [B, C]
@@ -578,17 +578,17 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
                                         atol=tol.entropy_atol, tol=tol)
         del logits
-        self._append(metrics, "train")
+        self._record_metrics(metrics, "train")
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
         """I10: the reference's and the old policy's logprobs on this (first, step-0) microbatch are
         the loss's own (``identity.check_step0_logprobs``). Logged as identity/step0_{ref,old}_logp_gap/*."""
         if guards.skipped_for_dropout(model, "I10 (step-0 identity of reference and old policy) is",
-                                      self._said):
+                                      self._warned):
             return
         rows = inputs[ROW_KEY].tolist() if ROW_KEY in inputs else list(range(used.size(0)))
         ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        self._append(identity.check_step0_logprobs(_intercept.read_tokenizer(self), used, inputs, loss_mask, rows,
+        self._record_metrics(identity.check_step0_logprobs(_intercept.read_tokenizer(self), used, inputs, loss_mask, rows,
                                                    self.guard_tolerances, self.accelerator.unwrap_model(model), ref),
                      "train")
 
@@ -617,14 +617,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         metrics = importance.sampler_gap_metrics(world[:, :local.numel()])
         per_cause = world[:, local.numel():]  # [world, len(CAUSES)]
         found = {name: float(v) for name, v in zip(importance.CAUSES, per_cause.nanmean(0).tolist()) if v == v}
-        self._append({**metrics, **{f"sampling/causes/{k}": v for k, v in found.items()}})
+        self._record_metrics({**metrics, **{f"sampling/causes/{k}": v for k, v in found.items()}})
         if measured is not None:
             found.update(sampler_temperature=measured["temperature"], processors=measured["processors"],
                          own_processors=measured["own_processors"], truncation=measured["truncation"],
                          corrected=bool(self.args.truncated_sampling_correction),
                          dtype=str(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), "?")))
         identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
-                                  self.temperature, self._said, found)
+                                  self.temperature, self._warned, found)
 
     # ------------------------------------------------------------------ the loss's own denominator (I11)
 
@@ -661,12 +661,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
                                                 rtol=self.guard_tolerances.denominator_rtol,
                                                 tiny=1024 * torch.finfo(used.dtype).tiny)
-        if not metrics["guards/denominator_checked_share"] and "denominator" not in self._said:
-            self._said.add("denominator")
+        if not metrics["guards/denominator_checked_share"] and "denominator" not in self._warned:
+            self._warned.add("denominator")
             logger.warning("grpotrl guard I11: no token of this microbatch carried a readable weight (advantages 0, "
                            "ratios clipped or masked), so the loss's normaliser (loss_type=%r) was not checked here.",
                            self.loss_type)
-        self._append(metrics, "train")
+        self._record_metrics(metrics, "train")
 
     # ------------------------------------------------------------------ the entropy bonus's sign (I7)
 
@@ -714,7 +714,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
         """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
         slope = guards.check_entropy_sign(loss, entropies, coef, self.current_gradient_accumulation_steps, where)
-        self._append({"entropy/dloss_dH": slope}, "train")
+        self._record_metrics({"entropy/dloss_dH": slope}, "train")
         return slope
 
     # ------------------------------------------------------------------ checkpoints (I2)

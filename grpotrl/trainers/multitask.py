@@ -21,11 +21,13 @@ from collections import namedtuple
 import torch
 
 from .. import guards
-from ..ops import task_losses as ops
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..ops.loss_types import named
 from ..ops.losses import cagrad_coefficients
+from ..ops.masking import masked_mean
+from ..ops.reduction import Reduction
+from ..ops.task_losses import PolicyLoss, policy_loss_terms, regulariser
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
 
@@ -90,7 +92,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``aux_loss_enabled``, ``router_aux_loss_coef``, and ``args``' ``delta``, ``sapo_*``, ``vespo_*``,
         ``use_bias_correction_kl``, ``steps_per_generation``); TRL's ``current_gradient_accumulation_steps``,
         ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
-        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_append``
+        ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_record_metrics``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
@@ -153,7 +155,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         if self._guard_now():  # TRL's policy loss: its full loss less the regulariser, from the same tensors
             trl_loss = self._trl_loss_fields(inputs)
             with torch.no_grad():
-                reg = ops.regulariser(logps, inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
+                reg = regulariser(logps, inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
                                       entropies, _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
                                       entropy_coef=coef, entropy_mask=entropy_mask, aux_loss=aux,
                                       **trl_loss.regulariser)
@@ -163,9 +165,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def _policy_terms(self, logps: dict, rows: dict, inputs: dict, entropy_mask: torch.Tensor | None) -> dict:
         """``{task: L_k}`` from each task's logprobs ``logps[k]`` [n_k, C] (its rows ``rows[k]``) and the
-        microbatch's ``inputs``: ``ops.policy_loss_terms`` with TRL's settings (``_trl_loss_fields``)."""
+        microbatch's ``inputs``: ``ops.task_losses.policy_loss_terms`` with TRL's settings (``_trl_loss_fields``)."""
         trl_loss = self._trl_loss_fields(inputs)
-        return ops.policy_loss_terms(logps, rows, inputs.get("old_per_token_logps"), inputs["advantages"],
+        return policy_loss_terms(logps, rows, inputs.get("old_per_token_logps"), inputs["advantages"],
                                      _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
                                      entropy_mask=entropy_mask, **trl_loss.per_token)
 
@@ -177,13 +179,13 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         settings, the microbatch's normaliser, the sampler tensors it uses, and the regulariser's
         ``beta``, KL bias correction and MoE aux-loss coefficient (0 when TRL adds no aux loss)."""
         args, mask = self.args, _loss_mask(inputs)
-        settings = ops.PolicyLoss(
+        settings = PolicyLoss(
             self.loss_type, importance_sampling_level=self.importance_sampling_level, epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
             vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg, off_policy_threshold=self.off_policy_mask_threshold)
-        reduction = ops.Reduction(
+        reduction = Reduction(
             self.loss_type, rows=mask.size(0), tokens=mask.sum(), max_completion_length=self.max_completion_length,
             accumulation=self.current_gradient_accumulation_steps, num_items_in_batch=inputs.get("num_items_in_batch"),
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)
@@ -256,7 +258,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         the backward of ``-c H`` gives), the update ``_compose_update`` applies must raise H to
         first order: ``dH = -lr <u, dH/dtheta> > 0``. One extra backward of H (guard steps only)."""
         entropies, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask  # [B, C]
-        H = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+        H = masked_mean(entropies, mask)
         grad_h = torch.autograd.grad(H, params, retain_graph=True, allow_unused=True)
         grad_h = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grad_h)]
         saved = [p.grad for p in params]
@@ -269,7 +271,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             for p, g in zip(params, saved):
                 p.grad = g
         norm = sum(_dot(g, g) for g in grad_h).item()
-        self._append({"entropy/bonus_alone_dH_per_lr": rise}, "train")
+        self._record_metrics({"entropy/bonus_alone_dH_per_lr": rise}, "train")
         if norm > 0 and rise <= 0:
             raise InvariantError("I7", f"with the entropy bonus c={coef:g} acting alone, the update the CAGrad "
                                  f"exact path applies changes H by {rise:+.4g} x lr to first order (|dH/dtheta|^2 = "
@@ -329,7 +331,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         plain = (ones @ gram @ ones).clamp(min=1e-30)
         deviation = ((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt()
         metrics["cagrad/deviation_from_sum"] = deviation.item()
-        self._append(metrics, "train")
+        self._record_metrics(metrics, "train")
 
 
 def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str]) -> None:

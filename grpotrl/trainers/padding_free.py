@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..ops.packing import IGNORE, balance_plan, forward_plan, pack, prompts_of, unpack
-from ..ops.loss_types import LOSS_TYPES
+from ..ops.loss_types import named
 from . import _intercept
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every 
 MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
 
 
-def setting(value) -> bool | str:
+def parse_setting(value) -> bool | str:
     """The config's ``padding_free`` as ``True``, ``False`` or ``"auto"`` (a recipe or command line may
     give it as a string; ``configs.checks.check_padding_free`` refused anything else)."""
     if isinstance(value, str):
@@ -69,7 +69,7 @@ def resolve(args, model, is_vlm: bool, device_type: str) -> tuple[bool, str | No
     "cpu", "cuda", ...), and why not where it asked for ``"auto"`` and it is off. ``"auto"`` is on only on
     ``MEASURED_FASTER_ON``; an explicit ``True`` is honoured on any device. An explicit ``True`` that cannot
     work is an ``InputError``: image inputs, a MoE router loss, ``kl_estimator='full'``, FlashAttention."""
-    want = setting(getattr(args, "padding_free", False))
+    want = parse_setting(getattr(args, "padding_free", False))
     if want is False:
         return False, None
     text = _text_config(model)
@@ -116,7 +116,7 @@ def startup_line(args, device_type: str, packed: bool, why_packed: str | None, r
     (padding_free off); balance_microbatches off (auto: the logprob forwards run padded ...)``.
     ``why_packed`` and ``why_balanced`` are ``resolve``'s and ``resolve_balance``'s reasons; ``rollout``:
     whether rows that have stopped leave the decoding batch (``padding_free`` on, transformers' generate)."""
-    if packed and why_packed is None and setting(args.padding_free) == "auto":
+    if packed and why_packed is None and parse_setting(args.padding_free) == "auto":
         why_packed = f"measured faster than TRL's padded forward on {device_type}; see docs/cost.md"
     if rollout:
         why_rollout = "padding_free on, transformers' generate"
@@ -124,9 +124,9 @@ def startup_line(args, device_type: str, packed: bool, why_packed: str | None, r
         why_rollout = "padding_free off"
     else:
         why_rollout = "not transformers' generate: vLLM, continuous batching, a rollout_func or tools"
-    parts = [_chosen("padding_free", setting(args.padding_free), packed, why_packed),
+    parts = [_chosen("padding_free", parse_setting(args.padding_free), packed, why_packed),
              _chosen("finished-row rollout", None, rollout, why_rollout),
-             _chosen("balance_microbatches", setting(getattr(args, "balance_microbatches", False)), balanced,
+             _chosen("balance_microbatches", parse_setting(getattr(args, "balance_microbatches", False)), balanced,
                      why_balanced)]
     return "grpotrl: " + "; ".join(parts)
 
@@ -161,13 +161,13 @@ def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
     """Whether each optimizer step's microbatches are regrouped by tokens (``args.balance_microbatches``
     for a run whose logprob forwards are ``packed`` or not), and why not where it asked for ``"auto"``
     and it is off. An explicit ``True`` that would change the loss is an ``InputError``."""
-    want = setting(getattr(args, "balance_microbatches", False))
+    want = parse_setting(getattr(args, "balance_microbatches", False))
     if want is False:
         return False, None
-    why, kind = None, LOSS_TYPES.get(args.loss_type)  # kind None: not a TRL loss type, TRL's loss refuses it
+    why = None
     if not packed:
         why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
-    elif kind is None or not kind.grouping_free:  # the step's loss depends on which rows share a microbatch
+    elif not named(args.loss_type).grouping_free:  # the step's loss depends on which rows share a microbatch
         why = f"loss_type={args.loss_type!r} normalises each microbatch by its own token count"
     elif args.top_entropy_quantile < 1.0:
         why = "top_entropy_quantile < 1 picks the high-entropy tokens per microbatch"
@@ -224,8 +224,8 @@ def _take(values, rows: list[int]):
     return [values[i] for i in rows]
 
 
-# What a CPU forward (and its backward) costs besides its tokens, in packed cells: about 0.7 s of a loss
-# microbatch's forward + backward on SmolLM2, 2 cores (docs/cost.md, "Forwards cut to their rows").
+# What a CPU forward (and its backward) costs besides its tokens, in packed cells (measured: docs/cost.md,
+# "Forwards cut to their rows").
 CPU_FORWARD_OVERHEAD = 64
 
 

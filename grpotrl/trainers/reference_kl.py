@@ -50,7 +50,7 @@ class ReferenceKL:
             steps_per_generation=self.args.steps_per_generation, training=training)
         totals = self.accelerator.reduce(torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]),
                                          reduction="sum")
-        self._append({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, "train" if training else "eval")
+        self._record_metrics({"kl": (totals[0] / totals[1].clamp(min=1.0)).item()}, "train" if training else "eval")
         return term
 
     def _full_kl_logits(self, model, inputs, hidden, logp, width) -> tuple[torch.Tensor, torch.Tensor]:
