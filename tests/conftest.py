@@ -3,7 +3,7 @@ OpenMP reads ``OMP_WAIT_POLICY`` once, and a busy neighbour process slows an act
 torch 30-100x on 2 cores (see grpotrl/_threads.py). The whole session is offline against a Hugging
 Face cache of its own (``HF_HUB_CACHE``, filled by ``tests/hub_cache.py``): Hub ids resolve through
 the real loading code, and nothing a user has cached leaks in. ``serve`` is the real judge server of
-tests/test_judges.py and tests/test_cli_pipeline.py (one per module)."""
+tests/rewards/test_judges.py and tests/cli/test_cli_pipeline.py (one per module)."""
 
 import os
 import tempfile
@@ -18,6 +18,14 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# tests/ mirrors the package (tests/ops/ for grpotrl/ops/, ...); a test module may reuse another's helpers by
+# module name (``from test_gad import toy_rows``), whichever folder it is in, and run alone
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and _folder.name.isidentifier() and not _folder.name.startswith("_") \
+            and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 import pytest  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Faults planted in grpotrl's GRPOTrainer, for the tests that show a guard catches them (tests/test_precision.py
+"""Faults planted in grpotrl's GRPOTrainer, for the tests that show a guard catches them (tests/guards/test_precision.py
 in bf16 on CPU, tests/test_gpu.py on CUDA). Each is a subclass whose loss forward does one thing wrong and
 everything else as grpotrl does; with ``factor = 1.0`` / ``active = False`` it is the control.
 

@@ -11,7 +11,7 @@ It also passes no position ids, so a left-padded row of an absolute-position mod
 is read at other positions than the same row alone. ``Discriminator`` runs the backbone
 itself and reads the hidden state at the last position whose attention mask is 1, with
 position ids from the mask, so a sequence scores the same alone, left-padded or
-right-padded (tests/test_gad.py shows both the trap and the fix).
+right-padded (tests/trainers/test_gad.py shows both the trap and the fix).
 
 Teacher and student text take one path (I9): ``sequence_ids(prompt, text)`` is the RL prompt
 ids (chat template + generation prompt), the response text tokenized on its own, and the

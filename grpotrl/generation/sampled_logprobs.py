@@ -8,7 +8,7 @@ from ``softmax`` of what the whole list returns (transformers 5.23,
 goes: inside ``trainers._intercept.inject_recorders_after_warpers(model)`` it runs last, after the
 warpers. Nothing of size ``[B, V]`` is kept beyond the step after it was made, so memory is
 O(B x V), not the O(B x C x V) of ``generate(output_scores=True)``, whose ``scores`` hold the
-same tensors (``sampler_logprobs`` reads those; ``tests/test_processors.py`` checks both against
+same tensors (``sampler_logprobs`` reads those; ``tests/generation/test_processors.py`` checks both against
 a real ``generate``). ``generation_extras`` builds a call's processors and recorder;
 ``recorded_logprobs`` reads the recorder back from a recorded call.
 

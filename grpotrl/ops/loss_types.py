@@ -13,7 +13,7 @@ grpotrl that depends on the loss type reads this table, never the name:
 
 Adding TRL's next loss type is one entry here. Only a formula TRL has not used before needs a new member:
 a ``Normaliser`` is read by ``reduce_rows`` and ``expected_normaliser``, a ``PerToken`` by
-``per_token_policy_loss`` and ``token_slope``, each of which then needs its branch. ``tests/test_trl_hooks.py``
+``per_token_policy_loss`` and ``token_slope``, each of which then needs its branch. ``tests/trainers/test_trl_hooks.py``
 fails when TRL's list of loss types, or the branch TRL takes for one, no longer matches this table.
 
 Letters: B rows of the microbatch, C completion width, ``n_i`` row i's loss tokens, ``r`` the importance
@@ -53,8 +53,8 @@ class LossType:
     Wrong ``per_token``: the multi-task terms no longer add up to TRL's loss (a stop on the first guard
     step, I7), and I11 reads a wrong weight per token (a stop). Wrong ``normaliser``: the same two stops,
     GAD's KL term is scaled unlike TRL's policy loss, and a wrong ``grouping_free`` lets token-balanced
-    microbatches change the step's gradient, which no guard sees. ``tests/test_trl_hooks.py`` (each entry
-    against TRL's branches) and ``tests/test_reduction.py`` (``grouping_free`` by two groupings) fail first.
+    microbatches change the step's gradient, which no guard sees. ``tests/trainers/test_trl_hooks.py`` (each entry
+    against TRL's branches) and ``tests/ops/test_reduction.py`` (``grouping_free`` by two groupings) fail first.
     """
 
     name: str

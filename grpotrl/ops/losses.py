@@ -186,7 +186,7 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, old_logp: to
     the KL's gradient. The ratio is per token whatever the policy loss's ``importance_sampling_level``:
     TRL multiplies by its ``coef_1``, which under ``"sequence"`` is the sequence's mean log-ratio
     broadcast to every token, and the table then fails (two independent positions: k1 gets half
-    the gradient). tests/test_losses.py checks every cell by exact enumeration of a small vocabulary.
+    the gradient). tests/ops/test_losses.py checks every cell by exact enumeration of a small vocabulary.
 
     >>> lp, ref = torch.tensor([[-1.0]], requires_grad=True), torch.tensor([[-2.0]])
     >>> (g,) = torch.autograd.grad(kl_loss_term(lp, ref, None, "k1", True).sum(), lp)

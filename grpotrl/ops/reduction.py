@@ -1,7 +1,7 @@
 """TRL's reduction of a per-token loss to the scalar it backpropagates, as a function of its inputs.
 
 ``aggregate_like_trl`` restates the reduction branches of trl 1.16's ``GRPOTrainer._compute_loss``, one
-per ``loss_types.Normaliser`` (``tests/test_trl_hooks.py`` pins TRL's lines and which loss type takes which
+per ``loss_types.Normaliser`` (``tests/trainers/test_trl_hooks.py`` pins TRL's lines and which loss type takes which
 branch), with every trainer field it read made an argument, as verl's ``agg_loss(loss_mat, loss_mask,
 loss_agg_mode, ...)`` does. The reduction is linear in the per-token values, so a term reduced here and
 added to TRL's loss equals the term added to TRL's per-token loss before TRL reduced it: GAD's KL term

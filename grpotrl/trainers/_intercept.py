@@ -20,15 +20,15 @@ model's lifetime). The names say which kind each is:
 No other module of grpotrl reads or writes a private field of a TRL trainer (``self._x`` that TRL
 sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
 ``self._get_per_token_logps_and_entropies``, ``self._prepare_inputs``), each pinned by signature. Two
-private names are read where they are used, both pinned in ``tests/test_trl_hooks.py``: a model config's
+private names are read where they are used, both pinned in ``tests/trainers/test_trl_hooks.py``: a model config's
 ``_attn_implementation`` (``trainers/padding_free.py``: the attention that runs, as transformers sets
 it) and TRL's config classes' ``_VALID_DICT_FIELDS`` (``configs/__init__.py`` extends it with grpotrl's
 dict-valued fields).
-Each helper here is pinned by ``tests/test_trl_hooks.py`` against TRL's source: a renamed field or
+Each helper here is pinned by ``tests/trainers/test_trl_hooks.py`` against TRL's source: a renamed field or
 method fails there, not silently in a run.
 
 ``TRLGenerate`` names the positions of the tuple TRL's ``_generate`` returns
-(``tests/test_trl_hooks.py`` pins the layout).
+(``tests/trainers/test_trl_hooks.py`` pins the layout).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ..generation.sampled_logprobs import arrange_processors
 from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
 
-# trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/test_trl_hooks.py)
+# trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/trainers/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "
                                         "images tool_images")
 
@@ -291,7 +291,7 @@ def inject_compact_head(device: torch.device) -> Iterator[None]:
     every position with the unscored ones zeroed after: the same values, without the head's matmuls and
     vocabulary-wide temporaries over prompt tokens and row tails. TRL projects every position elsewhere so
     that tile shapes do not change per batch on compiled devices (Neuron); eager CPU recompiles nothing.
-    Other devices keep TRL's choice (tests/test_trl_hooks.py pins the line it reads)."""
+    Other devices keep TRL's choice (tests/trainers/test_trl_hooks.py pins the line it reads)."""
     if device.type != "cpu":
         yield
         return
@@ -319,7 +319,7 @@ def inject_head_tiles(device: torch.device) -> Iterator[None]:
     more vocabulary tiles, and the weight gradient sums the same products in more token tiles (fp32 rounding).
     The forward reads both sizes at call time (the backward the token size at call time, the columns from the
     forward's ``ctx``), so the block must hold the backward (``GRPOTrainer.training_step``). Other devices keep
-    TRL's sizes (tests/test_trl_hooks.py pins the reads)."""
+    TRL's sizes (tests/trainers/test_trl_hooks.py pins the reads)."""
     if device.type != "cpu":
         yield
         return
@@ -351,7 +351,7 @@ def record_backbone_output(causal_lm) -> Iterator[list]:
 
 
 # TRL's fused LM head (trl.kernels.chunked_logprob.ChunkedLogProbFunction, trl 1.16): its backward node,
-# and the positions of the head's weight and bias among its inputs and saved tensors (tests/test_trl_hooks.py)
+# and the positions of the head's weight and bias among its inputs and saved tensors (tests/trainers/test_trl_hooks.py)
 FUSED_HEAD_NODE, HEAD_WEIGHT, HEAD_BIAS = "ChunkedLogProbFunctionBackward", 1, 2
 
 
@@ -391,7 +391,7 @@ def set_microstep_done(trainer, seconds: float) -> None:
     """Set TRL's bookkeeping of one training microstep that ran no loss (GAD's discriminator warmup),
     as trl 1.16's ``GRPOTrainer.training_step`` keeps it: ``_step`` counts microsteps (TRL's generation
     schedule in ``_prepare_inputs`` reads it), ``_current_train_step_time`` adds up ``seconds``, and
-    the window's total is logged as ``step_time`` once per accumulation window (tests/test_trl_hooks.py
+    the window's total is logged as ``step_time`` once per accumulation window (tests/trainers/test_trl_hooks.py
     pins TRL's lines)."""
     trainer._step += 1
     trainer._current_train_step_time += seconds
@@ -410,7 +410,7 @@ def read_buffered_inputs(trainer) -> list[dict] | None:
 def set_buffered_inputs(trainer, batches: list[dict]) -> dict:
     """Replace TRL's buffered microbatches with ``batches`` (as many, the same rows) and return the one
     the current microstep trains on, as trl 1.16's ``_prepare_inputs`` picks it:
-    ``batches[_step % steps_per_generation]`` (tests/test_trl_hooks.py pins TRL's line)."""
+    ``batches[_step % steps_per_generation]`` (tests/trainers/test_trl_hooks.py pins TRL's line)."""
     trainer._buffered_inputs = batches
     return batches[trainer._step % trainer.args.steps_per_generation]
 

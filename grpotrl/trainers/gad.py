@@ -86,7 +86,7 @@ class GADTrainer(GRPOTrainer):
     TRL's private fields, only through ``trainers/_intercept.py``: ``_tokenizer`` (``read_tokenizer``: D's
     pad id and template), ``_metrics`` (``set_metrics``: D's metrics, ``kl``), and in warmup ``_step``,
     ``_current_train_step_time`` (``set_microstep_done``). Calls TRL's ``_get_per_token_logps_and_entropies``
-    for reference logprobs and ``_prepare_inputs`` in warmup (tests/test_trl_hooks.py pins every private
+    for reference logprobs and ``_prepare_inputs`` in warmup (tests/trainers/test_trl_hooks.py pins every private
     TRL name used here).
     """
 

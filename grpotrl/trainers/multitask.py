@@ -175,7 +175,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def _trl_loss_fields(self, inputs: dict) -> TRLLossFields:
         """Every field of TRL's ``GRPOTrainer`` that the restated loss reads, in one place (TRL 1.16's
-        ``_compute_loss`` in training mode reads the same; tests/test_trl_hooks.py): the per-token loss's
+        ``_compute_loss`` in training mode reads the same; tests/trainers/test_trl_hooks.py): the per-token loss's
         settings, the microbatch's normaliser, the sampler tensors it uses, and the regulariser's
         ``beta``, KL bias correction and MoE aux-loss coefficient (0 when TRL adds no aux loss)."""
         args, mask = self.args, _loss_mask(inputs)

@@ -1,5 +1,5 @@
 """``ops.reduction.aggregate_like_trl``: TRL 1.16's per-token loss reduction, one hand-worked case per
-loss_type (tests/test_trl_hooks.py pins TRL's own lines for each).
+loss_type (tests/trainers/test_trl_hooks.py pins TRL's own lines for each).
 
 Every case reduces the same microbatch, B=2 rows, C=3 tokens:
 

@@ -18,7 +18,7 @@ from conftest import arithmetic_prompts, length_reward
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
-QLORA_RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "grpo_qlora.yaml")
+QLORA_RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2" / "grpo_qlora.yaml")
 
 
 def load_quantized(path, bits: int):

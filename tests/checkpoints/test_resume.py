@@ -53,7 +53,7 @@ main(sys.argv[1:])
 """
 
 
-GAD_DATA = str(Path(__file__).resolve().parents[1] / "grpotrl" / "data" / "gad_toy.jsonl")
+GAD_DATA = str(Path(__file__).resolve().parents[2] / "grpotrl" / "data" / "gad_toy.jsonl")
 
 
 def recipe(tmp_path: Path, model: str, **overrides) -> str:

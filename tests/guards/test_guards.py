@@ -1,6 +1,6 @@
 """Each guard against the seed bug it exists for: a trainer subclass reintroduces the bug and
 the guard must stop it. A guard that cannot fail is no guard, so each bug test has a healthy
-control run beside it (tests/test_grpo_trainer.py)."""
+control run beside it (tests/trainers/test_grpo_trainer.py)."""
 
 import pytest
 import torch

@@ -22,8 +22,8 @@ import pytest
 import yaml
 from judge_server import LoopbackJudge
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 INF_REWARD = "nonfinite_rewards.inf_every_fourth"  # inf on one row of each group of 4
 
 
@@ -111,7 +111,7 @@ def test_judge_max_failed_batches_stop_is_one_stopped_line_exit_4(tmp_path, tiny
 
 
 # ---------------------------------------------------------------------------------------------
-# 5b, 5c: one error line before the load (tests/test_cli_inputs.py has every case in-process)
+# 5b, 5c: one error line before the load (tests/cli/test_cli_inputs.py has every case in-process)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, expected", [
@@ -120,7 +120,7 @@ def test_judge_max_failed_batches_stop_is_one_stopped_line_exit_4(tmp_path, tiny
     ({"reward_funcs": ["os.system"]}, "Reward posix.system(command) cannot be called as TRL calls a reward function"),
 ])
 def test_cli_bad_rubric_and_builtin_reward_are_one_error_line_exit_2(fields, expected, tmp_path, tiny_llama):
-    """The in-process cases of tests/test_cli_inputs.py show the model is never loaded (a load fails them)."""
+    """The in-process cases of tests/cli/test_cli_inputs.py show the model is never loaded (a load fails them)."""
     rubric = tmp_path / "rubric.yaml"
     rubric.write_text(f"!!python/object/apply:os.system ['touch {tmp_path / 'PWNED'}']\n")
     fields = json.loads(json.dumps(fields).replace("RUBRIC", str(rubric)))

@@ -534,7 +534,7 @@ def test_recipe_runs_multitask_cagrad_through_the_cli(tiny_llama, tmp_path):
 
     from grpotrl import cli
 
-    out, recipe = tmp_path / "mt", Path(__file__).resolve().parents[1] / "recipes/smollm2/grpo_multitask_cagrad.yaml"
+    out, recipe = tmp_path / "mt", Path(__file__).resolve().parents[2] / "recipes/smollm2/grpo_multitask_cagrad.yaml"
     cli.main(["grpo", "--config", str(recipe), "--model_name_or_path", tiny_llama,
               "--output_dir", str(out), "--max_steps", "1", "--max_completion_length", "6"])
     logs = json.loads((out / "trainer_state.json").read_text())["log_history"][0]

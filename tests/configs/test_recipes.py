@@ -12,7 +12,7 @@ import yaml
 from grpotrl import cli
 from grpotrl.rewards import resolve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 METHOD_RECIPES = [p for p in RECIPES if "accelerate" not in p.relative_to(ROOT / "recipes").parts]
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))

@@ -24,7 +24,7 @@ from grpotrl.rewards import resolve
 from grpotrl.errors import InputError
 from grpotrl.rewards import rules
 
-GRPO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "grpo_quickstart.yaml"
+GRPO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2" / "grpo_quickstart.yaml"
 USER = [{"role": "user", "content": "What is 7 + 5?"}]
 ASSISTANT = [{"role": "assistant", "content": "12"}]
 

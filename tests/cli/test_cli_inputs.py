@@ -24,8 +24,8 @@ from grpotrl.rewards.judges import HttpJudge
 from grpotrl.rewards.recipe import LocalJudgeSpec, parse_judges
 from grpotrl.rewards.rubrics import FAIRNESS, HALLUCINATION
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "What is 7 + 5?"}]
 SECRET = "sk-test-0123456789-never-shown"
 

@@ -27,8 +27,8 @@ from judge_server import LoopbackJudge
 
 from grpotrl import cli
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 JUDGES_RECIPE = "recipes/smollm2/grpo_multitask_judges.yaml"
 TINY = ["--max_completion_length", "6", "--per_device_train_batch_size", "8", "--num_generations", "4",
         "--disable_tqdm", "true", "--health_report_steps", "0"]

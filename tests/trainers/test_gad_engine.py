@@ -1,6 +1,6 @@
 """grpotrl/trainers/gad_engine.py without a launch: D's DeepSpeed config derived from the
 student's, and which discriminator files a checkpoint must hold. The engines themselves run in
-tests/test_distributed.py (2 processes under zero2, zero3 and ddp) and tests/test_gad.py."""
+tests/test_distributed.py (2 processes under zero2, zero3 and ddp) and tests/trainers/test_gad.py."""
 
 import copy
 

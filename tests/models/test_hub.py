@@ -21,7 +21,7 @@ from grpotrl.models import sources as hub
 from grpotrl.chat import templates
 from grpotrl.errors import InputError, InvariantError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -520,7 +520,7 @@ def test_every_kl_estimator_in_the_loss_matches_an_independent_recomputation(tin
     """Value and gradient of the added term, for k1/abs/k2/k3 and k1+/k3+/abs+ (sampled-token
     logprobs) and full (the policy's logits rebuilt from the loss's own forward, the reference's from
     its own), under GAD's defaults: use_bias_correction_kl, sequence-level policy ratio. Issue 28.6:
-    the KL's ratio is per token, differentiable for k1/k3 only (tests/test_losses.py: the gradient
+    the KL's ratio is per token, differentiable for k1/k3 only (tests/ops/test_losses.py: the gradient
     that gives, by exact enumeration); it was the sequence's, differentiable for every estimator."""
     trainer, inputs = _kl_trainer(tiny_llama, gad_args)
     assert trainer.args.use_bias_correction_kl and trainer.importance_sampling_level == "sequence"
@@ -603,7 +603,7 @@ def test_config_takes_verl_estimator_names_and_refuses_unused_or_negative_kl_set
 @pytest.mark.parametrize("name", ["k1", "kl"])
 def test_config_refuses_k1_in_the_loss_without_the_importance_ratio(tmp_path, name):
     """Issue 28.6: k1's gradient in the loss, d log pi, is zero in expectation without the ratio's
-    score term (tests/test_losses.py enumerates it): noise with no pull to the reference."""
+    score term (tests/ops/test_losses.py enumerates it): noise with no pull to the reference."""
     make = lambda **kw: grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.1, **kw)  # noqa: E731
     with pytest.raises(InputError, match=r"kl_estimator='k1' in the loss with use_bias_correction_kl=False: .*"
                                          r"zero in expectation.*use_bias_correction_kl: true.*k1\+"):
@@ -617,7 +617,7 @@ def test_config_refuses_k1_in_the_loss_without_the_importance_ratio(tmp_path, na
 
 # ---------------------------------------------------------------- CLI, recipe, hooks
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2" / "gad_quickstart.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2" / "gad_quickstart.yaml"
 
 
 def test_gad_recipe_parses_into_gadconfig():
