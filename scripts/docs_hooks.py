@@ -3,8 +3,8 @@
 The site shows the outputs stored in notebooks/*.ipynb (mkdocs-jupyter, ``execute: false``), so a
 page is only as true as they are: before building, every notebook goes through
 ``scripts/run_notebooks.py``'s ``problems()`` (code cells changed since they ran, an error output,
-an unexecuted cell, a plot without its PNG), and any problem stops the build with the fix
-(``make notebooks``).
+an unexecuted cell, a plot without its PNG, a warning, a progress bar or a path of the machine that
+ran it), and any problem stops the build with the fix (``make notebooks``).
 """
 
 import importlib.util

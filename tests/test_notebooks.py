@@ -3,7 +3,8 @@
 Stored outputs (so the docs site and GitHub show the plots) come from ``scripts/run_notebooks.py``
 (``make notebooks``), which records a hash of the code cells in the notebook's metadata; the
 stored-output tests compare it with the code cells as they are, and refuse error outputs, unexecuted
-cells and a plotting cell without its PNG. They read JSON only: fast, in the default run.
+cells, a plotting cell without its PNG, and an output that shows the machine that ran it rather than
+the code: a warning, a tqdm progress bar, an absolute path. They read JSON only: fast, in the default run.
 
 Each notebook is also executed with nbclient on a kernel that runs THIS interpreter
 (``sys.executable``): the kernel spec is written to a temporary directory rather than looked
@@ -97,6 +98,76 @@ def test_stale_or_failed_outputs_are_named():
     unhashed = copy.deepcopy(stored)
     del unhashed["metadata"]["grpotrl"]
     assert any("no recorded code hash" in p for p in script.problems(unhashed, path.stem))
+
+
+def _stream(name, text):
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+# Outputs once stored in these notebooks, each of which a reader would have taken for part of the result.
+MACHINE_OUTPUTS = {
+    "tqdm's IProgress warning": ("a warning", _stream(
+        "stderr", "/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: TqdmWarning: IProgress not found. "
+                  "Please update jupyter and ipywidgets.\n  from .autonotebook import tqdm as notebook_tqdm\n")),
+    "a FutureWarning from a library": ("a warning", _stream(
+        "stderr", "modeling_utils.py:3312: FutureWarning: `is_gradient_checkpointing` is deprecated\n"
+                  "  warnings.warn(\n")),
+    "DeepSpeed's no-GPU log line": ("a warning", _stream(
+        "stdout", "[2026-11-24 21:36:10,301] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator "
+                  "to CPU. If you have GPU or other accelerator, we were unable to detect it.\n")),
+    "a weights-loading bar": ("a progress bar", _stream(
+        "stderr", "\rLoading weights: 100%|##########| 272/272 [00:00<00:00, 5543.79it/s]")),
+    "a temporary output folder": ("a path of the machine", _stream(
+        "stdout", "grpotrl 0.1.0 | writing to /tmp/grpotrl-nb-5sjhpzhu/out/00_quickstart\n")),
+    "a checkpoint path in an error": ("a path of the machine", _stream(
+        "stdout", "[I2] The checkpoint '/work/main/outputs/01_sft_then_grpo/sft' was trained with another template")),
+    "a home directory": ("a path of the machine", {
+        "output_type": "execute_result", "execution_count": 1, "metadata": {},
+        "data": {"text/plain": "PosixPath('/home/alice/.cache/grpotrl/models/smollm2-135m-instruct')"}}),
+    "the root's model cache": ("a path of the machine", _stream(
+        "stderr", "LlamaForSequenceClassification LOAD REPORT from: /root/.cache/grpotrl/models/smollm2\n")),
+    "a virtualenv": ("a path of the machine", _stream("stdout", "lib/python3.11/site-packages/trl/__init__.py\n")),
+}
+
+
+@pytest.mark.parametrize("case", MACHINE_OUTPUTS)
+def test_outputs_about_the_machine_are_named(case):
+    """A warning, a progress bar or a path of the machine that executed the notebook, stored as an
+    output, is a problem that names the cell: the docs site would show it as if it were the result."""
+    script = _run_notebooks_script()
+    path = NOTEBOOKS / "00_quickstart.ipynb"
+    stored = json.loads(path.read_text())
+    what, output = MACHINE_OUTPUTS[case]
+    cell = next(i for i, c in enumerate(stored["cells"]) if c["cell_type"] == "code")
+    stored["cells"][cell]["outputs"].append(output)
+    found = script.problems(stored, path.stem)
+    assert any(p.startswith(f"{path.stem}: code cell {cell} stored {what}") for p in found), found
+
+
+def test_outputs_that_only_look_like_machine_paths_pass():
+    """URLs, paths relative to the notebook and ``~`` are what a reader's own run prints."""
+    script = _run_notebooks_script()
+    path = NOTEBOOKS / "00_quickstart.ipynb"
+    stored = json.loads(path.read_text())
+    cell = next(c for c in stored["cells"] if c["cell_type"] == "code")
+    cell["outputs"].append(_stream("stdout", "judge server ready at http://127.0.0.1:42091/v1\n"
+                                             "writing to outputs/00_quickstart\n"
+                                             "see https://ipywidgets.readthedocs.io/en/stable/user_install.html\n"
+                                             "converted once to ~/.cache/grpotrl/models/\n"
+                                             "[I1] row 0: the loss is computed on other prompt ids (a warning)\n"))
+    assert script.problems(stored, path.stem) == []
+
+
+def test_home_directory_is_stored_as_tilde(tmp_path, monkeypatch):
+    script = _run_notebooks_script()
+    monkeypatch.setenv("HOME", str(tmp_path / "alice"))
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [
+        _stream("stderr", f"LOAD REPORT from: {tmp_path}/alice/.cache/grpotrl/models/m\n"),
+        {"output_type": "display_data", "metadata": {}, "data": {"text/plain": [f"{tmp_path}/alice\n", "x"]}}]}]}
+    script.home_as_tilde(nb)
+    outputs = nb["cells"][0]["outputs"]
+    assert outputs[0]["text"] == "LOAD REPORT from: ~/.cache/grpotrl/models/m\n"
+    assert outputs[1]["data"]["text/plain"] == "~\nx"
 
 
 @pytest.fixture(scope="module")
