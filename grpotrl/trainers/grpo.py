@@ -219,7 +219,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             prompts: this process's prompts (chat messages or text), ``num_generations`` times each.
 
         Returns:
-            TRLGenerate: TRL's ``(prompt_ids, completion_ids, tool_mask, completions, num_items_in_batch, logprobs, extra)``
+            output (TRLGenerate): TRL's ``(prompt_ids, completion_ids, tool_mask, completions, num_items_in_batch, logprobs, extra)``
             (``TRLGenerate``), with the sampler's own logprobs in ``logprobs`` where they were recorded (under
             top-k/top-p/min-p those of the full softmax with ``truncated_sampling_correction``). Writes
             ``hook_record.generated`` for ``_generate_and_score_completions``.
@@ -311,7 +311,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             inputs: this process's rows of the generation batch (the dataset's columns, one dict a row).
 
         Returns:
-            dict: TRL's, ``prompt_ids`` / ``prompt_mask`` [B, P], ``completion_ids`` / ``completion_mask`` [B, C],
+            output (dict): TRL's, ``prompt_ids`` / ``prompt_mask`` [B, P], ``completion_ids`` / ``completion_mask`` [B, C],
             ``advantages`` [B], ..., plus ``grpotrl_row`` [B] (each row's index in the generation batch, which the
             loss's guards trace rows back by) and, when rows carry a task, ``grpotrl_task`` [B].
         """
@@ -449,7 +449,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             compute_entropy, compute_aux_loss, and the image inputs: as TRL's.
 
         Returns:
-            tuple: ``(logps [B, C], entropies [B, C] or None, aux_loss or None)``: each completion token's
+            logps_and_entropies (tuple): ``(logps [B, C], entropies [B, C] or None, aux_loss or None)``: each completion token's
             ``log_softmax(logits / T)`` and entropy, 0 where nothing is scored, as TRL's.
         """
         multimodal = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles,
@@ -487,7 +487,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             generation_batch: the dataloader's rows for one generation batch (TRL's argument).
 
         Returns:
-            dict: the microbatch the loss takes (``_compute_loss``'s ``inputs``).
+            inputs (dict): the microbatch the loss takes (``_compute_loss``'s ``inputs``).
         """
         before = _intercept.read_buffered_inputs(self)
         inputs = super()._prepare_inputs(generation_batch)
@@ -513,7 +513,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 [B, C].
 
         Returns:
-            torch.Tensor: the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies and loss mask TRL's
+            loss (torch.Tensor): the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies and loss mask TRL's
             loss used) for ``compute_loss``'s I7 check.
 
         Raises:
@@ -686,7 +686,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         adaptive controller updated it.
 
         Returns:
-            torch.Tensor: the loss, as TRL's.
+            loss (torch.Tensor): the loss, as TRL's.
 
         Raises:
             InvariantError: the entropy bonus enters with another sign or weight (I7).
