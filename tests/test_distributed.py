@@ -110,7 +110,7 @@ def test_I1_to_I5_guards_ran_on_every_rank_every_step(launched):
             assert calls == {"check_sft_labels": STEPS}, rank
             continue
         for guard in ("check_prompts_templated", "check_same_prompt", "check_extraction", "check_reward_text",
-                      "check_completion_mask", "check_logprobs"):
+                      "check_completion_mask", "check_logprobs_in_precision"):
             assert calls.get(guard, 0) >= STEPS, (rank, guard, calls)
         # I5 on this rank's own microbatches: a gap per step, logged and kept by the trainer; the loss's
         # logprobs came from packed rows (grpotrl's default padding_free), compared with the padded forward
@@ -208,7 +208,8 @@ def test_zero3_with_cpu_offload_trains_and_guards(tiny_llama, tmp_path):
     for method in ("grpo", "gad"):
         for rank in (0, 1):
             assert ev[method, rank]["error"] is None, ev[method, rank]["error"]
-            assert ev[method, rank]["zero_stage"] == 3 and ev[method, rank]["guard_calls"]["check_logprobs"] >= STEPS
+            assert ev[method, rank]["zero_stage"] == 3
+            assert ev[method, rank]["guard_calls"]["check_logprobs_in_precision"] >= STEPS
             assert ev[method, rank]["max_abs_weight_change"] > 1e-6
     for rank in (0, 1):
         gad = ev["gad", rank]
@@ -228,7 +229,7 @@ def test_multinode_recipe_as_two_local_machines(tiny_llama, tmp_path):
     ev = read_evidence(tmp_path, "grpo")
     for rank in (0, 1):
         assert (ev["grpo", rank]["world_size"], ev["grpo", rank]["zero_stage"]) == (2, 3)
-        assert ev["grpo", rank]["guard_calls"]["check_logprobs"] >= STEPS
+        assert ev["grpo", rank]["guard_calls"]["check_logprobs_in_precision"] >= STEPS
         assert ev["grpo", rank]["max_abs_weight_change"] > 1e-6
     assert ev["grpo", 0]["weight_checksum"] == pytest.approx(ev["grpo", 1]["weight_checksum"], rel=1e-9)
 
