@@ -95,6 +95,13 @@ class GADTrainer(GRPOTrainer):
 
     def __init__(self, model, args: GADConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
+        """``grpotrl.GRPOTrainer.__init__`` with the discriminator's reward as the only reward function, after GAD's
+        own checks (``preflight.check_gad``: teacher column, discriminator source, settings); then the
+        discriminator D is built on the seeded student (``gad_engine``: torch or DeepSpeed).
+
+        Raises:
+            InputError: bad input, said before any weights load; FSDP (not supported).
+        """
         if args is None:
             args = GADConfig(output_dir="grpotrl-gad-output")
         check_gad(model, args, train_dataset, eval_dataset, kwargs)  # then GRPO's (grpotrl/preflight.py)
@@ -137,6 +144,12 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ discriminator step
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """D's score of each completion (before this batch's update, I9: read at the last real token), and in
+        training one D step on teacher against student; with ``use_kl_in_reward`` the ``kl_penalty`` column.
+
+        Returns:
+            rewards (torch.Tensor): [N_global, n_funcs], gathered over processes, as TRL's.
+        """
         # D scores the student (before this batch's update, as verl's GAD) and steps in train mode
         scores, metrics = self._d.score_and_step(
             self._d_reward, inputs, prompts, completions, completion_ids_list, update=self.model.training,
@@ -151,6 +164,8 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ KL to the reference policy
 
     def _generate_and_score_completions(self, inputs):
+        """``grpotrl.GRPOTrainer``'s, plus the reference's logprobs (``ref_per_token_logps`` [B, C]) for GAD's KL
+        term in the loss where TRL computed none (beta is injected as 0 for TRL's loss)."""
         output = super()._generate_and_score_completions(inputs)
         if self._kl_in_loss and self.args.kl_estimator != "full":
             ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)  # [B, P+C]
@@ -165,6 +180,9 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ warmup: D only
 
     def training_step(self, model, inputs, num_items_in_batch):
+        """``grpotrl.GRPOTrainer``'s after ``discriminator_warmup_steps``. Before: generation, rewards and D's update
+        only (through ``_prepare_inputs``), no loss and no backward, so the optimizer step leaves the student as it
+        is; returns a zero loss."""
         if self.state.global_step >= self.args.discriminator_warmup_steps:
             return super().training_step(model, inputs, num_items_in_batch)
         # Generation, rewards and D's update happen in _prepare_inputs; no loss, no backward:
@@ -193,15 +211,19 @@ class GADTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """``grpotrl.GRPOTrainer``'s, then D's weights in ``output_dir/discriminator`` (every process: ZeRO-3)."""
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             self._d.save_weights(os.path.join(output_dir or self.args.output_dir, D_DIR))  # every process: ZeRO-3
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """TRL's, then D's optimizer state beside its weights, so a resume continues D too."""
         super()._save_optimizer_and_scheduler(output_dir)
         self._d.save_optimizer(os.path.join(output_dir, D_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's, then D's weights and optimizer state from the checkpoint (checked complete before anything
+        loaded, ``CheckedResume.train``)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return

@@ -175,8 +175,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                                      args.guard_logprob_atol)
         self.hook_record = HookRecord()  # what one hook hands the next (trainers/records.py)
         self._warned: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
-        self._identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10, first microbatch
-        self._last_batch: dict | None = None  # for boundary_report()
+        self.hook_record.identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10 once
         self._template = templates.chat_template_of(self.processing_class, self.chat_template)  # None: plain text
         tok = _intercept.read_tokenizer(self)
         self._chat_headers = boundary.chat_headers(tok, self._template, **self.chat_template_kwargs)
@@ -382,7 +381,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                             **health.task_rewards(tasks, rewards)})
         self._record_metrics(metrics)
         start = self.accelerator.process_index * len(inputs)
-        self._last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
+        self.hook_record.last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": output["completion_ids"], "lengths": lengths,
                             "stop_mask": stop_mask, "generated_stops": stops,
                             "rewards": rewards[start:start + len(inputs)]}
@@ -391,9 +390,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """The last generation batch by eye: prompt tail and completion head with
         special tokens shown, ids around the boundary, stop-token counts. Printed after the
         first ``health_report_steps`` steps; call it any time."""
-        if self._last_batch is None:
+        if self.hook_record.last_batch is None:
             return "grpotrl boundary report: no generation batch yet"
-        return boundary.batch_boundary_report(_intercept.read_tokenizer(self), self._last_batch, self.eos_token_ids,
+        return boundary.batch_boundary_report(_intercept.read_tokenizer(self), self.hook_record.last_batch, self.eos_token_ids,
                                               self._chat_headers, n)
 
     def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
@@ -550,8 +549,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         guard steps (``guarded``) or logit-signal steps, one independent padded forward (``guards.recompute_logprobs``)
         for the logit signals, I5 (``used`` [B, C] is ``log_softmax(logits / T)`` at generate's positions, in the
         run's precision: ``guard_tolerances``) and I7's entropy values (``entropies`` [B, C] are the policy's)."""
-        if self._identity_due and self.model.training:
-            self._identity_due = False
+        if self.hook_record.identity_due and self.model.training:
+            self.hook_record.identity_due = False
             if self.state.global_step == 0:
                 self._check_step0_identity(model, used, inputs, loss_mask)
         if "sampling_per_token_logps" in inputs:

@@ -30,6 +30,7 @@ from ..ops.reduction import Reduction
 from ..ops.task_losses import PolicyLoss, policy_loss_terms, regulariser
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
+from .records import TaskGradients
 
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
@@ -103,16 +104,27 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, **kwargs):
+        """``grpotrl.GRPOTrainer.__init__`` (the same arguments); ``reward_funcs`` may also map each task of
+        ``task_column`` to its reward functions, and the preflight checks the tasks (``check_tasks``). Then the
+        empty ``TaskGradients`` of exact CAGrad and, for ``cagrad='low_memory'``, the last block's parameters its
+        per-task gradients are taken on."""
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
-        self._task_grads: dict[int, list[torch.Tensor]] = {}  # exact mode: task -> summed grads over the window
-        self._carrier: int | None = None  # exact mode: the task whose gradient the Trainer's backward carries
+        self.task_gradients = TaskGradients()  # exact mode: the task gradients of the optimizer step so far
         self._proxy = _last_block_params(self.model) if args.cagrad == "low_memory" else None
 
     # ------------------------------------------------------------------ the loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """GRPO's loss with CAGrad off or in evaluation. In training with CAGrad on: the loss split into the
+        per-task policy losses and the regulariser (``_loss_terms``), each task's loss checked to hold no entropy
+        bonus (I7: CAGrad rescales it), then exact CAGrad's accumulation (``_exact_step``) or low-memory CAGrad's
+        combined loss; the composed update is checked to raise the entropy on guard steps.
+
+        Returns:
+            loss (torch.Tensor): the loss the Trainer backpropagates for this microbatch.
+        """
         if self.args.cagrad == "off" or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         coef = self.entropy_coef_in_force()
@@ -210,24 +222,27 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
         ``training_step`` combines the window after its last backward."""
         params = _trainable(model)
-        self._carrier = None if (self._kl_in_loss or coef or self.aux_loss_enabled) else len(self.task_names) - 1
-        if not self._task_grads:  # every task, present or not, so processes reduce the same tensors
-            self._task_grads = {k: [torch.zeros_like(p) for p in params]
-                                for k in range(len(self.task_names)) if k != self._carrier}
+        window = self.task_gradients
+        window.carrier = None if (self._kl_in_loss or coef or self.aux_loss_enabled) else len(self.task_names) - 1
+        if not window.sums:  # every task, present or not, so processes reduce the same tensors
+            window.sums = {k: [torch.zeros_like(p) for p in params]
+                           for k in range(len(self.task_names)) if k != window.carrier}
         for k, loss in task_losses.items():
-            if k == self._carrier or k not in present:  # an absent task's gradient is 0
+            if k == window.carrier or k not in present:  # an absent task's gradient is 0
                 continue
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            for b, g in zip(self._task_grads[k], grads):
+            for b, g in zip(window.sums[k], grads):
                 if g is not None:
                     b.add_(g)
         if self._guard_now() and coef:
             self._check_composed_update(params, coef)
-        return task_losses.get(self._carrier, reg)  # reg has no gradient when it carries nothing
+        return task_losses.get(window.carrier, reg)  # reg has no gradient when it carries nothing
 
     def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's; in exact CAGrad mode, after the optimizer step's last backward, the summed task gradients
+        (``task_gradients``) combined by CAGrad and added to ``.grad`` (``_combine_window``)."""
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.args.cagrad == "exact" and self.accelerator.sync_gradients and self._task_grads:
+        if self.args.cagrad == "exact" and self.accelerator.sync_gradients and self.task_gradients.sums:
             self._combine_window(model)
         return loss
 
@@ -238,14 +253,15 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         params = _trainable(model)
         tasks = list(range(len(self.task_names)))
         carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
-        bufs = [carried if k == self._carrier else [self._reduced(b) for b in self._task_grads[k]] for k in tasks]
+        window = self.task_gradients
+        bufs = [carried if k == window.carrier else [self._reduced(b) for b in window.sums[k]] for k in tasks]
         gram = _gram(bufs)  # [K, K]
         weights = self._cagrad_weights(tasks, gram)  # [K]
-        shares = [w - (k == self._carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
+        shares = [w - (k == window.carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
         direction = [sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
         self._log_cagrad(tasks, gram, weights)
         self._compose_update(params, direction)
-        self._task_grads = {}
+        window.sums = {}  # the next optimizer step starts its own sums
 
     def _compose_update(self, params: list, direction: list) -> None:
         """The applied update: the CAGrad direction plus what the regularisers' backward puts in

@@ -9,14 +9,19 @@ Who writes and who reads each field, in the order TRL calls the hooks:
 * ``_generate_and_score_completions`` reads it (health signals, dynamic sampling) and writes ``guard`` (the
   generation batch's I1/I3/I4 record, after dynamic sampling's refills) and ``window_tokens`` (I11);
 * ``_compute_loss`` (each microbatch) reads ``guard`` and ``window_tokens`` and writes ``loss``;
-* ``compute_loss`` (TRL's wrapper around ``_compute_loss``) and the multi-task trainer read ``loss`` (I7).
+* ``compute_loss`` (TRL's wrapper around ``_compute_loss``) and the multi-task trainer read ``loss`` (I7);
+* ``_compute_loss``'s first training microbatch at step 0 clears ``identity_due`` (I10 runs once);
+* ``_generate_and_score_completions`` writes ``last_batch``, which ``boundary_report()`` and the boundary-report
+  callback read;
+* exact CAGrad (``MultiTaskGRPOTrainer``): ``compute_loss`` adds each microbatch's task gradients to
+  ``TaskGradients``, ``training_step`` combines them after the optimizer step's last backward and empties it.
 
 Letters: B rows of this process's generation batch (or microbatch), C completion width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,9 +59,24 @@ class HookRecord:
     ``generated``: the last ``_generate`` call's ``Generated``. ``guard``: the generation batch's I1/I3/I4
     record for its microbatches (None off guard steps). ``window_tokens``: the loss tokens of the whole
     generation batch over every process, the normaliser of dapo/cispo/vespo that I11 checks (None off guard
-    steps). ``loss``: the last microbatch's ``LossTerms``."""
+    steps). ``loss``: the last microbatch's ``LossTerms``. ``identity_due``: I10 is still to run, on the first
+    training microbatch. ``last_batch``: the last generation batch's ids, lengths, stop counts and rewards, for
+    ``boundary_report()``."""
 
     generated: Generated | None = None
     guard: dict | None = None
     window_tokens: float | None = None
     loss: LossTerms | None = None
+    identity_due: bool = False
+    last_batch: dict | None = None
+
+
+@dataclass
+class TaskGradients:
+    """Exact CAGrad's per-task gradients over one optimizer step's microbatches. ``sums``: task index -> one
+    tensor per trainable parameter, the task's gradient summed so far (every task but ``carrier``, present in
+    the microbatch or not, so that every process reduces the same tensors); ``carrier``: the task whose
+    gradient the Trainer's own backward carries into ``.grad`` (None when a regulariser's backward does)."""
+
+    sums: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    carrier: int | None = None

@@ -87,6 +87,13 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
+        """TRL's ``SFTTrainer.__init__`` with the same arguments, after every check that can fail before the model
+        loads (``preflight.check_sft``); warns where the rows train on more than the response and its end-of-turn
+        token (I2).
+
+        Raises:
+            InputError: bad input, said before any weights load.
+        """
         args = sft_config(args, model)
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
         model, processing_class, stop_ids, fmt, self._checked_resume = check_sft(
@@ -98,7 +105,9 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
             logger.warning("`messages` rows train on every token of the conversation, prompts included (TRL's "
                            "language modelling), so I2's SFT loss (response + end-of-turn) is not what this run "
                            "trains. For SFT followed by RL pass prompt/completion rows (or assistant_only_loss=True).")
-        self._i2 = False  # set by _prepare_dataset once it tokenized the train rows on the RL template
+        # what _prepare_dataset hands compute_loss: the train rows were tokenized on the RL template (I2), so their
+        # collated labels can be checked
+        self.i2_tokenized = False
         self.stop_token_ids = stop_ids
         self._template_kwargs = kwargs_variants(train_dataset, fmt, sft_option(args, "chat_template_kwargs"))
         self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
@@ -111,6 +120,13 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     # --- dataset preparation -----------------------------------------------------------------
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's, except for conversational prompt-completion rows with ``completion_only_loss``: those are
+        tokenized on the chat template SFT really uses (``chat.sft_rows.tokenize_i2_row``), so that the RL prompt
+        ids are a prefix of each row and the loss covers the response and its end-of-turn token only (I2).
+
+        Returns:
+            dataset (Dataset): the tokenized dataset, as TRL's.
+        """
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
         fmt = None if formatting_func is not None or custom or _intercept.read_is_vlm(self) else data_format(dataset)
         config_kwargs = sft_option(args, "chat_template_kwargs")
@@ -129,7 +145,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                           if isinstance(dataset, Dataset) else {})
             with global_then_local_main_first():
                 dataset = dataset.map(tokenize, **map_kwargs)
-            self._i2 = self._i2 or dataset_name == "train"
+            self.i2_tokenized = self.i2_tokenized or dataset_name == "train"
         elif fmt in ("chat", "chat_prompt_completion") and config_kwargs:  # TRL renders them: kwargs per row
             def with_kwargs(row):
                 return {"chat_template_kwargs": {**config_kwargs, **(row.get("chat_template_kwargs") or {})}}
@@ -158,13 +174,21 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         return self._guard_setup
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if (self._i2 and self._guard_now() and self.model.training and not self.args.packing
+        """TRL's; on guard steps, for rows tokenized for I2 and no packing, the collated labels are checked first
+        (``check_sft_labels``: the loss covers the response and its end-of-turn token, nothing of the prompt).
+
+        Raises:
+            InvariantError: the labels train on other tokens (I2).
+        """
+        if (self.i2_tokenized and self._guard_now() and self.model.training and not self.args.packing
                 and not self.padding_free):
             check_sft_labels(_intercept.read_tokenizer(self), inputs, self.stop_token_ids, **self._label_claims())
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """TRL's, then the chat-template fingerprint (``grpotrl_template.json``: the template, its kwargs, whether
+        SFT trained on it) beside the weights, which GRPO checks (I2). A full disk is a ``DiskFullError``."""
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
