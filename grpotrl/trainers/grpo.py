@@ -512,8 +512,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 [B, C].
 
         Returns:
-            loss (torch.Tensor): the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies and loss mask TRL's
-            loss used) for ``compute_loss``'s I7 check.
+            loss (torch.Tensor): the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies
+            and loss mask TRL's loss used) for ``compute_loss``'s I7 check.
 
         Raises:
             InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11).
