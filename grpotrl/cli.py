@@ -323,10 +323,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     # grpotrl's own INFO lines (what the trainer chose at init and why: padding_free on this device, ...) on
     # stderr, beside TRL's; its warnings as before
-    shown = logging.StreamHandler()
-    shown.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("grpotrl").addHandler(shown)
-    logging.getLogger("grpotrl").setLevel(logging.INFO)
+    package = logging.getLogger("grpotrl")
+    if not any(getattr(h, "grpotrl_cli", False) for h in package.handlers):  # once, however often main() runs
+        shown = logging.StreamHandler()
+        shown.setFormatter(logging.Formatter("%(message)s"))
+        shown.grpotrl_cli = True
+        package.addHandler(shown)
+    package.setLevel(logging.INFO)
     try:
         if argv[0] == "report":
             from grpotrl.report import main as report

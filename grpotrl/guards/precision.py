@@ -80,6 +80,10 @@ class Tolerances:
     def name(self) -> str:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
 
+    def within_rounding(self, stats: "GapStatistics") -> bool:
+        """Low precision: a gap's median and worst row's mean are what rounding moves (False for NaN)."""
+        return stats.median <= self.median_gap and stats.row_mean <= self.row_gap
+
 
 def tolerances(dtype: torch.dtype, logprob_atol: float = 1e-5) -> Tolerances:
     """The guards' tolerances for forwards computing in ``dtype`` (``compute_dtype``); ``logprob_atol``:

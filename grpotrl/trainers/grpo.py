@@ -167,8 +167,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if why_balanced is not None and self.padding_free:
             logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",
                         why_balanced)
-        rollout = self.padding_free and self._hf_generate_path() and not self.tools  # as _generate decides
-        logger.info(padding_free.startup_line(args, device, self.padding_free, why_packed, rollout,
+        logger.info(padding_free.startup_line(args, device, self.padding_free, why_packed, self._drops_finished_rows(),
                                               self.balance_microbatches, why_balanced))
         # what the numeric guards (I5, I7, I10, I11) allow between two correct forwards in this run's precision
         self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
@@ -203,6 +202,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _hf_generate_path(self) -> bool:
         return not self.use_vllm and not self.use_transformers_continuous_batching and self.rollout_func is None
 
+    def _injects_processors(self) -> bool:
+        """Whether ``_generate`` puts grpotrl's processors and recorder into ``generate``: transformers' own
+        single-turn generate path."""
+        return self._hf_generate_path() and not self.tools
+
+    def _drops_finished_rows(self) -> bool:
+        """Whether ``_generate`` takes rows that stopped out of the decoding batch (``padding_free`` on, on the
+        path where grpotrl injects into ``generate``)."""
+        return bool(self.padding_free) and self._injects_processors()
+
     def _generation_extras(self, input_ids) -> dict:
         """What ``_generate`` injects into each ``generate`` call (``sampled_logprobs.generation_extras``)."""
         return generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
@@ -226,11 +235,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         Raises:
             InvariantError: I1, I3 or I4 failed on a guard step.
         """
-        inject = self._hf_generate_path() and not self.tools
+        inject = self._injects_processors()
         # a user's rollout_func may call generate its own way (several turns, other prompts): not observed
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            drop = _intercept.skip_finished_rows(model) if inject and self.padding_free else contextlib.nullcontext([])
+            drop = _intercept.skip_finished_rows(model) if self._drops_finished_rows() else contextlib.nullcontext([])
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
                     _intercept.inject_recorders_after_warpers(model), drop as decoding_rows:
                 out = TRLGenerate(*super()._generate(prompts))
