@@ -56,6 +56,19 @@ def rss_kib(field: str = "VmHWM") -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def forward_backward(model, run) -> tuple[object, float, float]:
+    """One loss microbatch's cost: ``run()``'s result, and the seconds and peak RSS (MiB above the RSS before it)
+    of ``run()`` and the backward of the sum of its first value; ``model``'s gradients set to none after."""
+    before = rss_kib("VmRSS")
+    reset_peak_rss()
+    t = time.perf_counter()
+    out = run()
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    seconds = time.perf_counter() - t
+    model.zero_grad(set_to_none=True)
+    return out, seconds, (rss_kib() - before) / 1024
+
+
 def completion_lengths(trainer) -> list[float]:
     """The mean completion length TRL logged at each step (``completions/mean_length``): two variants'
     step times compare the same work only where these agree (same seed, same sampled tokens)."""

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import os
 import random
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -102,14 +101,8 @@ def main() -> None:
     total, peak = {name: 0.0 for name, *_ in runs}, {name: 0 for name, *_ in runs}
     for m, (ids, mask) in enumerate(batches):
         for name, capacity, compact, share in runs:
-            before = _runner.rss_kib("VmRSS")
-            _runner.reset_peak_rss()
-            t = time.perf_counter()
-            logps, shape = padded(ids, mask) if capacity is None else packed(ids, mask, capacity, compact, share)
-            logps.sum().backward()
-            seconds = time.perf_counter() - t
-            model.zero_grad(set_to_none=True)
-            mib = (_runner.rss_kib() - before) / 1024
+            (logps, shape), seconds, mib = _runner.forward_backward(
+                model, lambda: padded(ids, mask) if capacity is None else packed(ids, mask, capacity, compact, share))
             total[name] += seconds
             peak[name] = max(peak[name], mib)
             print(f"microbatch {m}: {int(mask.sum())} real tokens  {name:14s} rows x width {shape}  "

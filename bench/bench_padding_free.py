@@ -1,16 +1,19 @@
-"""Cost of padding_free: plain ``trl.GRPOTrainer`` vs grpotrl's variants, at 8 x 8 x 256 by default.
+"""Cost of a GRPO step: plain ``trl.GRPOTrainer`` vs grpotrl's variants, at 8 x 8 x 256 by default.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # CPU: trl, padded, packed; 2 rounds
-    python bench/bench_padding_free.py                                       # CUDA: trl, default, packed; 1 round
+    python bench/bench_padding_free.py                                       # CUDA: trl, default, fastest; 1 round
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
     MALLOC_MMAP_THRESHOLD_=131072 ... --variants trl,packed --steps 3    # each step's own CPU peak (slower)
 
 The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``default`` (grpotrl's GRPOConfig
 defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
-``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on). ``--variants`` defaults to
-``trl,padded,packed`` on CPU and ``trl,default,packed`` on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so
-that on a GPU the three variants' 4 steps at 8 x 8 x 256, each child's setup included, run in one command of a
-few minutes. CUDA runs bf16 (autocast over the fp32 weights).
+``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on); ``compiled`` (grpotrl's defaults with
+the compiled rollout forced on: a static KV cache and the decoding step compiled, ``compiled_rollout=true``);
+``fastest`` (every speed setting forced on: ``padding_free=true``, ``packed_attention=varlen`` on CUDA,
+``compiled_rollout=true``). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
+on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so that on a GPU the three variants' 4 steps at 8 x 8 x 256,
+each child's setup and compilation included, run in one command of a few minutes. CUDA runs bf16 (autocast
+over the fp32 weights).
 
 SmolLM2-135M-Instruct on open questions, half of them asking for a short answer (so a batch's
 answers run from a few tokens to the cap, as in real prompt mixes), the same config,
@@ -24,13 +27,19 @@ of the padded ``[B, P + C]`` loss batch that is padding; per step the loss and g
 padded and padding-free grpotrl runs and their relative difference; and where a step's time goes
 (sampling + rewards, where padding_free's rollout leaves the rows that have stopped out of the decoding
 batch; the no-grad reference/old-policy logprob forwards; the loss forward + backward), each against plain
-TRL's, and the share of the decoding batch the padding-free run's model ran; and each step's own peak memory (CPU: the peak
+TRL's, and the share of the decoding batch the padding-free run's model ran; the decoding rate (completion tokens
+per second of sampling) against the rate at which the device's memory bandwidth could read the weights once per
+decoding step of all the batch's rows (the bandwidth measured here, by copying a 1 GiB tensor); the time
+torch.compile spent (``torch._dynamo``'s own timer) and how much longer the first step's sampling took than the
+later steps'; and each step's own peak memory (CPU: the peak
 RSS, reset at each step's start through ``/proc/self/clear_refs``; CUDA: ``reset_peak_memory_stats``), so that
 the steps after grpotrl's guard steps can be compared. On CUDA each timed span starts and ends with
 ``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
 ``padded``, or ``default`` where it resolved to padding_free off.
-Goals: step time <= 0.75x and peak memory <= 0.8x plain TRL for ``packed``; loss and grad norm equal to the
-padded path's within 1e-5 relative (fp32), step by step.
+Goals, after the guard steps: on CPU the step <= 0.6x plain TRL's for ``packed`` (the CPU default); on CUDA
+<= 0.5x for ``fastest`` (and for ``default`` once the defaults follow a GPU measurement), peak memory <= 1.0x, the
+same mean completion length as TRL's within sampling noise; loss and grad norm equal to the padded path's within
+1e-5 relative (fp32), step by step.
 The guards run on grpotrl's default schedule (the first 2 steps), in every grpotrl variant. A variant whose
 run fails (an ``InvariantError`` from a guard, say) stops the bench with its stderr's tail.
 """
@@ -43,8 +52,9 @@ import statistics
 
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
-VARIANTS = ("trl", "default", "padded", "packed")
-DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,packed"}
+VARIANTS = ("trl", "default", "padded", "packed", "compiled", "fastest")
+DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
+GOALS = {"packed": 0.6, "fastest": 0.5}  # step time / plain TRL's after the guard steps (CPU: packed; CUDA: fastest)
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
@@ -103,6 +113,11 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
         trainer_class, args = trl.GRPOTrainer, trl.GRPOConfig(**common)
     elif variant == "default":  # padding_free left at 'auto': what it resolves to on this device
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common)
+    elif variant == "compiled":
+        trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, compiled_rollout="true")
+    elif variant == "fastest":  # every speed setting on; varlen attention where a kernel exists (CUDA)
+        trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(
+            **common, padding_free=True, packed_attention="varlen" if cuda else "auto", compiled_rollout="true")
     else:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
 
@@ -171,8 +186,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
                        train_dataset=open_questions(), callbacks=[timer, Phases()])
-    assert variant in ("trl", "default") or trainer.padding_free == (variant == "packed")
+    assert variant not in ("padded", "packed") or trainer.padding_free == (variant == "packed")
     trainer.train()
+    compile_seconds = _compile_seconds()
     # the run's peak: each step resets it (ru_maxrss and max_memory_allocated read the last step's alone)
     peak = max(before_steps + step_peaks + [read_peak()])
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
@@ -183,7 +199,37 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    phases=per_step, step_peaks=step_peaks,
                    decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
                                   if "padding_free/decoding_rows" in h],
-                   padding_free=getattr(trainer, "padding_free", None))
+                   padding_free=getattr(trainer, "padding_free", None), compile_seconds=compile_seconds,
+                   weight_bytes=sum(p.numel() * (2 if cuda else p.element_size()) for p in trainer.model.parameters()),
+                   rows=shape[0] * shape[1])
+
+
+def _compile_seconds() -> float:
+    """Seconds torch.compile spent in this process (``torch._dynamo``'s timer of its compilations, the backend's
+    included; CUDA graphs are recorded at their first runs, which the first step's sampling time shows)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return float(values[names.index("_compile.compile_inner")]) if "_compile.compile_inner" in names else 0.0
+
+
+def bandwidth_bytes_per_s() -> float | None:
+    """The device's memory bandwidth as a copy of 1 GiB measures it (read + write), CUDA only."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (time.perf_counter() - t)
 
 
 def _rel(a: float, b: float) -> float:
@@ -212,6 +258,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     print(f"{device}  {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}  torch {torch.__version__}  "
           f"transformers {transformers.__version__}  trl {trl.__version__}", flush=True)
+    bandwidth = bandwidth_bytes_per_s()
+    if bandwidth is not None:
+        print(f"memory bandwidth (a 1 GiB copy): {bandwidth / 1e12:.2f} TB/s", flush=True)
     variants = tuple(v for v in VARIANTS if v == "trl" or v in a.variants.split(","))
     results = _runner.alternate(__file__, variants, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
                                 describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
@@ -235,10 +284,10 @@ def main() -> None:
     for v in variants[1:]:
         print(_runner.same_lengths(results, "trl", v))
     for v in variants:
-        goal = "  (goal <= 0.75)" if v == "packed" else ""
+        goal = "  (goal <= %s)" % GOALS[v] if v in GOALS else ""
         print(f"{v:7s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
               f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
-              f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 0.80)" if v == "packed" else ""))
+              f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 1.0)" if v in GOALS else ""))
     guard = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
     if a.steps > guard:
         after = slice(guard, None)
@@ -248,8 +297,9 @@ def main() -> None:
             step0, cpu0 = (_runner.mean_per_step(results, "trl", key, after) for key in ("step_times", "cpu_times"))
             top = max(max(res["step_peaks"][after]) for res in results[v])  # the steps' own peaks, not the run's
             top0 = max(max(res["step_peaks"][after]) for res in results["trl"])
-            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x)   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
-                  f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 0.80)" if v == "packed" else ""))
+            goal = "  (goal <= %s)" % GOALS[v] if v in GOALS else ""
+            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x){goal}   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
+                  f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 1.0)" if v in GOALS else ""))
     steady = slice(guard, None) if a.steps > guard else slice(None)
 
     def phase(v, name):
@@ -272,6 +322,18 @@ def main() -> None:
         if results[v][0].get("decoding_rows"):
             print(f"  {v:7s} share of the decoding batch the model ran, per step (round 0; "
                   "padding_free/decoding_rows): " + "  ".join(f"{x:.3f}" for x in results[v][0]["decoding_rows"]))
+    print(f"decoding rate ({'steps %d..%d' % (guard + 1, a.steps) if a.steps > guard else 'every step'}; completion "
+          "tokens per second of sampling + rewards; the limit: every row's token of a decoding step for each read of "
+          "the weights at the measured bandwidth" + ("" if bandwidth else ", CUDA only") + "):")
+    for v in variants:
+        res0 = results[v][0]
+        tokens = statistics.mean(res0["lengths"][steady]) * res0["rows"]  # completion tokens per step
+        rate = tokens / max(phase(v, "sampling"), 1e-9)
+        limit = f"   limit {res0['rows'] * bandwidth / res0['weight_bytes']:.0f} tokens/s " \
+                f"({rate / (res0['rows'] * bandwidth / res0['weight_bytes']):.4f} of it)" if bandwidth else ""
+        print(f"  {v:8s} {rate:9.1f} tokens/s{limit}   torch.compile {res0['compile_seconds']:.1f} s   first step's "
+              f"sampling {res0['phases']['rollout'][0] - phase(v, 'sampling') - phase(v, 'no_grad_logps'):+.1f} s "
+              "against a later step's")
     print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
     for v in variants:
         print(f"  {v:7s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")

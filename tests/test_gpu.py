@@ -1,7 +1,8 @@
 """The shipped recipes on a CUDA GPU in bf16, guards on every step, as a user launches them:
 ``grpotrl CMD --config recipes/smollm2/... --use_cpu false --bf16 true``, and the GRPO recipe under
 ``accelerate launch`` with DeepSpeed ZeRO-2 and ZeRO-3 (one process); and I5 against a planted fault
-in bf16 through the Python API.
+in bf16 through the Python API; the speed settings (``compiled_rollout``, ``packed_attention: varlen``)
+with every guard on, and I5 stopping a planted fault under them.
 
 Skipped without CUDA (CI has none): run on a GPU machine with ``pytest -q tests/test_gpu.py``. Each
 case is a bug class the CPU suite cannot see: a tensor left on the CPU beside CUDA ones (CAGrad
@@ -74,6 +75,26 @@ def test_grpo_recipe_defaults_on_cuda_bf16_pass_every_guard(sft_model, tmp_path,
         assert any("padding_free/decoding_rows" in e for e in steps)
 
 
+SPEED = {"compiled": ["--compiled_rollout", "true"],
+         "varlen": ["--padding_free", "true", "--packed_attention", "varlen"],
+         "fastest": ["--compiled_rollout", "true", "--padding_free", "true", "--packed_attention", "varlen"]}
+
+
+@pytest.mark.parametrize("speed", list(SPEED))
+def test_speed_settings_on_cuda_bf16_pass_every_guard(sft_model, tmp_path, speed):
+    """The compiled rollout (static cache, CUDA graphs, the stop flag read a step late, the sampler without
+    torch.multinomial's per-step read) and the varlen packed forwards (torch's varlen kernel in bf16, gradient
+    checkpointing on as the recipe has it) on the shipped recipe with KL, every guard at every step: each step
+    trains and I5 compared the loss's logprobs with the padded recompute (and with the sampler's own under the
+    compiled rollout), within the bf16 bounds."""
+    logs = cli(["grpo", "--config", "recipes/smollm2/grpo_quickstart.yaml", "--model_name_or_path", str(sft_model),
+                "--max_steps", "3", "--beta", "0.04", *SPEED[speed]], tmp_path / "out")
+    steps = [e for e in logs if "reward" in e]
+    assert len(steps) == 3 and all("guards/logprob_median_gap" in e for e in steps), steps
+    if "--compiled_rollout" in SPEED[speed]:
+        assert all(e.get("generation/compiled_rollout") == 1.0 for e in steps), steps
+
+
 def train_at_loss_temperature(model: str, factor: float, **config) -> grpotrl.GRPOTrainer:
     """``LossAtScaledTemperature`` at ``factor`` trained on the quickstart rows with the GRPO recipe's rewards and
     shape (2 prompts x 4 completions of up to 16 tokens, T = 1.0, beta 0, every guard at every step); ``config``:
@@ -108,6 +129,12 @@ def test_I5_passes_the_same_trainer_at_the_sampling_temperature_in_bf16(sft_mode
     trainer = train_at_loss_temperature(str(sft_model), 1.0, **bf16_api_config(tmp_path / "out", padding_free))
     steps = [e for e in trainer.state.log_history if "reward" in e]
     assert trainer.state.global_step == 2 and all("guards/logprob_max_gap" in e for e in steps)
+
+
+def test_I5_stops_a_loss_at_1_1x_the_sampling_temperature_under_varlen_and_the_compiled_rollout(sft_model, tmp_path):
+    config = {**bf16_api_config(tmp_path / "out", True), "packed_attention": "varlen", "compiled_rollout": "true"}
+    with pytest.raises(InvariantError, match=r"\[I5\]"):
+        train_at_loss_temperature(str(sft_model), 1.1, **config)
 
 
 @pytest.mark.parametrize("cagrad", ["exact", "low_memory"])

@@ -323,11 +323,46 @@ class PaddingFreeFields:
                   "for those); false: TRL's grouping. A trl.GRPOConfig handed in keeps TRL's grouping unless it sets "
                   "it."},
     )
+    packed_attention: str = field(
+        default="auto",
+        metadata={"help": "How the padding-free forwards keep their packed sequences apart. 'mask': rows no wider "
+                  "than the padded batch, transformers' mask built from the restarting position ids, and under sdpa "
+                  "each prompt run once for its group under a tree mask. 'varlen': each forward's sequences end to "
+                  "end in one row, their boundaries handed to an attention function grpotrl registers with "
+                  "transformers (torch's FlashAttention varlen kernel on CUDA in bf16/fp16, one causal sdpa per "
+                  "sequence elsewhere; sdpa in a forward without boundaries, so gradient checkpointing's recompute "
+                  "works): no mask, no prompt sharing; needs padding_free on, sdpa attention through transformers' "
+                  "AttentionInterface, no sliding window, softcapping or attention dropout (refused otherwise). "
+                  "'auto' (default): 'varlen' only on the devices where it was measured faster than 'mask' (none "
+                  "yet: docs/cost.md), else 'mask'.",
+                  "choices": ["auto", "varlen", "mask"]},
+    )
 
 
 @dataclass
-class GRPOConfig(KLFields, PaddingFreeFields, MultiTaskFields, DynamicSamplingFields, HealthFields, GenerationFields,
-                 GuardFields, OutputDirFields, trl.GRPOConfig):
+class CompiledRolloutFields:
+    """The compiled rollout (``grpotrl/generation/compiled_rollout.py``) on transformers' generate path."""
+
+    compiled_rollout: str = field(
+        default="auto",
+        metadata={"help": "On the transformers generate path, give each rollout generate call a static KV cache "
+                  "(its length rounded up to 64, 96, 128, 192, 256, ... positions, so a run compiles a few times) "
+                  "and compile its decoding step through transformers' own compile path (CUDA graphs on CUDA; on "
+                  "CUDA the stop decision is also read one step late, so the loop never waits on the device). "
+                  "grpotrl's processors and the sampler-logprob recorder run in the loop as before. 'auto' "
+                  "(default): on only on a kind of device where it was measured faster than TRL's eager rollout: "
+                  "none yet, so off (docs/cost.md); true: on, on any device (CPU too), refused with vLLM, "
+                  "continuous batching, a rollout_func, tools, a cache_implementation other than 'static', a "
+                  "multimodal model, FSDP or ZeRO-3, a quantizer transformers cannot compile, or an offloaded "
+                  "model; false: TRL's eager rollout. With it on, the finished-row rollout of padding_free is "
+                  "off (the static cache keeps every row). A trl.GRPOConfig handed to a grpotrl trainer keeps "
+                  "TRL's rollout unless it sets compiled_rollout. The trainer logs what it chose, and why, at init."},
+    )
+
+
+@dataclass
+class GRPOConfig(CompiledRolloutFields, KLFields, PaddingFreeFields, MultiTaskFields, DynamicSamplingFields,
+                 HealthFields, GenerationFields, GuardFields, OutputDirFields, trl.GRPOConfig):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Disable dropout so the logprob forward computes the same function that sampled "
@@ -366,6 +401,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         setattr(args, f.name, f.default_factory() if f.default is MISSING else f.default)
     if any(f.name == "padding_free" for f in missing):
         args.padding_free = False  # a TRL config keeps TRL's padded forward unless it asks for padding_free
+    if any(f.name == "compiled_rollout" for f in missing):
+        args.compiled_rollout = False  # and TRL's eager rollout
     if any(f.name == "balance_microbatches" for f in missing):
         args.balance_microbatches = False  # and TRL's grouping of rows into microbatches
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts

@@ -120,6 +120,8 @@ def check_grpotrl_fields(args) -> None:
     _check_generation_settings(args)
     _check_kl_fields(args)
     check_padding_free(args)
+    check_packed_attention(args)
+    check_compiled_rollout(args)
     if args.use_adaptive_entropy and not 0 <= args.entropy_coef_min <= args.entropy_coef_max:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
                          "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
@@ -138,6 +140,27 @@ def check_padding_free(args) -> None:
         value = getattr(args, name, False)
         if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
             raise InputError(f"{name}={value!r}: use true, false or 'auto' ({auto}).")
+
+
+PACKED_ATTENTION = ("auto", "varlen", "mask")
+
+
+def check_packed_attention(args) -> None:
+    """``args.packed_attention`` is 'auto', 'varlen' or 'mask' (any case; a config without the field passes); what
+    the model allows is ``trainers.padding_free.resolve_packed_attention``'s, once the model is loaded."""
+    value = getattr(args, "packed_attention", "auto")
+    if not (isinstance(value, str) and value.strip().lower() in PACKED_ATTENTION):
+        raise InputError(f"packed_attention={value!r}: use 'auto', 'varlen' (each forward's packed sequences in one "
+                         "row with their boundaries) or 'mask' (rows under transformers' mask).")
+
+
+def check_compiled_rollout(args) -> None:
+    """``compiled_rollout`` is true, false or 'auto' (a recipe may quote it); the trainer refuses what it cannot
+    honour once it sees the model and the rollout path (``generation.compiled_rollout.resolve``)."""
+    value = getattr(args, "compiled_rollout", False)
+    if not (value in (True, False) or (isinstance(value, str) and value.strip().lower() in PADDING_FREE[2:])):
+        raise InputError(f"compiled_rollout={value!r}: use true, false or 'auto' (on where it was measured faster "
+                         "than TRL's eager rollout: no device yet).")
 
 
 def normalize_generation_kwargs(args) -> None:

@@ -39,7 +39,7 @@ _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a re
 # __post_init__ (GRPOConfig: scale_rewards True -> "group", False -> "none"; TrainingArguments:
 # fsdp=True), so a drop-in must take them too (TRL's own tests pass scale_rewards=True/False).
 ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool, "padding_free": bool,  # true/false/"auto"
-              "balance_microbatches": bool}
+              "balance_microbatches": bool, "compiled_rollout": bool}
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
 

@@ -17,6 +17,11 @@ modifies its inputs; it returns new scores, or ``scores`` itself when it has not
 The one piece of state is ``MinNewTokensProcessor.triggered``, the per-row record the
 trigger-rate metric needs. The sampler's own logprobs (I5), which ``generate`` takes with
 these processors, are recorded by ``grpotrl.sampled_logprobs``.
+
+No ``__call__`` here reads a device value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``
+or indexing by a tensor's values; the stop ids reach the device once per call): inside ``generate``'s
+loop they only queue device work, which the compiled rollout's deferred stop check relies on
+(``generation.compiled_rollout``). ``trigger_count`` / ``trigger_rate`` read the device, after ``generate``.
 """
 
 from __future__ import annotations
@@ -201,6 +206,7 @@ class MinNewTokensProcessor(_ResponseOnly):
         self.min_new_tokens = min_new_tokens
         self.stop_ids = list(dict.fromkeys(ids))
         self._stop = torch.tensor(self.stop_ids, dtype=torch.long)  # [S]
+        self._stop_on: dict[torch.device, torch.Tensor] = {}  # device -> _stop there
         self.triggered: torch.Tensor | None = None  # [B] bool
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
@@ -211,7 +217,9 @@ class MinNewTokensProcessor(_ResponseOnly):
                 f"stop_ids {self.stop_ids} hold an id >= the vocabulary size {scores.size(-1)} of the scores. "
                 "Pass the stop ids of this model's tokenizer."
             )
-        stop = self._stop.to(scores.device)  # [S]
+        stop = self._stop_on.get(scores.device)
+        if stop is None:  # copied to the scores' device once per call, not every step (a copy waits on the host)
+            stop = self._stop_on[scores.device] = self._stop.to(scores.device)  # [S]
         hit = scores.index_select(-1, stop).amax(dim=-1) >= scores.amax(dim=-1)  # [B]: a stop id is the top
         if self.triggered is None:
             self.triggered = hit

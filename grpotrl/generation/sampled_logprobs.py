@@ -36,6 +36,12 @@ before every processor (the model's raw logits ``R``) and one before the first t
 the recorder keeps the truncated logprob, ``log m`` (``S`` over the set the final scores left finite)
 and ``log_softmax(R / T_sampler)[x]`` (the model alone, no processor); ``recorded_measures`` returns them.
 
+The recorder's and the taps' ``__call__`` read nothing on the host (shapes only: no ``.item()``, ``.tolist()``
+or value-dependent indexing), so they queue device work only inside ``generate``'s loop; ``logprobs``
+and ``measures`` run after it. Where ``generate`` runs a step it then undoes (transformers'
+``DeferredStopCheck``, which the compiled rollout turns on on CUDA), the recorder keeps only the
+columns of the sequences returned.
+
 Letters: B rows, P padded prompt width, C completion width, V vocabulary.
 """
 

@@ -128,14 +128,16 @@ def check_logprobs(tokenizer, used: torch.Tensor, reference: torch.Tensor, mask:
 
 def check_logprobs_in_precision(tokenizer, used: torch.Tensor, reference: torch.Tensor, slope: torch.Tensor,
                                 scale: torch.Tensor, mask: torch.Tensor, completion_ids: torch.Tensor,
-                                temperature: float, tol: Tolerances, rows, packed: bool = False) -> dict[str, float]:
+                                temperature: float, tol: Tolerances, rows,
+                                packed: bool | str = False) -> dict[str, float]:
     """I5 in the forwards' compute precision (``tol``, ``guards.precision``). fp32: ``check_logprobs``, token
     by token. bf16/fp16, where two correct forwards differ by rounding: (1) the temperature the loss's
     logprobs follow, fitted along ``slope`` [B, C] (``ops.logprobs.temperature_slope`` of the reference's
     logits), within ``tol.scale_rtol`` (+ 4 standard errors) of ``temperature``; (2) what the fit leaves
     (other position ids, packed rows that see each other, another prompt or model): its median over the
     loss tokens ``<= tol.median_gap`` and no row's mean ``> tol.row_gap``. ``packed``: the loss's logprobs
-    came from padding-free packed rows (said in the message). Returns the ``guards/logprob_*`` metrics."""
+    came from padding-free packed rows (said in the message): True or ``"mask"`` under the packed rows' mask,
+    ``"varlen"`` under grpotrl's varlen attention. Returns the ``guards/logprob_*`` metrics."""
     if not tol.low_precision:
         try:
             worst = check_logprobs(tokenizer, used, reference, mask, completion_ids, temperature, tol.logprob_atol,
@@ -143,7 +145,7 @@ def check_logprobs_in_precision(tokenizer, used: torch.Tensor, reference: torch.
         except InvariantError as err:
             if not packed:
                 raise
-            raise InvariantError("I5", str(err).removeprefix("[I5] ") + " " + _PACKED_CAUSE) from err
+            raise InvariantError("I5", str(err).removeprefix("[I5] ") + " " + _packed_cause(packed)) from err
         return {"guards/logprob_max_gap": worst}
     on = mask.bool()  # [B, C]
     require_finite("I5", tokenizer, completion_ids, on, rows, ("the loss's logprob", used.detach()),
@@ -191,17 +193,25 @@ def _fitted_temperature(temperature: float, coef: float) -> float:
     return 1.0 / inverse if inverse > 0 else float("inf")
 
 
-def _layout_causes(packed: bool) -> str:
+def _layout_causes(packed: bool | str) -> str:
     causes = ("Rounding moves single tokens; this moves the bulk of the tokens or whole rows. Score each token "
               "with the logit at position P + t - 1 of the prompt generation saw, with the attention mask's "
               "position ids (cumsum - 1) as generate does, each sequence attending to itself only, dropout off "
               "(`disable_dropout=True`).")
-    return causes + " " + _PACKED_CAUSE if packed else causes
+    return causes + " " + _packed_cause(packed) if packed else causes
+
+
+def _packed_cause(packed: bool | str) -> str:
+    return _VARLEN_CAUSE if packed == "varlen" else _PACKED_CAUSE
 
 
 _PACKED_CAUSE = ("padding_free is on: the loss's logprobs came from packed rows, the reference from the padded batch. "
                  "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
                  "padding_free=False.")
+_VARLEN_CAUSE = ("padding_free is on with packed_attention='varlen': the loss's logprobs came from each forward's "
+                 "sequences in one row under grpotrl's varlen attention, the reference from the padded batch. If the "
+                 "model's attention layers ignore the sequence boundaries (cu_seq_lens) or compute something the "
+                 "varlen attention does not (a window, a softcap, a bias), set packed_attention='mask'.")
 
 
 def require_finite(invariant: str, tokenizer, completion_ids, on: torch.Tensor, rows, *named) -> None:

@@ -192,6 +192,7 @@ class Packed:
     widths: list[int]  # R ints: each row's used width (its sequences; the tail after them is unused)
     tree: torch.Tensor | None = None  # [R, W] shared prompts only: each position's tree, -1 in a row's tail
     branch: torch.Tensor | None = None  # [R, W] shared prompts only: each position's padded row, -1 in a prefix
+    spans: list[list[int]] | None = None  # R lists: each row's sequences' (trees') lengths, left to right
 
     def attention_mask(self, rows: torch.Tensor | slice, width: int) -> torch.Tensor | None:
         """Shared prompts: the attention mask [r, 1, w, w] of ``rows`` (indices) cut to their first ``width``
@@ -228,6 +229,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     plan = pack_plan([prefix[t[0]] + sum(lengths[b] - prefix[b] for b in t) for t in trees], capacity)
     tree_of, row_of, offset_of, used = [0] * B, [0] * B, [0] * B, []  # each sequence's tree, packed row, start
     shift_of = [0] * B  # where each row's own tokens start after its tree's prefix
+    spans = [[] for _ in plan]  # each packed row's trees' lengths (a tree of one row: its sequence)
     for r, row in enumerate(plan):
         offset = 0
         for t in row:
@@ -236,6 +238,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
                 tree_of[b], row_of[b], offset_of[b] = t, r, start
                 shift_of[b] = offset - start - prefix[b]  # 0 for a tree's first row
                 offset += lengths[b] - prefix[b]
+            spans[r].append(offset - start)
         used.append(offset)
     R, W = len(plan), max(max(used, default=1), 2)  # the head's shifted output [R, W - 1] must not be empty
     rank = real.long().cumsum(1) - 1  # [B, L] each real token's place within its sequence
@@ -263,7 +266,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
         tree[row, col] = torch.tensor(tree_of, dtype=torch.long, device=device)[b]
         branch = torch.full((R, W), -1, dtype=torch.long, device=device)  # [R, W]
         branch[row[own], col[own]] = b[own]
-    return Packed(ids, pos, labels, source[order], target[order], (B, K), used, tree, branch)
+    return Packed(ids, pos, labels, source[order], target[order], (B, K), used, tree, branch, spans)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -23,7 +23,9 @@ sets); the trainers call TRL's private *methods* only as TRL's own hooks (``supe
 private names are read where they are used, both pinned in ``tests/trainers/test_trl_hooks.py``: a model config's
 ``_attn_implementation`` (``trainers/padding_free.py``: the attention that runs, as transformers sets
 it) and TRL's config classes' ``_VALID_DICT_FIELDS`` (``configs/__init__.py`` extends it with grpotrl's
-dict-valued fields).
+dict-valued fields). The compiled rollout (``generation/compiled_rollout.py``) reads a model's
+``_can_compile_fullgraph`` and ``_supports_default_dynamic_cache`` and sets ``CompileConfig._compile_all_devices``,
+transformers' own switches for its compile path (pinned there too).
 Each helper here is pinned by ``tests/trainers/test_trl_hooks.py`` against TRL's source: a renamed field or
 method fails there, not silently in a run.
 
@@ -42,12 +44,14 @@ import torch
 import trl.kernels.chunked_logprob as trl_chunked
 import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin
+from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..generation.finished_rows import FinishedRows, ObservedCriteria, usable
 from ..generation.sampled_logprobs import arrange_processors
 from ..ops.losses import merge_rows
 from ..ops.masking import position_ids_from_mask
+from ..ops.sampling import draw_one, invalid_rows
 
 # trl.GRPOTrainer._generate returns these, in this order (trl 1.16; tests/trainers/test_trl_hooks.py)
 TRLGenerate = namedtuple("TRLGenerate", "prompt_ids completion_ids tool_mask completions logprobs extra_fields "
@@ -220,6 +224,64 @@ def inject_recorders_after_warpers(model) -> Iterator[None]:
 
     with inject_attr(gen, "_get_logits_processor", recorders_last):
         yield
+
+
+@contextmanager
+def inject_deferred_stop_check(device_types: tuple[str, ...]) -> Iterator[None]:
+    """Inject: in ``generate`` calls of the block decoding on a device whose type is in ``device_types``, the
+    decoding loop reads its stop flag one step late (transformers' ``DeferredStopCheck``), so the host never
+    waits on the device inside the loop. transformers 5.24 defers only on "mps"
+    (``DeferredStopCheck.is_supported``); this shadows that static method for the block with one that also says
+    yes on ``device_types`` where its other preconditions hold (no assistant model; a cache that can be cropped
+    back, or that ``generate`` does not return). The loop then runs one forward more than it needs, whose token
+    ``generate`` drops (``_undo_generation_steps``) and whose cache entries it crops: the sequences returned are
+    those of the plain loop. That extra step runs the logits processors once more: grpotrl's recorder keeps
+    only the columns of the sequences returned (``SampledLogprobRecorder.logprobs``), its penalties keep no
+    state, and min-new-tokens cannot fire on it (every row has stopped, so each has generated its minimum).
+    A sampling run draws one more token per call, so later calls draw other numbers than the plain loop's.
+    A transformers without ``DeferredStopCheck`` (before 5.24) runs its loop as written: a stop read per step."""
+    check = getattr(generation_utils, "DeferredStopCheck", None)
+    if check is None:
+        yield
+        return
+    original = check.is_supported
+
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if original(device, cache, cache_is_returned, is_assistant):
+            return True
+        if device.type not in device_types or is_assistant:
+            return False
+        return cache is None or cache.is_croppable or not cache_is_returned  # transformers' own conditions
+
+    with inject_attr(check, "is_supported", staticmethod(is_supported)):
+        yield
+
+
+@contextmanager
+def inject_sync_free_draw() -> Iterator[None]:
+    """Inject: each ``torch.multinomial(probs, 1)`` call of the block (transformers' sampling step in
+    ``GenerationMixin._sample``) draws with ``ops.sampling.draw_one``: the very tokens torch draws (the same
+    exponential draws from the same generator), without torch's check of the probabilities, which reads a flag
+    from the device: one host synchronisation per decoding step. Each call's rows that check would refuse (NaN,
+    inf, a negative entry: ``ops.sampling.invalid_rows``) are or-ed into one flag on the device, read once when the
+    block ends: if any was seen, torch's own error is raised then. Any other call (several samples, ``out=``, a
+    generator, not ``[B, V]``) is torch's. ``torch.multinomial`` is an attribute of the torch module, so the block
+    shadows it for every caller in the process while it runs."""
+    original = torch.multinomial
+    seen: list[torch.Tensor] = []  # at most one [] bool tensor: any invalid row so far
+
+    def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
+        if num_samples != 1 or generator is not None or out is not None or input.dim() != 2:
+            return original(input, num_samples, replacement, generator=generator, out=out)
+        bad = invalid_rows(input).any()  # [] bool, on the device
+        seen[:] = [seen[0] | bad] if seen else [bad]
+        return draw_one(input)  # [B, 1]
+
+    with inject_attr(torch, "multinomial", multinomial):
+        yield
+    if seen and bool(seen[0]):  # the one read, after the loop
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (torch.multinomial's "
+                           "check, read once after generate: the decoding loop sampled from such a distribution)")
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from .. import guards, health
 from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InvariantError
+from ..generation import compiled_rollout
 from ..generation.finished_rows import decoding_share
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
@@ -35,7 +36,7 @@ from ..ops import importance
 from ..ops.logprobs import entropy_from_logits, temperature_slope
 from ..ops.loss_types import named
 from ..preflight import check_grpo, task_labels
-from . import _intercept, dynamic_sampling, padding_free
+from . import _intercept, dynamic_sampling, packed_attention, padding_free
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
 from .records import Generated, HookRecord, LossTerms
@@ -54,7 +55,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``__init__``: every check that can fail before a model loads, then grpotrl's settings (I2, I6, KL,
         ``padding_free``, the guards' precision, health callbacks, I12 on several ranks).
       * ``_generate``: observes ``generate`` (I6 processors, the sampler's logprobs, rows that stopped leave
-        the decoding batch under ``padding_free``); I1, I3, I4 on guard steps.
+        the decoding batch under ``padding_free``, a static cache and a compiled decoding step under
+        ``compiled_rollout``); I1, I3, I4 on guard steps.
       * ``_generate_and_score_completions``: rows tagged, health signals, dynamic sampling, the IS correction.
       * ``_calculate_rewards``: a +-inf reward made missing and counted (``nonfinite_reward`` health rule).
       * ``_get_per_token_logps_and_entropies``: packed rows under ``padding_free``, TRL's layout back.
@@ -75,7 +77,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         the logprobs and entropies TRL's loss used (I5, I7, I10).
       * the policy's ``model.generate`` in ``_generate`` (transformers path and guard steps, ``record_generate``):
         records its inputs and outputs; on the transformers path injects the I6 processors (response-only
-        penalties, min-new-tokens over every stop id) and a recorder of the sampler's logprobs.
+        penalties, min-new-tokens over every stop id) and a recorder of the sampler's logprobs, and under
+        ``compiled_rollout`` the static cache of the call's bucket and transformers' ``CompileConfig``
+        (``generation.compiled_rollout.generate_kwargs``).
+      * under ``compiled_rollout`` on CUDA, transformers' ``DeferredStopCheck.is_supported`` in ``_generate``
+        (``inject_deferred_stop_check``): the decoding loop reads its stop flag one step late, never waiting on
+        the device (one extra forward per call, whose token and cache entries transformers undoes); and
+        ``torch.multinomial`` (``inject_sync_free_draw``): the same tokens without torch's per-step read of a
+        validity flag, which is read once after ``generate``.
       * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``
         (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
         it samples from.
@@ -122,9 +131,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             InputError: bad input, said before any weights load (what, which value, what to do).
 
         After TRL's init: generation stops on every stop id; the KL settings (``KLFields``); generate's position
-        ids into every logprob forward; ``padding_free`` / ``balance_microbatches`` resolved for the model and the
-        kind of device, and logged in one line; the guards' tolerances for the run's compute dtype
-        (``guard_tolerances``); the health callbacks and, on several ranks, I12's ``RankAgreement``.
+        ids into every logprob forward; ``padding_free`` / ``balance_microbatches`` and ``compiled_rollout``
+        resolved for the model and the kind of device, and logged in a line each; the guards' tolerances for the
+        run's compute dtype (``guard_tolerances``); the health callbacks and, on several ranks, I12's ``RankAgreement``.
         """
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
@@ -160,15 +169,22 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # kind of device where it was measured faster than TRL's padded forward (docs/cost.md)
         device = self.accelerator.device.type
         self.padding_free, why_packed = padding_free.resolve(args, self.model, _intercept.read_is_vlm(self), device)
+        self.compiled_rollout = self._resolve_compiled_rollout(args, device)  # before _drops_finished_rows is read
         if why_packed is not None:
             logger.warning("padding_free='auto' is off for this run: %s. The logprob forwards run padded.", why_packed)
-        self.share_prompts = padding_free.resolve_share(self.padding_free, self.model, self.ref_model)
+        # how the packed forwards keep their sequences apart: the mask (and shared prompts), or varlen boundaries
+        self.packed_attention, why_attention = padding_free.resolve_packed_attention(
+            args, self.model, self.ref_model, device, self.padding_free)
+        self.share_prompts = padding_free.resolve_share(self.padding_free and self.packed_attention == "mask",
+                                                        self.model, self.ref_model)
         self.balance_microbatches, why_balanced = padding_free.resolve_balance(args, self.padding_free)
         if why_balanced is not None and self.padding_free:
             logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",
                         why_balanced)
-        logger.info(padding_free.startup_line(args, device, self.padding_free, why_packed, self._drops_finished_rows(),
-                                              self.balance_microbatches, why_balanced))
+        logger.info(padding_free.startup_line(
+            args, device, self.padding_free, why_packed, self._drops_finished_rows(), self.balance_microbatches,
+            why_balanced, attention=self.packed_attention, why_attention=why_attention,
+            why_no_rollout="compiled rollout on: its static KV cache keeps every row" if self.compiled_rollout else None))
         # what the numeric guards (I5, I7, I10, I11) allow between two correct forwards in this run's precision
         self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
                                                      args.guard_logprob_atol)
@@ -209,12 +225,42 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     def _drops_finished_rows(self) -> bool:
         """Whether ``_generate`` takes rows that stopped out of the decoding batch (``padding_free`` on, on the
-        path where grpotrl injects into ``generate``)."""
-        return bool(self.padding_free) and self._injects_processors()
+        path where grpotrl injects into ``generate``, without the compiled rollout, whose static KV cache keeps
+        every row and whose loop cannot take the finished-row rollout's host reads)."""
+        return bool(self.padding_free) and self._injects_processors() and not self.compiled_rollout
+
+    def _resolve_compiled_rollout(self, args, device: str):
+        """The run's compiled rollout (``generation.compiled_rollout``): its ``CompileConfig`` where it is on (the
+        transformers generate path, nothing refused, ``compiled_rollout`` 'true', or 'auto' on a device where it
+        was measured faster), else None; logs what was chosen and why in one line.
+
+        Raises:
+            InputError: ``compiled_rollout`` 'true' where it cannot run (``compiled_rollout.refusal``).
+        """
+        gen = _intercept._generating_module(self.model)
+        facts = compiled_rollout.model_facts(gen) if gen is not None else {
+            "quantizer": None, "offloaded": False, "static_cache": False, "fullgraph": False}
+        deepspeed = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        why_not = compiled_rollout.refusal(
+            hf_generate=self._hf_generate_path(), tools=bool(self.tools),
+            cache_implementation=getattr(getattr(self, "generation_config", None), "cache_implementation", None),
+            is_vlm=_intercept.read_is_vlm(self), facts=facts,
+            sharded=bool(self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3)))
+        on, why = compiled_rollout.resolve(getattr(args, "compiled_rollout", False), device, why_not)
+        logger.info(compiled_rollout.startup_line(args.compiled_rollout, device, on, why,
+                                                  packed=bool(self.padding_free) and self._injects_processors()))
+        return compiled_rollout.compile_config(device, facts["fullgraph"]) if on else None
 
     def _generation_extras(self, input_ids) -> dict:
-        """What ``_generate`` injects into each ``generate`` call (``sampled_logprobs.generation_extras``)."""
-        return generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
+        """What ``_generate`` injects into each ``generate`` call: grpotrl's processors and the sampler-logprob
+        recorder (``sampled_logprobs.generation_extras``) and, with the compiled rollout, the static cache of
+        the call's bucket and the compile config (``compiled_rollout.generate_kwargs``)."""
+        extras = generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
+        if self.compiled_rollout is None:
+            return extras
+        context = getattr(_text_config_of(self.model), "max_position_embeddings", None)
+        return {**extras, **compiled_rollout.generate_kwargs(self.compiled_rollout, input_ids.size(1),
+                                                             self.generation_config.max_new_tokens, context)}
 
     def _generate(self, prompts: list):
         """TRL's ``_generate`` (one round of generation for this process's prompts), observed: on the transformers
@@ -240,11 +286,19 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
             drop = _intercept.skip_finished_rows(model) if self._drops_finished_rows() else contextlib.nullcontext([])
+            deferred = _intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON) \
+                if self.compiled_rollout is not None else contextlib.nullcontext()
+            draw = _intercept.inject_sync_free_draw() if self.compiled_rollout is not None and \
+                self.accelerator.device.type in compiled_rollout.SYNC_FREE_DRAW_ON else contextlib.nullcontext()
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
-                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows:
+                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows, deferred, draw:
                 out = TRLGenerate(*super()._generate(prompts))
             if decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
                 self._record_metrics({"padding_free/decoding_rows": decoding_share(decoding_rows)})
+            if self.compiled_rollout is not None and calls:  # the rollout ran compiled, with the bucket it asked for
+                cache_len = float(calls[-1]["extra"]["max_cache_len"])
+                self._record_metrics({"generation/compiled_rollout": 1.0,
+                                      "generation/compiled_rollout_cache_len": cache_len})
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
         sampled = recorded_logprobs(calls[-1], out.completion_ids,
@@ -471,7 +525,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         logps, entropies = padding_free.packed_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, self.accelerator.autocast,
             pad_id=pad if pad is not None else 0, share_prompts=self.share_prompts,
-            agree_forwards=self._most_forwards if self._sharded_parameters() else None)
+            agree_forwards=self._most_forwards if self._sharded_parameters() else None, attention=self.packed_attention)
         return logps, entropies, None
 
     def _sharded_parameters(self) -> bool:
@@ -581,7 +635,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         slope = temperature_slope(logits, completion_ids, self.temperature) if tol.low_precision else None  # [B, C]
         metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, reference, slope, scale,
                                                      cmask, completion_ids, self.temperature, tol,
-                                                     inputs[ROW_KEY].tolist(), packed=self.padding_free)
+                                                     inputs[ROW_KEY].tolist(),
+                                                     packed=self.padding_free and self.packed_attention)
         if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
                                         atol=tol.entropy_atol, tol=tol)
@@ -710,14 +765,21 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """TRL's, with TRL's fused LM head on CPU in tiles of 512 tokens x 4096 vocabulary columns
         (``_intercept.inject_head_tiles``): its CPU fallback makes about ten passes over tile-sized fp32
         temporaries, at TRL's sizes the step's largest transient. The same values per token within fp32
-        rounding; elsewhere TRL's tiles."""
-        with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: the head's tiles (its backward too)
+        rounding; elsewhere TRL's tiles. Under ``packed_attention='varlen'`` the policy runs grpotrl's varlen
+        attention for the whole step (``packed_attention.running``), its backward included: a layer that gradient
+        checkpointing recomputes there sees the sequence boundaries it was first called with (a forward without
+        boundaries runs sdpa, as before)."""
+        with _intercept.inject_head_tiles(self.accelerator.device), self._policy_attention(model):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
-        """TRL's, with the LM head's CPU tiles as in ``training_step``."""
-        with _intercept.inject_head_tiles(self.accelerator.device):  # CPU: evaluation's forwards, as training's
+        """TRL's, with the LM head's CPU tiles and the policy's attention as in ``training_step``."""
+        with _intercept.inject_head_tiles(self.accelerator.device), self._policy_attention(model):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _policy_attention(self, model):
+        """``packed_attention.running(model)`` under ``packed_attention='varlen'``, else nothing."""
+        return packed_attention.running(model) if self.packed_attention == "varlen" else contextlib.nullcontext()
 
     def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
         """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
@@ -748,6 +810,11 @@ def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: l
         raise InvariantError("multi-task", f"generation group {g} mixes tasks {[names[i] for i in groups[g].tolist()]}"
                              ": its advantages would normalise one task's rewards by another's. Each prompt's "
                              "num_generations completions must come from one row (TRL's RepeatSampler does this).")
+
+
+def _text_config_of(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:

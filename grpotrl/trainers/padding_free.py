@@ -11,6 +11,10 @@ tokens only (on CPU the head then projects those positions only, as TRL's does o
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
 
+``packed_attention='varlen'`` (``resolve_packed_attention``) runs each forward's sequences end to end in one row
+``[1, T]`` with their boundaries instead, under an attention function registered with transformers
+(``trainers.packed_attention``): no mask and no prompt sharing.
+
 Under sdpa the rows of one prompt run it once (``resolve_share``; ``ops.packing.share_plan``: a tree of
 the prompt and each row's own tokens under a boolean ``[r, 1, W, W]`` mask), and the token-balanced
 microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays.
@@ -28,21 +32,25 @@ compares: a model whose attention ignores the packing stops there (``guards.chec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..configs.checks import check_packed_attention
 from ..errors import InputError
-from ..ops.packing import IGNORE, balance_plan, forward_plan, pack, prompts_of, unpack
+from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompts_of, unpack
 from ..ops.loss_types import named
-from . import _intercept
+from ..ops.varlen import cu_seqlens
+from . import _intercept, packed_attention
 
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every row of a forward
 MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
+VARLEN_MEASURED_FASTER_ON = ()  # device types where packed_attention 'auto' is 'varlen' (docs/cost.md)
 
 
 def parse_setting(value) -> bool | str:
@@ -109,13 +117,17 @@ def resolve(args, model, is_vlm: bool, device_type: str) -> tuple[bool, str | No
 
 
 def startup_line(args, device_type: str, packed: bool, why_packed: str | None, rollout: bool, balanced: bool,
-                 why_balanced: str | None) -> str:
-    """The line a trainer logs once at init: what ``padding_free``, the finished-row rollout and
-    ``balance_microbatches`` resolved to on ``device_type``, and why, e.g. ``grpotrl: padding_free off (auto:
-    not measured faster than TRL's padded forward on cuda; see docs/cost.md); finished-row rollout off
-    (padding_free off); balance_microbatches off (auto: the logprob forwards run padded ...)``.
-    ``why_packed`` and ``why_balanced`` are ``resolve``'s and ``resolve_balance``'s reasons; ``rollout``:
-    whether rows that have stopped leave the decoding batch (``padding_free`` on, transformers' generate)."""
+                 why_balanced: str | None, attention: str | None = None, why_attention: str | None = None,
+                 why_no_rollout: str | None = None) -> str:
+    """The line a trainer logs once at init: what ``padding_free``, the finished-row rollout,
+    ``balance_microbatches`` and (given ``attention``) ``packed_attention`` resolved to on ``device_type``, and
+    why, e.g. ``grpotrl: padding_free off (auto: not measured faster than TRL's padded forward on cuda; see
+    docs/cost.md); finished-row rollout off (padding_free off); balance_microbatches off (auto: the logprob
+    forwards run padded ...); packed attention mask (auto: padding_free off)``. ``why_packed``,
+    ``why_balanced`` and ``why_attention`` are ``resolve``'s, ``resolve_balance``'s and
+    ``resolve_packed_attention``'s reasons; ``rollout``: whether rows that have stopped leave the decoding batch
+    (``padding_free`` on, transformers' generate); ``why_no_rollout``: why not, where ``padding_free`` is on and
+    transformers' generate runs (the compiled rollout's static cache keeps every row)."""
     if packed and why_packed is None and parse_setting(args.padding_free) == "auto":
         why_packed = f"measured faster than TRL's padded forward on {device_type}; see docs/cost.md"
     if rollout:
@@ -123,12 +135,23 @@ def startup_line(args, device_type: str, packed: bool, why_packed: str | None, r
     elif not packed:
         why_rollout = "padding_free off"
     else:
-        why_rollout = "not transformers' generate: vLLM, continuous batching, a rollout_func or tools"
+        why_rollout = why_no_rollout or "not transformers' generate: vLLM, continuous batching, a rollout_func or tools"
     parts = [_chosen("padding_free", parse_setting(args.padding_free), packed, why_packed),
              _chosen("finished-row rollout", None, rollout, why_rollout),
              _chosen("balance_microbatches", parse_setting(getattr(args, "balance_microbatches", False)), balanced,
                      why_balanced)]
+    if attention is not None:
+        parts.append(_attention_chosen(_packed_attention_setting(args), attention, why_attention, device_type))
     return "grpotrl: " + "; ".join(parts)
+
+
+def _attention_chosen(asked: str, attention: str, why: str | None, device_type: str) -> str:
+    """``"packed attention varlen (set varlen)"``, ``"packed attention mask (auto: why)"``."""
+    if asked == "auto" and why is None:
+        why = (f"varlen measured faster than the mask on {device_type}" if attention == "varlen" else
+               f"varlen not measured faster than the mask on {device_type}; see docs/cost.md")
+    how = [asked if asked == "auto" else f"set {asked}"] + ([why] if why else [])
+    return f"packed attention {attention} ({': '.join(how)})"
 
 
 def _chosen(name: str, asked: bool | str | None, on: bool, why: str | None) -> str:
@@ -155,6 +178,51 @@ def _full_attention_only(model) -> bool:
     if layer_types is not None:
         return all(t == "full_attention" for t in layer_types)
     return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
+
+def _packed_attention_setting(args) -> str:
+    """``args.packed_attention`` lower-cased; a config without the field (``trl.GRPOConfig``) asks for the mask."""
+    return str(getattr(args, "packed_attention", "mask")).strip().lower()
+
+
+def resolve_packed_attention(args, model, ref_model, device_type: str, packed: bool) -> tuple[str, str | None]:
+    """How the padding-free forwards keep their packed sequences apart (``args.packed_attention`` for the policy
+    ``model`` and ``ref_model`` (None: none, or the policy's disabled adapter) on a device of ``device_type``, in
+    a run whose logprob forwards are ``packed`` or not): ``"mask"`` (the rows ``[r, W]`` with restarting position
+    ids, transformers' mask, or the shared-prompt tree mask) or ``"varlen"`` (each forward's sequences in one
+    row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask, no prompt sharing), and why not
+    ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``.
+    An explicit ``"varlen"`` that cannot work is an ``InputError``."""
+    check_packed_attention(args)
+    want = _packed_attention_setting(args)
+    if want == "mask":
+        return "mask", None
+    why = None
+    if not packed:
+        why = "padding_free is off, and varlen runs the padding-free forwards"
+    for m in (model, ref_model):
+        if why is not None or m is None:
+            continue
+        text, attention = _text_config(m), _attention_of(m)
+        if attention != "sdpa":
+            why = (f"attn_implementation={attention!r}: varlen stands in for sdpa only (it is sdpa where a forward "
+                   "carries no sequence boundaries)")
+        elif not packed_attention.dispatches_by_name(m):
+            why = (f"{type(m).__name__}'s attention layers do not look their function up in transformers' "
+                   "AttentionInterface, so they would not run varlen")
+        elif getattr(text, "attn_logit_softcapping", None) is not None:
+            why = "the model softcaps its attention logits, which the varlen kernel does not"
+        elif not _full_attention_only(m):
+            why = "the model has sliding-window or chunked attention layers, which varlen would run as full attention"
+        elif not getattr(args, "disable_dropout", True) and (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+            why = "attention dropout is on (disable_dropout=False), and varlen runs without dropout"
+    if why is not None:
+        if want == "varlen":
+            raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")
+        return "mask", why
+    if want == "auto" and device_type not in VARLEN_MEASURED_FASTER_ON:
+        return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
+    return "varlen", None
 
 
 def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
@@ -231,7 +299,8 @@ CPU_FORWARD_OVERHEAD = 64
 
 def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                                batch_size: int | None, compute_entropy: bool, autocast, pad_id: int = 0,
-                               share_prompts: bool = False, agree_forwards: Callable[[int], int] | None = None):
+                               share_prompts: bool = False, agree_forwards: Callable[[int], int] | None = None,
+                               attention: str = "mask"):
     """TRL's ``_get_per_token_logps_and_entropies`` (text only, no router loss) on packed rows:
     per-token logprobs [B, K] and entropies [B, K] (or None), zeros where nothing is scored, as TRL's.
     ``autocast()`` is the accelerator's autocast context.
@@ -240,45 +309,95 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     at most ``batch_size`` packed rows per forward: no forward is larger than one of TRL's padded chunks
     (``batch_size x L``), and a call whose chunks each hold one prompt's group (the reference and
     old-policy forwards over a whole generation batch, before TRL shuffles it) packs short groups together
-    instead of leaving each chunk's rows part-empty. Each forward is cut to its widest row
-    (``ops.packing.forward_plan``: on CPU the fewest cells, counting ``CPU_FORWARD_OVERHEAD`` per forward;
-    elsewhere the fewest forwards). ``share_prompts`` (``resolve_share``): the rows of one prompt run its
-    prompt once (``ops.packing.share_plan``) under a tree attention mask.
+    instead of leaving each chunk's rows part-empty. ``attention`` (``resolve_packed_attention``): ``"mask"``
+    runs each forward's rows ``[r, w]``, cut to its widest row (``ops.packing.forward_plan``: on CPU the fewest
+    cells, counting ``CPU_FORWARD_OVERHEAD`` per forward; elsewhere the fewest forwards), and with
+    ``share_prompts`` (``resolve_share``) the rows of one prompt run its prompt once (``ops.packing.share_plan``)
+    under a tree attention mask. ``"varlen"`` (no ``share_prompts``) runs each forward's sequences end to end in
+    one row ``[1, T]`` with their boundaries (``trainers.packed_attention``), in the fewest forwards.
 
     ``agree_forwards`` (sharded parameters, ZeRO-3: each forward gathers every layer's parameters, a collective):
     takes this process's number of forwards and returns the number every process runs (the largest); the
     missing ones run on a 2-token row of padding, their output in the result with weight 0, so that the
     backward (and a checkpointed layer's recompute) runs through them too, as through another process's."""
+    if attention not in ("mask", "varlen"):
+        raise ValueError(f"attention={attention!r}: 'mask' or 'varlen' (resolve_packed_attention)")
+    varlen = attention == "varlen"
+    if varlen and share_prompts:
+        raise ValueError("shared prompts run under the tree mask: attention='varlen' takes share_prompts=False")
+    with packed_attention.running(model) if varlen else contextlib.nullcontext():
+        return _packed_forwards(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                autocast, pad_id, share_prompts, agree_forwards, varlen)
+
+
+def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, autocast, pad_id,
+                     share_prompts, agree_forwards, varlen: bool):
     B, L = input_ids.shape
     batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
     packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id, share_prompts=share_prompts)
     device = packed.input_ids.device
     R, W = packed.input_ids.shape
-    plan = forward_plan(packed.widths, batch_size, CPU_FORWARD_OVERHEAD if device.type == "cpu" else None)
+    overhead = CPU_FORWARD_OVERHEAD if device.type == "cpu" and not varlen else None  # varlen: no cells cut
+    plan = forward_plan(packed.widths, batch_size, overhead)
     # before any forward: the agreement is a collective, and so is each forward under ZeRO-3
     forwards = agree_forwards(len(plan)) if agree_forwards is not None else len(plan)
     logps, entropies = [], []
     for rows in plan:
-        width = min(max(packed.widths[rows[0]], 2), W)  # the widest first; the head's output [r, w - 1] not empty
         index = torch.tensor(rows, dtype=torch.long, device=device)  # [r]
-        with autocast(), _intercept.inject_compact_head(device):  # the scored positions only
-            out = model(input_ids=packed.input_ids[index, :width], attention_mask=packed.attention_mask(index, width),
-                        position_ids=packed.position_ids[index, :width], labels=packed.labels[index, :width],
-                        fused_lm_head=True)  # log_probs [r, w - 1]
-        logps.append(F.pad(out.log_probs, (0, W - width)))  # [r, W - 1]: the cut columns score nothing
-        if compute_entropy:
-            entropies.append(F.pad(out.entropy, (0, W - width)))
+        if varlen:
+            log_probs, entropy = _varlen_forward(model, packed, rows, index, compute_entropy, autocast)  # [r, W - 1]
+        else:
+            width = min(max(packed.widths[rows[0]], 2), W)  # the widest first; the head's output [r, w - 1] not empty
+            with autocast(), _intercept.inject_compact_head(device):  # the scored positions only
+                out = model(input_ids=packed.input_ids[index, :width],
+                            attention_mask=packed.attention_mask(index, width),
+                            position_ids=packed.position_ids[index, :width], labels=packed.labels[index, :width],
+                            fused_lm_head=True)  # log_probs [r, w - 1]
+            log_probs = F.pad(out.log_probs, (0, W - width))  # [r, W - 1]: the cut columns score nothing
+            entropy = F.pad(out.entropy, (0, W - width)) if compute_entropy else None
+        logps.append(log_probs)
+        entropies.append(entropy)
     back = torch.tensor([r for rows in plan for r in rows], device=device).argsort()  # [R] each packed row's place
 
     def unpacked(parts):
         return unpack(torch.cat(parts, dim=0)[back], packed)  # [R, W - 1] in packed order -> [B, K]
 
     logps = unpacked(logps)  # [B, K]
+    boundaries = dict(cu_seq_lens_q=cu_seqlens([2], device), cu_seq_lens_k=cu_seqlens([2], device), max_length_q=2,
+                      max_length_k=2) if varlen else {}  # the padding row: one sequence of 2
     for _ in range(forwards - len(plan)):  # another process runs more forwards: as many here, on padding
         with autocast(), _intercept.inject_compact_head(device):
             out = model(input_ids=packed.input_ids.new_full((1, 2), pad_id),
                         position_ids=torch.arange(2, device=device).view(1, 2),
                         labels=torch.tensor([[IGNORE, pad_id]], dtype=packed.input_ids.dtype, device=device),
-                        fused_lm_head=True)  # log_probs [1, 1]
+                        fused_lm_head=True, **boundaries)  # log_probs [1, 1]
         logps = logps + 0.0 * out.log_probs.sum()  # in the graph, adding 0
     return logps, unpacked(entropies) if compute_entropy else None
+
+
+def _varlen_forward(model, packed: Packed, rows: list[int], index: torch.Tensor, compute_entropy: bool, autocast):
+    """One forward of the packed ``rows`` (``index [r]``) with their sequences end to end in one row ``[1, T]``
+    (each row's used width, its sequences, in row order) and their boundaries as transformers' FlashAttention
+    keyword arguments; the head's shifted output put back in the packed rows' layout ``[r, W - 1]`` (the value at
+    a row's last token, which predicts the next row's first, is never scored)."""
+    device, W = packed.input_ids.device, packed.input_ids.size(1)
+    widths = torch.tensor([packed.widths[r] for r in rows], device=device)  # [r]
+    used = torch.arange(W, device=device) < widths.unsqueeze(1)  # [r, W] each row's sequences
+    lengths = [n for r in rows for n in packed.spans[r]]  # the forward's sequences, left to right
+    tokens = sum(lengths)  # T
+    extra = max(0, 2 - tokens)  # the head's output [1, T - 1] must not be empty: a padding sequence after
+    ids, pos, labels = (torch.cat([x[index][used], x.new_full((extra,), fill)]).unsqueeze(0)  # [1, T + extra]
+                        for x, fill in ((packed.input_ids, 0), (packed.position_ids, 0), (packed.labels, IGNORE)))
+    if extra:
+        pos[0, tokens:] = torch.arange(extra, device=device)
+        lengths = lengths + [extra]
+    cu = cu_seqlens(lengths, device)  # [N + 1]
+    with autocast(), _intercept.inject_compact_head(device):
+        out = model(input_ids=ids, position_ids=pos, labels=labels, fused_lm_head=True, cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))  # log_probs [1, T - 1]
+
+    def rows_of(values):  # [1, T + extra - 1] -> [r, W - 1]
+        flat = F.pad(values[0], (0, 1))[:tokens]  # [T] the value at each token (predicting the next)
+        return flat.new_zeros(len(rows), W).masked_scatter(used, flat)[:, :W - 1]
+
+    return rows_of(out.log_probs), rows_of(out.entropy) if compute_entropy else None

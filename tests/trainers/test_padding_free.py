@@ -482,6 +482,13 @@ def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, g
             assert _rel(b, a) < 1e-5
     # the old policy a little away from the policy: ratios not 1, so that the loss is not a sum of advantages
     # (about 0, where fp32 rounding of the logprobs alone makes any relative difference)
+    _assert_every_loss_type_equal(trainer, inputs, _loss_and_grads)
+
+
+def _assert_every_loss_type_equal(trainer, inputs, loss_and_grads):
+    """For each of TRL's loss types (luspo at the sequence level, as TRL requires), with the old policy a little
+    away from the policy (ratios not 1): ``loss_and_grads(trainer, inputs)``'s relative differences of the loss
+    and of the gradient, padded against packed, are below 1e-5."""
     torch.manual_seed(0)
     old = inputs["old_per_token_logps"]
     inputs = {**inputs, "old_per_token_logps": old + 0.1 * torch.randn_like(old) * inputs["completion_mask"]}
@@ -489,7 +496,7 @@ def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, g
     for loss_type in LOSS_TYPES:
         trainer.loss_type = loss_type
         trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else level
-        loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+        loss_rel, grad_rel = loss_and_grads(trainer, inputs)
         assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_type, loss_rel, grad_rel)
 
 
@@ -640,15 +647,16 @@ def test_auto_is_on_only_on_the_devices_where_it_was_measured_faster(tiny_llama)
 
 
 def test_startup_line_says_what_was_chosen_and_why(tiny_llama, grpo_args, caplog):
-    """At init the trainer logs one line: padding_free, the finished-row rollout and balance_microbatches,
-    on or off, and why; on CUDA the same defaults read off (the line built for "cuda")."""
+    """At init the trainer logs one line: padding_free, the finished-row rollout, balance_microbatches and the
+    packed attention, on or off, and why; on CUDA the same defaults read off (the line built for "cuda")."""
     with caplog.at_level(logging.INFO, logger="grpotrl.trainers.grpo"):
         trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
                                       train_dataset=arithmetic_prompts(8))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grpotrl: padding_free")]
     assert lines == ["grpotrl: padding_free on (auto: measured faster than TRL's padded forward on cpu; see "
                      "docs/cost.md); finished-row rollout on (padding_free on, transformers' generate); "
-                     "balance_microbatches on (auto)"], lines
+                     "balance_microbatches on (auto); packed attention mask (auto: varlen not measured faster than the "
+                     "mask on cpu; see docs/cost.md)"], lines
     args = trainer.args
     why = "not measured faster than TRL's padded forward on cuda; see docs/cost.md"
     balance_why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
@@ -659,6 +667,10 @@ def test_startup_line_says_what_was_chosen_and_why(tiny_llama, grpo_args, caplog
     assert padding_free.startup_line(args, "cuda", True, None, True, False, None) == (
         "grpotrl: padding_free on (set true); finished-row rollout on (padding_free on, transformers' generate); "
         "balance_microbatches off (set false)")
+    # the compiled rollout's static cache keeps every row: the reason is said
+    assert "finished-row rollout off (compiled rollout on: its static KV cache keeps every row)" in \
+        padding_free.startup_line(args, "cuda", True, None, False, False, None,
+                                  why_no_rollout="compiled rollout on: its static KV cache keeps every row")
 
 
 # ---------------------------------------------------------------- I5 catches attention that ignores packing

@@ -508,3 +508,57 @@ def test_fused_head_reads_the_compact_switch_inject_compact_head_sets():
     assert "hidden_states[mask] if compact else" in src and "labels[mask] if compact else" in src
     assert "x.new_zeros(mask.shape).masked_scatter(mask, x)" in src  # zeros where nothing is scored, as before
     assert '"_use_triton"' in inspect.getsource(_intercept.inject_compact_head)
+
+
+def test_transformers_compile_path_the_compiled_rollout_goes_through():
+    """``generation.compiled_rollout`` hands ``generate`` ``cache_implementation='static'``, ``max_cache_len``,
+    ``compile_config`` and ``disable_compile=False`` (over TRL's ``disable_compile=True``): transformers' ``_sample``
+    must still compile the decoding forward through ``get_compiled_call`` where ``_valid_auto_compile_criteria``
+    holds (a compileable, non-dynamic cache; CUDA or ``_compile_all_devices``; the quantizer's ``is_compileable``),
+    size the static cache as the largest of the call's length, ``max_cache_len`` and earlier calls'
+    (``_prepare_cache_for_generation`` -> ``_prepare_static_cache``, ``_previous_max_cache_length``), and its
+    ``DeferredStopCheck.is_supported`` (which ``_intercept.inject_deferred_stop_check`` shadows) must keep its
+    arguments and be asked once per call after the prefill. ``model_facts`` reads ``_can_compile_fullgraph``,
+    ``_supports_default_dynamic_cache`` and ``hf_quantizer.is_compileable``."""
+    import transformers
+    from transformers import CompileConfig, GenerationConfig, GenerationMixin
+    from transformers.generation import utils as generation_utils
+    from transformers.quantizers.base import HfQuantizer
+
+    init = inspect.getsource(trl.GRPOTrainer.__init__)
+    assert "GenerationConfig(**generation_kwargs, disable_compile=True)" in init
+    assert '"cache_implementation": args.cache_implementation' in init
+    assert list(inspect.signature(GenerationMixin._valid_auto_compile_criteria).parameters) == [
+        "self", "model_kwargs", "generation_config"]
+    criteria = inspect.getsource(GenerationMixin._valid_auto_compile_criteria)
+    assert "if generation_config.disable_compile:" in criteria
+    assert "generation_config.compile_config._compile_all_devices" in criteria
+    assert "can_compile &= self.hf_quantizer.is_compileable" in criteria
+    assert list(inspect.signature(transformers.PreTrainedModel.get_compiled_call).parameters) == [
+        "self", "compile_config"]
+    sample = inspect.getsource(GenerationMixin._sample)
+    assert "self.get_compiled_call(generation_config.compile_config)\n" \
+           "            if self._valid_auto_compile_criteria(model_kwargs, generation_config)" in sample
+    assert "if DeferredStopCheck.is_supported(\n            input_ids.device, cache, cache_is_returned, " \
+           "is_assistant=generation_config.is_assistant\n        ):" in sample
+    assert "steps_to_undo = stop_check.finish()" in sample
+    # _intercept.inject_sync_free_draw shadows torch.multinomial, which the sampling step looks up on the torch module
+    assert "next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)" in sample
+    supported = generation_utils.DeferredStopCheck.__dict__["is_supported"]
+    assert isinstance(supported, staticmethod)
+    assert list(inspect.signature(supported.__func__).parameters) == [
+        "device", "cache", "cache_is_returned", "is_assistant"]
+    prepare = inspect.getsource(GenerationMixin._prepare_cache_for_generation)
+    assert "max_cache_length = max(max_cache_length, generation_config.max_cache_len)" in prepare
+    assert "self._prepare_static_cache(" in prepare
+    static = inspect.getsource(GenerationMixin._prepare_static_cache)
+    assert "effective_length = max(max_cache_len, previous_max_len)" in static
+    assert "self._previous_max_cache_length = effective_length" in static
+    config = GenerationConfig(cache_implementation="static", max_cache_len=64, disable_compile=False,
+                              compile_config=CompileConfig(dynamic=False))
+    assert config.max_cache_len == 64 and config.disable_compile is False
+    assert CompileConfig._compile_all_devices is None and {"fullgraph", "dynamic", "mode"} <= set(
+        CompileConfig().to_dict())
+    assert isinstance(transformers.PreTrainedModel._can_compile_fullgraph, bool)
+    assert callable(GenerationMixin._supports_default_dynamic_cache)
+    assert "is_compileable" in dir(HfQuantizer)

@@ -1,0 +1,53 @@
+"""The padding-free loss microbatch under ``packed_attention='mask'`` (shared prompts under the tree mask, the
+default; and without sharing) against ``'varlen'`` (each forward's sequences in one row, one causal sdpa per
+sequence on CPU): forward + backward of ``padding_free.packed_logps_and_entropies``, as the loss runs it.
+
+    MALLOC_MMAP_THRESHOLD_=131072 OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_varlen_attention.py
+
+The data and model are ``bench_packing_capacity.py``'s (SmolLM2-135M-Instruct fp32, sdpa, TRL's fused head with
+entropies, 8 rows per microbatch: 2 prompts x 4 answers of 4-256 tokens). The variants run interleaved, in
+``--rounds`` rounds over ``--microbatches`` microbatches; printed: each variant's total time and largest peak RSS
+above the RSS before the run, and their ratios to the default (mask, shared prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import _runner  # noqa: E402  bench/_runner.py: the peak-RSS reset and reading
+from bench_packing_capacity import K, setup  # noqa: E402
+
+from grpotrl.trainers import padding_free  # noqa: E402
+
+VARIANTS = (("mask, shared prompts", "mask", True), ("mask", "mask", False), ("varlen", "varlen", False))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--microbatches", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    model, batches, _ = setup(a.microbatches)
+    total = {name: 0.0 for name, *_ in VARIANTS}
+    peak = {name: 0 for name, *_ in VARIANTS}
+    for r in range(a.rounds):
+        for m, (ids, mask) in enumerate(batches):
+            for name, attention, share in VARIANTS:
+                _, seconds, mib = _runner.forward_backward(model, lambda: padding_free.packed_logps_and_entropies(
+                    model, ids, mask, K, None, True, contextlib.nullcontext, share_prompts=share, attention=attention))
+                total[name] += seconds
+                peak[name] = max(peak[name], mib)
+                print(f"round {r} microbatch {m}: {int(mask.sum())} real tokens  {name:22s} forward + backward "
+                      f"{seconds:6.2f} s  peak +{mib:.0f} MiB", flush=True)
+    base = VARIANTS[0][0]
+    for name, *_ in VARIANTS:
+        print(f"{name:22s} {total[name]:7.1f} s  {total[name] / total[base]:.3f}x   largest peak +{peak[name]:.0f} MiB "
+              f"{peak[name] / peak[base]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Causal attention over sequences laid end to end in one row, kept apart by their boundaries: pure tensor math.
+
+Letters: ``T`` tokens of the row (every sequence's, end to end), ``N`` sequences, ``H`` query heads, ``Hk``
+key/value heads (``H`` a multiple of ``Hk``: grouped-query attention), ``D`` the head size.
+
+``cu_seqlens`` are the boundaries ``[0, n_0, n_0 + n_1, ..., T]`` (``N + 1`` ints); a token attends to the
+earlier tokens of its own sequence and itself, nothing else, with no ``[T, T]`` mask anywhere. On CUDA in
+fp16/bf16 this is torch's own FlashAttention varlen kernel (``torch.nn.attention.varlen.varlen_attn``); on
+every other device or dtype, one causal ``scaled_dot_product_attention`` per sequence, sliced by the
+boundaries (its cost is each sequence's own ``n^2``, summed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what torch's FlashAttention varlen kernel takes
+
+
+def cu_seqlens(lengths: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """The boundaries of sequences of ``lengths`` tokens laid end to end: ``[0, cumulative sums...]``, int32
+    (the kernel's index type).
+
+    >>> cu_seqlens([3, 5, 2]).tolist()
+    [0, 3, 8, 10]
+    """
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_length: int, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of ``query [T, H, D]`` over ``key, value [T, Hk, D]`` within each sequence that
+    ``cu_seqlens [N + 1]`` delimits (``max_length``: the longest sequence's tokens; ``scale``: the
+    softmax scale, ``D ** -0.5`` when None). Returns ``[T, H, D]``. No dropout, no window, no softcap."""
+    gqa = query.size(1) != key.size(1)
+    if query.is_cuda and query.dtype in VARLEN_DTYPES:
+        from torch.nn.attention.varlen import varlen_attn  # CUDA only: raises NotImplementedError elsewhere
+
+        cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        query, key, value, options = _kernel_arguments(inspect.signature(varlen_attn).parameters, query, key, value,
+                                                       scale)
+        return varlen_attn(query, key, value, cu, cu, max_length, max_length, **options)
+    bounds = cu_seqlens.tolist()  # N + 1 ints (a host transfer where cu_seqlens lives on an accelerator)
+    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [H, T, D], [Hk, T, D]
+    out = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale,
+                                          enable_gqa=gqa)  # [H, n, D]
+           for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(out, dim=1).transpose(0, 1)  # [T, H, D]
+
+
+def _kernel_arguments(parameters, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """``varlen_attn``'s inputs and keyword arguments for causal attention at ``scale``, whichever of its two
+    signatures the installed torch has (``parameters``: its ``inspect.signature(...).parameters``): torch 2.13
+    takes ``window_size=(-1, 0)``, ``scale`` and ``enable_gqa``; torch 2.9-2.11 take ``is_causal=True`` and
+    neither of the others, so there the query carries the scale (``scale * sqrt(D)`` times the kernel's
+    ``1 / sqrt(D)``) and each key/value head is repeated for its group of query heads ([T, Hk, D] -> [T, H, D])."""
+    options = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if scale is not None:
+        if "scale" in parameters:
+            options["scale"] = scale
+        else:
+            query = query * (scale * query.size(-1) ** 0.5)
+    if query.size(1) != key.size(1):
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            group = query.size(1) // key.size(1)
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [T, H, D]
+    return query, key, value, options

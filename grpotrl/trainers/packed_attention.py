@@ -1,0 +1,101 @@
+"""The varlen attention of the padding-free forwards (``packed_attention='varlen'``): transformers' side.
+
+A varlen forward lays its packed sequences end to end in one row ``[1, T]`` and hands their boundaries to
+every attention layer as transformers' FlashAttention keyword arguments (``cu_seq_lens_q/k``,
+``max_length_q/k``, which the model's forward passes down through ``**kwargs``, to each decoder layer and so to
+a checkpointed layer's recompute too). ``NAME`` is registered with ``transformers.AttentionInterface``: given
+the boundaries it runs ``ops.varlen.varlen_attention`` (torch's FlashAttention varlen kernel on CUDA in
+bf16/fp16, one causal sdpa per sequence elsewhere) and ignores the mask; without them (a padded forward: the
+I5 guard's recompute, TRL's own calls) it is transformers' sdpa, with sdpa's mask, which ``NAME`` shares in
+``masking_utils.AttentionMaskInterface``. So a model under ``NAME`` computes what it computes under sdpa, and
+the forwards that carry boundaries keep their sequences apart without a ``[W, W]`` mask of grpotrl's.
+
+``running(model)`` switches the model (the ``PreTrainedModel`` inside a PEFT, DDP or DeepSpeed wrapper) to
+``NAME`` with transformers' ``set_attn_implementation`` and back in a ``finally``; the attention layers read the
+implementation at forward time. The trainer keeps it switched for a whole training step (``GRPOTrainer.
+training_step``), so that the backward's recompute of a checkpointed layer (gradient checkpointing) runs under
+``NAME`` with the boundaries it was first called with, and around each packed no-grad forward of the rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from ..errors import InputError
+from ..ops.varlen import varlen_attention
+
+NAME = "grpotrl_varlen"
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: torch.Tensor | None = None, position_bias: torch.Tensor | None = None, **kwargs):
+    """transformers' attention-function signature. With the boundaries (``kwargs['cu_seq_lens_q']`` ``[N + 1]``
+    and ``kwargs['max_length_q']``): one row of sequences end to end, ``query [1, H, T, D]``, ``key, value
+    [1, Hk, T, D]``, the mask ignored; returns ``([1, T, H, D], None)``; what it cannot compute it refuses,
+    rather than computing something else: dropout, a sliding window, softcapped logits, attention sinks, a
+    position bias, non-causal attention, several rows. Without them: transformers' sdpa, as the model would
+    run it."""
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None and longest is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, sliding_window=sliding_window, softcap=softcap,
+                                      s_aux=s_aux, position_bias=position_bias, **kwargs)
+    refused = {"attention dropout": dropout or None, "a sliding window": sliding_window, "softcapped logits": softcap,
+               "attention sinks": s_aux, "a position bias": position_bias,
+               "non-causal attention": is_causal is False or getattr(module, "is_causal", True) is False or None}
+    named = [name for name, value_ in refused.items() if value_ is not None]
+    if named or cu is None or longest is None or query.size(0) != 1:
+        unbounded = cu is None or longest is None
+        why = ", ".join(named) or ("only some of the sequence boundaries (cu_seq_lens_q, max_length_q)" if unbounded
+                                   else f"{query.size(0)} rows (one row of sequences end to end only)")
+        raise InputError(f"packed_attention='varlen': the attention layer {type(module).__name__} was called with "
+                         f"{why}, which grpotrl's varlen attention does not compute. Set packed_attention='mask'.")
+    out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D]
+                           cu, int(longest), scale=scaling)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def register() -> None:
+    """``NAME`` in transformers' attention functions, with sdpa's mask function (idempotent)."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def pretrained_of(model: torch.nn.Module) -> PreTrainedModel | None:
+    """The outermost transformers model inside ``model`` (itself, or inside PEFT, DDP or DeepSpeed)."""
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def dispatches_by_name(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention layers look their function up by name at forward time (transformers'
+    ``AttentionInterface``), so that switching the implementation switches what they run."""
+    inner = pretrained_of(model)
+    return inner is not None and all(type(m)._can_set_attn_implementation() for m in inner.modules()
+                                     if isinstance(m, PreTrainedModel))
+
+
+@contextlib.contextmanager
+def running(model: torch.nn.Module):
+    """``model``'s attention is ``NAME`` inside the block and what it was afterwards (also on an error); a block
+    inside another's leaves the switch to the outer one."""
+    inner = pretrained_of(model)
+    if inner is None or not dispatches_by_name(model):
+        raise InputError(f"packed_attention='varlen': {type(model).__name__}'s attention layers do not look their "
+                         "function up in transformers' AttentionInterface. Set packed_attention='mask'.")
+    before = inner.config._attn_implementation
+    if before == NAME:
+        yield
+        return
+    register()
+    inner.set_attn_implementation(NAME)
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(before)

@@ -1,0 +1,354 @@
+"""packed_attention='varlen': each padding-free forward's sequences in one row, kept apart by their boundaries.
+
+The attention by hand on small tensors (two sequences of 3 and 5 tokens, grouped-query heads) against a dense
+block-causal mask; the boundaries of a packing plan by hand; the transformers and torch names it relies on;
+varlen == padded (TRL's ``_get_per_token_logps_and_entropies``) for the logprobs, entropies, loss and gradients
+of every loss type in fp32 on CPU (the per-sequence sdpa path: 1e-5 relative, as the mask path's tests); the
+model switched back after each call; the resolution of ``packed_attention`` and its refusals. The CUDA kernel
+(torch's FlashAttention varlen, bf16) is not run here: no GPU.
+"""
+
+import contextlib
+import inspect
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import arithmetic_prompts, length_reward
+from test_padding_free import (_assert_every_loss_type_equal, _assert_really_packed, _forward, _rel, _tiny_model,
+                               _trainer)
+
+import grpotrl
+from grpotrl.configs.checks import check_packed_attention
+from grpotrl.errors import InputError, InvariantError
+from grpotrl.ops.packing import pack
+from grpotrl.ops.varlen import cu_seqlens, varlen_attention
+from grpotrl.trainers import packed_attention, padding_free
+
+
+# ---------------------------------------------------------------- the attention, by hand
+
+def _block_causal(lengths: list[int]) -> torch.Tensor:
+    """[T, T] True where a query may see a key: its own sequence's earlier tokens and itself."""
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])  # [T] each token's sequence
+    T = seq.numel()
+    return (seq.view(-1, 1) == seq.view(1, -1)) & torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def test_varlen_attention_equals_dense_block_causal_sdpa_with_grouped_query_heads():
+    # two sequences of 3 and 5 tokens: T = 8, boundaries [0, 3, 8]; 6 query heads over 2 key/value heads
+    torch.manual_seed(0)
+    T, H, Hk, D = 8, 6, 2, 4
+    q = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, Hk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(T, Hk, D, dtype=torch.float64, requires_grad=True)
+    cu = cu_seqlens([3, 5])
+    assert cu.tolist() == [0, 3, 8]
+    out = varlen_attention(q, k, v, cu, max_length=5, scale=0.3)  # [T, H, D]
+    # the dense reference: each key/value head repeated for its 3 query heads, a [T, T] block-causal mask
+    mask = _block_causal([3, 5])
+    assert mask[3].tolist() == [False] * 3 + [True] + [False] * 4  # the second sequence's first token sees itself
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+                                         v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask,
+                                         scale=0.3).transpose(0, 1)  # [T, H, D]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    # query head h uses key/value head h // 3: the first sequence's first token is its own value
+    torch.testing.assert_close(out[0, 4], v[0, 1].detach(), atol=1e-12, rtol=0)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_the_boundaries_of_a_packing_plan_by_hand():
+    # sequences of 3, 5 and 2 tokens end to end: boundaries [0, 3, 8, 10]
+    assert cu_seqlens([3, 5, 2]).tolist() == [0, 3, 8, 10]
+    assert cu_seqlens([3, 5, 2]).dtype == torch.int32
+    # three padded rows (L = 6, K = 3; 0 is pad) of 3, 5 and 2 real tokens, capacity 6:
+    # first-fit decreasing: 5 -> row 0 (room 1); 3 -> row 1 (room 3); 2 -> row 1 (room 1)  => [[1], [0, 2]]
+    ids = torch.tensor([[0, 0, 11, 12, 13, 0],
+                        [21, 22, 23, 24, 25, 0],
+                        [0, 0, 31, 32, 0, 0]])
+    p = pack(ids, (ids != 0).long(), logits_to_keep=3, capacity=6)
+    assert p.spans == [[5], [3, 2]] and p.widths == [5, 5]
+    # a varlen forward of both rows lays row 0 then row 1 end to end: 5, 3, 2 -> [0, 5, 8, 10]
+    assert cu_seqlens([n for r in (0, 1) for n in p.spans[r]]).tolist() == [0, 5, 8, 10]
+    # with shared prompts a span is a tree (its prefix once and each row's own tokens)
+    shared = torch.tensor([[0, 7, 8, 9, 10], [0, 7, 8, 11, 0]])  # prompt [7, 8] twice: tree 7 | 8 9 10 | 8 11
+    assert pack(shared, (shared != 0).long(), 2, capacity=6, share_prompts=True).spans == [[6]]
+
+
+def test_the_attention_function_takes_transformers_signature_and_refuses_what_it_does_not_compute():
+    torch.manual_seed(0)
+    module = SimpleNamespace(is_causal=True)
+    q, k, v = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)  # [1, H, T, D]
+    cu = cu_seqlens([4, 3])
+    out, weights = packed_attention.attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.5,
+                                                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4,
+                                                      max_length_k=4, position_ids=None)
+    assert out.shape == (1, 7, 4, 8) and weights is None  # [1, T, H, D], as transformers' sdpa returns
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=_block_causal([4, 3]), scale=0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+    for kw, what in ((dict(dropout=0.1), "attention dropout"), (dict(sliding_window=4), "a sliding window"),
+                     (dict(softcap=50.0), "softcapped logits"), (dict(is_causal=False), "non-causal")):
+        with pytest.raises(InputError, match=rf"{what}.*packed_attention='mask'"):
+            packed_attention.attention_forward(module, q, k, v, None, **{**bounds, **kw})
+    with pytest.raises(InputError, match="only some of the sequence boundaries"):
+        packed_attention.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+    # without boundaries (a padded forward): transformers' sdpa with the mask it is given
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    mask = _block_causal([4, 3])
+    out, _ = packed_attention.attention_forward(module, q, k, v, mask, scaling=0.5)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    with pytest.raises(InputError, match="2 rows"):
+        packed_attention.attention_forward(module, q.expand(2, -1, -1, -1), k, v, None, **bounds)
+
+
+# ---------------------------------------------------------------- the names relied on
+
+def test_the_transformers_and_torch_names_varlen_relies_on():
+    """transformers' AttentionInterface.register, the mask interface without an entry for grpotrl's name (so
+    no mask is built), set_attn_implementation and the dispatch heuristic, FlashAttentionKwargs' names (which
+    the model's forward passes to the attention function), and torch's varlen_attn's signature."""
+    import transformers
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers import masking_utils
+    from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert transformers.AttentionInterface.register.__func__  # a classmethod updating the global mapping
+    packed_attention.register()
+    assert packed_attention.NAME in ALL_ATTENTION_FUNCTIONS.valid_keys()
+    assert ALL_ATTENTION_FUNCTIONS[packed_attention.NAME] is packed_attention.attention_forward
+    # sdpa's mask function: a forward without boundaries runs as under sdpa
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[packed_attention.NAME] is masking_utils.sdpa_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    assert list(inspect.signature(sdpa_attention_forward).parameters)[:5] == ["module", "query", "key", "value",
+                                                                              "attention_mask"]
+    assert set(FlashAttentionKwargs.__annotations__) >= {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                         "max_length_k"}
+    assert callable(transformers.PreTrainedModel.set_attn_implementation)
+    assert isinstance(transformers.LlamaForCausalLM._can_set_attn_implementation(), bool)
+    params = inspect.signature(varlen_attn).parameters
+    assert list(params)[:7] == ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"]
+    # one of the two signatures ops.varlen._kernel_arguments knows (torch 2.13; torch 2.9-2.11)
+    assert {"scale", "window_size", "enable_gqa"} <= set(params) or "is_causal" in params
+    if not torch.cuda.is_available():  # CUDA only: what the CPU path exists for
+        x = torch.randn(4, 2, 8, dtype=torch.bfloat16)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            varlen_attn(x, x, x, cu_seqlens([4]), cu_seqlens([4]), 4, 4)
+
+
+# ---------------------------------------------------------------- varlen == padded (fp32, CPU)
+
+@pytest.fixture
+def varlen(monkeypatch):
+    """The trainer's packed forwards under varlen (without prompt sharing), however grpo.py passes them."""
+    packed = padding_free.packed_logps_and_entropies
+
+    def run(*args, **kwargs):
+        return packed(*args, **{**kwargs, "attention": "varlen", "share_prompts": False})
+
+    monkeypatch.setattr(padding_free, "packed_logps_and_entropies", run)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_I5_varlen_logprobs_and_entropies_equal_padded(arch, request, grpo_args, varlen):
+    """Rotary (llama, 4 query heads over 2 key/value heads) and absolute positions (gpt2): per token, in TRL's
+    [B, C] layout, zeros where TRL leaves zeros, with TRL's batch_size chunking; the model runs its own
+    attention again afterwards."""
+    trainer, inputs = _trainer(request.getfixturevalue(arch), grpo_args, gradient_checkpointing=False)
+    _assert_really_packed(inputs)
+    for batch_size in (None, 3):
+        trainer.padding_free = False
+        lp0, h0, _ = _forward(trainer, trainer.model, inputs, batch_size=batch_size)
+        trainer.padding_free = True
+        lp1, h1, _ = _forward(trainer, trainer.model, inputs, batch_size=batch_size)
+        assert trainer.model.config._attn_implementation == "sdpa"
+        lp0, h0, lp1, h1 = lp0.detach(), h0.detach(), lp1.detach(), h1.detach()
+        assert _rel(lp1, lp0) < 1e-5 and _rel(h1, h0) < 1e-5, (_rel(lp1, lp0), _rel(h1, h0))
+        torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+        assert (lp1[inputs["completion_mask"] == 0] == 0).all()
+
+
+def _loss_and_grads(trainer, inputs):
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    out = []
+    for on in (False, True):
+        trainer.padding_free = on
+        loss = trainer._compute_loss(trainer.model, inputs)
+        out.append((loss.detach(), torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])))
+    (l0, g0), (l1, g1) = out
+    assert g0.norm() > 0 and l0.abs() > 1e-4, (l0, g0.norm())
+    return _rel(l1, l0), _rel(g1, g0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_varlen_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, grpo_args, varlen):
+    trainer, inputs = _trainer(tiny_llama, grpo_args, beta=beta, num_iterations=2, gradient_checkpointing=False)
+    _assert_really_packed(inputs)
+    _assert_every_loss_type_equal(trainer, inputs, _loss_and_grads)
+
+
+def test_varlen_under_gradient_checkpointing_gives_the_padded_loss_and_gradients(tiny_llama, grpo_args, varlen):
+    """TRL's default, gradient checkpointing: the backward recomputes each layer, inside the trainer's step-wide
+    switch to varlen (``GRPOTrainer._policy_attention``, around ``training_step``), with the boundaries it was first
+    called with; a padded forward inside the switch (the reference here, I5's recompute on guard steps) runs sdpa.
+    Loss and gradients equal the padded step's within fp32 rounding."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args, beta=0.04, gradient_checkpointing=True)
+    # as transformers' Trainer turns it on when training starts (these tests skip its loop)
+    trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(
+        trainer.args.activation_checkpointing_kwargs or {}) or None)
+    assert packed_attention.pretrained_of(trainer.model).is_activation_checkpointing
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    out = []
+    for on in (False, True):
+        trainer.padding_free = on
+        trainer.packed_attention = "varlen" if on else "mask"
+        trainer.model.zero_grad(set_to_none=True)
+        with trainer._policy_attention(trainer.model):
+            loss = trainer._compute_loss(trainer.model, inputs)
+            loss.backward()
+        out.append((loss.detach(), torch.cat([p.grad.flatten() for p in params])))
+    (l0, g0), (l1, g1) = out
+    assert g0.norm() > 0 and _rel(l1, l0) < 1e-5 and _rel(g1, g0) < 1e-5, (_rel(l1, l0), _rel(g1, g0))
+    assert trainer.model.config._attn_implementation == "sdpa"
+
+
+def test_varlen_with_lora_equals_padded(tiny_llama, grpo_args, varlen):
+    """LoRA: the model is PEFT-wrapped, the transformers model inside it is switched."""
+    from peft import LoraConfig
+
+    trainer, inputs = _trainer(tiny_llama, grpo_args, beta=0.04, gradient_checkpointing=False,
+                               peft=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    loss_rel, grad_rel = _loss_and_grads(trainer, inputs)
+    assert loss_rel < 1e-5 and grad_rel < 1e-5, (loss_rel, grad_rel)
+    assert packed_attention.pretrained_of(trainer.model).config._attn_implementation == "sdpa"
+
+
+def test_forwards_agreed_across_processes_run_varlen_on_padding(tiny_llama, grpo_args):
+    """ZeRO-3's extra forwards (a 2-token row of padding) run under varlen with their own boundaries."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args, gradient_checkpointing=False)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    K = inputs["completion_ids"].size(1)
+    args = (trainer.model, ids, attn, K, None, False, contextlib.nullcontext)
+    calls = []
+    alone, _ = padding_free.packed_logps_and_entropies(*args, attention="varlen")
+    agreed, _ = padding_free.packed_logps_and_entropies(*args, attention="varlen",
+                                                        agree_forwards=lambda n: calls.append(n) or n + 2)
+    assert calls == [1]
+    torch.testing.assert_close(agreed, alone, atol=1e-6, rtol=0)
+
+
+def test_the_model_is_switched_back_after_an_error_and_a_nested_switch_leaves_it_to_the_outer(tiny_llama):
+    model = _tiny_model(tiny_llama)
+    with pytest.raises(RuntimeError, match="boom"), packed_attention.running(model):
+        assert model.config._attn_implementation == packed_attention.NAME
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    with packed_attention.running(model):
+        with packed_attention.running(model):
+            pass
+        assert model.config._attn_implementation == packed_attention.NAME
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="share_prompts=False"):
+        padding_free.packed_logps_and_entropies(model, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3), 1, None,
+                                                False, contextlib.nullcontext, share_prompts=True, attention="varlen")
+
+
+# ---------------------------------------------------------------- resolution, refusals, the startup line
+
+def _args(**kw):
+    return SimpleNamespace(**{"packed_attention": "auto", "gradient_checkpointing": False, "disable_dropout": True,
+                              **kw})
+
+
+def test_auto_is_mask_until_varlen_is_measured_faster_and_varlen_is_honoured(tiny_llama):
+    model = _tiny_model(tiny_llama)
+    assert padding_free.VARLEN_MEASURED_FASTER_ON == ()
+    for device in ("cpu", "cuda", "xpu"):
+        assert padding_free.resolve_packed_attention(_args(), model, None, device, packed=True) == (
+            "mask", f"varlen not measured faster than the mask on {device}; see docs/cost.md")
+        assert padding_free.resolve_packed_attention(_args(packed_attention="varlen"), model, model, device,
+                                                     packed=True) == ("varlen", None)
+    assert padding_free.resolve_packed_attention(_args(packed_attention="mask"), model, None, "cpu", True) == \
+        ("mask", None)
+    assert padding_free.resolve_packed_attention(SimpleNamespace(), model, None, "cpu", True) == ("mask", None)
+
+
+def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
+    model = _tiny_model(tiny_llama)
+    on = _args(packed_attention="varlen")
+    cases = [
+        (dict(packed=False), model, "padding_free is off"),
+        ({}, _tiny_model(tiny_llama, _attn_implementation="eager"), "stands in for sdpa only"),
+        ({}, _tiny_model(tiny_llama, attn_logit_softcapping=50.0), "softcaps"),
+        ({}, _tiny_model(tiny_llama, sliding_window=16), "sliding-window"),
+        (dict(args=_args(packed_attention="varlen", disable_dropout=False)),
+         _tiny_model(tiny_llama, attention_dropout=0.1), "attention dropout"),
+    ]
+    for kw, m, why in cases:
+        args, packed = kw.get("args", on), kw.get("packed", True)
+        with pytest.raises(InputError, match=rf"packed_attention='varlen': .*{why}.*packed_attention='mask'"):
+            padding_free.resolve_packed_attention(args, m, None, "cuda", packed)
+        auto = SimpleNamespace(**{**vars(args), "packed_attention": "auto"})
+        choice, reason = padding_free.resolve_packed_attention(auto, m, None, "cuda", packed)
+        assert choice == "mask" and why in reason
+    custom = _tiny_model(tiny_llama)
+    custom.config._attn_implementation = "my_kernel"
+    with pytest.raises(InputError, match="my_kernel"):
+        padding_free.resolve_packed_attention(on, model, custom, "cuda", True)  # the reference counts too
+    for bad in ("flash", 1, None):
+        with pytest.raises(InputError, match="packed_attention="):
+            check_packed_attention(SimpleNamespace(packed_attention=bad))
+    check_packed_attention(SimpleNamespace(packed_attention=" Varlen "))
+
+
+def test_the_startup_line_says_which_packed_attention_and_why(tiny_llama, grpo_args):
+    args = grpo_args()
+    assert args.packed_attention == "auto"
+    line = padding_free.startup_line(args, "cuda", True, None, True, True, None, attention="mask",
+                                     why_attention="varlen not measured faster than the mask on cuda; see docs/cost.md")
+    assert line.endswith("; packed attention mask (auto: varlen not measured faster than the mask on cuda; see "
+                         "docs/cost.md)"), line
+    args.packed_attention = "varlen"
+    assert padding_free.startup_line(args, "cuda", True, None, True, True, None, attention="varlen").endswith(
+        "; packed attention varlen (set varlen)")
+    assert "packed attention" not in padding_free.startup_line(args, "cuda", True, None, True, True, None)
+
+
+def test_I5_names_the_varlen_path_when_the_packed_logprobs_differ(smollm2_tokenizer):
+    from grpotrl.guards import precision
+    from grpotrl.guards.logprobs import check_logprobs_in_precision
+
+    tol = precision.tolerances(torch.float32, 1e-5)
+    reference = torch.full((1, 3), -1.0)
+    used = reference + torch.tensor([[0.0, 0.5, 0.0]])
+    args = (smollm2_tokenizer, used, reference, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3),
+            torch.tensor([[5, 6, 7]]), 1.0, tol, [0])
+    with pytest.raises(InvariantError, match=r"(?s)\[I5\].*packed_attention='varlen'.*set packed_attention='mask'"):
+        check_logprobs_in_precision(*args, packed="varlen")
+    with pytest.raises(InvariantError, match="set padding_free=False"):
+        check_logprobs_in_precision(*args, packed=True)
+
+
+def test_a_run_trains_under_varlen_with_I5_on_every_step(tiny_llama, grpo_args, caplog):
+    """Two steps with packed_attention='varlen', gradient checkpointing on (TRL's default) and the guards on every
+    step (I5 compares the varlen logprobs with the padded forward)."""
+    args = grpo_args(max_steps=2, guard_steps=-1, padding_free=True, packed_attention="varlen")
+    assert args.gradient_checkpointing
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(16))
+    assert trainer.packed_attention == "varlen" and not trainer.share_prompts
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer.model.config._attn_implementation == "sdpa"
+    gaps = [h["guards/logprob_max_gap"] for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # I5 checked the varlen logprobs at both steps
