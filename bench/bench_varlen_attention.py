@@ -5,7 +5,10 @@ sequence on CPU): forward + backward of ``padding_free.packed_logps_and_entropie
     MALLOC_MMAP_THRESHOLD_=131072 OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_varlen_attention.py
 
 The data and model are ``bench_packing_capacity.py``'s (SmolLM2-135M-Instruct fp32, sdpa, TRL's fused head with
-entropies, 8 rows per microbatch: 2 prompts x 4 answers of 4-256 tokens). The variants run interleaved, in
+entropies, 8 rows per microbatch: 2 prompts x 4 answers of 4-256 tokens), run as a CPU training step runs it:
+gradient checkpointing on (TRL's default; ``--no-checkpointing`` for off), the fused head in grpotrl's CPU tiles
+(``_intercept.inject_head_tiles``), varlen under the step-wide switch (``packed_attention.running``, so that the
+recompute sees the boundaries). The variants run interleaved, in
 ``--rounds`` rounds over ``--microbatches`` microbatches; printed: each variant's total time and largest peak RSS
 above the RSS before the run, and their ratios to the default (mask, shared prompts).
 """
@@ -21,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import _runner  # noqa: E402  bench/_runner.py: the peak-RSS reset and reading
 from bench_packing_capacity import K, setup  # noqa: E402
 
-from grpotrl.trainers import padding_free  # noqa: E402
+from grpotrl.trainers import _intercept, packed_attention, padding_free  # noqa: E402
 
 VARIANTS = (("mask, shared prompts", "mask", True), ("mask", "mask", False), ("varlen", "varlen", False))
 
@@ -30,15 +33,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbatches", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
     a = ap.parse_args()
     model, batches, _ = setup(a.microbatches)
+    if not a.no_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     total = {name: 0.0 for name, *_ in VARIANTS}
     peak = {name: 0 for name, *_ in VARIANTS}
     for r in range(a.rounds):
         for m, (ids, mask) in enumerate(batches):
             for name, attention, share in VARIANTS:
-                _, seconds, mib = _runner.forward_backward(model, lambda: padding_free.packed_logps_and_entropies(
-                    model, ids, mask, K, None, True, contextlib.nullcontext, share_prompts=share, attention=attention))
+                step = packed_attention.running(model) if attention == "varlen" else contextlib.nullcontext()
+                with step, _intercept.inject_head_tiles(ids.device):
+                    _, seconds, mib = _runner.forward_backward(model, lambda: padding_free.packed_logps_and_entropies(
+                        model, ids, mask, K, None, True, contextlib.nullcontext, share_prompts=share,
+                        attention=attention))
                 total[name] += seconds
                 peak[name] = max(peak[name], mib)
                 print(f"round {r} microbatch {m}: {int(mask.sum())} real tokens  {name:22s} forward + backward "

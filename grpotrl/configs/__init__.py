@@ -334,8 +334,7 @@ class PaddingFreeFields:
                   "works): no mask, no prompt sharing; needs padding_free on, sdpa attention through transformers' "
                   "AttentionInterface, no sliding window, softcapping or attention dropout (refused otherwise). "
                   "'auto' (default): 'varlen' only on the devices where it was measured faster than 'mask' (none "
-                  "yet: docs/cost.md), else 'mask'.",
-                  "choices": ["auto", "varlen", "mask"]},
+                  "yet: docs/cost.md), else 'mask'."},
     )
 
 
@@ -353,7 +352,7 @@ class CompiledRolloutFields:
                   "(default): on only on a kind of device where it was measured faster than TRL's eager rollout: "
                   "none yet, so off (docs/cost.md); true: on, on any device (CPU too), refused with vLLM, "
                   "continuous batching, a rollout_func, tools, a cache_implementation other than 'static', a "
-                  "multimodal model, FSDP or ZeRO-3, a quantizer transformers cannot compile, or an offloaded "
+                  "multimodal processing class, FSDP or ZeRO-3, a quantizer transformers cannot compile, or an offloaded "
                   "model; false: TRL's eager rollout. With it on, the finished-row rollout of padding_free is "
                   "off (the static cache keeps every row). A trl.GRPOConfig handed to a grpotrl trainer keeps "
                   "TRL's rollout unless it sets compiled_rollout. The trainer logs what it chose, and why, at init."},
@@ -403,6 +402,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         args.padding_free = False  # a TRL config keeps TRL's padded forward unless it asks for padding_free
     if any(f.name == "compiled_rollout" for f in missing):
         args.compiled_rollout = False  # and TRL's eager rollout
+    if any(f.name == "packed_attention" for f in missing):
+        args.packed_attention = "mask"  # and the packed rows' mask where it sets padding_free
     if any(f.name == "balance_microbatches" for f in missing):
         args.balance_microbatches = False  # and TRL's grouping of rows into microbatches
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts

@@ -23,11 +23,11 @@ processors and the sampler-logprob recorder run in the decoding loop, outside th
 
 from __future__ import annotations
 
-from transformers import CompileConfig
+import transformers
+from transformers import CompileConfig, GenerationConfig
 
 from ..errors import InputError
 
-SETTINGS = ("auto", "true", "false")  # configs.checks.check_compiled_rollout accepts these (and bools)
 # device types where 'auto' is on: the GRPO step measured faster with the compiled rollout than with TRL's eager
 # one (docs/cost.md). None yet.
 MEASURED_FASTER_ON: tuple[str, ...] = ()
@@ -126,6 +126,9 @@ def refusal(*, hf_generate: bool, tools: bool, cache_implementation, is_vlm: boo
     loop reads a flag from every rank at every step); ``facts``: ``model_facts``."""
     if not hf_generate:
         return "the rollout is not transformers' generate (vLLM, continuous batching or a rollout_func)"
+    if not hasattr(GenerationConfig(), "max_cache_len"):
+        return (f"transformers {transformers.__version__} has no GenerationConfig.max_cache_len, through which the "
+                "cache length is bucketed (transformers 5.24 has it)")
     if tools:
         return "tools run a multi-turn tool loop of generate calls, which grpotrl does not compile"
     if cache_implementation not in (None, "static"):

@@ -5,9 +5,9 @@ Letters: B rows, V vocabulary.
 ``torch.multinomial(probs, 1)`` (torch 2.9-2.13, ``aten/src/ATen/native/Distributions.cpp``, its path for
 one sample) draws ``q ~ Exp(1)`` for every entry with the default generator and returns
 ``argmax(probs / q)`` (the exponential form of the Gumbel-max trick: ``P(argmax = v) = probs[v] / sum``).
-Before it, it checks the probabilities with ``((max < inf) & (min >= 0)).item()``: one host
-synchronisation per call, so once per token in transformers' decoding loop, where the host then waits for
-the device before it can queue the next step.
+Before it, it checks the probabilities with ``((max < inf) & (min >= 0)).item()``, and after it that no row
+sums to 0: host synchronisations at every call, so at every token in transformers' decoding loop, where the
+host then waits for the device before it can queue the next step.
 
 ``draw_one`` makes the same draws with the same generator in the same order and the same division and
 argmax, so it returns the very tokens ``torch.multinomial`` would (pinned by ``tests/ops/test_sampling.py``
@@ -30,5 +30,5 @@ def draw_one(probs: torch.Tensor, generator: torch.Generator | None = None) -> t
 
 def invalid_rows(probs: torch.Tensor) -> torch.Tensor:
     """[B] bool: the rows of ``probs`` [B, V] that ``torch.multinomial`` refuses (an entry that is NaN,
-    infinite or negative), computed on the device, with no synchronisation."""
-    return ~(torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1))  # [B]
+    infinite or negative, or a row that sums to 0), computed on the device, with no synchronisation."""
+    return ~(torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (probs.sum(dim=-1) > 0))  # [B]

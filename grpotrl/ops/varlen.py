@@ -12,6 +12,7 @@ boundaries (its cost is each sequence's own ``n^2``, summed).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 
@@ -38,11 +39,9 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     softmax scale, ``D ** -0.5`` when None). Returns ``[T, H, D]``. No dropout, no window, no softcap."""
     gqa = query.size(1) != key.size(1)
     if query.is_cuda and query.dtype in VARLEN_DTYPES:
-        from torch.nn.attention.varlen import varlen_attn  # CUDA only: raises NotImplementedError elsewhere
-
+        varlen_attn, parameters = _kernel()
         cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
-        query, key, value, options = _kernel_arguments(inspect.signature(varlen_attn).parameters, query, key, value,
-                                                       scale)
+        query, key, value, options = _kernel_arguments(parameters, query, key, value, scale)
         return varlen_attn(query, key, value, cu, cu, max_length, max_length, **options)
     bounds = cu_seqlens.tolist()  # N + 1 ints (a host transfer where cu_seqlens lives on an accelerator)
     q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [H, T, D], [Hk, T, D]
@@ -50,6 +49,15 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                           enable_gqa=gqa)  # [H, n, D]
            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(out, dim=1).transpose(0, 1)  # [T, H, D]
+
+
+@functools.cache
+def _kernel():
+    """torch's varlen kernel and its signature's parameters, read once (CUDA only: it raises NotImplementedError
+    elsewhere)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, inspect.signature(varlen_attn).parameters
 
 
 def _kernel_arguments(parameters, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

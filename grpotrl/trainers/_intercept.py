@@ -35,6 +35,7 @@ method fails there, not silently in a run.
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -236,8 +237,10 @@ def inject_deferred_stop_check(device_types: tuple[str, ...]) -> Iterator[None]:
     back, or that ``generate`` does not return). The loop then runs one forward more than it needs, whose token
     ``generate`` drops (``_undo_generation_steps``) and whose cache entries it crops: the sequences returned are
     those of the plain loop. That extra step runs the logits processors once more: grpotrl's recorder keeps
-    only the columns of the sequences returned (``SampledLogprobRecorder.logprobs``), its penalties keep no
-    state, and min-new-tokens cannot fire on it (every row has stopped, so each has generated its minimum).
+    only the columns of the sequences returned (``SampledLogprobRecorder.logprobs``) and its penalties keep no
+    state; min-new-tokens runs on it too, and may count a trigger in a row that stopped before its minimum
+    through a stop string or a user's stopping criterion (its trigger-rate metric only; the tokens returned are
+    those of the plain loop).
     A sampling run draws one more token per call, so later calls draw other numbers than the plain loop's.
     A transformers without ``DeferredStopCheck`` (before 5.24) runs its loop as written: a stop read per step."""
     check = getattr(generation_utils, "DeferredStopCheck", None)
@@ -265,13 +268,15 @@ def inject_sync_free_draw() -> Iterator[None]:
     from the device: one host synchronisation per decoding step. Each call's rows that check would refuse (NaN,
     inf, a negative entry: ``ops.sampling.invalid_rows``) are or-ed into one flag on the device, read once when the
     block ends: if any was seen, torch's own error is raised then. Any other call (several samples, ``out=``, a
-    generator, not ``[B, V]``) is torch's. ``torch.multinomial`` is an attribute of the torch module, so the block
-    shadows it for every caller in the process while it runs."""
+    generator, not ``[B, V]``, another thread's: ``torch.multinomial`` is an attribute of the torch module, shadowed
+    process-wide while the block runs) is torch's."""
     original = torch.multinomial
     seen: list[torch.Tensor] = []  # at most one [] bool tensor: any invalid row so far
+    thread = threading.get_ident()
 
     def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
-        if num_samples != 1 or generator is not None or out is not None or input.dim() != 2:
+        if num_samples != 1 or generator is not None or out is not None or input.dim() != 2 \
+                or threading.get_ident() != thread:
             return original(input, num_samples, replacement, generator=generator, out=out)
         bad = invalid_rows(input).any()  # [] bool, on the device
         seen[:] = [seen[0] | bad] if seen else [bad]

@@ -23,7 +23,7 @@ from accelerate.utils import gather_object
 from .. import guards, health
 from ..chat import boundary, templates
 from ..configs import GRPOConfig, complete_grpo_config
-from ..errors import InvariantError
+from ..errors import InputError, InvariantError
 from ..generation import compiled_rollout
 from ..generation.finished_rows import decoding_share
 from ..generation.processors import min_new_tokens_fired, vllm_penalties
@@ -64,7 +64,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``_compute_loss``: grpotrl's KL in place of TRL's; I1, I3, I4, I11 on the microbatch, then
         ``_check_loss``: I10 at step 0, the sampler gap, entropy health, I5 and I7's entropy values.
       * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated.
-      * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles.
+      * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles; under
+        ``packed_attention='varlen'`` the policy switched to grpotrl's varlen attention for the whole step.
       * ``save_model``: the chat-template fingerprint beside the weights (I2).
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
         ``output_dir`` locked against a second run; a resume checkpoint checked before anything loads; a full
@@ -91,6 +92,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * with ``padding_free`` on the transformers path, the policy's ``generate`` and ``_get_stopping_criteria``
         and a forward pre-hook and hook on it, in ``_generate`` (``skip_finished_rows``): a row that has stopped
         leaves the decoding batch (its KV cache and its forward); the loop pads it and samples as before.
+      * under ``compiled_rollout``, the generating model's ``get_compiled_call`` in ``_generate`` (``record_calls``):
+        whether transformers compiled the decoding step (an ``InputError`` where it ran eagerly).
+      * under ``packed_attention='varlen'`` (``trainers/packed_attention.py``): the policy's attention implementation
+        (transformers' ``set_attn_implementation``) in ``training_step`` and ``prediction_step``, its backward
+        included, and the policy's or reference's in each packed no-grad forward; grpotrl's attention and mask
+        functions registered by name in transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (once,
+        for the process).
       * ``self.beta`` in ``_compute_loss`` (``inject_attr``): 0 for TRL's loss, whose KL grpotrl replaces.
       * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
         ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
@@ -258,7 +266,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         extras = generation_extras(self.args, input_ids.size(1), self.eos_token_ids)
         if self.compiled_rollout is None:
             return extras
-        context = getattr(_text_config_of(self.model), "max_position_embeddings", None)
+        context = getattr(packed_attention.text_config(self.model), "max_position_embeddings", None)
         return {**extras, **compiled_rollout.generate_kwargs(self.compiled_rollout, input_ids.size(1),
                                                              self.generation_config.max_new_tokens, context)}
 
@@ -286,19 +294,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
             drop = _intercept.skip_finished_rows(model) if self._drops_finished_rows() else contextlib.nullcontext([])
-            deferred = _intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON) \
-                if self.compiled_rollout is not None else contextlib.nullcontext()
-            draw = _intercept.inject_sync_free_draw() if self.compiled_rollout is not None and \
-                self.accelerator.device.type in compiled_rollout.SYNC_FREE_DRAW_ON else contextlib.nullcontext()
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
-                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows, deferred, draw:
+                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows, \
+                    self._compiled_generate(model) as compiled:
                 out = TRLGenerate(*super()._generate(prompts))
             if decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
                 self._record_metrics({"padding_free/decoding_rows": decoding_share(decoding_rows)})
-            if self.compiled_rollout is not None and calls:  # the rollout ran compiled, with the bucket it asked for
-                cache_len = float(calls[-1]["extra"]["max_cache_len"])
-                self._record_metrics({"generation/compiled_rollout": 1.0,
-                                      "generation/compiled_rollout_cache_len": cache_len})
+            if compiled is not None and calls:
+                self._check_compiled(model, compiled)
         else:
             out, calls = TRLGenerate(*super()._generate(prompts)), []
         sampled = recorded_logprobs(calls[-1], out.completion_ids,
@@ -315,6 +318,36 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             guard=self._check_generation(prompts, out, calls) if self._guard_now() else None,
             sampler=recorded_measures(calls[-1]) if sampled is not None else None)
         return out
+
+    @contextlib.contextmanager
+    def _compiled_generate(self, model):
+        """Under the compiled rollout, the ``generate`` calls of the block: the stop flag read one step late and
+        ``torch.multinomial`` without its per-step device read, on the devices where those apply
+        (``compiled_rollout.DEFERRED_STOP_ON``, ``SYNC_FREE_DRAW_ON``); yields the list of the compiled calls
+        transformers made (``get_compiled_call``, once per ``generate`` that compiled its decoding step). Without
+        the compiled rollout nothing changes and it yields None."""
+        if self.compiled_rollout is None:
+            yield None
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON))
+            if self.accelerator.device.type in compiled_rollout.SYNC_FREE_DRAW_ON:
+                stack.enter_context(_intercept.inject_sync_free_draw())
+            yield stack.enter_context(_intercept.record_calls(_intercept._generating_module(model),
+                                                              "get_compiled_call"))
+
+    def _check_compiled(self, model, compiled: list) -> None:
+        """The rollout's ``generate`` compiled its decoding step (``compiled``: ``_compiled_generate``'s list), else
+        an ``InputError``: transformers runs it eagerly, with a warning, where its ``_valid_auto_compile_criteria``
+        refuses. Logs ``generation/compiled_rollout`` (1) and the static cache's length transformers sized
+        (``generation/compiled_rollout_cache_len``)."""
+        if not compiled:
+            raise InputError("compiled_rollout: transformers ran the rollout's decoding step eagerly (its "
+                             "_valid_auto_compile_criteria refused the call; its warning above says why). Set "
+                             "compiled_rollout: false.")
+        cache_len = getattr(_intercept._generating_module(model), "_previous_max_cache_length", None)
+        self._record_metrics({"generation/compiled_rollout": 1.0,
+                              "generation/compiled_rollout_cache_len": float(cache_len or "nan")})
 
     def _check_generation(self, prompts: list, out: TRLGenerate, calls: list[dict]) -> dict:
         """I1, I3, I4 on what ``_generate`` returned and ``generate`` saw (``guards.check_generation``)."""
@@ -810,11 +843,6 @@ def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: l
         raise InvariantError("multi-task", f"generation group {g} mixes tasks {[names[i] for i in groups[g].tolist()]}"
                              ": its advantages would normalise one task's rewards by another's. Each prompt's "
                              "num_generations completions must come from one row (TRL's RepeatSampler does this).")
-
-
-def _text_config_of(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -6,9 +6,12 @@ every attention layer as transformers' FlashAttention keyword arguments (``cu_se
 a checkpointed layer's recompute too). ``NAME`` is registered with ``transformers.AttentionInterface``: given
 the boundaries it runs ``ops.varlen.varlen_attention`` (torch's FlashAttention varlen kernel on CUDA in
 bf16/fp16, one causal sdpa per sequence elsewhere) and ignores the mask; without them (a padded forward: the
-I5 guard's recompute, TRL's own calls) it is transformers' sdpa, with sdpa's mask, which ``NAME`` shares in
-``masking_utils.AttentionMaskInterface``. So a model under ``NAME`` computes what it computes under sdpa, and
-the forwards that carry boundaries keep their sequences apart without a ``[W, W]`` mask of grpotrl's.
+I5 guard's recompute, TRL's own calls) it is transformers' sdpa. Its mask function
+(``masking_utils.AttentionMaskInterface``) is sdpa's, except inside ``bounded`` (a forward that carries
+boundaries), where it builds none: transformers would otherwise read the restarting position ids and build a
+``[1, 1, T, T]`` mask that nothing reads. ``bounded`` also counts the layers that ran the varlen attention and
+stops (I5) a forward in which any attention layer did not: a layer that does not look its function up by name
+would run over every sequence of the row at once.
 
 ``running(model)`` switches the model (the ``PreTrainedModel`` inside a PEFT, DDP or DeepSpeed wrapper) to
 ``NAME`` with transformers' ``set_attn_implementation`` and back in a ``finally``; the attention layers read the
@@ -20,16 +23,19 @@ training_step``), so that the backward's recompute of a checkpointed layer (grad
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..errors import InputError
+from ..errors import InputError, InvariantError
 from ..ops.varlen import varlen_attention
 
 NAME = "grpotrl_varlen"
+# inside ``bounded``: the list of the forward's attention calls that ran varlen (one entry each); else None
+_BOUNDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grpotrl_varlen_bounded", default=None)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -57,20 +63,57 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                    else f"{query.size(0)} rows (one row of sequences end to end only)")
         raise InputError(f"packed_attention='varlen': the attention layer {type(module).__name__} was called with "
                          f"{why}, which grpotrl's varlen attention does not compute. Set packed_attention='mask'.")
+    calls = _BOUNDED.get()
+    if calls is not None:
+        calls.append(1)
     out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D]
                            cu, int(longest), scale=scaling)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
+def mask_function(*args, **kwargs):
+    """transformers' mask function for ``NAME``: sdpa's (``masking_utils.sdpa_mask``), or none inside ``bounded``."""
+    return None if _BOUNDED.get() is not None else sdpa_mask(*args, **kwargs)
+
+
 def register() -> None:
-    """``NAME`` in transformers' attention functions, with sdpa's mask function (idempotent)."""
+    """``NAME`` in transformers' attention functions and mask functions (idempotent)."""
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(NAME, mask_function)
+
+
+@contextlib.contextmanager
+def bounded(model: torch.nn.Module):
+    """The block runs one forward of ``model`` (switched to ``NAME``) with sequence boundaries: transformers builds
+    no mask for it, and afterwards every attention layer of the model must have run the varlen attention.
+
+    Raises:
+        InvariantError: I5, where fewer or more attention calls ran varlen than the model has layers.
+    """
+    calls: list = []
+    token = _BOUNDED.set(calls)
+    try:
+        yield
+    finally:
+        _BOUNDED.reset(token)
+    inner = pretrained_of(model)
+    layers = getattr(text_config(model), "num_hidden_layers", None)
+    if layers is None or len(calls) != layers:
+        raise InvariantError("I5", f"packed_attention='varlen': {len(calls)} attention calls of a forward of "
+                             f"{type(inner).__name__} ({layers} layers) ran grpotrl's varlen attention; a layer that "
+                             "did not attended over every packed sequence of the row at once. Set "
+                             "packed_attention='mask'.")
 
 
 def pretrained_of(model: torch.nn.Module) -> PreTrainedModel | None:
     """The outermost transformers model inside ``model`` (itself, or inside PEFT, DDP or DeepSpeed)."""
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def text_config(model: torch.nn.Module):
+    """The (text) config of the transformers model inside ``model`` (a multimodal model's language model's)."""
+    config = (pretrained_of(model) or model).config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def dispatches_by_name(model: torch.nn.Module) -> bool:

@@ -62,12 +62,11 @@ def parse_setting(value) -> bool | str:
     return bool(value)
 
 
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+_text_config = packed_attention.text_config  # unwrapped: a DeepSpeed engine's ``config`` is DeepSpeed's own
 
 
 def _attention_of(model) -> str | None:
-    config = getattr(model, "config", None)
+    config = getattr(packed_attention.pretrained_of(model) or model, "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
@@ -181,7 +180,8 @@ def _full_attention_only(model) -> bool:
 
 
 def _packed_attention_setting(args) -> str:
-    """``args.packed_attention`` lower-cased; a config without the field (``trl.GRPOConfig``) asks for the mask."""
+    """``args.packed_attention`` lower-cased; a config without the field asks for the mask (a ``trl.GRPOConfig``
+    gets "mask" from ``configs.complete_grpo_config``)."""
     return str(getattr(args, "packed_attention", "mask")).strip().lower()
 
 
@@ -200,6 +200,8 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     why = None
     if not packed:
         why = "padding_free is off, and varlen runs the padding-free forwards"
+    elif device_type == "cuda":
+        why = _varlen_kernel_missing()
     for m in (model, ref_model):
         if why is not None or m is None:
             continue
@@ -214,8 +216,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
             why = "the model softcaps its attention logits, which the varlen kernel does not"
         elif not _full_attention_only(m):
             why = "the model has sliding-window or chunked attention layers, which varlen would run as full attention"
-        elif not getattr(args, "disable_dropout", True) and (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
-            why = "attention dropout is on (disable_dropout=False), and varlen runs without dropout"
+        elif (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:  # disable_dropout zeroes nn.Dropout only
+            why = (f"the model's attention_dropout is {text.attention_dropout}, and varlen runs without dropout (set "
+                   "it to 0 in the model's config)")
     if why is not None:
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")
@@ -223,6 +226,21 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     if want == "auto" and device_type not in VARLEN_MEASURED_FASTER_ON:
         return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
     return "varlen", None
+
+
+def _varlen_kernel_missing() -> str | None:
+    """Why torch's varlen kernel cannot run on this CUDA device (None where it can): torch without
+    ``torch.nn.attention.varlen`` (before 2.9), or a GPU below compute capability 8.0 (FlashAttention's)."""
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no varlen attention kernel (torch.nn.attention.varlen, torch >= 2.9)"
+    if not torch.cuda.is_available():  # a resolution asked about CUDA on a machine without it: nothing to read
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"the GPU's compute capability {major}.{minor} is below FlashAttention's 8.0"
+    return None
 
 
 def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
@@ -366,7 +384,8 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, batch_siz
     boundaries = dict(cu_seq_lens_q=cu_seqlens([2], device), cu_seq_lens_k=cu_seqlens([2], device), max_length_q=2,
                       max_length_k=2) if varlen else {}  # the padding row: one sequence of 2
     for _ in range(forwards - len(plan)):  # another process runs more forwards: as many here, on padding
-        with autocast(), _intercept.inject_compact_head(device):
+        with autocast(), _intercept.inject_compact_head(device), \
+                packed_attention.bounded(model) if varlen else contextlib.nullcontext():
             out = model(input_ids=packed.input_ids.new_full((1, 2), pad_id),
                         position_ids=torch.arange(2, device=device).view(1, 2),
                         labels=torch.tensor([[IGNORE, pad_id]], dtype=packed.input_ids.dtype, device=device),
@@ -392,7 +411,7 @@ def _varlen_forward(model, packed: Packed, rows: list[int], index: torch.Tensor,
         pos[0, tokens:] = torch.arange(extra, device=device)
         lengths = lengths + [extra]
     cu = cu_seqlens(lengths, device)  # [N + 1]
-    with autocast(), _intercept.inject_compact_head(device):
+    with autocast(), _intercept.inject_compact_head(device), packed_attention.bounded(model):
         out = model(input_ids=ids, position_ids=pos, labels=labels, fused_lm_head=True, cu_seq_lens_q=cu,
                     cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))  # log_probs [1, T - 1]
 

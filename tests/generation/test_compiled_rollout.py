@@ -285,3 +285,22 @@ def test_true_with_another_cache_is_refused_at_init(tiny_llama, grpo_args):
     with pytest.raises(InputError, match=r"compiled_rollout=true: cache_implementation='dynamic'.*static cache"):
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
                             args=grpo_args(compiled_rollout="true", cache_implementation="dynamic"))
+
+
+def test_a_rollout_transformers_ran_eagerly_is_refused_and_an_old_transformers_is_refused(tiny_llama, grpo_args,
+                                                                                         monkeypatch):
+    """``compiled_rollout`` is honoured or refused: a ``generate`` that did not compile its decoding step
+    (transformers' criteria said no, with only a warning) is an ``InputError`` naming the setting; a transformers
+    without ``GenerationConfig.max_cache_len`` is refused before a model runs."""
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
+                                  args=grpo_args(compiled_rollout="true"), train_dataset=arithmetic_prompts(8))
+    with pytest.raises(InputError, match="compiled_rollout: transformers ran the rollout's decoding step eagerly"):
+        trainer._check_compiled(trainer.model, [])
+
+    class OldConfig:  # a GenerationConfig before max_cache_len
+        pass
+
+    monkeypatch.setattr(compiled_rollout, "GenerationConfig", OldConfig)
+    why = compiled_rollout.refusal(hf_generate=True, tools=False, cache_implementation=None, is_vlm=False,
+                                   sharded=False, facts={"quantizer": None, "offloaded": False, "static_cache": True})
+    assert "GenerationConfig.max_cache_len" in why

@@ -34,9 +34,10 @@ def test_draw_one_follows_the_distribution():
 
 
 def test_invalid_rows_are_those_torch_multinomial_refuses():
-    """Rows with NaN, +inf or a negative entry: torch raises for each; invalid_rows flags exactly them."""
-    probs = torch.tensor([[0.2, 0.8], [math.nan, 1.0], [math.inf, 0.0], [-0.1, 1.1], [0.0, 1.0]])
-    assert invalid_rows(probs).tolist() == [False, True, True, True, False]
-    for row in (1, 2, 3):
+    """Rows with NaN, +inf or a negative entry, or summing to 0: torch raises for each; invalid_rows flags
+    exactly them."""
+    probs = torch.tensor([[0.2, 0.8], [math.nan, 1.0], [math.inf, 0.0], [-0.1, 1.1], [0.0, 1.0], [0.0, 0.0]])
+    assert invalid_rows(probs).tolist() == [False, True, True, True, False, True]
+    for row in (1, 2, 3, 5):
         with pytest.raises(RuntimeError):
             torch.multinomial(probs[row:row + 1], 1)

@@ -125,8 +125,10 @@ def test_the_transformers_and_torch_names_varlen_relies_on():
     packed_attention.register()
     assert packed_attention.NAME in ALL_ATTENTION_FUNCTIONS.valid_keys()
     assert ALL_ATTENTION_FUNCTIONS[packed_attention.NAME] is packed_attention.attention_forward
-    # sdpa's mask function: a forward without boundaries runs as under sdpa
-    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[packed_attention.NAME] is masking_utils.sdpa_mask
+    # grpotrl's mask function: sdpa's, so that a forward without boundaries runs as under sdpa
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[packed_attention.NAME] is packed_attention.mask_function
+    assert list(inspect.signature(masking_utils.sdpa_mask).parameters)[:2] == ["batch_size", "q_length"] or \
+        "allow_is_causal_skip" in inspect.signature(masking_utils.sdpa_mask).parameters
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     assert list(inspect.signature(sdpa_attention_forward).parameters)[:5] == ["module", "query", "key", "value",
                                                                               "attention_mask"]
@@ -269,6 +271,29 @@ def _args(**kw):
                               **kw})
 
 
+def test_a_varlen_forward_builds_no_mask_and_every_layer_runs_varlen(tiny_llama, monkeypatch):
+    """Inside ``bounded`` transformers asks grpotrl's mask function and gets none (without it, restarting position
+    ids make it build a [1, 1, T, T] mask nothing reads); outside, the same model builds sdpa's mask. A forward in
+    which fewer attention calls ran varlen than the model has layers stops with I5."""
+    from transformers import masking_utils
+
+    model = _tiny_model(tiny_llama)
+    built = []
+    real = masking_utils.sdpa_mask
+    monkeypatch.setattr(packed_attention, "sdpa_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    ids, pos = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 2, 0, 1]])
+    cu = cu_seqlens([3, 2])
+    with torch.no_grad(), packed_attention.running(model):
+        with packed_attention.bounded(model):
+            model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3, max_length_k=3)
+        assert built == []
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))  # a padded forward: sdpa's mask
+        assert built
+        with pytest.raises(InvariantError, match=r"\[I5\].*0 attention calls.*2 layers.*packed_attention='mask'"):
+            with packed_attention.bounded(model):
+                pass  # no forward: no layer ran varlen
+
+
 def test_auto_is_mask_until_varlen_is_measured_faster_and_varlen_is_honoured(tiny_llama):
     model = _tiny_model(tiny_llama)
     assert padding_free.VARLEN_MEASURED_FASTER_ON == ()
@@ -290,8 +315,7 @@ def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
         ({}, _tiny_model(tiny_llama, _attn_implementation="eager"), "stands in for sdpa only"),
         ({}, _tiny_model(tiny_llama, attn_logit_softcapping=50.0), "softcaps"),
         ({}, _tiny_model(tiny_llama, sliding_window=16), "sliding-window"),
-        (dict(args=_args(packed_attention="varlen", disable_dropout=False)),
-         _tiny_model(tiny_llama, attention_dropout=0.1), "attention dropout"),
+        ({}, _tiny_model(tiny_llama, attention_dropout=0.1), "attention_dropout is 0.1"),  # disable_dropout or not
     ]
     for kw, m, why in cases:
         args, packed = kw.get("args", on), kw.get("packed", True)
@@ -300,6 +324,10 @@ def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
         auto = SimpleNamespace(**{**vars(args), "packed_attention": "auto"})
         choice, reason = padding_free.resolve_packed_attention(auto, m, None, "cuda", packed)
         assert choice == "mask" and why in reason
+    # a reference model inside a DeepSpeed engine, whose own ``config`` is DeepSpeed's dict: the model inside counts
+    engine = torch.nn.Module()
+    engine.module, engine.config = _tiny_model(tiny_llama), {"zero_optimization": {"stage": 2}}
+    assert padding_free.resolve_packed_attention(on, model, engine, "cpu", True) == ("varlen", None)
     custom = _tiny_model(tiny_llama)
     custom.config._attn_implementation = "my_kernel"
     with pytest.raises(InputError, match="my_kernel"):
