@@ -54,7 +54,8 @@ import _runner  # bench/_runner.py: the timer and the alternating driver
 
 VARIANTS = ("trl", "default", "padded", "packed", "compiled", "fastest")
 DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
-GOALS = {"packed": 0.6, "fastest": 0.5}  # step time / plain TRL's after the guard steps (CPU: packed; CUDA: fastest)
+# step time / plain TRL's after the guard steps, per device: CPU's default is packed; on CUDA every speed setting on
+GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"fastest": 0.5}}
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
@@ -262,6 +263,7 @@ def main() -> None:
     if bandwidth is not None:
         print(f"memory bandwidth (a 1 GiB copy): {bandwidth / 1e12:.2f} TB/s", flush=True)
     variants = tuple(v for v in VARIANTS if v == "trl" or v in a.variants.split(","))
+    goals = GOALS_ON["cuda" if cuda else "cpu"]
     results = _runner.alternate(__file__, variants, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
                                 describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
@@ -284,10 +286,10 @@ def main() -> None:
     for v in variants[1:]:
         print(_runner.same_lengths(results, "trl", v))
     for v in variants:
-        goal = "  (goal <= %s)" % GOALS[v] if v in GOALS else ""
-        print(f"{v:7s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
+        goal = "  (goal <= %s)" % goals[v] if v in goals else ""
+        print(f"{v:8s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
               f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
-              f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 1.0)" if v in GOALS else ""))
+              f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 1.0)" if v in goals else ""))
     guard = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
     if a.steps > guard:
         after = slice(guard, None)
@@ -297,9 +299,9 @@ def main() -> None:
             step0, cpu0 = (_runner.mean_per_step(results, "trl", key, after) for key in ("step_times", "cpu_times"))
             top = max(max(res["step_peaks"][after]) for res in results[v])  # the steps' own peaks, not the run's
             top0 = max(max(res["step_peaks"][after]) for res in results["trl"])
-            goal = "  (goal <= %s)" % GOALS[v] if v in GOALS else ""
-            print(f"  {v:7s} step {step:7.3f} s ({step / step0:.3f}x){goal}   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
-                  f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 1.0)" if v in GOALS else ""))
+            goal = "  (goal <= %s)" % goals[v] if v in goals else ""
+            print(f"  {v:8s} step {step:7.3f} s ({step / step0:.3f}x){goal}   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
+                  f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 1.0)" if v in goals else ""))
     steady = slice(guard, None) if a.steps > guard else slice(None)
 
     def phase(v, name):
@@ -316,7 +318,7 @@ def main() -> None:
     names = {"sampling": "sampling + rewards", "no_grad_logps": "reference/old logprob forwards",
              "loss": "loss forward + backward"}
     for v in variants:
-        print(f"  {v:7s} " + "   ".join(f"{names[k]} {phase(v, k):7.2f} s ({phase(v, k) / max(phase('trl', k), 1e-9):.3f}x)"
+        print(f"  {v:8s} " + "   ".join(f"{names[k]} {phase(v, k):7.2f} s ({phase(v, k) / max(phase('trl', k), 1e-9):.3f}x)"
                                       for k in names))
     for v in variants:
         if results[v][0].get("decoding_rows"):
@@ -336,7 +338,7 @@ def main() -> None:
               "against a later step's")
     print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
     for v in variants:
-        print(f"  {v:7s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
+        print(f"  {v:8s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
     padded = "padded" if "padded" in variants else next(
         (v for v in variants if v == "default" and not results[v][0]["padding_free"]), None)
     if padded is None or "packed" not in variants:
