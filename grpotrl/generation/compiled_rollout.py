@@ -41,8 +41,9 @@ SYNC_FREE_DRAW_ON = ("cuda",)
 
 
 def parse_setting(value) -> bool | str:
-    """The config's ``compiled_rollout`` as ``True``, ``False`` or ``"auto"`` (a recipe may give a bool or a
-    string; ``configs.checks.check_compiled_rollout`` refused anything else).
+    """A true / false / 'auto' setting of the config (``compiled_rollout``; ``padding_free`` and
+    ``balance_microbatches``, whose ``trainers.padding_free`` reads it from here) as ``True``, ``False`` or
+    ``"auto"``: a recipe or command line may give a bool or a string, and ``configs.checks`` refused anything else.
 
     >>> parse_setting("True"), parse_setting("auto"), parse_setting(False)
     (True, 'auto', False)
@@ -102,10 +103,13 @@ def generate_kwargs(config: CompileConfig, prompt_width: int, max_new_tokens: in
 
 
 def model_facts(model) -> dict:
-    """What ``refusal`` needs to know of a loaded model (the generating module: the base model under PEFT):
+    """What ``refusal`` needs to know of a loaded model (the generating module: the base model under PEFT; None:
+    none found, which takes no static cache):
     ``quantizer`` (the class name of a quantizer whose kernels transformers cannot compile, else None),
     ``offloaded`` (parts of it on CPU or disk under a ``device_map``), ``static_cache`` (transformers can give
     it a static cache) and ``fullgraph`` (it declares its forward compilable as one graph)."""
+    if model is None:
+        return {"quantizer": None, "offloaded": False, "static_cache": False, "fullgraph": False}
     quantizer = getattr(model, "hf_quantizer", None)
     devices = set(getattr(model, "hf_device_map", {}).values()) if hasattr(model, "hf_device_map") else set()
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
@@ -172,21 +176,19 @@ def resolve(setting, device_type: str, why_not: str | None) -> tuple[bool, str |
     return True, None
 
 
-def startup_line(setting, device_type: str, on: bool, why: str | None, packed: bool) -> str:
-    """The line a trainer logs once at init: what ``compiled_rollout`` resolved to on ``device_type`` and why,
-    and, when the logprob forwards are padding-free (``packed``), that the finished-row rollout is off under it.
+def startup_line(setting, device_type: str, on: bool, why: str | None) -> str:
+    """The line a trainer logs once at init: what ``compiled_rollout`` resolved to on ``device_type`` and why
+    (that the finished-row rollout is off under it is ``padding_free.startup_line``'s to say).
 
-    >>> startup_line("auto", "cuda", False, "not measured faster ...", packed=False)
+    >>> startup_line("auto", "cuda", False, "not measured faster ...")
     'grpotrl: compiled rollout off (auto: not measured faster ...)'
-    >>> startup_line("true", "cpu", True, None, packed=True)  # doctest: +NORMALIZE_WHITESPACE
-    'grpotrl: compiled rollout on (set true: static KV cache, decoding step compiled, mode default); finished-row
-     rollout off (the static cache keeps every row)'
+    >>> startup_line("true", "cpu", True, None)
+    'grpotrl: compiled rollout on (set true: static KV cache, decoding step compiled, mode default)'
     """
     asked = parse_setting(setting)
     how = "auto" if asked == "auto" else f"set {str(asked).lower()}"
     if on:
         mode = "reduce-overhead" if device_type == "cuda" else "default"
         deferred = ", stop read one step late" if device_type in DEFERRED_STOP_ON else ""
-        line = f"grpotrl: compiled rollout on ({how}: static KV cache, decoding step compiled, mode {mode}{deferred})"
-        return line + ("; finished-row rollout off (the static cache keeps every row)" if packed else "")
+        return f"grpotrl: compiled rollout on ({how}: static KV cache, decoding step compiled, mode {mode}{deferred})"
     return f"grpotrl: compiled rollout off ({how}{': ' + why if why else ''})"

@@ -245,9 +245,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         Raises:
             InputError: ``compiled_rollout`` 'true' where it cannot run (``compiled_rollout.refusal``).
         """
-        gen = _intercept._generating_module(self.model)
-        facts = compiled_rollout.model_facts(gen) if gen is not None else {
-            "quantizer": None, "offloaded": False, "static_cache": False, "fullgraph": False}
+        facts = compiled_rollout.model_facts(_intercept._generating_module(self.model))
         deepspeed = getattr(self.accelerator.state, "deepspeed_plugin", None)
         why_not = compiled_rollout.refusal(
             hf_generate=self._hf_generate_path(), tools=bool(self.tools),
@@ -255,8 +253,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             is_vlm=_intercept.read_is_vlm(self), facts=facts,
             sharded=bool(self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3)))
         on, why = compiled_rollout.resolve(getattr(args, "compiled_rollout", False), device, why_not)
-        logger.info(compiled_rollout.startup_line(args.compiled_rollout, device, on, why,
-                                                  packed=bool(self.padding_free) and self._injects_processors()))
+        logger.info(compiled_rollout.startup_line(args.compiled_rollout, device, on, why))
         return compiled_rollout.compile_config(device, facts["fullgraph"]) if on else None
 
     def _generation_extras(self, input_ids) -> dict:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from ..configs.checks import check_packed_attention
 from ..errors import InputError
+from ..generation.compiled_rollout import parse_setting  # true / false / 'auto', as configs.checks took it
 from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompts_of, unpack
 from ..ops.loss_types import named
 from ..ops.varlen import cu_seqlens
@@ -51,15 +52,6 @@ logger = logging.getLogger(__name__)
 PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every row of a forward
 MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
 VARLEN_MEASURED_FASTER_ON = ()  # device types where packed_attention 'auto' is 'varlen' (docs/cost.md)
-
-
-def parse_setting(value) -> bool | str:
-    """The config's ``padding_free`` as ``True``, ``False`` or ``"auto"`` (a recipe or command line may
-    give it as a string; ``configs.checks.check_padding_free`` refused anything else)."""
-    if isinstance(value, str):
-        low = value.strip().lower()  # 'auto', 'true' or 'false' (configs.checks.PADDING_FREE)
-        return "auto" if low == "auto" else low == "true"
-    return bool(value)
 
 
 _text_config = packed_attention.text_config  # unwrapped: a DeepSpeed engine's ``config`` is DeepSpeed's own
