@@ -44,11 +44,13 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, options = _kernel_arguments(parameters, query, key, value, scale)
         return varlen_attn(query, key, value, cu, cu, max_length, max_length, **options)
     bounds = cu_seqlens.tolist()  # N + 1 ints (a host transfer where cu_seqlens lives on an accelerator)
-    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [H, T, D], [Hk, T, D]
-    out = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale,
-                                          enable_gqa=gqa)  # [H, n, D]
+    # 4-D inputs, as transformers' sdpa passes them: on CPU a 3-D call takes another kernel, which in bf16 moved
+    # most of SmolLM2's logprobs by ~1e-2 nats against the padded forward (4-D: the same bits)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, H, T, D], [1, Hk, T, D]
+    out = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale,
+                                          enable_gqa=gqa)  # [1, H, n, D]
            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return torch.cat(out, dim=1).transpose(0, 1)  # [T, H, D]
+    return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
 
 
 @functools.cache
