@@ -88,18 +88,35 @@ def report(**result) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[str], describe=None) -> dict:
+def alternate(script: str, variants: tuple[str, ...], rounds: int, args: list[str], describe=None,
+              keep_going: bool = False, timeout: float | None = None) -> dict:
     """Run ``script --child V *args`` for each variant, ``rounds`` times, alternating; return
     ``{variant: [result, ...]}``. Round r starts at variant r (mod their number), so no variant
     always runs in the same slot (on this VM one child in a run can be 10-20% slower in every
-    phase, its identical rollout too). ``describe(variant, result)`` adds to each progress line."""
+    phase, its identical rollout too). ``describe(variant, result)`` adds to each progress line.
+    A child that fails (no ``RESULT`` line) or runs past ``timeout`` seconds (killed) stops the bench with its
+    stderr's tail; with ``keep_going`` its tail is printed, the variant is left out of the later rounds and of
+    the returned dict, and the others go on (where device time is short, so that one failing setting does not
+    lose the others' figures)."""
     results = {v: [] for v in variants}
     for r in range(rounds):
         for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
-            out = subprocess.run([sys.executable, script, "--child", variant, *args], capture_output=True, text=True)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if variant not in results:
+                continue
+            try:
+                out = subprocess.run([sys.executable, script, "--child", variant, *args], capture_output=True,
+                                     text=True, timeout=timeout)
+                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                tail = out.stderr[-3000:]
+            except subprocess.TimeoutExpired as e:  # e.stderr: the bytes read before the kill, or None
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+                line, tail = None, f"killed after {timeout:g} s\n{err[-3000:]}"
             if line is None:
-                sys.exit(f"{variant} run failed:\n{out.stderr[-3000:]}")
+                if not keep_going:
+                    sys.exit(f"{variant} run failed:\n{tail}")
+                print(f"round {r} {variant:8s} FAILED, left out from here on:\n{tail}", flush=True)
+                del results[variant]
+                continue
             res = json.loads(line[len("RESULT "):])
             results[variant].append(res)
             extra = describe(variant, res) if describe else ""

@@ -9,6 +9,8 @@ The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``defa
 defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
 ``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on); ``compiled`` (grpotrl's defaults with
 the compiled rollout forced on: a static KV cache and the decoding step compiled, ``compiled_rollout=true``);
+``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA torch's varlen kernel, elsewhere one
+sdpa per sequence; the finished-row rollout on, as ``padding_free`` turns it on);
 ``fastest`` (every speed setting forced on: ``padding_free=true``, ``packed_attention=varlen`` on CUDA,
 ``compiled_rollout=true``). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
 on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so that on a GPU the three variants' 4 steps at 8 x 8 x 256,
@@ -49,10 +51,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 import _runner  # bench/_runner.py: the timer and the alternating driver
 
-VARIANTS = ("trl", "default", "padded", "packed", "compiled", "fastest")
+VARIANTS = ("trl", "default", "padded", "packed", "compiled", "varlen", "fastest")
 DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
 # step time / plain TRL's after the guard steps, per device: CPU's default is packed; on CUDA every speed setting on
 GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"fastest": 0.5}}
@@ -116,6 +119,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common)
     elif variant == "compiled":
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, compiled_rollout="true")
+    elif variant == "varlen":
+        trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=True,
+                                                                      packed_attention="varlen")
     elif variant == "fastest":  # every speed setting on; varlen attention where a kernel exists (CUDA)
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(
             **common, padding_free=True, packed_attention="varlen" if cuda else "auto", compiled_rollout="true")
@@ -196,6 +202,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     _runner.report(variant=variant, step_times=timer.times, cpu_times=timer.cpu, peak_bytes=peak,
                    lengths=_runner.completion_lengths(trainer), device="cuda" if cuda else "cpu",
                    losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
+                   rewards=[h["reward"] for h in trainer.state.log_history if "reward" in h],
                    real=share.real, cells=share.cells, completion_lengths=share.lengths,
                    phases=per_step, step_peaks=step_peaks,
                    decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
@@ -249,6 +256,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1 if cuda else 2)
     p.add_argument("--child", choices=VARIANTS)
+    p.add_argument("--child-timeout", type=float, default=None,
+                   help="seconds after which a variant's run is killed and left out (the others go on); default none")
     p.add_argument("--variants", default=DEFAULT_VARIANTS["cuda" if cuda else "cpu"],
                    help="comma-separated subset of " + ",".join(VARIANTS) + " (trl is always run: the ratios are "
                         "against it); default: " + " on CPU, ".join(DEFAULT_VARIANTS.values()) + " on CUDA")
@@ -265,7 +274,11 @@ def main() -> None:
     variants = tuple(v for v in VARIANTS if v == "trl" or v in a.variants.split(","))
     goals = GOALS_ON["cuda" if cuda else "cpu"]
     results = _runner.alternate(__file__, variants, a.rounds, ["--steps", str(a.steps), *_runner.shape_args(a)],
-                                describe=lambda v, res: f"  peak {res['peak_bytes'] / 2**20:.0f} MiB")
+                                describe=progress, keep_going=True, timeout=a.child_timeout)
+    failed = [v for v in variants if v not in results]
+    if "trl" in failed:
+        sys.exit("plain TRL's run failed: no ratio to print")
+    variants = tuple(v for v in variants if v in results)
 
     def mean(v, key="step_times"):
         return _runner.mean_per_step(results, v, key)
@@ -285,6 +298,12 @@ def main() -> None:
     print(f"padding share of the padded [B, P + C] loss batches: {1 - first['real'] / first['cells']:.1%}")
     for v in variants[1:]:
         print(_runner.same_lengths(results, "trl", v))
+    print("mean completion length and reward over every step and round (a rollout that draws other random numbers, "
+          "as CUDA graphs do, samples other completions: these should agree within sampling noise):")
+    for v in variants:
+        lengths_v = [x for res in results[v] for x in res["lengths"]]
+        rewards_v = [x for res in results[v] for x in res["rewards"]]
+        print(f"  {v:8s} length {statistics.mean(lengths_v):7.2f} tokens   reward {statistics.mean(rewards_v):.4f}")
     for v in variants:
         goal = "  (goal <= %s)" % goals[v] if v in goals else ""
         print(f"{v:8s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
@@ -341,14 +360,29 @@ def main() -> None:
         print(f"  {v:8s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
     padded = "padded" if "padded" in variants else next(
         (v for v in variants if v == "default" and not results[v][0]["padding_free"]), None)
-    if padded is None or "packed" not in variants:
-        return
+    if padded is not None and "packed" in variants:
+        compare_losses(results, padded)
+    if failed:
+        sys.exit(f"failed, left out above: {', '.join(failed)}")
+
+
+def compare_losses(results: dict, padded: str) -> None:
+    """Per step, the padded run's loss and grad norm against the padding-free (``packed``) run's."""
     label = "padded" if padded == "padded" else "default (padded)"
     print(f"per step, {label} vs padding-free (round 0; goal: relative difference <= 1e-5):")
     pad, pf = results[padded][0], results["packed"][0]
     for s, (l0, l1, g0, g1) in enumerate(zip(pad["losses"], pf["losses"], pad["grad_norms"], pf["grad_norms"])):
         print(f"  step {s + 1}: loss {l0:+.8e} vs {l1:+.8e} (rel {_rel(l1, l0):.1e})   "
               f"grad_norm {g0:.8e} vs {g1:.8e} (rel {_rel(g1, g0):.1e})")
+
+
+def progress(variant: str, res: dict) -> str:
+    """A child's figures on its progress line, so that a command cut short still shows them: the steps after the
+    guard steps and the first step's sampling (compilation and CUDA-graph recording show there)."""
+    steps, rollout = res["step_times"], res["phases"]["rollout"]
+    after = f"  steps 3..: {statistics.mean(steps[2:]):.3f} s" if len(steps) > 2 else ""
+    return (f"{after}  first step's rollout {rollout[0]:.1f} s  torch.compile {res['compile_seconds']:.1f} s  "
+            f"peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The speed settings' GPU check, in commands that each end inside a lent machine's 10-minute limit:
+#   bash bench/gpu_check.sh bench   # about 6-7 minutes at 8 x 8 x 256: plain TRL, grpotrl's defaults, the compiled
+#                                   # rollout alone, every speed setting on (varlen, compiled rollout, padding_free)
+#   bash bench/gpu_check.sh tests   # about 4-5 minutes: tests/test_gpu.py's speed settings with every guard on
+# on a CUDA machine with grpotrl, TRL and the model installed (a bare machine: stage it, then prefix each command
+# with the stage script, as the GPU notes in docs/cost.md say). Each part runs under a timeout and leaves its output
+# in $OUT (or /tmp/grpotrl-gpu-check): a variant that fails or hangs is killed and reported, the others go on.
+# What to read in it: docs/cost.md, "Defaults per device, CPU and GPU side by side".
+set -u
+part=${1:-bench}
+out=${OUT:-/tmp/grpotrl-gpu-check}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+case "$part" in
+  bench)
+    # the guard steps (1-2) run I5 against the padded recompute: a variant whose logprobs are off stops with I5
+    timeout 510 python3 bench/bench_padding_free.py --variants trl,default,compiled,fastest --steps 4 \
+      --child-timeout 200 2>&1 | tee "$out/bench.txt"
+    exit "${PIPESTATUS[0]}" ;;
+  tests)
+    timeout 540 python3 -m pytest -q -rs tests/test_gpu.py -k "speed or varlen" 2>&1 | tee "$out/tests.txt"
+    exit "${PIPESTATUS[0]}" ;;
+  *)
+    echo "usage: bash bench/gpu_check.sh bench|tests" >&2
+    exit 2 ;;
+esac
