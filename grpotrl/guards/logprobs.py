@@ -306,18 +306,17 @@ def check_slope(slope: float, coef: float, where: str) -> float:
     return slope
 
 
-def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, atol: float,
-                         tol: Tolerances | None = None) -> None:
+def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, tol: Tolerances) -> None:
     """I7: the entropy node the sign check differentiates is the policy's entropy: equal, on
     every masked-in token, to the entropy of ``softmax(logits / T)`` recomputed independently
-    (so a negated or rescaled "entropy" cannot pass the sign check). fp32 (``tol`` None or fp32):
-    token by token, to ``atol``. bf16/fp16: ``H_used`` fitted as a multiple of ``H_ref`` within
+    (so a negated or rescaled "entropy" cannot pass the sign check). fp32: token by token, to
+    ``tol.entropy_atol``. bf16/fp16: ``H_used`` fitted as a multiple of ``H_ref`` within
     ``tol.scale_rtol`` (+ 4 standard errors) of 1, and what the fit leaves as I5's layout statistics
     (median ``<= tol.median_gap``, no row's mean ``> tol.row_gap``)."""
     on = mask.bool()  # [B, C]
     require_finite("I7", None, None, on, None, ("the entropy the loss used", used),
                     ("the entropy of softmax(logits / T)", reference))
-    if tol is not None and tol.low_precision:
+    if tol.low_precision:
         coef, se, residual = fit_along(used.detach().float() - reference.float(), reference, on)
         stats = gap_statistics(residual, on, tol.row_min_tokens)
         scale_ok = abs(float(coef)) <= tol.scale_rtol + 4 * float(se)
@@ -330,7 +329,7 @@ def check_entropy_values(used: torch.Tensor, reference: torch.Tensor, mask: torc
                 "the policy's own entropy at the sampling temperature.")
         return
     gap = masked_gap(used, reference, on)  # [B, C]
-    worst = float(gap.max()) if gap.numel() else 0.0
+    worst, atol = float(gap.max()) if gap.numel() else 0.0, tol.entropy_atol
     if not worst <= atol:
         i, t = worst_token(gap)
         raise InvariantError(

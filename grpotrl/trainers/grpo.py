@@ -668,8 +668,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                                      inputs[ROW_KEY].tolist(),
                                                      packed=self.padding_free and self.packed_attention)
         if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
-            guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask,
-                                        atol=tol.entropy_atol, tol=tol)
+            guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask, tol)
         del logits
         self._record_metrics(metrics, "train")
 

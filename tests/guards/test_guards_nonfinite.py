@@ -10,6 +10,9 @@ import torch
 import grpotrl
 from grpotrl import guards
 from grpotrl.errors import InputError, InvariantError
+from grpotrl.guards.precision import tolerances
+
+FP32 = tolerances(torch.float32)
 
 MASK = torch.tensor([[1, 1, 0]])  # [B=1, C=3]: the last token is padding
 IDS = torch.tensor([[5, 6, 2]])
@@ -41,9 +44,9 @@ def test_I5_non_finite_value_on_a_real_token_fails_naming_it():
 
 def test_I7_entropy_values_masked_inf_and_real_nan():
     with pytest.raises(InvariantError, match=r"\[I7\].*token 1.*gap 2.00e\+00"):
-        guards.check_entropy_values(torch.tensor([[1.0, 3.0, math.inf]]), torch.tensor([[1.0, 1.0, 0.0]]), MASK, 1e-3)
+        guards.check_entropy_values(torch.tensor([[1.0, 3.0, math.inf]]), torch.tensor([[1.0, 1.0, 0.0]]), MASK, FP32)
     with pytest.raises(InvariantError, match=r"\[I7\].*the entropy the loss used is nan"):
-        guards.check_entropy_values(torch.tensor([[1.0, math.nan, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]), MASK, 1e-3)
+        guards.check_entropy_values(torch.tensor([[1.0, math.nan, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]), MASK, FP32)
 
 
 def test_I7_negative_coefficient_in_force_fails_even_when_the_slope_matches_it():
