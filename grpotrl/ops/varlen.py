@@ -5,9 +5,10 @@ key/value heads (``H`` a multiple of ``Hk``: grouped-query attention), ``D`` the
 
 ``cu_seqlens`` are the boundaries ``[0, n_0, n_0 + n_1, ..., T]`` (``N + 1`` ints); a token attends to the
 earlier tokens of its own sequence and itself, nothing else, with no ``[T, T]`` mask anywhere. On CUDA in
-fp16/bf16 this is torch's own FlashAttention varlen kernel (``torch.nn.attention.varlen.varlen_attn``); on
-every other device or dtype, one causal ``scaled_dot_product_attention`` per sequence, sliced by the
-boundaries (its cost is each sequence's own ``n^2``, summed).
+fp16/bf16 (the inputs', or autocast's: ``kernel_dtype``) this is torch's own FlashAttention varlen kernel
+(``torch.nn.attention.varlen.varlen_attn``); on every other device or dtype, one causal
+``scaled_dot_product_attention`` per sequence, sliced by the boundaries (its cost is each sequence's own ``n^2``,
+summed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what torch's FlashAttention varlen kernel takes
+KERNEL_DEVICES = ("cuda",)  # the device types torch's varlen kernel runs on
 
 
 def cu_seqlens(lengths: list[int], device: torch.device | str | None = None) -> torch.Tensor:
@@ -33,14 +35,17 @@ def cu_seqlens(lengths: list[int], device: torch.device | str | None = None) -> 
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_length: int, scale: float | None = None) -> torch.Tensor:
+                     max_length: int, scale: float | None = None, half_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of ``query [T, H, D]`` over ``key, value [T, Hk, D]`` within each sequence that
     ``cu_seqlens [N + 1]`` delimits (``max_length``: the longest sequence's tokens; ``scale``: the
-    softmax scale, ``D ** -0.5`` when None). Returns ``[T, H, D]``. No dropout, no window, no softcap."""
+    softmax scale, ``D ** -0.5`` when None; ``half_dtype``: autocast's dtype where it is on, see ``kernel_dtype``).
+    Returns ``[T, H, D]``, in the kernel's dtype on CUDA. No dropout, no window, no softcap."""
     gqa = query.size(1) != key.size(1)
-    if query.is_cuda and query.dtype in VARLEN_DTYPES:
+    target = kernel_dtype(query, key, value, half_dtype)
+    if query.device.type in KERNEL_DEVICES and target is not None:
         varlen_attn, parameters = _kernel()
         cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        query, key, value = (x.to(target) for x in (query, key, value))
         query, key, value, options = _kernel_arguments(parameters, query, key, value, scale)
         return varlen_attn(query, key, value, cu, cu, max_length, max_length, **options)
     bounds = cu_seqlens.tolist()  # N + 1 ints (a host transfer where cu_seqlens lives on an accelerator)
@@ -51,6 +56,22 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                           enable_gqa=gqa)  # [1, H, n, D]
            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
+
+
+def kernel_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 half_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype torch's varlen kernel computes in (it takes fp16 or bf16 inputs of one dtype): the inputs' own
+    where all three are one of those; else ``half_dtype`` where it is one, as transformers' FlashAttention casts
+    an fp32 query to autocast's dtype (under autocast over fp32 weights the rotary embedding hands the attention
+    an fp32 query and key beside a bf16 value); else None: no kernel, the per-sequence sdpa.
+
+    >>> q, v = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    >>> kernel_dtype(v, v, v), kernel_dtype(q, q, v), kernel_dtype(q, q, v, torch.bfloat16), kernel_dtype(q, q, q)
+    (torch.bfloat16, None, torch.bfloat16, None)
+    """
+    if query.dtype in VARLEN_DTYPES and query.dtype == key.dtype == value.dtype:
+        return query.dtype
+    return half_dtype if half_dtype in VARLEN_DTYPES else None
 
 
 @functools.cache

@@ -44,7 +44,8 @@ from ..errors import InputError
 from ..generation.compiled_rollout import parse_setting  # true / false / 'auto', as configs.checks took it
 from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompts_of, unpack
 from ..ops.loss_types import named
-from ..ops.varlen import cu_seqlens
+from ..guards.precision import compute_dtype
+from ..ops.varlen import KERNEL_DEVICES, VARLEN_DTYPES, cu_seqlens
 from . import _intercept, packed_attention
 
 logger = logging.getLogger(__name__)
@@ -183,7 +184,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     a run whose logprob forwards are ``packed`` or not): ``"mask"`` (the rows ``[r, W]`` with restarting position
     ids, transformers' mask, or the shared-prompt tree mask) or ``"varlen"`` (each forward's sequences in one
     row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask, no prompt sharing), and why not
-    ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``.
+    ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``
+    and, where a kernel runs it (CUDA), in bf16/fp16 (the kernel's dtypes: in fp32 an explicit ``"varlen"`` runs one
+    sdpa per sequence).
     An explicit ``"varlen"`` that cannot work is an ``InputError``."""
     check_packed_attention(args)
     want = _packed_attention_setting(args)
@@ -217,6 +220,10 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         return "mask", why
     if want == "auto" and device_type not in VARLEN_MEASURED_FASTER_ON:
         return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
+    if want == "auto" and device_type in KERNEL_DEVICES and compute_dtype(  # the kernel was measured; fp32 skips it
+            model, getattr(args, "bf16", False), getattr(args, "fp16", False)) not in VARLEN_DTYPES:
+        return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); in "
+                        "fp32 varlen is one sdpa per sequence")
     return "varlen", None
 
 

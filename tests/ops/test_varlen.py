@@ -77,3 +77,34 @@ def test_cpu_path_equals_the_padded_masked_sdpa_bit_for_bit_in_low_precision(dty
     differ = (out != expected).float().mean().item()
     assert differ < 0.02, f"{differ:.1%} of the values differ from the padded sdpa's"
     assert (out.float() - expected.float()).abs().max().item() <= 2**-6  # one bf16 step at |x| < 4 (the outputs here are)
+
+
+@pytest.mark.parametrize("kernel", [kernel_2_13, kernel_2_11], ids=["torch-2.13", "torch-2.9-2.11"])
+def test_the_kernel_gets_one_half_dtype_under_autocast_over_fp32_weights(kernel, monkeypatch):
+    """Under autocast over fp32 weights the rotary embedding hands the attention an fp32 query and key beside a
+    bf16 value; the kernel takes fp16/bf16 inputs of one dtype. The CUDA branch (run here on CPU with a stand-in
+    kernel that refuses anything else) casts all three to autocast's dtype, as transformers' FlashAttention does,
+    rather than leaving the kernel for the per-sequence path."""
+    import grpotrl.ops.varlen as varlen
+
+    seen = []
+
+    def half_only(query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        assert query.dtype == key.dtype == value.dtype == torch.bfloat16
+        return kernel(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(varlen, "_kernel", lambda: (half_only, inspect.signature(kernel).parameters))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8).to(torch.bfloat16)
+    cu = cu_seqlens([3, 5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = varlen_attention(q, k, v, cu, 5, half_dtype=torch.bfloat16)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ())
+    expected = varlen_attention(q.bfloat16(), k.bfloat16(), v, cu, 5)  # the per-sequence sdpa on the same inputs
+    torch.testing.assert_close(out, expected, atol=2**-6, rtol=0)
+    # fp32 throughout, no autocast: no kernel (it would refuse fp32), the per-sequence sdpa
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
+    assert varlen_attention(q, k, v.float(), cu, 5).dtype == torch.float32 and len(seen) == 1

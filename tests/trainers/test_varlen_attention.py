@@ -326,6 +326,23 @@ def test_auto_is_mask_until_varlen_is_measured_faster_and_varlen_is_honoured(tin
     assert padding_free.resolve_packed_attention(SimpleNamespace(), model, None, "cpu", True) == ("mask", None)
 
 
+def test_auto_on_a_kernel_device_is_varlen_in_bf16_and_fp16_only(tiny_llama, monkeypatch):
+    """Once a device is measured faster, 'auto' there is varlen where the kernel runs it: in bf16 or fp16 (autocast's
+    or the weights'); an fp32 run stays on the mask and says why; an explicit 'varlen' in fp32 is honoured (one
+    sdpa per sequence)."""
+    model = _tiny_model(tiny_llama)
+    monkeypatch.setattr(padding_free, "VARLEN_MEASURED_FASTER_ON", ("cuda",))
+    monkeypatch.setattr(padding_free, "_varlen_kernel_missing", lambda: None)
+    for precision in ({"bf16": True}, {"fp16": True}):
+        assert padding_free.resolve_packed_attention(_args(**precision), model, None, "cuda", True) == ("varlen", None)
+    assert padding_free.resolve_packed_attention(_args(), model.to(torch.bfloat16), None, "cuda", True) == \
+        ("varlen", None)  # bf16 weights without autocast
+    choice, why = padding_free.resolve_packed_attention(_args(), model.float(), None, "cuda", True)
+    assert choice == "mask" and "fp32" in why and "bf16: true" in why
+    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen"), model, None, "cuda", True) == \
+        ("varlen", None)
+
+
 def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
     model = _tiny_model(tiny_llama)
     on = _args(packed_attention="varlen")
