@@ -10,7 +10,8 @@ model's lifetime). The names say which kind each is:
 * ``record_*``: the wrapped call runs unchanged; its arguments or results are kept for a check.
 * ``inject_*``: the call runs with something added or replaced (keyword arguments, a reordered
   processor list, position ids, a method shadowed for the block: ``inject_attr``).
-* ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``.
+* ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``,
+  ``skip_stacked_input_grad_hooks``.
 * ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
   ``set_metrics``, ``set_buffered_inputs``).
 * ``read_*``: returns what TRL keeps in a private field, as it is (nothing is wrapped or written):
@@ -38,13 +39,13 @@ from __future__ import annotations
 import threading
 from collections import namedtuple
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import trl.kernels.chunked_logprob as trl_chunked
 import trl.trainer.utils as trl_utils
-from transformers import GenerationMixin
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -420,6 +421,30 @@ def record_backbone_output(causal_lm) -> Iterator[list]:
 # TRL's fused LM head (trl.kernels.chunked_logprob.ChunkedLogProbFunction, trl 1.16): its backward node,
 # and the positions of the head's weight and bias among its inputs and saved tensors (tests/trainers/test_trl_hooks.py)
 FUSED_HEAD_NODE, HEAD_WEIGHT, HEAD_BIAS = "ChunkedLogProbFunctionBackward", 1, 2
+
+
+@contextmanager
+def skip_stacked_input_grad_hooks(model) -> Iterator[None]:
+    """Skip: inside the block, a transformers model in ``model`` that enables its input gradients removes the hook
+    it added before, so it holds one, not a stack. TRL switches gradient checkpointing off and back on around
+    ``generate`` and around the rollout's no-grad logprob forwards; each switch on runs transformers'
+    ``enable_input_require_grads``, which adds a forward hook on the input embeddings, and the switch off removes
+    it only under an adapter transformers loaded itself. Without this, a run with checkpointing gained two hooks a
+    step, every decoding step called them all, and a compiled decoding step (the compiled rollout) recompiled on
+    their number at each step until torch's recompile limit stopped the run at step 9."""
+    def once(m):
+        enable = m.enable_input_require_grads
+
+        def enable_once():
+            m.disable_input_require_grads()  # the hooks this model's last enable added
+            return enable()
+        return enable_once
+
+    with ExitStack() as stack:
+        for m in model.modules():
+            if isinstance(m, PreTrainedModel):
+                stack.enter_context(inject_attr(m, "enable_input_require_grads", once(m)))
+        yield
 
 
 @contextmanager

@@ -74,6 +74,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
       * ``self._calculate_rewards`` in ``_generate_and_score_completions`` (``record_rewards``): records
         the rewards TRL scored.
+      * each transformers model's ``enable_input_require_grads`` inside the policy, in
+        ``_generate_and_score_completions`` (``skip_stacked_input_grad_hooks``): TRL switches gradient checkpointing
+        off and on around the rollout; each switch on keeps one input-embedding hook instead of adding another.
       * ``self._get_per_token_logps_and_entropies`` in ``_compute_loss`` (``record_loss_forward``): records
         the logprobs and entropies TRL's loss used (I5, I7, I10).
       * the policy's ``model.generate`` in ``_generate`` (transformers path and guard steps, ``record_generate``):
@@ -446,7 +449,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _score_round(self, inputs) -> tuple[dict, torch.Tensor, Generated]:
         """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global] and what
         the round's ``_generate`` saw."""
-        with _intercept.record_rewards(self) as scored:
+        with _intercept.record_rewards(self) as scored, _intercept.skip_stacked_input_grad_hooks(self.model):
             output = super()._generate_and_score_completions(inputs)
         generated = self.hook_record.generated
         output[ROW_KEY] = torch.arange(output["prompt_ids"].size(0), device=output["prompt_ids"].device)

@@ -8,6 +8,7 @@ decoding step on 2 cores, once per cache bucket and model (inductor's on-disk ca
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+import transformers
 import trl
 from conftest import arithmetic_prompts, length_reward
 from test_finished_rows import StopAt
@@ -251,21 +252,37 @@ def test_the_config_takes_true_false_auto_and_trl_configs_keep_trls_rollout(tmp_
     assert trl_args.compiled_rollout is False
 
 
+class GraphCount(transformers.TrainerCallback):
+    """dynamo's count of the graphs it compiled, at each step's end."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+
+
 def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off(tiny_llama, grpo_args, caplog):
-    """Two GRPO steps with ``compiled_rollout: true`` on CPU, every guard on every step (I1, I3-I5, I10, I11 pass:
-    the sampler's logprobs are the trainer's within fp32), padding_free on (CPU's 'auto') but its finished-row
-    rollout off, said at init; the rollout ran compiled and said so in its metric."""
+    """Four GRPO steps with ``compiled_rollout: true`` on CPU, gradient checkpointing on (TRL's default), every
+    guard on every step (I1, I3-I5, I10, I11 pass: the sampler's logprobs are the trainer's within fp32),
+    padding_free on (CPU's 'auto') but its finished-row rollout off, said at init; the rollout ran compiled and said
+    so in its metric, and compiled once: TRL switches checkpointing off and on around each rollout, which stacked
+    an input-embedding hook on the model at each switch, and the decoding step recompiled on their number at every
+    step (``_intercept.skip_stacked_input_grad_hooks``)."""
+    graphs = GraphCount()
     with caplog.at_level("INFO", logger="grpotrl.trainers.grpo"):
         trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
-                                      args=grpo_args(compiled_rollout="true", max_steps=2))
+                                      args=grpo_args(compiled_rollout="true", max_steps=4), callbacks=[graphs])
+    assert trainer.args.gradient_checkpointing
     assert trainer.compiled_rollout is not None and trainer.padding_free
     assert trainer._drops_finished_rows() is False
     assert "grpotrl: compiled rollout on (set true: static KV cache, decoding step compiled, mode default)" \
         in caplog.text
     assert "finished-row rollout off (compiled rollout on: its static KV cache keeps every row)" in caplog.text
     trainer.train()
+    assert len(graphs.graphs) == 4 and len(set(graphs.graphs)) == 1, graphs.graphs  # compiled at step 1, never again
     history = trainer.state.log_history
-    assert [h["generation/compiled_rollout"] for h in history if "generation/compiled_rollout" in h] == [1.0, 1.0]
+    assert [h["generation/compiled_rollout"] for h in history if "generation/compiled_rollout" in h] == [1.0] * 4
     assert all(h["generation/compiled_rollout_cache_len"] == 64 for h in history
                if "generation/compiled_rollout_cache_len" in h)
     assert not any("padding_free/decoding_rows" in h for h in history)

@@ -4,8 +4,10 @@ different lengths, early stops, rows that never stop, and several stop ids."""
 
 import pytest
 import torch
+import transformers
 import trl
 from conftest import arithmetic_prompts, length_reward, logged_max
+from peft import LoraConfig
 
 import grpotrl
 from grpotrl import guards
@@ -126,6 +128,41 @@ def test_drop_in_for_trl_config(tiny_llama, tmp_path):
     assert isinstance(args, trl.GRPOConfig)
     assert args.bf16 is False and args.disable_dropout is True and args.guard_steps == 2
     assert issubclass(grpotrl.GRPOTrainer, trl.GRPOTrainer) and issubclass(grpotrl.SFTTrainer, trl.SFTTrainer)
+
+
+class EmbeddingHooks(transformers.TrainerCallback):
+    """The number of forward hooks on the model's input embeddings at each step's end."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.counts.append(len(model.get_input_embeddings()._forward_hooks))
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_a_checkpointed_run_keeps_one_input_embedding_hook_where_trl_stacks_two_a_step(tiny_llama, grpo_args, peft):
+    """TRL switches gradient checkpointing off and back on around generate and around the rollout's no-grad logprob
+    forwards; transformers' switch on adds a hook on the input embeddings and its switch off leaves it, so plain
+    TRL's model gains two hooks a step that every forward calls (and a compiled decoding step recompiles on). This
+    test fails on the TRL side once transformers or TRL stop stacking them: then ``skip_stacked_input_grad_hooks``
+    can go."""
+    extra = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")} if peft else {}
+    common = dict(output_dir=grpo_args().output_dir, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=8, max_steps=3, logging_steps=1, report_to="none", use_cpu=True,
+                  save_strategy="no", beta=0.04, seed=0, bf16=False)
+    counts = {}
+    for name, cls, args in (("trl", trl.GRPOTrainer, trl.GRPOConfig(**common)),
+                            ("grpotrl", grpotrl.GRPOTrainer, grpo_args(**common))):
+        hooks = EmbeddingHooks()
+        trainer = cls(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts(),
+                      callbacks=[hooks], **extra)
+        assert trainer.args.gradient_checkpointing
+        trainer.train()
+        counts[name] = hooks.counts
+    trl_counts = counts["trl"]
+    assert [b - a for a, b in zip(trl_counts, trl_counts[1:])] == [2, 2], counts
+    assert len(set(counts["grpotrl"])) == 1 and counts["grpotrl"][0] <= trl_counts[0], counts
 
 
 def test_guard_record_helpers_restore_attributes(tiny_llama):
