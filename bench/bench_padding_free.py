@@ -208,6 +208,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
                                   if "padding_free/decoding_rows" in h],
                    padding_free=getattr(trainer, "padding_free", None), compile_seconds=compile_seconds,
+                   compile_counts=_compile_counts(),
                    weight_bytes=sum(p.numel() * (2 if cuda else p.element_size()) for p in trainer.model.parameters()),
                    rows=shape[0] * shape[1])
 
@@ -219,6 +220,17 @@ def _compile_seconds() -> float:
 
     names, values = compile_times(repr="csv", aggregate=True)
     return float(values[names.index("_compile.compile_inner")]) if "_compile.compile_inner" in names else 0.0
+
+
+def _compile_counts() -> dict:
+    """What torch.compile counted in this process: dynamo's compiled graphs (``unique_graphs``: more than the
+    buckets a run reached means recompiles) and inductor's CUDA-graph counters (records, re-records, skips), by
+    their names in ``torch._dynamo.utils.counters``."""
+    from torch._dynamo.utils import counters
+
+    found = {"graphs": counters["stats"].get("unique_graphs", 0)}
+    found.update({k: v for k, v in counters["inductor"].items() if "cudagraph" in k})
+    return found
 
 
 def bandwidth_bytes_per_s() -> float | None:
@@ -378,11 +390,13 @@ def compare_losses(results: dict, padded: str) -> None:
 
 def progress(variant: str, res: dict) -> str:
     """A child's figures on its progress line, so that a command cut short still shows them: the steps after the
-    guard steps and the first step's sampling (compilation and CUDA-graph recording show there)."""
+    guard steps, the first step's sampling (compilation and CUDA-graph recording show there) and what torch.compile
+    counted (``_compile_counts``)."""
     steps, rollout = res["step_times"], res["phases"]["rollout"]
     after = f"  steps 3..: {statistics.mean(steps[2:]):.3f} s" if len(steps) > 2 else ""
-    return (f"{after}  first step's rollout {rollout[0]:.1f} s  torch.compile {res['compile_seconds']:.1f} s  "
-            f"peak {res['peak_bytes'] / 2**20:.0f} MiB")
+    counts = "  ".join(f"{k} {v}" for k, v in res["compile_counts"].items())
+    return (f"{after}  first step's rollout {rollout[0]:.1f} s  torch.compile {res['compile_seconds']:.1f} s "
+            f"({counts})  peak {res['peak_bytes'] / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
