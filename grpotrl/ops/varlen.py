@@ -94,7 +94,7 @@ def _kernel_arguments(parameters, query: torch.Tensor, key: torch.Tensor, value:
     if scale is not None:
         if "scale" in parameters:
             options["scale"] = scale
-        else:
+        elif abs(scale * query.size(-1) ** 0.5 - 1) > 1e-6:  # the kernel's own 1 / sqrt(D) otherwise: no extra pass
             query = query * (scale * query.size(-1) ** 0.5)
     if query.size(1) != key.size(1):
         if "enable_gqa" in parameters:

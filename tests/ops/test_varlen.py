@@ -34,7 +34,7 @@ def kernel_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=F
 
 
 @pytest.mark.parametrize("kernel", [kernel_2_13, kernel_2_11], ids=["torch-2.13", "torch-2.9-2.11"])
-@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("scale", [None, 0.3, 8**-0.5])  # 8**-0.5: the kernel's own (head size 8)
 def test_kernel_arguments_give_causal_attention_at_the_scale_in_either_signature(kernel, scale):
     """Sequences of 3 and 5 tokens, 4 query heads over 2 key/value heads, head size 8: the kernel called with
     what _kernel_arguments hands it equals the per-sequence causal sdpa (varlen_attention's CPU path)."""
