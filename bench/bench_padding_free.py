@@ -43,7 +43,8 @@ Goals, after the guard steps: on CPU the step <= 0.6x plain TRL's for ``packed``
 same mean completion length as TRL's within sampling noise; loss and grad norm equal to the padded path's within
 1e-5 relative (fp32), step by step.
 The guards run on grpotrl's default schedule (the first 2 steps), in every grpotrl variant. A variant whose
-run fails (an ``InvariantError`` from a guard, say) stops the bench with its stderr's tail.
+run fails (an ``InvariantError`` from a guard, say) or outlasts ``--child-timeout`` is reported with its stderr's
+tail and left out; the others are printed, and the bench exits 1.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ VARIANTS = ("trl", "default", "padded", "packed", "compiled", "varlen", "fastest
 DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
 # step time / plain TRL's after the guard steps, per device: CPU's default is packed; on CUDA every speed setting on
 GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"fastest": 0.5}}
+GUARD_STEPS = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
@@ -321,7 +323,7 @@ def main() -> None:
         print(f"{v:8s} step {mean(v):7.3f} s ({mean(v) / mean('trl'):.3f}x){goal}   cpu {mean(v, 'cpu_times'):7.3f} s "
               f"({mean(v, 'cpu_times') / mean('trl', 'cpu_times'):.3f}x)   peak {peak(v) / 2**20:7.0f} MiB "
               f"({peak(v) / peak('trl'):.3f}x)" + ("  (goal <= 1.0)" if v in goals else ""))
-    guard = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
+    guard = GUARD_STEPS
     if a.steps > guard:
         after = slice(guard, None)
         print(f"steps {guard + 1}..{a.steps} only (after grpotrl's guard steps):")
@@ -393,7 +395,8 @@ def progress(variant: str, res: dict) -> str:
     guard steps, the first step's sampling (compilation and CUDA-graph recording show there) and what torch.compile
     counted (``_compile_counts``)."""
     steps, rollout = res["step_times"], res["phases"]["rollout"]
-    after = f"  steps 3..: {statistics.mean(steps[2:]):.3f} s" if len(steps) > 2 else ""
+    after = (f"  steps {GUARD_STEPS + 1}..: {statistics.mean(steps[GUARD_STEPS:]):.3f} s"
+             if len(steps) > GUARD_STEPS else "")
     counts = "  ".join(f"{k} {v}" for k, v in res["compile_counts"].items())
     return (f"{after}  first step's rollout {rollout[0]:.1f} s  torch.compile {res['compile_seconds']:.1f} s "
             f"({counts})  peak {res['peak_bytes'] / 2**20:.0f} MiB")

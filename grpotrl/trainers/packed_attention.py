@@ -66,7 +66,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     calls = _BOUNDED.get()
     if calls is not None:
         calls.append(1)
-    device = query.device.type  # under autocast the query and key can be fp32 beside a half value: the kernel casts
+    # under autocast the query and key can be fp32 beside a half value: the kernel takes them in autocast's dtype, as
+    # transformers' FlashAttention does (its get_target_dtype also walks the module for a Linear's dtype, which
+    # GPT-2's Conv1D layers do not have)
+    device = query.device.type
     half = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D]
                            cu, int(longest), scale=scaling, half_dtype=half)

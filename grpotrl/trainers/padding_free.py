@@ -218,12 +218,13 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")
         return "mask", why
-    if want == "auto" and device_type not in VARLEN_MEASURED_FASTER_ON:
-        return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
-    if want == "auto" and device_type in KERNEL_DEVICES and compute_dtype(  # the kernel was measured; fp32 skips it
-            model, getattr(args, "bf16", False), getattr(args, "fp16", False)) not in VARLEN_DTYPES:
-        return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); in "
-                        "fp32 varlen is one sdpa per sequence")
+    if want == "auto":
+        if device_type not in VARLEN_MEASURED_FASTER_ON:
+            return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
+        dtype = compute_dtype(model, getattr(args, "bf16", False), getattr(args, "fp16", False))
+        if device_type in KERNEL_DEVICES and dtype not in VARLEN_DTYPES:  # what was measured is the kernel
+            return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); "
+                            "in fp32 varlen is one sdpa per sequence")
     return "varlen", None
 
 

@@ -141,7 +141,7 @@ class EmbeddingHooks(transformers.TrainerCallback):
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_a_checkpointed_run_keeps_one_input_embedding_hook_where_trl_stacks_two_a_step(tiny_llama, grpo_args, peft):
+def test_a_checkpointed_run_keeps_its_input_embedding_hooks_where_trl_stacks_two_a_step(tiny_llama, grpo_args, peft):
     """TRL switches gradient checkpointing off and back on around generate and around the rollout's no-grad logprob
     forwards; transformers' switch on adds a hook on the input embeddings and its switch off leaves it, so plain
     TRL's model gains two hooks a step that every forward calls (and a compiled decoding step recompiles on). This
@@ -163,6 +163,8 @@ def test_a_checkpointed_run_keeps_one_input_embedding_hook_where_trl_stacks_two_
     trl_counts = counts["trl"]
     assert [b - a for a, b in zip(trl_counts, trl_counts[1:])] == [2, 2], counts
     assert len(set(counts["grpotrl"])) == 1 and counts["grpotrl"][0] <= trl_counts[0], counts
+    # grpotrl's: what TRL's held before its first step's two switches (full: 1; LoRA: 2, one more from TRL's init)
+    assert counts["grpotrl"] == [trl_counts[0] - 2] * 3, counts
 
 
 def test_guard_record_helpers_restore_attributes(tiny_llama):

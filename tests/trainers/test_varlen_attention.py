@@ -178,7 +178,6 @@ def test_I5_varlen_logprobs_and_entropies_equal_padded(arch, request, grpo_args,
         assert (lp1[inputs["completion_mask"] == 0] == 0).all()
 
 
-
 def test_I5_varlen_logprobs_equal_padded_in_bf16(tiny_llama, grpo_args, varlen):
     """``bf16=True`` on CPU (autocast over fp32 weights: the rotary embedding hands the attention an fp32 query and
     key and a bf16 value): the varlen logprobs are the padded forward's but for rounding in a few tokens, median
@@ -311,6 +310,29 @@ def test_a_varlen_forward_builds_no_mask_and_every_layer_runs_varlen(tiny_llama,
         with pytest.raises(InvariantError, match=r"\[I5\].*0 attention calls.*2 layers.*packed_attention='mask'"):
             with packed_attention.bounded(model):
                 pass  # no forward: no layer ran varlen
+
+
+def test_under_autocast_over_fp32_weights_every_layer_hands_the_kernel_one_half_dtype(tiny_llama, monkeypatch):
+    """``bf16: true`` over fp32 weights: the rotary embedding hands each attention layer an fp32 query and key beside
+    a bf16 value, and torch's kernel takes one half dtype. Through the model's own forward, with the kernel's branch
+    taken on CPU (a stand-in with torch 2.9-2.11's signature that records what it gets), every layer gives it bf16
+    query, key and value, in autocast's dtype, as transformers' FlashAttention casts them."""
+    import grpotrl.ops.varlen as varlen
+
+    seen = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        seen.append((query.dtype, key.dtype, value.dtype, is_causal))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(varlen, "_kernel", lambda: (kernel, inspect.signature(kernel).parameters))
+    model = _tiny_model(tiny_llama)
+    ids, pos, cu = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 2, 0, 1]]), cu_seqlens([3, 2])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_attention.running(model), \
+            packed_attention.bounded(model):
+        model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3, max_length_k=3)
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, True)] * model.config.num_hidden_layers
 
 
 def test_auto_is_mask_until_varlen_is_measured_faster_and_varlen_is_honoured(tiny_llama):
