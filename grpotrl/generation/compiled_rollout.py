@@ -36,7 +36,7 @@ MIN_BUCKET = 64  # the smallest static cache length
 # never waits on the device inside the loop: it needs torch.Event on the device (CPU has none)
 DEFERRED_STOP_ON = ("cuda",)
 # device types where the sampling step draws without torch.multinomial's per-call read of a validity flag
-# (trainers._intercept.inject_sync_free_draw: the same tokens); on CPU that read costs nothing
+# (trainers._intercept.inject_draw_one: the same tokens); on CPU that read costs nothing
 SYNC_FREE_DRAW_ON = ("cuda",)
 
 

@@ -1,4 +1,5 @@
-"""Finished rows leave ``generate``'s decoding batch: the model runs the rows still generating only.
+"""Finished rows leave ``generate``'s decoding batch, and rows of one prompt run its prefill once: the model
+runs the rows still generating only.
 
 Letters: ``B`` rows of the ``generate`` call, ``b`` of them still generating (``b <= B``), ``V``
 vocabulary, ``S`` tokens fed per decoding step (1), ``T`` tokens in the KV cache.
@@ -12,6 +13,10 @@ rollout: the rows that have stopped still run every layer and grow their KV cach
 ``FinishedRows`` keeps the rows that have stopped out of the model's forward, and hands the loop
 back what it expects:
 
+* ``before_forward(kwargs)`` on the prefill: where rows repeat one another (a GRPO generation batch holds
+  each prompt ``num_generations`` times), one row of each runs (``input_ids``, ``attention_mask``,
+  ``position_ids`` equal: the same prefill); ``after_forward`` copies its KV cache entries and logits to the
+  rows that repeat it (``DynamicCache.batch_select_indices`` with repeated indices);
 * ``observe(is_done)``: each step's ``stopping_criteria(input_ids, scores)`` ``[B]`` (the loop's own
   decision: ``unfinished = unfinished & ~is_done``), so a row counts as finished exactly when the loop
   pads it from then on;
@@ -23,12 +28,13 @@ back what it expects:
   all ``B`` rows (``torch.multinomial`` on ``[B, V]``), so the random stream is the one the full batch
   would use.
 
-The rows still generating get the logits the full batch would give them up to the attention kernel's
-rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token can then flip
+On SmolLM2 in fp32 on CPU the prefill of 8 distinct rows gives the same bits as that of their 64 copies
+(logits and every layer's keys). The rows still generating get the logits the full batch would give them up to
+the attention kernel's rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token can then flip
 where two tokens' draws are that close, as between any two machines).
 
-It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not beam search or
-assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
+It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not
+beam search or assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
 sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), and no
 batch-shaped model input other than the three above. Elsewhere the call runs as transformers wrote it.
 At least one row always stays in the forward, so a process whose rows have all stopped but that keeps
@@ -74,6 +80,8 @@ class FinishedRows:
         self.rows: int | None = None  # B, from the first forward
         self.off = False  # a loop this class cannot vouch for: it runs as transformers wrote it
         self.forward_rows: list[int] = []  # the rows each forward ran (a measure, and for tests)
+        self.copies: torch.Tensor | None = None  # [B] the prefill's row each row copies (rows repeating one another)
+        self.cache = None  # the prefill's cache, to copy its entries to the repeated rows
 
     def observe(self, is_done: torch.Tensor) -> None:
         """The loop's stopping decision of one step, ``[B]`` bool."""
@@ -88,8 +96,10 @@ class FinishedRows:
             self.rows = ids.size(0) if isinstance(ids, torch.Tensor) else 0
             self.live = torch.arange(self.rows, device=ids.device) if self.rows else None
             self.off = self.rows < 2 or not _plain_inputs(kwargs, self.rows)
-            self.forward_rows.append(self.rows)
-            return kwargs
+            if self.off:
+                self.forward_rows.append(self.rows)
+                return kwargs
+            return self._distinct_prefill(kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 names it ``cache``
         if self.live.numel() == self.rows and not _droppable(cache, kwargs, self.rows):
             self.off = True  # nothing dropped yet: the loop goes on with every row
@@ -106,8 +116,36 @@ class FinishedRows:
         return {name: value.index_select(0, self.live) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
                 else value for name, value in kwargs.items()}
 
+    def _distinct_prefill(self, kwargs: dict) -> dict:
+        """The prefill's keyword arguments, one row of each set of rows that repeat one another (their
+        ``BATCH_INPUTS`` equal) where some do and the empty cache's layers can copy rows; ``copies`` set."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        inputs = [kwargs[name].reshape(self.rows, -1).long() for name in BATCH_INPUTS
+                  if isinstance(kwargs.get(name), torch.Tensor)]
+        layers = getattr(cache, "layers", None)
+        if not isinstance(cache, DynamicCache) or not layers or \
+                any(type(layer) not in CACHE_LAYERS for layer in layers):
+            self.forward_rows.append(self.rows)
+            return kwargs
+        distinct, copies = torch.unique(torch.cat(inputs, dim=1), dim=0, return_inverse=True)  # [u, ...], [B]
+        if distinct.size(0) == self.rows:
+            self.forward_rows.append(self.rows)
+            return kwargs
+        first = torch.full((distinct.size(0),), self.rows, device=copies.device).scatter_reduce(
+            0, copies, torch.arange(self.rows, device=copies.device), "amin")  # [u] the first row of each
+        self.copies, self.cache = copies, cache
+        self.forward_rows.append(first.numel())
+        return {name: value.index_select(0, first) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
+                else value for name, value in kwargs.items()}
+
     def after_forward(self, output):
-        """The forward's output, its logits ``[b, S, V]`` back in ``[B, S, V]`` (zeros for finished rows)."""
+        """The forward's output, its logits ``[b, S, V]`` back in ``[B, S, V]`` (zeros for finished rows; on the
+        prefill, a repeated row's copied from the row that ran)."""
+        if self.copies is not None:  # the prefill ran one row of each repeated set: copy to every row
+            self.cache.batch_select_indices(self.copies)
+            output.logits = output.logits.index_select(0, self.copies)  # [u, S, V] -> [B, S, V]
+            self.copies = self.cache = None
+            return output
         if self.off or self.live is None or self.live.numel() == self.rows:
             return output
         logits = output.logits  # [b, S, V]

@@ -261,16 +261,22 @@ def inject_deferred_stop_check(device_types: tuple[str, ...]) -> Iterator[None]:
         yield
 
 
+_REFUSED_DRAW = ("probability tensor contains either `inf`, `nan` or element < 0, or a row sums to 0 "
+                 "(torch.multinomial's check)")
+
+
 @contextmanager
-def inject_sync_free_draw() -> Iterator[None]:
+def inject_draw_one(defer_check: bool) -> Iterator[None]:
     """Inject: each ``torch.multinomial(probs, 1)`` call of the block (transformers' sampling step in
     ``GenerationMixin._sample``) draws with ``ops.sampling.draw_one``: the very tokens torch draws (the same
-    exponential draws from the same generator), without torch's check of the probabilities, which reads a flag
-    from the device: one host synchronisation per decoding step. Each call's rows that check would refuse (NaN,
-    inf, a negative entry: ``ops.sampling.invalid_rows``) are or-ed into one flag on the device, read once when the
-    block ends: if any was seen, torch's own error is raised then. Any other call (several samples, ``out=``, a
-    generator, not ``[B, V]``, another thread's: ``torch.multinomial`` is an attribute of the torch module, shadowed
-    process-wide while the block runs) is torch's."""
+    exponential draws from the same generator, on CPU computed in half the time: ``ops.sampling.exponential_draws``).
+    ``defer_check``: torch's check of the probabilities reads a flag from the device, one host synchronisation per
+    decoding step; instead each call's rows that check would refuse (NaN, inf, a negative entry, a row summing to 0:
+    ``ops.sampling.invalid_rows``) are or-ed into one flag on the device, read once when the block ends, and if any
+    was seen torch's own error is raised then. Without it (CPU, where the read costs nothing) a call that torch
+    would refuse raises torch's error at once. Any other call (several samples, ``out=``, a generator, not
+    ``[B, V]``, another thread's: ``torch.multinomial`` is an attribute of the torch module, shadowed process-wide
+    while the block runs) is torch's."""
     original = torch.multinomial
     seen: list[torch.Tensor] = []  # at most one [] bool tensor: any invalid row so far
     thread = threading.get_ident()
@@ -280,21 +286,26 @@ def inject_sync_free_draw() -> Iterator[None]:
                 or threading.get_ident() != thread:
             return original(input, num_samples, replacement, generator=generator, out=out)
         bad = invalid_rows(input).any()  # [] bool, on the device
-        seen[:] = [seen[0] | bad] if seen else [bad]
+        if not defer_check:
+            if bool(bad):
+                raise RuntimeError(_REFUSED_DRAW)
+        else:
+            seen[:] = [seen[0] | bad] if seen else [bad]
         return draw_one(input)  # [B, 1]
 
     with inject_attr(torch, "multinomial", multinomial):
         yield
     if seen and bool(seen[0]):  # the one read, after the loop
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (torch.multinomial's "
-                           "check, read once after generate: the decoding loop sampled from such a distribution)")
+        raise RuntimeError(_REFUSED_DRAW + " (read once after generate: the decoding loop sampled from such a "
+                           "distribution)")
 
 
 @contextmanager
 def skip_finished_rows(model) -> Iterator[list[FinishedRows]]:
     """Skip: in each ``model.generate`` call of the block that decodes plainly (greedy or sampling, no
-    assistant, no custom loop), the rows that have stopped leave the model's forward and its KV cache
-    (``generation.finished_rows``); the loop still pads them and samples for every row. Yields each such
+    assistant, no custom loop), the rows that have stopped leave the model's forward and its KV cache, and rows
+    that repeat a prompt run its prefill once (``generation.finished_rows``); the loop still pads finished rows and
+    samples for every row. Yields each such
     call's ``FinishedRows`` (its ``forward_rows``: the rows each forward ran).
 
     Wraps, on the model's generating module (as ``inject_recorders_after_warpers``), ``generate`` (to scope

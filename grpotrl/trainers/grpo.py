@@ -32,7 +32,7 @@ from ..guards import denominator, identity, precision
 from ..guards.ranks import add_rank_agreement
 from ..health import callbacks
 from ..models.quantization import pin_quantized_kernels
-from ..ops import importance
+from ..ops import importance, sampling
 from ..ops.logprobs import entropy_from_logits, temperature_slope
 from ..ops.loss_types import named
 from ..preflight import check_grpo, task_labels
@@ -87,8 +87,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * under ``compiled_rollout`` on CUDA, transformers' ``DeferredStopCheck.is_supported`` in ``_generate``
         (``inject_deferred_stop_check``): the decoding loop reads its stop flag one step late, never waiting on
         the device (one extra forward per call, whose token and cache entries transformers undoes); and
-        ``torch.multinomial`` (``inject_sync_free_draw``): the same tokens without torch's per-step read of a
-        validity flag, which is read once after ``generate``.
+        ``torch.multinomial`` (``inject_draw_one(defer_check=True)``): the same tokens without torch's per-step read
+        of a validity flag, which is read once after ``generate``.
+      * on CPU, ``torch.multinomial`` in ``_generate`` on the transformers path
+        (``inject_draw_one(defer_check=False)``): the same tokens, the exponential draws computed in half torch's time (``ops.sampling.exponential_draws``).
       * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``
         (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
         it samples from.
@@ -294,8 +296,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self.rollout_func is None and (inject or self._guard_now()):
             model = self.accelerator.unwrap_model(self.model_wrapped)
             drop = _intercept.skip_finished_rows(model) if self._drops_finished_rows() else contextlib.nullcontext([])
+            # CPU: torch's own draws in half the time (ops.sampling.exponential_draws); the same tokens
+            draw = _intercept.inject_draw_one(defer_check=False) if inject and \
+                self.accelerator.device.type in sampling.FAST_DRAW_ON else contextlib.nullcontext()
             with _intercept.record_generate(model, self._generation_extras if inject else None) as calls, \
-                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows, \
+                    _intercept.inject_recorders_after_warpers(model), drop as decoding_rows, draw, \
                     self._compiled_generate(model) as compiled:
                 out = TRLGenerate(*super()._generate(prompts))
             if decoding_rows:  # the share of the decoding batch the model ran (padding_free's rollout saving)
@@ -332,7 +337,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         with contextlib.ExitStack() as stack:
             stack.enter_context(_intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON))
             if self.accelerator.device.type in compiled_rollout.SYNC_FREE_DRAW_ON:
-                stack.enter_context(_intercept.inject_sync_free_draw())
+                stack.enter_context(_intercept.inject_draw_one(defer_check=True))
             yield stack.enter_context(_intercept.record_calls(_intercept._generating_module(model),
                                                               "get_compiled_call"))
 

@@ -149,15 +149,17 @@ class NaNAt(LogitsProcessor):
         return scores
 
 
-def test_I5_sync_free_draw_samples_torchs_tokens_and_still_refuses_nan(model_and_batch):
-    """``_intercept.inject_sync_free_draw`` (the compiled rollout's sampling step on CUDA): transformers' loop,
-    seeded, samples the very tokens torch.multinomial does, and the recorder the same logprobs; a NaN distribution
-    at step 3 still fails generate, after the loop, with torch's words; torch.multinomial is restored."""
+@pytest.mark.parametrize("defer_check", [True, False])
+def test_I5_injected_draw_samples_torchs_tokens_and_still_refuses_nan(model_and_batch, defer_check):
+    """``_intercept.inject_draw_one`` (the compiled rollout's sampling step on CUDA with the check deferred; every
+    CPU rollout's with it at once): transformers' loop, seeded, samples the very tokens torch.multinomial does, and
+    the recorder the same logprobs; a NaN distribution at step 3 still fails generate with torch's words (after the
+    loop where the check is deferred); torch.multinomial is restored."""
     model, tok, batch = model_and_batch
     sampled = SAMPLINGS["sampled"]
     plain, plain_lp, _ = _generate(model, tok, batch, compiled=False, **sampled)
     original = torch.multinomial
-    with _intercept.inject_sync_free_draw():
+    with _intercept.inject_draw_one(defer_check):
         assert torch.multinomial is not original
         drawn, drawn_lp, _ = _generate(model, tok, batch, compiled=False, **sampled)
     assert torch.multinomial is original
@@ -165,8 +167,9 @@ def test_I5_sync_free_draw_samples_torchs_tokens_and_still_refuses_nan(model_and
     P = batch["input_ids"].size(1)
     with pytest.raises(RuntimeError, match="inf.*nan.*element < 0"):
         _generate(model, tok, batch, compiled=False, processors=[NaNAt(3, P)], **sampled)  # torch's own check
-    with pytest.raises(RuntimeError, match="inf.*nan.*element < 0.*read once after generate"):
-        with _intercept.inject_sync_free_draw():
+    after = ".*read once after generate" if defer_check else r".*\(torch.multinomial's check\)$"
+    with pytest.raises(RuntimeError, match="inf.*nan.*element < 0" + after):
+        with _intercept.inject_draw_one(defer_check):
             _generate(model, tok, batch, compiled=False, processors=[NaNAt(3, P)], **sampled)
     assert torch.multinomial is original
 

@@ -65,6 +65,23 @@ def test_finished_rows_leave_the_forward_and_the_sequences_stay(model_and_batch,
     assert torch.isfinite(cut_lp).all()
 
 
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0)])
+def test_repeated_prompts_run_their_prefill_once_and_the_sequences_stay(model_and_batch, sampling):
+    """A GRPO-shaped batch (each of the 4 prompts twice, rows of one prompt apart): the prefill runs the 4 distinct
+    rows, every row gets its prompt's cache and logits, and the sequences and the sampler's logprobs are those of
+    the full batch; the decoding steps then run every unfinished row."""
+    model, tok, batch = model_and_batch
+    twice = {k: torch.cat([v, v]) for k, v in batch.items()}  # rows 0-3 then their repeats 4-7
+    stops = (1, 3, 3, 6, 2, 3, 5, 6)  # a repeat stops elsewhere than its first
+    full, full_lp, _ = _generate(model, tok, twice, drop=False, stops=stops, **sampling)
+    cut, cut_lp, calls = _generate(model, tok, twice, drop=True, stops=stops, **sampling)
+    assert torch.equal(cut, full)
+    # the prefill runs 4 rows; step t's forward the rows whose eos step is >= t: 8, 7, 6, 3, 3, 2 (steps 1-6)
+    assert [c.forward_rows for c in calls] == [[4, 8, 7, 6, 3, 3, 2]]
+    real = torch.arange(full_lp.size(1)) <= torch.tensor(stops).view(-1, 1)  # [B, C] up to each eos
+    torch.testing.assert_close(cut_lp[real], full_lp[real], rtol=0, atol=1e-5)
+
+
 def test_a_call_that_returns_more_than_sequences_keeps_every_row(model_and_batch):
     model, tok, batch = model_and_batch
     full, _, _ = _generate(model, tok, batch, drop=False, return_dict_in_generate=True, output_logits=True)

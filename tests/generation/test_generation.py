@@ -135,3 +135,22 @@ def test_I5_recorder_raw_logprob_is_the_logits_over_t(tiny_llama, extra, plain):
     want = torch.stack([torch.log_softmax(r / 0.7, -1).gather(1, out.sequences[:, P + t, None]).squeeze(1)
                         for t, r in enumerate(out.logits)], dim=1)  # [B, C] by hand
     torch.testing.assert_close(recorder.measures(out.sequences)["raw"], want, rtol=0, atol=1e-5)
+
+
+def test_the_cpu_rollout_draws_torchs_tokens_in_grpotrls_faster_draw(tiny_llama, grpo_args, monkeypatch):
+    """On CPU the transformers rollout samples through ``_intercept.inject_draw_one`` (torch's exponential draws
+    computed vectorised, ``ops.sampling.exponential_draws``), once per generate call, and samples the very
+    completions it samples with torch's own ``torch.multinomial`` (the device taken off ``FAST_DRAW_ON``)."""
+    from grpotrl.ops import sampling
+    from grpotrl.trainers import _intercept
+
+    entered = []
+    inject = _intercept.inject_draw_one
+    monkeypatch.setattr(_intercept, "inject_draw_one", lambda defer_check: entered.append(defer_check) or
+                        inject(defer_check))
+    fast = _train(tiny_llama, grpo_args(max_steps=2))
+    assert entered == [False, False]
+    monkeypatch.setattr(sampling, "FAST_DRAW_ON", ())
+    plain = _train(tiny_llama, grpo_args(max_steps=2))
+    assert entered == [False, False]  # the block is not entered where the device is off the list
+    assert all(torch.equal(a["completion_ids"], b["completion_ids"]) for a, b in zip(fast.seen, plain.seen))

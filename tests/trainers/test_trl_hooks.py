@@ -542,7 +542,7 @@ def test_transformers_compile_path_the_compiled_rollout_goes_through():
     assert "if DeferredStopCheck.is_supported(\n            input_ids.device, cache, cache_is_returned, " \
            "is_assistant=generation_config.is_assistant\n        ):" in sample
     assert "steps_to_undo = stop_check.finish()" in sample
-    # _intercept.inject_sync_free_draw shadows torch.multinomial, which the sampling step looks up on the torch module
+    # _intercept.inject_draw_one shadows torch.multinomial, which the sampling step looks up on the torch module
     assert "next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)" in sample
     supported = generation_utils.DeferredStopCheck.__dict__["is_supported"]
     assert isinstance(supported, staticmethod)
