@@ -13,7 +13,9 @@ rollout: the rows that have stopped still run every layer and grow their KV cach
 ``FinishedRows`` keeps the rows that have stopped out of the model's forward, and hands the loop
 back what it expects:
 
-* ``before_forward(kwargs)`` on the prefill: where rows repeat one another (a GRPO generation batch holds
+* ``before_forward(kwargs)`` on the prefill: the cache's plain layers grow in place from then on
+  (``growing_cache.GrowingLayer``: a decoding step writes into room after the cached positions, where
+  ``DynamicLayer`` copies the whole cache); where rows repeat one another (a GRPO generation batch holds
   each prompt ``num_generations`` times), one row of each runs (``input_ids``, ``attention_mask``,
   ``position_ids`` equal: the same prefill); ``after_forward`` copies its KV cache entries and logits to the
   rows that repeat it (``DynamicCache.batch_select_indices`` with repeated indices);
@@ -47,8 +49,11 @@ import torch
 from transformers import DynamicCache, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .growing_cache import GrowingLayer, grow_in_place
+
 BATCH_INPUTS = ("input_ids", "attention_mask", "position_ids")  # the decoding step's inputs with one row per row
-CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # whose batch_select_indices keeps every row's state
+# whose batch_select_indices keeps every row's state
+CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)
 
 
 def usable(generation_config, stopping_criteria, is_encoder_decoder: bool) -> bool:
@@ -99,7 +104,7 @@ class FinishedRows:
             if self.off:
                 self.forward_rows.append(self.rows)
                 return kwargs
-            return self._distinct_prefill(kwargs)
+            return self._prefill(kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 names it ``cache``
         if self.live.numel() == self.rows and not _droppable(cache, kwargs, self.rows):
             self.off = True  # nothing dropped yet: the loop goes on with every row
@@ -116,17 +121,19 @@ class FinishedRows:
         return {name: value.index_select(0, self.live) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
                 else value for name, value in kwargs.items()}
 
-    def _distinct_prefill(self, kwargs: dict) -> dict:
-        """The prefill's keyword arguments, one row of each set of rows that repeat one another (their
-        ``BATCH_INPUTS`` equal) where some do and the empty cache's layers can copy rows; ``copies`` set."""
+    def _prefill(self, kwargs: dict) -> dict:
+        """The prefill's keyword arguments, where the empty cache's layers can copy rows: its plain layers made to
+        grow in place (``growing_cache``), and one row of each set of rows that repeat one another (their
+        ``BATCH_INPUTS`` equal) where some do (``copies`` set)."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        inputs = [kwargs[name].reshape(self.rows, -1).long() for name in BATCH_INPUTS
-                  if isinstance(kwargs.get(name), torch.Tensor)]
         layers = getattr(cache, "layers", None)
         if not isinstance(cache, DynamicCache) or not layers or \
                 any(type(layer) not in CACHE_LAYERS for layer in layers):
             self.forward_rows.append(self.rows)
             return kwargs
+        grow_in_place(cache)
+        inputs = [kwargs[name].reshape(self.rows, -1).long() for name in BATCH_INPUTS
+                  if isinstance(kwargs.get(name), torch.Tensor)]
         distinct, copies = torch.unique(torch.cat(inputs, dim=1), dim=0, return_inverse=True)  # [u, ...], [B]
         if distinct.size(0) == self.rows:
             self.forward_rows.append(self.rows)
