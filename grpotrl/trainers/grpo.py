@@ -96,7 +96,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         it samples from.
       * with ``padding_free`` on the transformers path, the policy's ``generate`` and ``_get_stopping_criteria``
         and a forward pre-hook and hook on it, in ``_generate`` (``skip_finished_rows``): a row that has stopped
-        leaves the decoding batch (its KV cache and its forward); the loop pads it and samples as before.
+        leaves the decoding batch (its KV cache and its forward); the loop pads it and samples as before; rows
+        that repeat a prompt run its prefill once, and the KV cache's layers grow in place.
       * under ``compiled_rollout``, the generating model's ``get_compiled_call`` in ``_generate`` (``record_calls``):
         whether transformers compiled the decoding step (an ``InputError`` where it ran eagerly).
       * under ``packed_attention='varlen'`` (``trainers/packed_attention.py``): the policy's attention implementation
