@@ -32,8 +32,8 @@ back what it expects:
 
 On SmolLM2 in fp32 on CPU the prefill of 8 distinct rows gives the same bits as that of their 64 copies
 (logits and every layer's keys). The rows still generating get the logits the full batch would give them up to
-the attention kernel's rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token can then flip
-where two tokens' draws are that close, as between any two machines).
+the attention kernel's rounding (on CPU, sdpa's results move by about 1e-7 with the batch size: a sampled token
+can then flip where two tokens' draws are that close, as between any two machines).
 
 It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not
 beam search or assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or

@@ -90,7 +90,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         ``torch.multinomial`` (``inject_draw_one(defer_check=True)``): the same tokens without torch's per-step read
         of a validity flag, which is read once after ``generate``.
       * on CPU, ``torch.multinomial`` in ``_generate`` on the transformers path
-        (``inject_draw_one(defer_check=False)``): the same tokens, the exponential draws computed in half torch's time (``ops.sampling.exponential_draws``).
+        (``inject_draw_one(defer_check=False)``): the same tokens, the exponential draws computed in half torch's
+        time (``ops.sampling.exponential_draws``).
       * the policy's ``_get_logits_processor`` (transformers' ``GenerationMixin``) in ``_generate``
         (``inject_recorders_after_warpers``): the recorder runs after transformers' warpers, on the scores
         it samples from.
