@@ -116,19 +116,14 @@ class FinishedRows:
             cache.batch_select_indices(torch.searchsorted(self.live, keep))
             self.live = keep
         self.forward_rows.append(self.live.numel())
-        if self.live.numel() == self.rows:
-            return kwargs
-        return {name: value.index_select(0, self.live) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
-                else value for name, value in kwargs.items()}
+        return kwargs if self.live.numel() == self.rows else _rows_of(kwargs, self.live)
 
     def _prefill(self, kwargs: dict) -> dict:
         """The prefill's keyword arguments, where the empty cache's layers can copy rows: its plain layers made to
         grow in place (``growing_cache``), and one row of each set of rows that repeat one another (their
         ``BATCH_INPUTS`` equal) where some do (``copies`` set)."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        layers = getattr(cache, "layers", None)
-        if not isinstance(cache, DynamicCache) or not layers or \
-                any(type(layer) not in CACHE_LAYERS for layer in layers):
+        if not isinstance(cache, DynamicCache) or not cache.layers or not _copyable_layers(cache):
             self.forward_rows.append(self.rows)
             return kwargs
         grow_in_place(cache)
@@ -142,8 +137,7 @@ class FinishedRows:
             0, copies, torch.arange(self.rows, device=copies.device), "amin")  # [u] the first row of each
         self.copies, self.cache = copies, cache
         self.forward_rows.append(first.numel())
-        return {name: value.index_select(0, first) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
-                else value for name, value in kwargs.items()}
+        return _rows_of(kwargs, first)
 
     def after_forward(self, output):
         """The forward's output, its logits ``[b, S, V]`` back in ``[B, S, V]`` (zeros for finished rows; on the
@@ -170,8 +164,19 @@ def _plain_inputs(kwargs: dict, rows: int) -> bool:
 
 def _droppable(cache, kwargs: dict, rows: int) -> bool:
     """A decoding step whose cache can lose rows and whose inputs are ``BATCH_INPUTS`` alone."""
-    return (isinstance(cache, DynamicCache) and cache.get_seq_length() > 0
-            and all(type(layer) in CACHE_LAYERS for layer in cache.layers) and _plain_inputs(kwargs, rows))
+    return (isinstance(cache, DynamicCache) and cache.get_seq_length() > 0 and _copyable_layers(cache)
+            and _plain_inputs(kwargs, rows))
+
+
+def _copyable_layers(cache: DynamicCache) -> bool:
+    """Every layer of ``cache`` is one whose ``batch_select_indices`` keeps each selected row's whole state."""
+    return all(type(layer) in CACHE_LAYERS for layer in cache.layers)
+
+
+def _rows_of(kwargs: dict, rows: torch.Tensor) -> dict:
+    """A forward's keyword arguments with ``BATCH_INPUTS`` cut to ``rows [b]``, everything else as it is."""
+    return {name: value.index_select(0, rows) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
+            else value for name, value in kwargs.items()}
 
 
 def decoding_share(calls: list[FinishedRows]) -> float:

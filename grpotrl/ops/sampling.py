@@ -57,7 +57,7 @@ def exponential_draws(like: torch.Tensor, generator: torch.Generator | None = No
     u = torch.rand(like.shape, dtype=torch.float64, generator=generator)  # the uniforms exponential_ would draw
     d = torch.log1p(u.neg()).neg_()  # -log1p(-u) in double, vectorised
     q = d.to(FAST_DRAW_DTYPE)
-    near = ((d.view(torch.int64) & _LOW_BITS) - _MIDPOINT).abs_() <= _SLACK  # could round the other way
+    near = (d.view(torch.int64) & _LOW_BITS).sub_(_MIDPOINT).abs_() <= _SLACK  # could round the other way
     flat_q, flat_u = q.view(-1), u.view(-1)
     for i in near.view(-1).nonzero().view(-1).tolist():  # about 3 in 10^8 entries
         flat_q[i] = -math.log1p(-flat_u[i].item())  # the C library's log1p, as exponential_'s kernel
