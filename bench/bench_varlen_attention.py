@@ -1,6 +1,7 @@
-"""The padding-free loss microbatch under ``packed_attention='mask'`` (shared prompts under the tree mask, the
-default; and without sharing) against ``'varlen'`` (each forward's sequences in one row, one causal sdpa per
-sequence on CPU): forward + backward of ``padding_free.packed_logps_and_entropies``, as the loss runs it.
+"""The padding-free loss microbatch under ``packed_attention='mask'`` (shared prompts under the tree mask; and
+without sharing) against ``'varlen'`` (each forward's sequences in one row: one causal sdpa per sequence on CPU, and
+with shared prompts, the CPU default, one tree per prompt, each row over the prompt's keys and its own): forward +
+backward of ``padding_free.packed_logps_and_entropies``, as the loss runs it.
 
     MALLOC_MMAP_THRESHOLD_=131072 OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_varlen_attention.py
 
@@ -10,7 +11,8 @@ gradient checkpointing on (TRL's default; ``--no-checkpointing`` for off), the f
 (``_intercept.inject_head_tiles``), varlen under the step-wide switch (``packed_attention.running``, so that the
 recompute sees the boundaries). The variants run interleaved, in
 ``--rounds`` rounds over ``--microbatches`` microbatches; printed: each variant's total time and largest peak RSS
-above the RSS before the run, and their ratios to the default (mask, shared prompts).
+above the RSS before the run, and their ratios to the first variant (mask, shared prompts: the CPU default before
+varlen's shared prompts).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from bench_packing_capacity import K, setup  # noqa: E402
 
 from grpotrl.trainers import _intercept, packed_attention, padding_free  # noqa: E402
 
-VARIANTS = (("mask, shared prompts", "mask", True), ("mask", "mask", False), ("varlen", "varlen", False))
+VARIANTS = (("mask, shared prompts", "mask", True), ("mask", "mask", False), ("varlen", "varlen", False),
+            ("varlen, shared prompts", "varlen", True))
 
 
 def main() -> None:

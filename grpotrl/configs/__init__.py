@@ -331,10 +331,11 @@ class PaddingFreeFields:
                   "end in one row, their boundaries handed to an attention function grpotrl registers with "
                   "transformers (torch's FlashAttention varlen kernel on CUDA in bf16/fp16, one causal sdpa per "
                   "sequence elsewhere; sdpa in a forward without boundaries, so gradient checkpointing's recompute "
-                  "works): no mask, no prompt sharing; needs padding_free on, sdpa attention through transformers' "
-                  "AttentionInterface, no sliding window, softcapping or attention dropout (refused otherwise). "
-                  "'auto' (default): 'varlen' only on the devices where it was measured faster than 'mask' (none "
-                  "yet: docs/cost.md), else 'mask'."},
+                  "works): no mask; where the kernel does not run it, each prompt runs once for all of its group's "
+                  "rows (a tree attention: each row over the prompt's keys and its own); needs padding_free on, sdpa "
+                  "attention through transformers' AttentionInterface, no sliding window, softcapping or attention "
+                  "dropout (refused otherwise). 'auto' (default): 'varlen' only on the devices where it was measured "
+                  "faster than 'mask' (none yet: docs/cost.md), else 'mask'."},
     )
 
 

@@ -9,6 +9,11 @@ fp16/bf16 (the inputs', or autocast's: ``kernel_dtype``) this is torch's own Fla
 (``torch.nn.attention.varlen.varlen_attn``); on every other device or dtype, one causal
 ``scaled_dot_product_attention`` per sequence, sliced by the boundaries (its cost is each sequence's own ``n^2``,
 summed).
+
+``tree_attention``: sequences that share a prompt, laid out as trees (the shared prefix once, then each
+sequence's own tokens): a prefix token attends to the earlier prefix tokens, a sequence's own token to the whole
+prefix and the earlier tokens of its own part; one sdpa per prefix and per sequence, over the prefix's keys and
+its own (each sequence's ``n (p + n)``, summed), with no ``[T, T]`` mask.
 """
 
 from __future__ import annotations
@@ -55,6 +60,39 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale,
                                           enable_gqa=gqa)  # [1, H, n, D]
            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, trees: list[tuple[int, list[int]]],
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention of ``query [T, H, D]`` over ``key, value [T, Hk, D]`` within each tree of ``trees`` (end to end,
+    ``(p, [n_0, n_1, ...])`` each: a prefix of ``p`` tokens, then sequences of ``n_i`` tokens that continue it): a
+    prefix token sees the prefix up to itself, a sequence's token the whole prefix and its own sequence up to
+    itself. ``p = 0``: the sequences are independent causal ones (``varlen_attention``'s). Returns ``[T, H, D]``.
+    No dropout, no window, no softcap; any device and dtype (one sdpa per prefix and per sequence, 4-D as
+    transformers' sdpa calls it: on CPU a 3-D call takes another kernel)."""
+    gqa = query.size(1) != key.size(1)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, H, T, D], [1, Hk, T, D]
+    sizes = [n for p, lengths in trees for n in ([p] if p else []) + list(lengths)]
+    # split, not slices: its backward writes each part's gradient once, where a slice's zero-fills the whole row
+    qs, ks, vs = (x.split(sizes, dim=2) for x in (q, k, v))
+    out, i = [], 0
+    for p, lengths in trees:
+        if p:
+            prefix_k, prefix_v = ks[i], vs[i]  # [1, Hk, p, D]
+            out.append(F.scaled_dot_product_attention(qs[i], prefix_k, prefix_v, is_causal=True, scale=scale,
+                                                      enable_gqa=gqa))  # [1, H, p, D]
+            i += 1
+        for n in lengths:
+            if p:  # key j < p: the prefix, always seen; key p + j': own token j' <= the query's own place
+                seen = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(p)  # [n, p + n]
+                out.append(F.scaled_dot_product_attention(qs[i], torch.cat([prefix_k, ks[i]], 2),
+                                                          torch.cat([prefix_v, vs[i]], 2), attn_mask=seen,
+                                                          scale=scale, enable_gqa=gqa))  # [1, H, n, D]
+            else:
+                out.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scale,
+                                                          enable_gqa=gqa))
+            i += 1
     return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
 
 

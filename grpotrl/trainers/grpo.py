@@ -190,8 +190,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # how the packed forwards keep their sequences apart: the mask (and shared prompts), or varlen boundaries
         self.packed_attention, why_attention = padding_free.resolve_packed_attention(
             args, self.model, self.ref_model, device, self.padding_free)
-        self.share_prompts = padding_free.resolve_share(self.padding_free and self.packed_attention == "mask",
-                                                        self.model, self.ref_model)
+        # prompts shared under the tree mask, or under varlen's tree attention where torch's kernel does not run it
+        kernel = padding_free.kernel_runs(args, self.model, device, self.packed_attention)
+        self.share_prompts = padding_free.resolve_share(self.padding_free and not kernel, self.model, self.ref_model)
         self.balance_microbatches, why_balanced = padding_free.resolve_balance(args, self.padding_free)
         if why_balanced is not None and self.padding_free:
             logger.info("balance_microbatches='auto' is off for this run: %s. Microbatches keep TRL's grouping.",

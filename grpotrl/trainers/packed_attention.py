@@ -5,7 +5,8 @@ every attention layer as transformers' FlashAttention keyword arguments (``cu_se
 ``max_length_q/k``, which the model's forward passes down through ``**kwargs``, to each decoder layer and so to
 a checkpointed layer's recompute too). ``NAME`` is registered with ``transformers.AttentionInterface``: given
 the boundaries it runs ``ops.varlen.varlen_attention`` (torch's FlashAttention varlen kernel on CUDA in
-bf16/fp16, one causal sdpa per sequence elsewhere) and ignores the mask; without them (a padded forward: the
+bf16/fp16, one causal sdpa per sequence elsewhere; where the forward's sequences share prompts, ``TREES`` carries
+its trees and ``ops.varlen.tree_attention`` runs them) and ignores the mask; without them (a padded forward: the
 I5 guard's recompute, TRL's own calls) it is transformers' sdpa. Its mask function
 (``masking_utils.AttentionMaskInterface``) is sdpa's, except inside ``bounded`` (a forward that carries
 boundaries), where it builds none: transformers would otherwise read the restarting position ids and build a
@@ -31,9 +32,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import InputError, InvariantError
-from ..ops.varlen import varlen_attention
+from ..ops.varlen import tree_attention, varlen_attention
 
 NAME = "grpotrl_varlen"
+TREES = "grpotrl_trees"  # the keyword argument that carries a forward's trees: its sequences share prompts
 # inside ``bounded``: the list of the forward's attention calls that ran varlen (one entry each); else None
 _BOUNDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grpotrl_varlen_bounded", default=None)
 
@@ -44,7 +46,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       s_aux: torch.Tensor | None = None, position_bias: torch.Tensor | None = None, **kwargs):
     """transformers' attention-function signature. With the boundaries (``kwargs['cu_seq_lens_q']`` ``[N + 1]``
     and ``kwargs['max_length_q']``): one row of sequences end to end, ``query [1, H, T, D]``, ``key, value
-    [1, Hk, T, D]``, the mask ignored; returns ``([1, T, H, D], None)``; what it cannot compute it refuses,
+    [1, Hk, T, D]``, the mask ignored (with ``kwargs[TREES]``, the row's trees: prompts shared, the tree
+    attention); returns ``([1, T, H, D], None)``; what it cannot compute it refuses,
     rather than computing something else: dropout, a sliding window, softcapped logits, attention sinks, a
     position bias, non-causal attention, several rows. Without them: transformers' sdpa, as the model would
     run it."""
@@ -66,6 +69,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     calls = _BOUNDED.get()
     if calls is not None:
         calls.append(1)
+    trees = kwargs.get(TREES)
+    if trees is not None:  # the row's sequences share prompts: each over its tree's prefix and itself
+        return tree_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), trees,
+                              scale=scaling).unsqueeze(0), None  # [1, T, H, D]
     # under autocast the query and key can be fp32 beside a half value: the kernel takes them in autocast's dtype, as
     # transformers' FlashAttention does (its get_target_dtype also walks the module for a Linear's dtype, which
     # GPT-2's Conv1D layers do not have)

@@ -11,12 +11,14 @@ tokens only (on CPU the head then projects those positions only, as TRL's does o
 (``ops.packing.unpack``): everything downstream (loss types, IS correction, KL, entropy bonus,
 metrics, guards) sees what the padded forward would have given.
 
-``packed_attention='varlen'`` (``resolve_packed_attention``) runs each forward's sequences end to end in one row
-``[1, T]`` with their boundaries instead, under an attention function registered with transformers
-(``trainers.packed_attention``): no mask and no prompt sharing.
+``packed_attention='varlen'`` (``resolve_packed_attention``) runs each forward's sequences end to
+end in one row ``[1, T]`` with their boundaries instead, under an attention function registered with transformers
+(``trainers.packed_attention``): no mask. With shared prompts (where torch's varlen kernel does not run it:
+``kernel_runs``) all of a prompt's rows share it, in one tree of up to ``batch_size x L`` tokens (a forward's), each
+row attending over the prompt's keys and its own (``ops.varlen.tree_attention``).
 
 Under sdpa the rows of one prompt run it once (``resolve_share``; ``ops.packing.share_plan``: a tree of
-the prompt and each row's own tokens under a boolean ``[r, 1, W, W]`` mask), and the token-balanced
+the prompt and each row's own tokens; under the mask a boolean ``[r, 1, W, W]`` one), and the token-balanced
 microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays.
 
 ``resolve`` turns the config's setting into on or off for a loaded model on a kind of device: ``"auto"``
@@ -159,7 +161,9 @@ def resolve_share(packed: bool, *models) -> bool:
     """Whether the padding-free forwards run each prompt once for its rows (``ops.packing.share_plan``):
     where every model given (the policy, the reference) runs sdpa, which applies the tree mask as it is,
     in full-attention layers only. Eager adds the mask as a float bias, and transformers hands a ready 4D
-    mask to sliding-window and chunked layers unchanged (their window would be lost)."""
+    mask to sliding-window and chunked layers unchanged (their window would be lost). Under varlen the trees
+    run ``ops.varlen.tree_attention``; where torch's varlen kernel runs varlen (``kernel_runs``), the caller
+    passes ``packed=False``: the kernel takes sequence boundaries, not trees."""
     return packed and all(_attention_of(m) in SHARED_PROMPT_ATTENTION and _full_attention_only(m)
                           for m in models if m is not None)
 
@@ -183,7 +187,7 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     ``model`` and ``ref_model`` (None: none, or the policy's disabled adapter) on a device of ``device_type``, in
     a run whose logprob forwards are ``packed`` or not): ``"mask"`` (the rows ``[r, W]`` with restarting position
     ids, transformers' mask, or the shared-prompt tree mask) or ``"varlen"`` (each forward's sequences in one
-    row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask, no prompt sharing), and why not
+    row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask), and why not
     ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``
     and, where a kernel runs it (CUDA), in bf16/fp16 (the kernel's dtypes: in fp32 an explicit ``"varlen"`` runs one
     sdpa per sequence).
@@ -226,6 +230,13 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
             return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); "
                             "in fp32 varlen is one sdpa per sequence")
     return "varlen", None
+
+
+def kernel_runs(args, model, device_type: str, attention: str) -> bool:
+    """Whether torch's varlen kernel runs the packed forwards: ``attention`` (``resolve_packed_attention``'s) is
+    varlen, on a kernel device (CUDA), in bf16/fp16 (autocast's or the weights')."""
+    return attention == "varlen" and device_type in KERNEL_DEVICES and compute_dtype(
+        model, getattr(args, "bf16", False), getattr(args, "fp16", False)) in VARLEN_DTYPES
 
 
 def _varlen_kernel_missing() -> str | None:
@@ -331,8 +342,10 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     runs each forward's rows ``[r, w]``, cut to its widest row (``ops.packing.forward_plan``: on CPU the fewest
     cells, counting ``CPU_FORWARD_OVERHEAD`` per forward; elsewhere the fewest forwards), and with
     ``share_prompts`` (``resolve_share``) the rows of one prompt run its prompt once (``ops.packing.share_plan``)
-    under a tree attention mask. ``"varlen"`` (no ``share_prompts``) runs each forward's sequences end to end in
-    one row ``[1, T]`` with their boundaries (``trainers.packed_attention``), in the fewest forwards.
+    under a tree attention mask. ``"varlen"`` runs each forward's sequences end to end in one row ``[1, T]`` with
+    their boundaries (``trainers.packed_attention``), in the fewest forwards; with ``share_prompts`` a prompt's rows
+    form one tree of up to ``batch_size x L`` tokens (a forward of each packed row), run by the tree attention
+    (``ops.varlen.tree_attention``: each row over the prompt's keys and its own).
 
     ``agree_forwards`` (sharded parameters, ZeRO-3: each forward gathers every layer's parameters, a collective):
     takes this process's number of forwards and returns the number every process runs (the largest); the
@@ -341,8 +354,6 @@ def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: t
     if attention not in ("mask", "varlen"):
         raise ValueError(f"attention={attention!r}: 'mask' or 'varlen' (resolve_packed_attention)")
     varlen = attention == "varlen"
-    if varlen and share_prompts:
-        raise ValueError("shared prompts run under the tree mask: attention='varlen' takes share_prompts=False")
     with packed_attention.running(model) if varlen else contextlib.nullcontext():
         return _packed_forwards(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                                 autocast, pad_id, share_prompts, agree_forwards, varlen)
@@ -352,11 +363,14 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, batch_siz
                      share_prompts, agree_forwards, varlen: bool):
     B, L = input_ids.shape
     batch_size = batch_size or B  # TRL's chunking: at most batch_size rows per forward (memory)
-    packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L, pad_id=pad_id, share_prompts=share_prompts)
+    # varlen with shared prompts: a prompt's rows in one tree of up to a forward's tokens, each packed row a forward
+    whole = varlen and share_prompts
+    packed = pack(input_ids, attention_mask, logits_to_keep, capacity=L * batch_size if whole else L, pad_id=pad_id,
+                  share_prompts=share_prompts)
     device = packed.input_ids.device
     R, W = packed.input_ids.shape
     overhead = CPU_FORWARD_OVERHEAD if device.type == "cpu" and not varlen else None  # varlen: no cells cut
-    plan = forward_plan(packed.widths, batch_size, overhead)
+    plan = forward_plan(packed.widths, 1 if whole else batch_size, overhead)
     # before any forward: the agreement is a collective, and so is each forward under ZeRO-3
     forwards = agree_forwards(len(plan)) if agree_forwards is not None else len(plan)
     logps, entropies = [], []
@@ -411,9 +425,12 @@ def _varlen_forward(model, packed: Packed, rows: list[int], index: torch.Tensor,
         pos[0, tokens:] = torch.arange(extra, device=device)
         lengths = lengths + [extra]
     cu = cu_seqlens(lengths, device)  # [N + 1]
+    trees = [t for r in rows for t in packed.trees[r]] + ([(0, [extra])] if extra else [])
+    shared = {packed_attention.TREES: trees} if any(p for p, _ in trees) else {}  # prompts shared: tree attention
     with autocast(), _intercept.inject_compact_head(device), packed_attention.bounded(model):
         out = model(input_ids=ids, position_ids=pos, labels=labels, fused_lm_head=True, cu_seq_lens_q=cu,
-                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))  # log_probs [1, T - 1]
+                    cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths),
+                    **shared)  # log_probs [1, T - 1]
 
     def rows_of(values):  # [1, T + extra - 1] -> [r, W - 1]
         flat = F.pad(values[0], (0, 1))[:tokens]  # [T] the value at each token (predicting the next)

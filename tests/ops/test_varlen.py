@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpotrl.ops.varlen import _kernel_arguments, cu_seqlens, varlen_attention
+from grpotrl.ops.varlen import _kernel_arguments, cu_seqlens, tree_attention, varlen_attention
 
 
 def _per_sequence(q, k, v, cu, scale, causal):  # [T, H, D] with as many key/value heads as query heads
@@ -108,3 +108,76 @@ def test_the_kernel_gets_one_half_dtype_under_autocast_over_fp32_weights(kernel,
     # fp32 throughout, no autocast: no kernel (it would refuse fp32), the per-sequence sdpa
     monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
     assert varlen_attention(q, k, v.float(), cu, 5).dtype == torch.float32 and len(seen) == 1
+
+
+def _tree_mask(trees: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """[T, T] True where a query may see a key, from the definition: within one tree, a prefix token sees the prefix
+    up to itself; a sequence's token sees the whole prefix and its own sequence up to itself."""
+    tree, part, place = [], [], []  # each token's tree, part (-1: the prefix), place within its part
+    for t, (p, lengths) in enumerate(trees):
+        tree += [t] * p
+        part += [-1] * p
+        place += list(range(p))
+        for i, n in enumerate(lengths):
+            tree += [t] * n
+            part += [i] * n
+            place += list(range(n))
+    T = len(tree)
+    seen = torch.zeros(T, T, dtype=torch.bool)
+    for a in range(T):
+        for b in range(T):
+            if tree[a] != tree[b]:
+                continue
+            if part[b] == -1:  # a prefix key: seen by the tree's own tokens, and by prefix tokens at or after it
+                seen[a, b] = part[a] != -1 or place[b] <= place[a]
+            else:
+                seen[a, b] = part[a] == part[b] and place[b] <= place[a]
+    return seen
+
+
+def test_tree_attention_equals_dense_sdpa_under_the_tree_mask_with_grouped_query_heads():
+    """Trees (2, [1, 3]), (0, [2]) and (1, [2]): T = 11, 6 query heads over 2 key/value heads; values, and the
+    gradients of query, key and value, equal a dense sdpa under the [T, T] tree mask (float64)."""
+    torch.manual_seed(0)
+    trees = [(2, [1, 3]), (0, [2]), (1, [2])]
+    T, H, Hk, D = 11, 6, 2, 4
+    mask = _tree_mask(trees)
+    # by hand: token 2 (the first tree's first row, 1 token) sees the prefix 0, 1 and itself; token 3 (the second
+    # row's first) sees 0, 1 and itself, not token 2; token 10 (the last tree's second own token) sees the prefix 8,
+    # its row's 9 and itself
+    assert mask[2].nonzero().flatten().tolist() == [0, 1, 2]
+    assert mask[3].nonzero().flatten().tolist() == [0, 1, 3]
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 3, 4, 5]
+    assert mask[7].nonzero().flatten().tolist() == [6, 7]
+    assert mask[10].nonzero().flatten().tolist() == [8, 9, 10]
+    q = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, Hk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(T, Hk, D, dtype=torch.float64, requires_grad=True)
+    out = tree_attention(q, k, v, trees, scale=0.3)  # [T, H, D]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+                                         v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask,
+                                         scale=0.3).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    # a tree with no prefix is varlen_attention's causal sequences
+    flat = tree_attention(q, k, v, [(0, [4, 7])], scale=0.3)
+    torch.testing.assert_close(flat, varlen_attention(q, k, v, cu_seqlens([4, 7]), 7, scale=0.3), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_attention_in_low_precision_is_the_dense_masked_sdpa_but_for_rounding(dtype):
+    """bf16/fp16 as the tree attention receives them in a CPU run: within two rounding steps of the dense masked
+    sdpa, and most values the same."""
+    torch.manual_seed(1)
+    trees = [(5, [7, 3, 9]), (0, [6])]
+    T = 5 + 7 + 3 + 9 + 6
+    q, k, v = (torch.randn(T, h, 16).to(dtype) for h in (4, 2, 2))
+    out = tree_attention(q, k, v, trees)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=_tree_mask(trees),
+                                         enable_gqa=True)[0].transpose(0, 1)
+    step = torch.finfo(dtype).eps * ref.abs().clamp_min(1)
+    assert ((out.float() - ref.float()).abs() <= 2 * step.float()).all()
+    assert (out != ref).float().mean() < 0.25

@@ -146,9 +146,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _trainer(model, grpo_args, cls=grpotrl.GRPOTrainer, dataset=None, rewards=length_reward, **kw):
+    """A trainer and one batch of its inputs; the packed forwards under the mask (this file's path; varlen, with
+    and without shared prompts, is tests/trainers/test_varlen_attention.py's)."""
     extra = {"peft_config": kw.pop("peft")} if "peft" in kw else {}
     args = grpo_args(**{"learning_rate": 0.0, "guard_steps": 0, "check_step0_identity": False,
-                        "max_completion_length": 64, **kw})
+                        "max_completion_length": 64, "packed_attention": "mask", **kw})
     trainer = cls(model=model, reward_funcs=rewards, args=args, train_dataset=dataset or arithmetic_prompts(16),
                   **extra)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these tests skip

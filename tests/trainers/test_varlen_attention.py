@@ -3,8 +3,8 @@
 The attention by hand on small tensors (two sequences of 3 and 5 tokens, grouped-query heads) against a dense
 block-causal mask; the boundaries of a packing plan by hand; the transformers and torch names it relies on;
 varlen == padded (TRL's ``_get_per_token_logps_and_entropies``) for the logprobs, entropies, loss and gradients
-of every loss type in fp32 on CPU (the per-sequence sdpa path: 1e-5 relative, as the mask path's tests); the
-model switched back after each call; the resolution of ``packed_attention`` and its refusals. The CUDA kernel
+of every loss type in fp32 on CPU (the per-sequence sdpa path, and the tree attention where rows share their
+prompt: 1e-5 relative, as the mask path's tests); the model switched back after each call; the resolution of ``packed_attention`` and its refusals. The CUDA kernel
 (torch's FlashAttention varlen, bf16) is not run here: no GPU.
 """
 
@@ -78,7 +78,41 @@ def test_the_boundaries_of_a_packing_plan_by_hand():
     assert cu_seqlens([n for r in (0, 1) for n in p.spans[r]]).tolist() == [0, 5, 8, 10]
     # with shared prompts a span is a tree (its prefix once and each row's own tokens)
     shared = torch.tensor([[0, 7, 8, 9, 10], [0, 7, 8, 11, 0]])  # prompt [7, 8] twice: tree 7 | 8 9 10 | 8 11
-    assert pack(shared, (shared != 0).long(), 2, capacity=6, share_prompts=True).spans == [[6]]
+    p = pack(shared, (shared != 0).long(), 2, capacity=6, share_prompts=True)
+    assert p.spans == [[6]] and p.trees == [[(1, [3, 2])]]  # prefix 7; own 8 9 10 and 8 11
+    assert pack(shared, (shared != 0).long(), 2, capacity=6).trees == [[(0, [4])], [(0, [3])]]  # nothing shared
+
+
+def test_varlen_with_shared_prompts_runs_a_groups_rows_in_one_tree_of_up_to_a_forwards_tokens(tiny_llama, grpo_args,
+                                                                                                monkeypatch):
+    """Under varlen a prompt's rows share it whole: one tree of up to ``batch_size x L`` tokens (the tokens of one
+    of TRL's padded chunks), each packed row one forward, where the mask path's trees stop at ``L``. Two prompts
+    of 3 tokens, 3 rows each, completions of 2-4 tokens (L = 7, K = 4): with batch_size 3 each prompt is one tree
+    of 2 + (1 + n) per row tokens, one forward each; the mask path's trees hold one row each."""
+    model = _trainer(tiny_llama, grpo_args, gradient_checkpointing=False)[0].model  # with TRL's fused head
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0, 0], [1, 2, 3, 6, 7, 8, 0], [1, 2, 3, 9, 10, 11, 12],
+                        [13, 14, 15, 22, 23, 0, 0], [13, 14, 15, 16, 17, 0, 0], [13, 14, 15, 18, 19, 20, 21]])
+    attn = (ids != 0).long()
+    seen = []
+    original = packed_attention.tree_attention
+
+    def recording(query, key, value, trees, scale=None):
+        seen.append((query.size(0), trees))
+        return original(query, key, value, trees, scale)
+
+    monkeypatch.setattr(packed_attention, "tree_attention", recording)
+    with torch.no_grad():
+        out, _ = padding_free.packed_logps_and_entropies(model, ids, attn, 4, 3, False, contextlib.nullcontext,
+                                                        share_prompts=True, attention="varlen")
+        ref, _ = padding_free.packed_logps_and_entropies(model, ids, attn, 4, 3, False, contextlib.nullcontext)
+    layers = model.config.num_hidden_layers
+    # prompt [1, 2, 3]: prefix [1, 2], own 3 4 5 | 3 6 7 8 | 3 9 10 11 12 -> 2 + 3 + 4 + 5 = 14 tokens
+    # prompt [13, 14, 15]: prefix [13, 14], own 15 22 23 | 15 16 17 | 15 18 19 20 21 -> 2 + 3 + 3 + 5 = 13 tokens
+    # (a tree's rows longest first, as share_plan places them)
+    assert sorted(seen) == sorted([(14, [(2, [5, 4, 3])])] * layers + [(13, [(2, [5, 3, 3])])] * layers)
+    # the mask path's trees stop at L = 7: prefix 2 + own 3, 4 or 5, no two rows of a prompt together: 6 trees
+    assert pack(ids, attn, 4, capacity=7, share_prompts=True).trees == [[(2, [n])] for n in (5, 5, 4, 3, 3, 3)]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
 def test_the_attention_function_takes_transformers_signature_and_refuses_what_it_does_not_compute():
@@ -148,13 +182,14 @@ def test_the_transformers_and_torch_names_varlen_relies_on():
 
 # ---------------------------------------------------------------- varlen == padded (fp32, CPU)
 
-@pytest.fixture
-def varlen(monkeypatch):
-    """The trainer's packed forwards under varlen (without prompt sharing), however grpo.py passes them."""
+@pytest.fixture(params=[False, True], ids=["sequences", "shared-prompts"])
+def varlen(monkeypatch, request):
+    """The trainer's packed forwards under varlen, however grpo.py passes them: each sequence on its own (the kernel's
+    layout), and each prompt once for its rows (the tree attention, ``ops.varlen.tree_attention``)."""
     packed = padding_free.packed_logps_and_entropies
 
     def run(*args, **kwargs):
-        return packed(*args, **{**kwargs, "attention": "varlen", "share_prompts": False})
+        return packed(*args, **{**kwargs, "attention": "varlen", "share_prompts": request.param})
 
     monkeypatch.setattr(padding_free, "packed_logps_and_entropies", run)
 
@@ -277,9 +312,6 @@ def test_the_model_is_switched_back_after_an_error_and_a_nested_switch_leaves_it
             pass
         assert model.config._attn_implementation == packed_attention.NAME
     assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(ValueError, match="share_prompts=False"):
-        padding_free.packed_logps_and_entropies(model, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3), 1, None,
-                                                False, contextlib.nullcontext, share_prompts=True, attention="varlen")
 
 
 # ---------------------------------------------------------------- resolution, refusals, the startup line
@@ -365,6 +397,17 @@ def test_auto_on_a_kernel_device_is_varlen_in_bf16_and_fp16_only(tiny_llama, mon
         ("varlen", None)
 
 
+def test_prompts_are_shared_under_varlen_except_where_the_kernel_runs_it(tiny_llama):
+    """torch's varlen kernel takes sequence boundaries, not trees: on CUDA in bf16/fp16 varlen runs each sequence on
+    its own; on CPU, and in fp32 anywhere, the tree attention shares each prompt (``GRPOTrainer.__init__``)."""
+    model = _tiny_model(tiny_llama)
+    assert padding_free.kernel_runs(_args(bf16=True), model, "cuda", "varlen")
+    assert padding_free.kernel_runs(_args(fp16=True), model, "cuda", "varlen")
+    assert not padding_free.kernel_runs(_args(), model, "cuda", "varlen")  # fp32: one sdpa per sequence or tree
+    assert not padding_free.kernel_runs(_args(bf16=True), model, "cpu", "varlen")
+    assert not padding_free.kernel_runs(_args(bf16=True), model, "cuda", "mask")
+
+
 def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
     model = _tiny_model(tiny_llama)
     on = _args(packed_attention="varlen")
@@ -431,7 +474,7 @@ def test_a_run_trains_under_varlen_with_I5_on_every_step(tiny_llama, grpo_args, 
     assert args.gradient_checkpointing
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
                                   train_dataset=arithmetic_prompts(16))
-    assert trainer.packed_attention == "varlen" and not trainer.share_prompts
+    assert trainer.packed_attention == "varlen" and trainer.share_prompts  # CPU: the tree attention
     with caplog.at_level(logging.WARNING):
         trainer.train()
     assert trainer.state.global_step == 2
