@@ -192,10 +192,14 @@ class Packed:
     widths: list[int]  # R ints: each row's used width (its sequences; the tail after them is unused)
     tree: torch.Tensor | None = None  # [R, W] shared prompts only: each position's tree, -1 in a row's tail
     branch: torch.Tensor | None = None  # [R, W] shared prompts only: each position's padded row, -1 in a prefix
-    spans: list[list[int]] | None = None  # R lists: each row's sequences' (trees') lengths, left to right
     # R lists: each row's trees, left to right, as (shared prefix p, each sequence's own tokens after it); a
     # sequence that shares nothing is (0, [its length])
     trees: list[list[tuple[int, list[int]]]] | None = None
+
+    @property
+    def spans(self) -> list[list[int]]:
+        """R lists: each row's sequences' (trees') lengths, left to right."""
+        return [[p + sum(own) for p, own in row] for row in self.trees]
 
     def attention_mask(self, rows: torch.Tensor | slice, width: int) -> torch.Tensor | None:
         """Shared prompts: the attention mask [r, 1, w, w] of ``rows`` (indices) cut to their first ``width``
@@ -232,7 +236,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
     plan = pack_plan([prefix[t[0]] + sum(lengths[b] - prefix[b] for b in t) for t in trees], capacity)
     tree_of, row_of, offset_of, used = [0] * B, [0] * B, [0] * B, []  # each sequence's tree, packed row, start
     shift_of = [0] * B  # where each row's own tokens start after its tree's prefix
-    spans = [[] for _ in plan]  # each packed row's trees' lengths (a tree of one row: its sequence)
     layout = [[] for _ in plan]  # each packed row's trees as (prefix, own lengths)
     for r, row in enumerate(plan):
         offset = 0
@@ -242,7 +245,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
                 tree_of[b], row_of[b], offset_of[b] = t, r, start
                 shift_of[b] = offset - start - prefix[b]  # 0 for a tree's first row
                 offset += lengths[b] - prefix[b]
-            spans[r].append(offset - start)
             layout[r].append((prefix[trees[t][0]], [lengths[b] - prefix[b] for b in trees[t]]))
         used.append(offset)
     R, W = len(plan), max(max(used, default=1), 2)  # the head's shifted output [R, W - 1] must not be empty
@@ -271,7 +273,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: 
         tree[row, col] = torch.tensor(tree_of, dtype=torch.long, device=device)[b]
         branch = torch.full((R, W), -1, dtype=torch.long, device=device)  # [R, W]
         branch[row[own], col[own]] = b[own]
-    return Packed(ids, pos, labels, source[order], target[order], (B, K), used, tree, branch, spans, layout)
+    return Packed(ids, pos, labels, source[order], target[order], (B, K), used, tree, branch, layout)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

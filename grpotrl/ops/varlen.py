@@ -84,16 +84,28 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                                                       enable_gqa=gqa))  # [1, H, p, D]
             i += 1
         for n in lengths:
-            if p:  # key j < p: the prefix, always seen; key p + j': own token j' <= the query's own place
-                seen = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(p)  # [n, p + n]
+            if p:
                 out.append(F.scaled_dot_product_attention(qs[i], torch.cat([prefix_k, ks[i]], 2),
-                                                          torch.cat([prefix_v, vs[i]], 2), attn_mask=seen,
+                                                          torch.cat([prefix_v, vs[i]], 2),
+                                                          attn_mask=_prefix_causal(n, p, query.device),
                                                           scale=scale, enable_gqa=gqa))  # [1, H, n, D]
             else:
                 out.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scale,
                                                           enable_gqa=gqa))
             i += 1
     return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefix_causal(n: int, p: int, device: torch.device) -> torch.Tensor:
+    """``[n, p + n]`` True where a sequence's token sees a key: every key ``j < p`` (the prefix) and its own
+    tokens up to itself (key ``p + j'``, ``j' <=`` the query's place). The same for every layer, the recompute
+    and the backward of a forward: built once per shape.
+
+    >>> _prefix_causal(2, 1, torch.device("cpu")).int().tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    return torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
 
 
 def kernel_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -225,8 +225,8 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     if want == "auto":
         if device_type not in VARLEN_MEASURED_FASTER_ON:
             return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
-        dtype = compute_dtype(model, getattr(args, "bf16", False), getattr(args, "fp16", False))
-        if device_type in KERNEL_DEVICES and dtype not in VARLEN_DTYPES:  # what was measured is the kernel
+        # what was measured is the kernel
+        if device_type in KERNEL_DEVICES and not kernel_runs(args, model, device_type, "varlen"):
             return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); "
                             "in fp32 varlen is one sdpa per sequence")
     return "varlen", None

@@ -186,12 +186,21 @@ def test_the_transformers_and_torch_names_varlen_relies_on():
 def varlen(monkeypatch, request):
     """The trainer's packed forwards under varlen, however grpo.py passes them: each sequence on its own (the kernel's
     layout), and each prompt once for its rows (the tree attention, ``ops.varlen.tree_attention``)."""
-    packed = padding_free.packed_logps_and_entropies
+    packed, tree_attention = padding_free.packed_logps_and_entropies, packed_attention.tree_attention
+    trees = []  # each tree attention call's trees
 
     def run(*args, **kwargs):
         return packed(*args, **{**kwargs, "attention": "varlen", "share_prompts": request.param})
 
+    def recording(query, key, value, trees_, scale=None):
+        trees.append(trees_)
+        return tree_attention(query, key, value, trees_, scale)
+
     monkeypatch.setattr(padding_free, "packed_logps_and_entropies", run)
+    monkeypatch.setattr(packed_attention, "tree_attention", recording)
+    yield
+    # shared prompts: the test's forwards ran trees that share a prefix; without: none ran
+    assert bool(trees) == request.param and all(any(p for p, _ in t) for t in trees)
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
