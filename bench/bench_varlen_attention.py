@@ -7,7 +7,8 @@ backward of ``padding_free.packed_logps_and_entropies``, as the loss runs it.
 
 The data and model are ``bench_packing_capacity.py``'s (SmolLM2-135M-Instruct fp32, sdpa, TRL's fused head with
 entropies, 8 rows per microbatch: 2 prompts x 4 answers of 4-256 tokens), run as a CPU training step runs it:
-gradient checkpointing on (TRL's default; ``--no-checkpointing`` for off), the fused head in grpotrl's CPU tiles
+gradient checkpointing on (TRL's default; ``--no-checkpointing`` for off), in fp32 (``--bf16``: under bf16 autocast
+over the fp32 weights, as ``use_cpu=True, bf16=True`` runs), the fused head in grpotrl's CPU tiles
 (``_intercept.inject_head_tiles``), varlen under the step-wide switch (``packed_attention.running``, so that the
 recompute sees the boundaries). The variants run interleaved, in
 ``--rounds`` rounds over ``--microbatches`` microbatches; printed: each variant's total time and largest peak RSS
@@ -23,6 +24,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import torch  # noqa: E402
 import _runner  # noqa: E402  bench/_runner.py: the peak-RSS reset and reading
 from bench_packing_capacity import K, setup  # noqa: E402
 
@@ -37,7 +39,10 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
+    ap.add_argument("--bf16", action="store_true", help="under bf16 autocast over the fp32 weights, as a run with "
+                    "use_cpu=True, bf16=True computes")
     a = ap.parse_args()
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.bf16 else contextlib.nullcontext
     model, batches, _ = setup(a.microbatches)
     if not a.no_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -49,7 +54,7 @@ def main() -> None:
                 step = packed_attention.running(model) if attention == "varlen" else contextlib.nullcontext()
                 with step, _intercept.inject_head_tiles(ids.device):
                     _, seconds, mib = _runner.forward_backward(model, lambda: padding_free.packed_logps_and_entropies(
-                        model, ids, mask, K, None, True, contextlib.nullcontext, share_prompts=share,
+                        model, ids, mask, K, None, True, autocast, share_prompts=share,
                         attention=attention))
                 total[name] += seconds
                 peak[name] = max(peak[name], mib)

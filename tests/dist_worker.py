@@ -172,8 +172,9 @@ def probe_packed_forwards(trainer, model) -> dict:
     """One no-grad packed logprob call (the reference's kind) on this rank's own rows: rank 0 a sequence of the
     padded width 300 and five of 20 tokens (packed rows of 300 and 100 used columns: 2 forwards, each cut to its
     row), every other rank six of 20 (1 packed row: 1 forward). Under ZeRO-3 each forward gathers the layers'
-    parameters from every rank, so every rank must run as many forwards. Returns this rank's plan, the forwards
-    it ran and the largest gap to the padded forward."""
+    parameters from every rank, so every rank must run as many forwards. The mask path's plan (rows of at most the
+    padded width; varlen's trees would make one forward of each rank's rows). Returns this rank's plan, the
+    forwards it ran and the largest gap to the padded forward."""
     from grpotrl.ops.packing import forward_plan, pack
     from grpotrl.trainers import padding_free
 
@@ -187,6 +188,7 @@ def probe_packed_forwards(trainer, model) -> dict:
     plan = forward_plan(pack(ids, attn, K, L).widths, B, padding_free.CPU_FORWARD_OVERHEAD)
     seen = []
     hook = trainer.accelerator.unwrap_model(model).register_forward_pre_hook(lambda m, a: seen.append(1))
+    attention, trainer.packed_attention = trainer.packed_attention, "mask"
     try:
         with torch.no_grad():
             packed = trainer._get_per_token_logps_and_entropies(model, ids, attn, K)[0]
@@ -194,7 +196,7 @@ def probe_packed_forwards(trainer, model) -> dict:
             trainer.padding_free = False
             padded = trainer._get_per_token_logps_and_entropies(model, ids, attn, K)[0]
     finally:
-        trainer.padding_free = True
+        trainer.padding_free, trainer.packed_attention = True, attention
         hook.remove()
     return {"plan": len(plan), "forwards": forwards, "gap": float((packed - padded).abs().max())}
 

@@ -317,11 +317,12 @@ class PaddingFreeFields:
         metadata={"help": "With padding_free on, regroup the rows of each optimizer step's microbatches (after TRL's "
                   "shuffle) so that their token counts are even: the same rows per optimizer step and per "
                   "microbatch count, so the step's loss and gradient are the same sum, and the heaviest microbatch, "
-                  "which sets the peak memory, is lighter. 'auto' (default): on where the loss does not depend on "
-                  "which rows share a microbatch (not loss_type='bnpo', top_entropy_quantile < 1, an entropy bonus, "
-                  "CAGrad, or steps_per_generation not a multiple of gradient_accumulation_steps); true: on (refused "
-                  "for those); false: TRL's grouping. A trl.GRPOConfig handed in keeps TRL's grouping unless it sets "
-                  "it."},
+                  "which sets the peak memory, is lighter; under packed_attention 'varlen' with shared prompts (a "
+                  "forward then costs its tokens, each prompt once), a prompt's rows go together instead. 'auto' "
+                  "(default): on where the loss does not depend on which rows share a microbatch (not "
+                  "loss_type='bnpo', top_entropy_quantile < 1, an entropy bonus, CAGrad, or steps_per_generation not "
+                  "a multiple of gradient_accumulation_steps); true: on (refused for those); false: TRL's grouping. "
+                  "A trl.GRPOConfig handed in keeps TRL's grouping unless it sets it."},
     )
     packed_attention: str = field(
         default="auto",
@@ -334,8 +335,9 @@ class PaddingFreeFields:
                   "works): no mask; where the kernel does not run it, each prompt runs once for all of its group's "
                   "rows (a tree attention: each row over the prompt's keys and its own); needs padding_free on, sdpa "
                   "attention through transformers' AttentionInterface, no sliding window, softcapping or attention "
-                  "dropout (refused otherwise). 'auto' (default): 'varlen' only on the devices where it was measured "
-                  "faster than 'mask' (none yet: docs/cost.md), else 'mask'."},
+                  "dropout, and no continuous batching (refused otherwise); balance_microbatches then regroups by "
+                  "prompt. 'auto' (default): 'varlen' only on the devices where it was measured faster than 'mask' "
+                  "(CPU, in fp32; docs/cost.md), else 'mask'."},
     )
 
 

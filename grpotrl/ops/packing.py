@@ -15,6 +15,7 @@ back into the padded layout ``[B, K]``, zeros where nothing is scored, different
 
 ``balance_plan`` splits one optimizer step's rows into its microbatches (same count each) with even
 token sums: the heaviest microbatch sets the peak memory, and packing alone cannot lighten it.
+``prompt_plan`` splits them by prompt instead, for forwards that share a prompt across all of their rows.
 
 ``share_prompts`` (``share_plan``): the rows of one prompt (a GRPO group) run the prompt once, in a tree
 (the prompt but its last token, then each row's last prompt token and completion) under an attention
@@ -105,6 +106,31 @@ def balance_plan(lengths: list[int], groups: int, prompts: list[tuple] | None = 
         seen[g].add(key[i])
     consecutive = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
     return [sorted(group) for group in plan] if max(sums) < max(map(cost, consecutive)) else consecutive
+
+
+def prompt_plan(prompts: list[tuple], groups: int) -> list[list[int]]:
+    """Indices ``0..n-1`` split into ``groups`` groups of ``n // groups`` each, a prompt's rows together:
+    rows in the order of their prompt's first row (then by index), cut into consecutive groups; each
+    group's indices ascending. Where a forward shares a prompt across all of its rows (varlen trees of up
+    to a forward's tokens), a group's cost is its rows' own tokens plus each of its prompts once, so this
+    grouping runs each prompt about once per step (``#prompts + groups - 1`` prompt runs at most) where
+    ``balance_plan`` spreads a prompt's rows over the groups to even them.
+
+    >>> prompt_plan([(1,), (2,), (1,), (2,)], groups=2)
+    [[0, 2], [1, 3]]
+    >>> prompt_plan([(3,), (3,), (3,), (4,), (4,), (4,)], groups=2)  # already together: consecutive
+    [[0, 1, 2], [3, 4, 5]]
+    >>> prompt_plan([(5,), (6,), (6,), (5,), (6,), (6,)], groups=3)  # 5 5 | 6 6 | 6 6
+    [[0, 3], [1, 2], [4, 5]]
+    """
+    n = len(prompts)
+    if groups < 1 or n % groups:
+        raise ValueError(f"{n} rows do not split into {groups} equal groups")
+    size, first = n // groups, {}
+    for i, prompt in enumerate(prompts):
+        first.setdefault(prompt, i)
+    order = sorted(range(n), key=lambda i: (first[prompts[i]], i))
+    return [sorted(order[g * size:(g + 1) * size]) for g in range(groups)]
 
 
 def prompts_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple]:

@@ -582,9 +582,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         """TRL's: the next microbatch of the buffered generation batch (generating a new batch when due). With
-        ``balance_microbatches`` on, a new generation batch's microbatches are regrouped by token count, each
-        optimizer step's window on its own (``padding_free.balanced``): the same rows per optimizer step and per
-        microbatch count, so the step's loss is the same sum.
+        ``balance_microbatches`` on, a new generation batch's microbatches are regrouped by token count (under
+        varlen with shared prompts, by prompt: each forward then runs its prompts once), each optimizer step's
+        window on its own (``padding_free.balanced``): the same rows per optimizer step and per microbatch count,
+        so the step's loss is the same sum.
 
         Args:
             generation_batch: the dataloader's rows for one generation batch (TRL's argument).
@@ -598,7 +599,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if not (self.balance_microbatches and self.model.training) or buffer is before:
             return inputs  # eval, or a microstep that reuses the buffered generation batch
         window = self.args.gradient_accumulation_steps  # one optimizer step's microbatches
-        return _intercept.set_buffered_inputs(self, padding_free.balanced(buffer, window, self.share_prompts))
+        by_prompt = self.share_prompts and self.packed_attention == "varlen"  # a forward's rows share each prompt
+        regrouped = padding_free.balanced(buffer, window, self.share_prompts, by_prompt)
+        return _intercept.set_buffered_inputs(self, regrouped)
 
     def _compute_loss(self, model, inputs):
         """TRL's loss on one microbatch with grpotrl's KL term (``KLFields``) in place of TRL's, and the loss-side

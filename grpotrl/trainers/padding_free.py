@@ -19,7 +19,10 @@ row attending over the prompt's keys and its own (``ops.varlen.tree_attention``)
 
 Under sdpa the rows of one prompt run it once (``resolve_share``; ``ops.packing.share_plan``: a tree of
 the prompt and each row's own tokens; under the mask a boolean ``[r, 1, W, W]`` one), and the token-balanced
-microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays.
+microbatches (``balanced``) count a shared prompt once, so a prompt's rows go together where it pays. Under
+varlen's trees a forward's cost is its tokens, whatever their rows, so the microbatches are regrouped by prompt
+instead (``ops.packing.prompt_plan``): each prompt runs about once per optimizer step rather than once in each
+microbatch TRL's shuffle spread its rows over.
 
 ``resolve`` turns the config's setting into on or off for a loaded model on a kind of device: ``"auto"``
 is on where the model's attention keeps packed rows apart (transformers' sdpa and eager, which read the
@@ -44,7 +47,7 @@ import torch.nn.functional as F
 from ..configs.checks import check_packed_attention
 from ..errors import InputError
 from ..generation.compiled_rollout import parse_setting  # true / false / 'auto', as configs.checks took it
-from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompts_of, unpack
+from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompt_plan, prompts_of, unpack
 from ..ops.loss_types import named
 from ..guards.precision import compute_dtype
 from ..ops.varlen import KERNEL_DEVICES, VARLEN_DTYPES, cu_seqlens
@@ -54,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = ("sdpa", "eager")  # honour restarting position ids in every row of a forward
 MEASURED_FASTER_ON = ("cpu",)  # device types where 'auto' is on: the step measured faster than TRL's (docs/cost.md)
-VARLEN_MEASURED_FASTER_ON = ()  # device types where packed_attention 'auto' is 'varlen' (docs/cost.md)
+VARLEN_MEASURED_FASTER_ON = ("cpu",)  # device types where packed_attention 'auto' is 'varlen' (docs/cost.md)
 
 
 _text_config = packed_attention.text_config  # unwrapped: a DeepSpeed engine's ``config`` is DeepSpeed's own
@@ -168,6 +171,14 @@ def resolve_share(packed: bool, *models) -> bool:
                           for m in models if m is not None)
 
 
+def _attention_dropout_modules(model) -> list[str]:
+    """The names of the ``nn.Dropout`` modules with ``p > 0`` inside ``model``'s attention layers (modules whose
+    class name holds "Attention"), such as GPT-2's ``attn_dropout``, which hands its ``p`` to the attention
+    function in training mode; TRL's ``disable_dropout`` sets them to 0."""
+    return [f"{name}.{child_name}" for name, module in model.named_modules() if "Attention" in type(module).__name__
+            for child_name, child in module.named_children() if isinstance(child, torch.nn.Dropout) and child.p > 0]
+
+
 def _full_attention_only(model) -> bool:
     config = _text_config(model)
     layer_types = getattr(config, "layer_types", None)
@@ -190,7 +201,7 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask), and why not
     ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``
     and, where a kernel runs it (CUDA), in bf16/fp16 (the kernel's dtypes: in fp32 an explicit ``"varlen"`` runs one
-    sdpa per sequence).
+    sdpa per sequence); elsewhere (CPU) in fp32, the dtype it was measured in.
     An explicit ``"varlen"`` that cannot work is an ``InputError``."""
     check_packed_attention(args)
     want = _packed_attention_setting(args)
@@ -199,6 +210,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     why = None
     if not packed:
         why = "padding_free is off, and varlen runs the padding-free forwards"
+    elif getattr(args, "use_transformers_continuous_batching", False):
+        why = ("continuous batching runs the rollout under the policy's attention, which varlen switches for the "
+               "whole training step, and it takes sdpa, eager, paged or flash attention only")
     elif device_type == "cuda":
         why = _varlen_kernel_missing()
     for m in (model, ref_model):
@@ -218,6 +232,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         elif (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:  # disable_dropout zeroes nn.Dropout only
             why = (f"the model's attention_dropout is {text.attention_dropout}, and varlen runs without dropout (set "
                    "it to 0 in the model's config)")
+        elif not getattr(args, "disable_dropout", False) and _attention_dropout_modules(m):
+            why = (f"disable_dropout is off and {type(m).__name__}'s attention layers hold dropout "
+                   f"({_attention_dropout_modules(m)[0]}), which varlen does not compute (set disable_dropout=True)")
     if why is not None:
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")
@@ -225,10 +242,14 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     if want == "auto":
         if device_type not in VARLEN_MEASURED_FASTER_ON:
             return "mask", f"varlen not measured faster than the mask on {device_type}; see docs/cost.md"
-        # what was measured is the kernel
+        # what was measured is the kernel on a kernel device, the fp32 tree attention elsewhere
         if device_type in KERNEL_DEVICES and not kernel_runs(args, model, device_type, "varlen"):
             return "mask", ("the run computes in fp32, and the varlen kernel takes bf16/fp16 only (set bf16: true); "
                             "in fp32 varlen is one sdpa per sequence")
+        dtype = compute_dtype(model, getattr(args, "bf16", False), getattr(args, "fp16", False))
+        if device_type not in KERNEL_DEVICES and dtype != torch.float32:
+            return "mask", (f"varlen was measured faster than the mask on {device_type} in fp32 only, and this run "
+                            f"computes in {str(dtype).removeprefix('torch.')}; see docs/cost.md")
     return "varlen", None
 
 
@@ -283,28 +304,35 @@ def resolve_balance(args, packed: bool) -> tuple[bool, str | None]:
     return False, why
 
 
-def balanced(batches: list[dict], window: int, share_prompts: bool = False) -> list[dict]:
+def balanced(batches: list[dict], window: int, share_prompts: bool = False, by_prompt: bool = False) -> list[dict]:
     """TRL's microbatches of one generation batch (``batches``, each a dict of per-row values and
     shared ones), each run of ``window`` consecutive ones (one optimizer step's) regrouped so that
     their real-token counts (prompt + completion) are even (``ops.packing.balance_plan``): the
     same rows per window, the same number per microbatch, each microbatch's rows in TRL's order. With
-    ``share_prompts`` a row's prompt counts once per microbatch (its rows share the prompt's forward). A
-    window already even, or holding a value that is not one per row (tensor of another length), is
+    ``share_prompts`` a row's prompt counts once per microbatch (its rows share the prompt's forward).
+    With ``by_prompt`` (varlen trees: a forward shares a prompt across all of its rows, and its cost is
+    its tokens, not its rows times their width) a prompt's rows go together instead
+    (``ops.packing.prompt_plan``): the fewest prompt runs, at the price of uneven microbatches. A window
+    already so grouped, or holding a value that is not one per row (tensor of another length), is
     returned as it was."""
     out = []
     for start in range(0, len(batches), window):
-        out.extend(_balanced_window(batches[start:start + window], share_prompts))
+        out.extend(_balanced_window(batches[start:start + window], share_prompts, by_prompt))
     return out
 
 
-def _balanced_window(batches: list[dict], share_prompts: bool) -> list[dict]:
+def _balanced_window(batches: list[dict], share_prompts: bool, by_prompt: bool) -> list[dict]:
     size = batches[0]["completion_mask"].size(0)
     keys = [k for k, v in batches[0].items() if (isinstance(v, torch.Tensor) and v.ndim > 0) or isinstance(v, list)]
     if any(len(b[k]) != size for b in batches for k in keys):
         return batches  # not one value per row: no regrouping can be vouched for
-    lengths = torch.cat([b["prompt_mask"].sum(1) + b["completion_mask"].sum(1) for b in batches]).tolist()  # a sync
-    prompts = [p for b in batches for p in prompts_of(b["prompt_ids"], b["prompt_mask"])] if share_prompts else None
-    plan = balance_plan(lengths, len(batches), prompts)
+    shared = share_prompts or by_prompt
+    prompts = [p for b in batches for p in prompts_of(b["prompt_ids"], b["prompt_mask"])] if shared else None  # a sync
+    if by_prompt:
+        plan = prompt_plan(prompts, len(batches))
+    else:
+        lengths = torch.cat([b["prompt_mask"].sum(1) + b["completion_mask"].sum(1) for b in batches]).tolist()  # a sync
+        plan = balance_plan(lengths, len(batches), prompts)
     if all(rows == list(range(g * size, (g + 1) * size)) for g, rows in enumerate(plan)):
         return batches  # TRL's grouping kept
     window = {k: _concat([b[k] for b in batches]) for k in keys}  # each per-row value over the window's rows

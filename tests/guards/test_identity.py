@@ -12,7 +12,7 @@ import torch
 from conftest import arithmetic_prompts, length_reward
 
 import grpotrl
-from grpotrl import InvariantError
+from grpotrl import InputError, InvariantError
 from grpotrl.guards import identity
 from grpotrl.guards.precision import tolerances
 
@@ -91,13 +91,19 @@ def test_I10_model_object_changed_after_loading_is_not_its_reference(tiny_llama,
     assert not _logged(trainer, "identity/step0_ref_logp_gap/max")
 
 
-def test_I10_reference_with_dropout_on_stops(tiny_gpt2, grpo_args):
-    trainer = _trainer(tiny_gpt2, grpo_args())
+@pytest.mark.parametrize("attention", ["mask", "varlen"])
+def test_I10_reference_with_dropout_on_stops(attention, tiny_gpt2, grpo_args):
+    """A reference switched to training mode with dropout after init: I10 stops at step 0; under varlen (the CPU
+    default in fp32) the reference's attention refuses the dropout first, naming it."""
+    trainer = _trainer(tiny_gpt2, grpo_args(packed_attention=attention))
+    assert trainer.packed_attention == attention
     for m in trainer.ref_model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.3
     trainer.ref_model.train()
-    with pytest.raises(InvariantError, match=r"(?s)\[I10\].*training mode with dropout on"):
+    error, match = ((InvariantError, r"(?s)\[I10\].*training mode with dropout on") if attention == "mask" else
+                    (InputError, r"GPT2Attention was called with attention dropout.*packed_attention='mask'"))
+    with pytest.raises(error, match=match):
         trainer.train()
 
 

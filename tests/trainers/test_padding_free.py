@@ -18,7 +18,8 @@ from datasets import Dataset
 
 import grpotrl
 from grpotrl.errors import InputError, InvariantError
-from grpotrl.ops.packing import IGNORE, balance_plan, forward_plan, pack, pack_plan, share_plan, unpack
+from grpotrl.ops.packing import (IGNORE, balance_plan, forward_plan, pack, pack_plan, prompt_plan, prompts_of,
+                                 share_plan, unpack)
 from grpotrl.trainers import _intercept, padding_free
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # trl 1.16's loss_type choices
@@ -657,8 +658,8 @@ def test_startup_line_says_what_was_chosen_and_why(tiny_llama, grpo_args, caplog
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grpotrl: padding_free")]
     assert lines == ["grpotrl: padding_free on (auto: measured faster than TRL's padded forward on cpu; see "
                      "docs/cost.md); finished-row rollout on (padding_free on, transformers' generate); "
-                     "balance_microbatches on (auto); packed attention mask (auto: varlen not measured faster than the "
-                     "mask on cpu; see docs/cost.md)"], lines
+                     "balance_microbatches on (auto); packed attention varlen (auto: varlen measured faster than the mask "
+                     "on cpu)"], lines
     args = trainer.args
     why = "not measured faster than TRL's padded forward on cuda; see docs/cost.md"
     balance_why = "the logprob forwards run padded (padding_free off), where a microbatch costs its longest row"
@@ -697,8 +698,9 @@ def _ignores_packing(path, dropped="position_ids"):
 @pytest.mark.parametrize("on,dropped", [(True, "position_ids"), (True, "attention_mask"), (False, "position_ids")],
                          ids=["padding_free", "padding_free-tree-mask", "control"])
 def test_I5_stops_a_model_whose_attention_ignores_packing_at_step_1(on, dropped, tiny_llama, grpo_args):
+    """The mask path (varlen's: ``test_varlen_attention.py::test_I5_names_the_varlen_path_when_the_packed_logprobs_differ``)."""
     args = grpo_args(padding_free=on, guard_steps=-1, max_steps=1, per_device_train_batch_size=16, beta=0.0,
-                     max_completion_length=64)
+                     max_completion_length=64, packed_attention="mask")
     trainer = grpotrl.GRPOTrainer(model=_ignores_packing(tiny_llama, dropped), reward_funcs=length_reward, args=args,
                                   train_dataset=arithmetic_prompts(16))
     if not on:
@@ -723,6 +725,17 @@ def test_balance_plan_by_hand():
     assert balance_plan([3, 1], groups=1) == [[0, 1]]
     with pytest.raises(ValueError, match="5 rows"):
         balance_plan([1] * 5, groups=2)
+
+
+def test_prompt_plan_by_hand():
+    """A prompt's rows together, in the order of each prompt's first row; consecutive where they already are."""
+    # prompts a b a b c c: order a a b b c c -> rows [0, 2], [1, 3], [4, 5]
+    assert prompt_plan([("a",), ("b",), ("a",), ("b",), ("c",), ("c",)], groups=3) == [[0, 2], [1, 3], [4, 5]]
+    # prompt a has 3 rows, b 1, groups of 2: order a a a b -> [0, 1], [3, 2] -> each ascending
+    assert prompt_plan([("a",), ("a",), ("b",), ("a",)], groups=2) == [[0, 1], [2, 3]]
+    assert prompt_plan([("a",), ("b",)], groups=1) == [[0, 1]]
+    with pytest.raises(ValueError, match="5 rows"):
+        prompt_plan([("a",)] * 5, groups=2)
 
 
 def test_balanced_moves_whole_rows_and_keeps_shared_values():
@@ -766,9 +779,29 @@ def test_balanced_with_shared_prompts_puts_a_prompts_rows_together():
     assert shared[0]["prompt_ids"].tolist() == [prompts[0], prompts[2]]
 
 
+def test_balanced_by_prompt_keeps_a_prompts_rows_together_where_even_tokens_would_split_them():
+    """Prompts A B A B of 2 tokens (1 shared), completions 1, 2, 2, 3: lengths 3, 4, 4, 5. By tokens with the
+    shared prompt counted once: 5 (row 3, B) -> g0; 4 (row 1, B) -> g1 (g0 would be 5 + 4 - 1 = 8); 4 (row 2, A)
+    -> g1 (8 against g0's 9); 3 (row 0) -> g0 (full g1): [0, 3] and [1, 2], 8 and 8 tokens, each microbatch
+    running both prompts (consecutive: 7 and 9). By prompt: [0, 2] and [1, 3], 6 and 8 tokens."""
+    C = 8
+    prompts, completions = [[1, 2], [3, 4], [1, 2], [3, 4]], [1, 2, 2, 3]
+    rows = [{"prompt_ids": torch.tensor([p]), "prompt_mask": torch.ones(1, 2, dtype=torch.long),
+             "completion_mask": torch.tensor([[1] * c + [0] * (C - c)]), "advantages": torch.tensor([float(i)])}
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+    batches = [{k: torch.cat([r[k] for r in rows[i:i + 2]]) for k in rows[0]} for i in (0, 2)]
+    tokens = padding_free.balanced(batches, window=2, share_prompts=True)
+    grouped = padding_free.balanced(batches, window=2, share_prompts=True, by_prompt=True)
+    assert [b["advantages"].tolist() for b in tokens] == [[0.0, 3.0], [1.0, 2.0]]
+    assert [b["advantages"].tolist() for b in grouped] == [[0.0, 2.0], [1.0, 3.0]]
+    assert [b["prompt_ids"].tolist() for b in grouped] == [[[1, 2], [1, 2]], [[3, 4], [3, 4]]]
+    assert padding_free.balanced(grouped, window=2, by_prompt=True) == grouped  # already together: untouched
+
+
 def _step_grads_and_microbatches(tiny_llama, grpo_args, **kw):
     """One optimizer step of 2 microbatches (4 rows each, one generation batch of 2 prompts x 4): the
-    gradient the optimizer receives, the loss logged, and each microbatch's real tokens and rows."""
+    gradient the optimizer receives, the loss logged, and each microbatch's real tokens under the mask path's
+    trees, rows (their advantages) and number of distinct prompts."""
     from transformers import TrainerCallback
 
     grads, seen = [], []
@@ -784,7 +817,8 @@ def _step_grads_and_microbatches(tiny_llama, grpo_args, **kw):
             p = pack(ids, attn, ids.size(1) - inputs["prompt_ids"].size(1), ids.size(1),
                      share_prompts=self.share_prompts)
             real = int(attn.sum()) if p.tree is None else int((p.tree != -1).sum())
-            seen.append((real, sorted(inputs["advantages"].tolist())))
+            prompts = len(set(prompts_of(inputs["prompt_ids"], inputs["prompt_mask"])))
+            seen.append((real, sorted(inputs["advantages"].tolist()), prompts))
             return super()._compute_loss(model, inputs)
 
     args = grpo_args(**{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1,
@@ -801,15 +835,16 @@ def test_balanced_microbatches_lower_the_heaviest_and_keep_the_step_gradient(los
     """Same seed, same completions: regrouped by tokens, the heaviest microbatch is lighter than TRL's
     random grouping made it, and the optimizer step's gradient and logged loss (policy loss + KL) are the
     same sum (1e-5 relative). The guards ran on the regrouped microbatch (guard_steps=1)."""
-    kw = {"loss_type": loss_type, "importance_sampling_level": "sequence" if loss_type == "luspo" else "token"}
+    kw = {"loss_type": loss_type, "importance_sampling_level": "sequence" if loss_type == "luspo" else "token",
+          "packed_attention": "mask"}  # varlen's trees group by prompt instead (test_varlen_attention.py)
     off, g_off, loss_off, seen_off = _step_grads_and_microbatches(tiny_llama, grpo_args, balance_microbatches=False,
                                                                   **kw)
     on, g_on, loss_on, seen_on = _step_grads_and_microbatches(tiny_llama, grpo_args, **kw)
     assert on.balance_microbatches is True and off.balance_microbatches is False and on.padding_free
-    assert sorted(r for _, rows in seen_on for r in rows) == sorted(r for _, rows in seen_off for r in rows)
+    assert sorted(r for _, rows, _ in seen_on for r in rows) == sorted(r for _, rows, _ in seen_off for r in rows)
     assert on.share_prompts  # regrouped by the tokens the forwards run: a prompt's rows together where it pays
-    assert sum(t for t, _ in seen_on) <= sum(t for t, _ in seen_off), (seen_on, seen_off)
-    assert max(t for t, _ in seen_on) < max(t for t, _ in seen_off), (seen_on, seen_off)  # regrouped, lighter
+    assert sum(t for t, *_ in seen_on) <= sum(t for t, *_ in seen_off), (seen_on, seen_off)
+    assert max(t for t, *_ in seen_on) < max(t for t, *_ in seen_off), (seen_on, seen_off)  # regrouped, lighter
     assert g_off.norm() > 0 and _rel(g_on, g_off) < 1e-5
     assert loss_on == pytest.approx(loss_off, rel=1e-5)
 

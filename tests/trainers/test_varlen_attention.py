@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import arithmetic_prompts, length_reward
-from test_padding_free import (_assert_every_loss_type_equal, _assert_really_packed, _forward, _rel, _tiny_model,
-                               _trainer)
+from test_padding_free import (_assert_every_loss_type_equal, _assert_really_packed, _forward, _rel,
+                               _step_grads_and_microbatches, _tiny_model, _trainer)
 
 import grpotrl
 from grpotrl.configs.checks import check_packed_attention
@@ -376,16 +376,31 @@ def test_under_autocast_over_fp32_weights_every_layer_hands_the_kernel_one_half_
     assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, True)] * model.config.num_hidden_layers
 
 
-def test_auto_is_mask_until_varlen_is_measured_faster_and_varlen_is_honoured(tiny_llama):
+def test_auto_is_varlen_only_where_measured_faster_and_an_explicit_setting_is_honoured(tiny_llama):
+    """'auto' is varlen on CPU in fp32 (measured faster there, docs/cost.md; bf16 and fp16 were not measured, and
+    stay on the mask), and the mask elsewhere until measured; 'varlen' and 'mask' are honoured everywhere; a config
+    without the field (trl.GRPOConfig) keeps the mask."""
     model = _tiny_model(tiny_llama)
-    assert padding_free.VARLEN_MEASURED_FASTER_ON == ()
-    for device in ("cpu", "cuda", "xpu"):
-        assert padding_free.resolve_packed_attention(_args(), model, None, device, packed=True) == (
+    assert padding_free.VARLEN_MEASURED_FASTER_ON == ("cpu",)
+    assert padding_free.resolve_packed_attention(_args(), model, model, "cpu", packed=True) == ("varlen", None)
+    for precision, dtype in (({"bf16": True}, "bfloat16"), ({"fp16": True}, "float16")):  # measured in fp32 only
+        assert padding_free.resolve_packed_attention(_args(**precision), model, model, "cpu", packed=True) == (
+            "mask", f"varlen was measured faster than the mask on cpu in fp32 only, and this run computes in {dtype}; "
+            "see docs/cost.md")
+    assert padding_free.resolve_packed_attention(_args(), _tiny_model(tiny_llama).to(torch.bfloat16), None, "cpu",
+                                                 packed=True)[0] == "mask"  # bf16 weights
+    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", bf16=True), model, None, "cpu",
+                                                 packed=True) == ("varlen", None)  # asked for: honoured
+    assert padding_free.resolve_packed_attention(_args(), model, None, "cpu", packed=False) == \
+        ("mask", "padding_free is off, and varlen runs the padding-free forwards")
+    for device in ("cuda", "xpu"):
+        assert padding_free.resolve_packed_attention(_args(bf16=True), model, None, device, packed=True) == (
             "mask", f"varlen not measured faster than the mask on {device}; see docs/cost.md")
+    for device in ("cpu", "cuda", "xpu"):
         assert padding_free.resolve_packed_attention(_args(packed_attention="varlen"), model, model, device,
                                                      packed=True) == ("varlen", None)
-    assert padding_free.resolve_packed_attention(_args(packed_attention="mask"), model, None, "cpu", True) == \
-        ("mask", None)
+        assert padding_free.resolve_packed_attention(_args(packed_attention="mask"), model, None, device, True) == \
+            ("mask", None)
     assert padding_free.resolve_packed_attention(SimpleNamespace(), model, None, "cpu", True) == ("mask", None)
 
 
@@ -417,11 +432,36 @@ def test_prompts_are_shared_under_varlen_except_where_the_kernel_runs_it(tiny_ll
     assert not padding_free.kernel_runs(_args(bf16=True), model, "cuda", "mask")
 
 
-def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama):
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_varlen_trees_regroup_a_step_by_prompt_and_keep_the_step_gradient(loss_type, tiny_llama, grpo_args):
+    """Under varlen with shared prompts a forward runs each of its prompts once whatever its rows' lengths, so the
+    balanced microbatches hold one prompt each (2 prompts x 4 answers, 2 microbatches of 4) where TRL's shuffle
+    mixed them; the optimizer step's gradient and logged loss are TRL's grouping's (1e-5 relative)."""
+    kw = {"packed_attention": "varlen", "loss_type": loss_type}
+    off, g_off, loss_off, seen_off = _step_grads_and_microbatches(tiny_llama, grpo_args, balance_microbatches=False,
+                                                                  **kw)
+    on, g_on, loss_on, seen_on = _step_grads_and_microbatches(tiny_llama, grpo_args, **kw)
+    assert on.share_prompts and on.packed_attention == "varlen" and on.balance_microbatches
+    assert sorted(r for _, rows, _ in seen_on for r in rows) == sorted(r for _, rows, _ in seen_off for r in rows)
+    assert [p for *_, p in seen_on] == [1, 1], seen_on
+    assert any(p > 1 for *_, p in seen_off), seen_off  # TRL's shuffle mixed the prompts (seeded): a real regrouping
+    assert g_off.norm() > 0 and _rel(g_on, g_off) < 1e-5
+    assert loss_on == pytest.approx(loss_off, rel=1e-5, abs=1e-7)  # at step 1 the policy loss is about 0
+
+
+def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama, tiny_gpt2):
     model = _tiny_model(tiny_llama)
     on = _args(packed_attention="varlen")
+    gpt2 = _tiny_model(tiny_gpt2)  # GPT2Attention.attn_dropout: p 0.1, handed to the attention in training mode
+    assert padding_free.resolve_packed_attention(on, gpt2, None, "cpu", True) == ("varlen", None)  # disable_dropout
+    assert padding_free._attention_dropout_modules(gpt2)[:2] == ["transformer.h.0.attn.attn_dropout",
+                                                                 "transformer.h.0.attn.resid_dropout"]
     cases = [
         (dict(packed=False), model, "padding_free is off"),
+        (dict(args=_args(packed_attention="varlen", use_transformers_continuous_batching=True)), model,
+         "continuous batching runs the rollout under the policy's attention"),
+        (dict(args=_args(packed_attention="varlen", disable_dropout=False)), gpt2,
+         "disable_dropout is off and GPT2LMHeadModel's attention layers hold dropout"),
         ({}, _tiny_model(tiny_llama, _attn_implementation="eager"), "stands in for sdpa only"),
         ({}, _tiny_model(tiny_llama, attn_logit_softcapping=50.0), "softcaps"),
         ({}, _tiny_model(tiny_llama, sliding_window=16), "sliding-window"),
