@@ -232,9 +232,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         elif (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:  # disable_dropout zeroes nn.Dropout only
             why = (f"the model's attention_dropout is {text.attention_dropout}, and varlen runs without dropout (set "
                    "it to 0 in the model's config)")
-        elif not getattr(args, "disable_dropout", False) and _attention_dropout_modules(m):
+        elif not getattr(args, "disable_dropout", False) and (dropouts := _attention_dropout_modules(m)):
             why = (f"disable_dropout is off and {type(m).__name__}'s attention layers hold dropout "
-                   f"({_attention_dropout_modules(m)[0]}), which varlen does not compute (set disable_dropout=True)")
+                   f"({dropouts[0]}), which varlen does not compute (set disable_dropout=True)")
     if why is not None:
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")
