@@ -9,10 +9,11 @@ The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``defa
 defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
 ``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on); ``compiled`` (grpotrl's defaults with
 the compiled rollout forced on: a static KV cache and the decoding step compiled, ``compiled_rollout=true``);
-``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA torch's varlen kernel, elsewhere one
-sdpa per sequence; the finished-row rollout on, as ``padding_free`` turns it on);
-``fastest`` (every speed setting forced on: ``padding_free=true``, ``packed_attention=varlen`` on CUDA,
-``compiled_rollout=true``). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
+``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA in bf16 torch's varlen kernel, which
+grpotrl refuses while the guards run, so the variant is reported failed there; elsewhere one sdpa per sequence or
+prompt tree; the finished-row rollout on, as ``padding_free`` turns it on);
+``fastest`` (every speed setting the guards can check forced on: ``padding_free=true``, ``compiled_rollout=true``,
+``packed_attention`` left at 'auto'). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
 on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so that on a GPU the three variants' 4 steps at 8 x 8 x 256,
 each child's setup and compilation included, run in one command of a few minutes. CUDA runs bf16 (autocast
 over the fp32 weights).
@@ -39,7 +40,7 @@ the steps after grpotrl's guard steps can be compared. On CUDA each timed span s
 ``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
 ``padded``, or ``default`` where it resolved to padding_free off.
 Goals, after the guard steps: on CPU the step <= 0.6x plain TRL's for ``packed`` (the CPU default); on CUDA
-<= 0.5x for ``fastest`` (and for ``default`` once the defaults follow a GPU measurement), peak memory <= 1.0x, the
+<= 0.5x for ``default`` (the compiled rollout), ``compiled`` and ``fastest``, peak memory <= 1.0x, the
 same mean completion length as TRL's within sampling noise; loss and grad norm equal to the padded path's within
 1e-5 relative (fp32), step by step.
 The guards run on grpotrl's default schedule (the first 2 steps), in every grpotrl variant. A variant whose
@@ -59,7 +60,7 @@ import _runner  # bench/_runner.py: the timer and the alternating driver
 VARIANTS = ("trl", "default", "padded", "packed", "compiled", "varlen", "fastest")
 DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
 # step time / plain TRL's after the guard steps, per device: CPU's default is packed; on CUDA every speed setting on
-GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"fastest": 0.5}}
+GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"default": 0.5, "compiled": 0.5, "fastest": 0.5}}
 GUARD_STEPS = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
@@ -124,9 +125,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     elif variant == "varlen":
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=True,
                                                                       packed_attention="varlen")
-    elif variant == "fastest":  # every speed setting on; varlen attention where a kernel exists (CUDA)
+    elif variant == "fastest":  # every speed setting the guards can check on (CUDA's varlen kernel they cannot)
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(
-            **common, padding_free=True, packed_attention="varlen" if cuda else "auto", compiled_rollout="true")
+            **common, padding_free=True, compiled_rollout="true")
     else:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
 

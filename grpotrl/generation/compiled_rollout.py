@@ -16,8 +16,9 @@ cache length dynamo has not seen compiles a new graph; dynamo's ``recompile_limi
 Prefill is not compiled (transformers runs it eagerly: its width changes every call). grpotrl's logits
 processors and the sampler-logprob recorder run in the decoding loop, outside the compiled forward, unchanged.
 
-``resolve`` turns the config's setting into on or off: ``"auto"`` is on only on ``MEASURED_FASTER_ON``
-(empty: no device has a measurement yet, docs/cost.md), ``"true"`` on any device (on CPU through
+``resolve`` turns the config's setting into on or off: ``"auto"`` is on only on ``MEASURED_FASTER_ON`` (CUDA:
+on an H100 in bf16 the GRPO step after the guard steps took 0.296x plain TRL's, docs/cost.md) and only in runs
+like the measured one (``unmeasured``: no DeepSpeed, no adapter), ``"true"`` on any device (on CPU through
 ``CompileConfig._compile_all_devices``), and what cannot work is refused (``refusal``).
 """
 
@@ -29,8 +30,8 @@ from transformers import CompileConfig, GenerationConfig
 from ..errors import InputError
 
 # device types where 'auto' is on: the GRPO step measured faster with the compiled rollout than with TRL's eager
-# one (docs/cost.md). None yet.
-MEASURED_FASTER_ON: tuple[str, ...] = ()
+# one (docs/cost.md: an H100 in bf16, 0.296x; CPU was not measured faster)
+MEASURED_FASTER_ON: tuple[str, ...] = ("cuda",)
 MIN_BUCKET = 64  # the smallest static cache length
 # device types where the stop decision is read one step late (transformers' DeferredStopCheck), so that the host
 # never waits on the device inside the loop: it needs torch.Event on the device (CPU has none)
@@ -152,14 +153,31 @@ def refusal(*, hf_generate: bool, tools: bool, cache_implementation, is_vlm: boo
     return None
 
 
-def resolve(setting, device_type: str, why_not: str | None) -> tuple[bool, str | None]:
+def unmeasured(deepspeed: bool, adapter: bool) -> str | None:
+    """What of a run the measurement that turned ``"auto"`` on did not cover (None: nothing): it ran one process
+    without DeepSpeed (``deepspeed``) on a full model (``adapter``: a PEFT adapter on it).
+
+    >>> unmeasured(False, False), unmeasured(True, False)
+    (None, 'the compiled rollout was not measured under DeepSpeed')
+    """
+    if deepspeed:
+        return "the compiled rollout was not measured under DeepSpeed"
+    if adapter:
+        return "the compiled rollout was not measured with a PEFT adapter"
+    return None
+
+
+def resolve(setting, device_type: str, why_not: str | None, not_covered: str | None = None) -> tuple[bool, str | None]:
     """Whether the rollout is compiled (``setting``: the config's ``compiled_rollout``) on a device of
     ``device_type`` (``torch.device.type``), and why not where it asked for ``"auto"`` and it is off.
-    ``why_not``: ``refusal``'s answer. ``"auto"`` is on only on ``MEASURED_FASTER_ON`` where nothing is
-    refused; ``"true"`` on any device, an ``InputError`` where something is.
+    ``why_not``: ``refusal``'s answer; ``not_covered``: ``unmeasured``'s. ``"auto"`` is on only on
+    ``MEASURED_FASTER_ON`` where nothing is refused and the measurement covers the run; ``"true"`` on any device,
+    an ``InputError`` where something is refused.
 
-    >>> resolve("auto", "cuda", None)
-    (False, "not measured faster than TRL's eager rollout on cuda; see docs/cost.md")
+    >>> resolve("auto", "cuda", None), resolve("auto", "cpu", None)
+    ((True, None), (False, "not measured faster than TRL's eager rollout on cpu; see docs/cost.md"))
+    >>> resolve("auto", "cuda", None, "the compiled rollout was not measured under DeepSpeed")
+    (False, 'the compiled rollout was not measured under DeepSpeed; see docs/cost.md')
     >>> resolve("true", "cpu", None)
     (True, None)
     """
@@ -173,6 +191,8 @@ def resolve(setting, device_type: str, why_not: str | None) -> tuple[bool, str |
         return False, why_not
     if want == "auto" and device_type not in MEASURED_FASTER_ON:
         return False, f"not measured faster than TRL's eager rollout on {device_type}; see docs/cost.md"
+    if want == "auto" and not_covered is not None:
+        return False, f"{not_covered}; see docs/cost.md"
     return True, None
 
 
@@ -180,7 +200,7 @@ def startup_line(setting, device_type: str, on: bool, why: str | None) -> str:
     """The line a trainer logs once at init: what ``compiled_rollout`` resolved to on ``device_type`` and why
     (that the finished-row rollout is off under it is ``padding_free.startup_line``'s to say).
 
-    >>> startup_line("auto", "cuda", False, "not measured faster ...")
+    >>> startup_line("auto", "cpu", False, "not measured faster ...")
     'grpotrl: compiled rollout off (auto: not measured faster ...)'
     >>> startup_line("true", "cpu", True, None)
     'grpotrl: compiled rollout on (set true: static KV cache, decoding step compiled, mode default)'

@@ -11,7 +11,7 @@ model's lifetime). The names say which kind each is:
 * ``inject_*``: the call runs with something added or replaced (keyword arguments, a reordered
   processor list, position ids, a method shadowed for the block: ``inject_attr``).
 * ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``,
-  ``skip_stacked_input_grad_hooks``.
+  ``skip_stacked_input_grad_hooks``, ``skip_input_grad_hooks``.
 * ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
   ``set_metrics``, ``set_buffered_inputs``).
 * ``read_*``: returns what TRL keeps in a private field, as it is (nothing is wrapped or written):
@@ -26,7 +26,8 @@ private names are read where they are used, both pinned in ``tests/trainers/test
 it) and TRL's config classes' ``_VALID_DICT_FIELDS`` (``configs/__init__.py`` extends it with grpotrl's
 dict-valued fields). The compiled rollout (``generation/compiled_rollout.py``) reads a model's
 ``_can_compile_fullgraph`` and ``_supports_default_dynamic_cache`` and sets ``CompileConfig._compile_all_devices``,
-transformers' own switches for its compile path (pinned there too).
+transformers' own switches for its compile path (pinned there too); ``skip_input_grad_hooks`` reads a transformers
+model's ``_require_grads_hooks``, the list its ``enable_input_require_grads`` keeps (pinned there too).
 Each helper here is pinned by ``tests/trainers/test_trl_hooks.py`` against TRL's source: a renamed field or
 method fails there, not silently in a run.
 
@@ -456,6 +457,27 @@ def skip_stacked_input_grad_hooks(model) -> Iterator[None]:
             if isinstance(m, PreTrainedModel):
                 stack.enter_context(inject_attr(m, "enable_input_require_grads", once(m)))
         yield
+
+
+@contextmanager
+def skip_input_grad_hooks(model) -> Iterator[None]:
+    """Skip: inside the block, the forward hooks that transformers' ``enable_input_require_grads`` put on the input
+    embeddings of each transformers model in ``model`` are removed; where the block leaves such a model without
+    them, they are put back at its end. Each hook marks the embeddings' output as requiring a gradient, for the
+    backward of a checkpointed step; under ``no_grad``, as in ``generate``, it changes nothing, and torch 2.11's
+    dynamo refuses its ``requires_grad_`` inside a compiled decoding step (``Unsupported``: the compiled rollout
+    stopped at its first call under gradient checkpointing on an H100). TRL's switch of gradient checkpointing back
+    on after ``generate`` may add them again inside the block: then they are left as they are."""
+    stripped = [m for m in model.modules()
+                if isinstance(m, PreTrainedModel) and getattr(m, "_require_grads_hooks", None)]
+    for m in stripped:
+        m.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        for m in stripped:
+            if not getattr(m, "_require_grads_hooks", None):
+                m.enable_input_require_grads()
 
 
 @contextmanager

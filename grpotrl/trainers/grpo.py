@@ -101,6 +101,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         that repeat a prompt run its prefill once, and the KV cache's layers grow in place.
       * under ``compiled_rollout``, the generating model's ``get_compiled_call`` in ``_generate`` (``record_calls``):
         whether transformers compiled the decoding step (an ``InputError`` where it ran eagerly).
+      * under ``compiled_rollout``, each transformers model's input-embedding gradient hooks inside the policy, in
+        ``_generate`` (``skip_input_grad_hooks``): removed for the rollout (no gradient flows there, and torch's
+        dynamo refuses their ``requires_grad_`` in a compiled step), put back after where TRL did not.
       * under ``packed_attention='varlen'`` (``trainers/packed_attention.py``): the policy's attention implementation
         (transformers' ``set_attn_implementation``) in ``training_step`` and ``prediction_step``, its backward
         included, and the policy's or reference's in each packed no-grad forward; grpotrl's attention and mask
@@ -248,7 +251,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _resolve_compiled_rollout(self, args, device: str):
         """The run's compiled rollout (``generation.compiled_rollout``): its ``CompileConfig`` where it is on (the
         transformers generate path, nothing refused, ``compiled_rollout`` 'true', or 'auto' on a device where it
-        was measured faster), else None; logs what was chosen and why in one line.
+        was measured faster, in a run like the measured one: no DeepSpeed, no adapter), else None; logs what was
+        chosen and why in one line.
 
         Raises:
             InputError: ``compiled_rollout`` 'true' where it cannot run (``compiled_rollout.refusal``).
@@ -260,7 +264,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             cache_implementation=getattr(getattr(self, "generation_config", None), "cache_implementation", None),
             is_vlm=_intercept.read_is_vlm(self), facts=facts,
             sharded=bool(self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3)))
-        on, why = compiled_rollout.resolve(getattr(args, "compiled_rollout", False), device, why_not)
+        not_covered = compiled_rollout.unmeasured(deepspeed=deepspeed is not None,
+                                                  adapter=hasattr(self.model, "peft_config"))
+        on, why = compiled_rollout.resolve(getattr(args, "compiled_rollout", False), device, why_not, not_covered)
         logger.info(compiled_rollout.startup_line(args.compiled_rollout, device, on, why))
         return compiled_rollout.compile_config(device, facts["fullgraph"]) if on else None
 
@@ -331,13 +337,15 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _compiled_generate(self, model):
         """Under the compiled rollout, the ``generate`` calls of the block: the stop flag read one step late and
         ``torch.multinomial`` without its per-step device read, on the devices where those apply
-        (``compiled_rollout.DEFERRED_STOP_ON``, ``SYNC_FREE_DRAW_ON``); yields the list of the compiled calls
+        (``compiled_rollout.DEFERRED_STOP_ON``, ``SYNC_FREE_DRAW_ON``), and without the input embeddings'
+        gradient hooks, which a compiled step refuses (``_intercept.skip_input_grad_hooks``); yields the list of the compiled calls
         transformers made (``get_compiled_call``, once per ``generate`` that compiled its decoding step). Without
         the compiled rollout nothing changes and it yields None."""
         if self.compiled_rollout is None:
             yield None
             return
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_intercept.skip_input_grad_hooks(model))
             stack.enter_context(_intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON))
             if self.accelerator.device.type in compiled_rollout.SYNC_FREE_DRAW_ON:
                 stack.enter_context(_intercept.inject_draw_one(defer_check=True))

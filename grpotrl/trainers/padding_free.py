@@ -235,6 +235,12 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         elif not getattr(args, "disable_dropout", False) and (dropouts := _attention_dropout_modules(m)):
             why = (f"disable_dropout is off and {type(m).__name__}'s attention layers hold dropout "
                    f"({dropouts[0]}), which varlen does not compute (set disable_dropout=True)")
+    if why is None and getattr(args, "guard_steps", 0) != 0 and kernel_runs(args, model, device_type, "varlen"):
+        why = (f"torch's FlashAttention varlen kernel rounds every token in "
+               f"{str(compute_dtype(model, getattr(args, 'bf16', False), getattr(args, 'fp16', False)))[6:]} "
+               "otherwise than the padded recompute that I5 checks the loss's logprobs against (on an H100 in bf16 "
+               "the median gap was 0.022-0.032 nats, over I5's 0.02 bound), so I5 would stop the run at its first "
+               "guard step (docs/cost.md; guard_steps: 0 runs it unchecked)")
     if why is not None:
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")

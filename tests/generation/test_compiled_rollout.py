@@ -11,6 +11,7 @@ import torch._dynamo.utils as dynamo_utils
 import transformers
 import trl
 from conftest import arithmetic_prompts, length_reward
+from peft import LoraConfig
 from test_finished_rows import StopAt
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
@@ -205,10 +206,22 @@ def test_bucket_lengths():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
-def test_auto_is_off_on_every_device_until_one_is_measured(device):
-    assert compiled_rollout.MEASURED_FASTER_ON == ()
+def test_auto_is_on_only_where_measured_faster_and_in_runs_like_the_measured_one(device):
+    """'auto' is on on CUDA (an H100 in bf16: the step 0.296x plain TRL's, docs/cost.md), off elsewhere with the
+    reason; off under DeepSpeed or an adapter, which the measurement did not cover; 'true' is honoured anyway."""
+    assert compiled_rollout.MEASURED_FASTER_ON == ("cuda",)
     on, why = compiled_rollout.resolve("auto", device, None)
-    assert not on and why == f"not measured faster than TRL's eager rollout on {device}; see docs/cost.md"
+    if device == "cuda":
+        assert on and why is None
+    else:
+        assert not on and why == f"not measured faster than TRL's eager rollout on {device}; see docs/cost.md"
+    for deepspeed, adapter, words in ((True, False, "DeepSpeed"), (False, True, "PEFT adapter")):
+        not_covered = compiled_rollout.unmeasured(deepspeed, adapter)
+        assert words in not_covered
+        on, why = compiled_rollout.resolve("auto", device, None, not_covered)
+        assert not on and (words in why) == (device == "cuda")
+        assert compiled_rollout.resolve("true", device, None, not_covered) == (True, None)
+    assert compiled_rollout.unmeasured(False, False) is None
     assert compiled_rollout.resolve("true", device, None) == (True, None)
     assert compiled_rollout.resolve("false", device, None) == (False, None)
     assert compiled_rollout.resolve(False, device, None) == (False, None)
@@ -265,14 +278,31 @@ class GraphCount(transformers.TrainerCallback):
         self.graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
-def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off(tiny_llama, grpo_args, caplog):
+def _input_grad_hooks(model) -> int:
+    """How many of transformers' ``enable_input_require_grads`` hooks the model's input embeddings hold."""
+    return sum(getattr(h, "__name__", "") == "make_inputs_require_grads"
+               for h in model.get_input_embeddings()._forward_hooks.values())
+
+
+def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off(tiny_llama, grpo_args, caplog,
+                                                                                monkeypatch):
     """Four GRPO steps with ``compiled_rollout: true`` on CPU, gradient checkpointing on (TRL's default), every
     guard on every step (I1, I3-I5, I10, I11 pass: the sampler's logprobs are the trainer's within fp32),
     padding_free on (CPU's 'auto') but its finished-row rollout off, said at init; the rollout ran compiled and said
     so in its metric, and compiled once: TRL switches checkpointing off and on around each rollout, which stacked
     an input-embedding hook on the model at each switch, and the decoding step recompiled on their number at every
-    step (``_intercept.skip_stacked_input_grad_hooks``)."""
+    step (``_intercept.skip_stacked_input_grad_hooks``). Each ``generate`` ran without the input-embedding gradient
+    hook, whose ``requires_grad_`` torch 2.11's dynamo refuses in the compiled step (an H100 run stopped at its
+    first rollout), and the training forwards keep the one that checkpointing needs."""
     graphs = GraphCount()
+    hooks_at_generate = []
+    generate = transformers.GenerationMixin.generate
+
+    def counting(self, *args, **kwargs):
+        hooks_at_generate.append(_input_grad_hooks(self))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counting)
     with caplog.at_level("INFO", logger="grpotrl.trainers.grpo"):
         trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
                                       args=grpo_args(compiled_rollout="true", max_steps=4), callbacks=[graphs])
@@ -291,6 +321,23 @@ def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off
     assert not any("padding_free/decoding_rows" in h for h in history)
     assert any("guards/logprob_max_gap" in h for h in history)  # I5 ran (and passed: train() returned)
     assert hasattr(trainer.model, "_compiled_call")
+    assert hooks_at_generate == [0] * 4 and _input_grad_hooks(trainer.model) == 1, hooks_at_generate
+
+
+def test_auto_on_a_measured_device_leaves_an_adapters_rollout_eager_and_says_why(tiny_llama, grpo_args, caplog,
+                                                                                   monkeypatch):
+    """With CPU counted as measured, 'auto' compiles a full model's rollout and leaves a LoRA model's eager, saying
+    why: the measurement that turned it on ran without an adapter."""
+    monkeypatch.setattr(compiled_rollout, "MEASURED_FASTER_ON", ("cpu",))
+    full = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                               args=grpo_args(max_steps=1))
+    assert full.compiled_rollout is not None
+    with caplog.at_level("INFO", logger="grpotrl.trainers.grpo"):
+        lora = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                                   args=grpo_args(max_steps=1), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    assert lora.compiled_rollout is None
+    assert "grpotrl: compiled rollout off (auto: the compiled rollout was not measured with a PEFT adapter; see " \
+           "docs/cost.md)" in caplog.text
 
 
 def test_auto_leaves_trls_eager_rollout_and_says_why(tiny_llama, grpo_args, caplog):

@@ -8,7 +8,9 @@ private TRL attribute it reads or sets, and the layout of the tuples it indexes.
 import inspect
 import re
 
+import torch
 import trl
+from transformers import AutoModelForCausalLM
 
 import grpotrl
 from grpotrl.ops.loss_types import LOSS_TYPES, Normaliser, PerToken
@@ -562,3 +564,23 @@ def test_transformers_compile_path_the_compiled_rollout_goes_through():
     assert isinstance(transformers.PreTrainedModel._can_compile_fullgraph, bool)
     assert callable(GenerationMixin._supports_default_dynamic_cache)
     assert "is_compileable" in dir(HfQuantizer)
+
+
+def test_transformers_input_grad_hooks_the_compiled_rollout_skips(tiny_llama):
+    """``_intercept.skip_input_grad_hooks`` (and ``skip_stacked_input_grad_hooks``) rely on transformers'
+    ``enable_input_require_grads`` keeping the forward hooks it adds on the input embeddings in the model's
+    ``_require_grads_hooks`` (a private list) and ``disable_input_require_grads`` removing exactly those; inside the
+    block the embeddings run without them, and the block puts them back."""
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    names = lambda: [h.__name__ for h in model.get_input_embeddings()._forward_hooks.values()]  # noqa: E731
+    embed = lambda: model.get_input_embeddings()(torch.tensor([[1, 2]]))  # noqa: E731
+    model.enable_input_require_grads()
+    assert len(model._require_grads_hooks) == 1 and names() == ["make_inputs_require_grads"]
+    with torch.no_grad():
+        assert embed().requires_grad  # the hook marks even a no-grad output
+        with _intercept.skip_input_grad_hooks(model):
+            assert names() == [] and not model._require_grads_hooks and not embed().requires_grad
+    assert names() == ["make_inputs_require_grads"] and len(model._require_grads_hooks) == 1
+    model.disable_input_require_grads()
+    assert names() == [] and model._require_grads_hooks == []

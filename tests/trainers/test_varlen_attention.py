@@ -421,6 +421,30 @@ def test_auto_on_a_kernel_device_is_varlen_in_bf16_and_fp16_only(tiny_llama, mon
         ("varlen", None)
 
 
+def test_the_varlen_kernel_is_refused_where_I5_runs_and_cannot_verify_it(tiny_llama, monkeypatch):
+    """On CUDA in bf16/fp16 torch's FlashAttention kernel rounds every token otherwise than the padded recompute I5
+    compares with (an H100: median gap 0.022-0.032 nats, I5's bound 0.02): with guards on (guard_steps != 0) an
+    explicit 'varlen' is an InputError before training, naming I5, the measurement and both ways out, and 'auto'
+    stays on the mask with that reason; with guards off, or in fp32 (no kernel), 'varlen' is honoured."""
+    model = _tiny_model(tiny_llama)
+    monkeypatch.setattr(padding_free, "_varlen_kernel_missing", lambda: None)
+    for precision in ({"bf16": True}, {"fp16": True}):
+        guarded = _args(packed_attention="varlen", guard_steps=2, **precision)
+        with pytest.raises(InputError, match=r"packed_attention='varlen': torch's FlashAttention varlen kernel rounds "
+                                             r"every token in (bfloat16|float16) .*I5.*0\.022-0\.032.*guard_steps: 0.*"
+                                             r"Set packed_attention='mask'"):
+            padding_free.resolve_packed_attention(guarded, model, None, "cuda", True)
+        choice, why = padding_free.resolve_packed_attention(_args(guard_steps=-1, **precision), model, None, "cuda",
+                                                            True)
+        assert choice == "mask" and "I5" in why
+        assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=0, **precision),
+                                                     model, None, "cuda", True) == ("varlen", None)
+    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=2), model.float(), None,
+                                                 "cuda", True) == ("varlen", None)  # fp32: one sdpa per sequence
+    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=2, bf16=True), model,
+                                                 None, "cpu", True) == ("varlen", None)  # no kernel on CPU
+
+
 def test_prompts_are_shared_under_varlen_except_where_the_kernel_runs_it(tiny_llama):
     """torch's varlen kernel takes sequence boundaries, not trees: on CUDA in bf16/fp16 varlen runs each sequence on
     its own; on CPU, and in fp32 anywhere, the tree attention shares each prompt (``GRPOTrainer.__init__``)."""
