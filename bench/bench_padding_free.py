@@ -62,6 +62,10 @@ DEFAULT_VARIANTS = {"cpu": "trl,padded,packed", "cuda": "trl,default,fastest"}
 # step time / plain TRL's after the guard steps, per device: CPU's default is packed; on CUDA every speed setting on
 GOALS_ON = {"cpu": {"default": 0.6, "packed": 0.6}, "cuda": {"default": 0.5, "compiled": 0.5, "fastest": 0.5}}
 GUARD_STEPS = 2  # grpotrl's default guard_steps: steps 1-2 also run I5's padded recompute forward
+# I5's statistics as the guard steps log them (bf16: the fitted temperature's ratio, the median gap and the worst
+# row's mean gap, against 1 +- 1%, 0.02 and 0.5; fp32: the largest gap, against guard_logprob_atol)
+GUARD_METRICS = ("guards/logprob_temperature_ratio", "guards/logprob_median_gap", "guards/logprob_row_gap",
+                 "guards/logprob_max_gap")
 QUESTIONS = [  # open questions; half ask for a short answer, so a batch's completions run from a few tokens to the cap
     "Why is the sky blue?", "What makes a good teacher?", "How do vaccines work?",
     "Describe your ideal weekend.", "What is the difference between weather and climate?",
@@ -213,7 +217,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    padding_free=getattr(trainer, "padding_free", None), compile_seconds=compile_seconds,
                    compile_counts=_compile_counts(),
                    weight_bytes=sum(p.numel() * (2 if cuda else p.element_size()) for p in trainer.model.parameters()),
-                   rows=shape[0] * shape[1])
+                   rows=shape[0] * shape[1],
+                   guards=[{k.removeprefix("guards/logprob_"): h[k] for k in GUARD_METRICS if k in h}
+                           for h in trainer.state.log_history if any(k in h for k in GUARD_METRICS)])
 
 
 def _compile_seconds() -> float:
@@ -370,6 +376,11 @@ def main() -> None:
         print(f"  {v:8s} {rate:9.1f} tokens/s{limit}   torch.compile {res0['compile_seconds']:.1f} s   first step's "
               f"sampling {res0['phases']['rollout'][0] - phase(v, 'sampling') - phase(v, 'no_grad_logps'):+.1f} s "
               "against a later step's")
+    print("I5 on the guard steps (round 0, each logged step; bounds in bf16: temperature_ratio 1 +- 0.01, "
+          "median_gap <= 0.02, row_gap <= 0.5; fp32: max_gap <= 1e-5 x the logit scale):")
+    for v in variants:
+        for i, g in enumerate(results[v][0].get("guards", [])):
+            print(f"  {v:8s} step {i + 1}: " + "  ".join(f"{k} {x:.4g}" for k, x in g.items()))
     print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
     for v in variants:
         print(f"  {v:8s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
