@@ -337,8 +337,9 @@ class PaddingFreeFields:
                   "attention through transformers' AttentionInterface, no sliding window, softcapping or attention "
                   "dropout, and no continuous batching (refused otherwise); on CUDA in bf16/fp16 refused while the "
                   "guards run (the kernel's rounding is beyond what I5 can tell from a fault; guard_steps: 0 runs "
-                  "it unchecked); balance_microbatches then regroups by prompt. 'auto' (default): 'varlen' only on the devices where it was measured faster than 'mask' "
-                  "(CPU, in fp32; docs/cost.md), else 'mask'."},
+                  "it unchecked); balance_microbatches then regroups by prompt. 'auto' (default): 'varlen' only "
+                  "on the devices where it was measured faster than 'mask' (CPU, in fp32; docs/cost.md), else "
+                  "'mask'."},
     )
 
 
@@ -355,10 +356,10 @@ class CompiledRolloutFields:
                   "grpotrl's processors and the sampler-logprob recorder run in the loop as before. 'auto' "
                   "(default): on only on a kind of device where it was measured faster than TRL's eager rollout: "
                   "CUDA (an H100 in bf16: the GRPO step 0.296x TRL's), and there not under DeepSpeed or a PEFT "
-                  "adapter, which were not measured; off on CPU (docs/cost.md); true: on, on any device (CPU too), refused with vLLM, "
-                  "continuous batching, a rollout_func, tools, a cache_implementation other than 'static', a "
-                  "multimodal processing class, FSDP or ZeRO-3, a quantizer transformers cannot compile, or an offloaded "
-                  "model; false: TRL's eager rollout. With it on, the finished-row rollout of padding_free is "
+                  "adapter, which were not measured; off on CPU (docs/cost.md); true: on, on any device (CPU "
+                  "too), refused with vLLM, continuous batching, a rollout_func, tools, a cache_implementation "
+                  "other than 'static', a multimodal processing class, FSDP or ZeRO-3, a quantizer transformers "
+                  "cannot compile, or an offloaded model; false: TRL's eager rollout. With it on, the finished-row rollout of padding_free is "
                   "off (the static cache keeps every row). A trl.GRPOConfig handed to a grpotrl trainer keeps "
                   "TRL's rollout unless it sets compiled_rollout. The trainer logs what it chose, and why, at init."},
     )

@@ -338,9 +338,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """Under the compiled rollout, the ``generate`` calls of the block: the stop flag read one step late and
         ``torch.multinomial`` without its per-step device read, on the devices where those apply
         (``compiled_rollout.DEFERRED_STOP_ON``, ``SYNC_FREE_DRAW_ON``), and without the input embeddings'
-        gradient hooks, which a compiled step refuses (``_intercept.skip_input_grad_hooks``); yields the list of the compiled calls
-        transformers made (``get_compiled_call``, once per ``generate`` that compiled its decoding step). Without
-        the compiled rollout nothing changes and it yields None."""
+        gradient hooks, which a compiled step refuses (``_intercept.skip_input_grad_hooks``); yields the list of
+        the compiled calls transformers made (``get_compiled_call``, once per ``generate`` that compiled its
+        decoding step). Without the compiled rollout nothing changes and it yields None."""
         if self.compiled_rollout is None:
             yield None
             return

@@ -334,7 +334,8 @@ def test_auto_on_a_measured_device_leaves_an_adapters_rollout_eager_and_says_why
     assert full.compiled_rollout is not None
     with caplog.at_level("INFO", logger="grpotrl.trainers.grpo"):
         lora = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
-                                   args=grpo_args(max_steps=1), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+                                   args=grpo_args(max_steps=1),
+                                   peft_config=LoraConfig(r=4, target_modules="all-linear"))
     assert lora.compiled_rollout is None
     assert "grpotrl: compiled rollout off (auto: the compiled rollout was not measured with a PEFT adapter; see " \
            "docs/cost.md)" in caplog.text
