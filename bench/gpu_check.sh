@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed settings' GPU check, in commands that each end inside a lent machine's 10-minute limit:
-#   bash bench/gpu_check.sh bench   # about 6-7 minutes at 8 x 8 x 256: plain TRL, grpotrl's defaults (the compiled
-#                                   # rollout on CUDA), the compiled rollout forced on, and with padding_free too
+#   bash bench/gpu_check.sh bench   # about 5 minutes at 8 x 8 x 256: plain TRL, grpotrl's defaults (the compiled
+#                                   # rollout on CUDA) and the compiled rollout with padding_free too (fastest)
 #   bash bench/gpu_check.sh tests   # about 4-5 minutes: tests/test_gpu.py's speed settings with every guard on, I5
 #                                   # under the compiled rollout, the varlen kernel's refusal
 #   bash bench/gpu_check.sh all     # one command of at most 9 minutes (a lease's one long call): the bench (each
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case "$part" in
   bench)
     # the guard steps (1-2) run I5 against the padded recompute: a variant whose logprobs are off stops with I5
-    timeout 510 python3 bench/bench_padding_free.py --variants trl,default,compiled,fastest --steps 4 \
+    timeout 510 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 4 \
       --child-timeout 200 2>&1 | tee "$out/bench.txt"
     exit "${PIPESTATUS[0]}" ;;
   tests)
@@ -28,7 +28,7 @@ case "$part" in
     exit "${PIPESTATUS[0]}" ;;
   all)
     start=$SECONDS
-    timeout 420 python3 bench/bench_padding_free.py --variants trl,default,compiled,fastest --steps 4 \
+    timeout 420 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 4 \
       --child-timeout 150 2>&1 | tee "$out/bench.txt"
     bench=${PIPESTATUS[0]}
     left=$(( 530 - (SECONDS - start) ))
