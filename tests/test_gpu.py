@@ -128,16 +128,19 @@ def test_I5_passes_the_same_trainer_at_the_sampling_temperature_in_bf16(sft_mode
     assert trainer.state.global_step == 2 and all("guards/logprob_max_gap" in e for e in steps)
 
 
-@pytest.mark.parametrize("factor", [1.1, 1.0])
-def test_I5_under_the_compiled_rollout_stops_a_loss_at_1_1x_the_sampling_temperature_and_passes_1x(sft_model, tmp_path,
-                                                                                                 factor):
-    config = {**bf16_api_config(tmp_path / "out", True), "compiled_rollout": "true"}
-    if factor == 1.0:
-        trainer = train_at_loss_temperature(str(sft_model), factor, **config)
-        assert trainer.state.global_step == 2 and trainer.compiled_rollout is not None
-        return
+def compiled_config(output_dir: Path) -> dict:
+    """``bf16_api_config`` with padding_free and the compiled rollout on."""
+    return {**bf16_api_config(output_dir, True), "compiled_rollout": "true"}
+
+
+def test_I5_stops_a_loss_at_1_1x_the_sampling_temperature_under_the_compiled_rollout(sft_model, tmp_path):
     with pytest.raises(InvariantError, match=r"\[I5\]"):
-        train_at_loss_temperature(str(sft_model), factor, **config)
+        train_at_loss_temperature(str(sft_model), 1.1, **compiled_config(tmp_path / "out"))
+
+
+def test_I5_passes_the_same_trainer_at_the_sampling_temperature_under_the_compiled_rollout(sft_model, tmp_path):
+    trainer = train_at_loss_temperature(str(sft_model), 1.0, **compiled_config(tmp_path / "out"))
+    assert trainer.state.global_step == 2 and trainer.compiled_rollout is not None
 
 
 def test_the_varlen_kernel_is_refused_before_training_where_I5_runs(sft_model, tmp_path):
