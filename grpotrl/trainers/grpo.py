@@ -14,6 +14,7 @@ generation batch's prompt/completion boundary on demand.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 import torch
@@ -340,10 +341,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         (``compiled_rollout.DEFERRED_STOP_ON``, ``SYNC_FREE_DRAW_ON``), and without the input embeddings'
         gradient hooks, which a compiled step refuses (``_intercept.skip_input_grad_hooks``); yields the list of
         the compiled calls transformers made (``get_compiled_call``, once per ``generate`` that compiled its
-        decoding step). Without the compiled rollout nothing changes and it yields None."""
+        decoding step). Where a call traced a new graph, the block ends with one ``gc.collect()``, which frees
+        that call's static cache from dynamo's trace state (``compiled_rollout.graphs_traced``). Without the
+        compiled rollout nothing changes and it yields None."""
         if self.compiled_rollout is None:
             yield None
             return
+        traced = compiled_rollout.graphs_traced()
         with contextlib.ExitStack() as stack:
             stack.enter_context(_intercept.skip_input_grad_hooks(model))
             stack.enter_context(_intercept.inject_deferred_stop_check(compiled_rollout.DEFERRED_STOP_ON))
@@ -351,6 +355,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 stack.enter_context(_intercept.inject_draw_one(defer_check=True))
             yield stack.enter_context(_intercept.record_calls(_intercept._generating_module(model),
                                                               "get_compiled_call"))
+        if compiled_rollout.graphs_traced() != traced:
+            gc.collect()
 
     def _check_compiled(self, model, compiled: list) -> None:
         """The rollout's ``generate`` compiled its decoding step (``compiled``: ``_compiled_generate``'s list), else

@@ -5,6 +5,9 @@ bucketed so that a run compiles a few times; 'auto' is off until a device is mea
 The compiles here are inductor's real ones on CPU (``_compile_all_devices``): about 16 s for the tiny model's
 decoding step on 2 cores, once per cache bucket and model (inductor's on-disk cache makes reruns faster)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
@@ -14,6 +17,7 @@ from conftest import arithmetic_prompts, length_reward
 from peft import LoraConfig
 from test_finished_rows import StopAt
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+from transformers.cache_utils import StaticCache
 
 import grpotrl
 from grpotrl.errors import InputError
@@ -269,13 +273,27 @@ def test_the_config_takes_true_false_auto_and_trl_configs_keep_trls_rollout(tmp_
 
 
 class GraphCount(transformers.TrainerCallback):
-    """dynamo's count of the graphs it compiled, at each step's end."""
+    """dynamo's count of the graphs it compiled, and how many of the static caches that transformers made are
+    alive, at each step's end."""
 
-    def __init__(self):
-        self.graphs = []
+    def __init__(self, caches: list | None = None):
+        self.graphs, self.caches, self.alive = [], caches if caches is not None else [], []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+        self.alive.append(sum(ref() is not None for ref in self.caches))
+
+
+def _track_static_caches(monkeypatch) -> list:
+    """Weak references to every ``StaticCache`` transformers builds from here on."""
+    made, init = [], StaticCache.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(StaticCache, "__init__", tracked)
+    return made
 
 
 def _input_grad_hooks(model) -> int:
@@ -293,8 +311,10 @@ def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off
     an input-embedding hook on the model at each switch, and the decoding step recompiled on their number at every
     step (``_intercept.skip_stacked_input_grad_hooks``). Each ``generate`` ran without the input-embedding gradient
     hook, whose ``requires_grad_`` torch 2.11's dynamo refuses in the compiled step (an H100 run stopped at its
-    first rollout), and the training forwards keep the one that checkpointing needs."""
-    graphs = GraphCount()
+    first rollout), and the training forwards keep the one that checkpointing needs. No static cache outlives its
+    rollout, with Python's cyclic collector off: the call that traced the decoding step left its cache in dynamo's
+    trace state (a reference cycle; alive at steps 1-4 without the trainer's ``gc.collect()``)."""
+    graphs = GraphCount(_track_static_caches(monkeypatch))
     hooks_at_generate = []
     generate = transformers.GenerationMixin.generate
 
@@ -312,8 +332,13 @@ def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off
     assert "grpotrl: compiled rollout on (set true: static KV cache, decoding step compiled, mode default)" \
         in caplog.text
     assert "finished-row rollout off (compiled rollout on: its static KV cache keeps every row)" in caplog.text
-    trainer.train()
+    gc.disable()  # the cycle would otherwise be freed whenever the collector happens to run
+    try:
+        trainer.train()
+    finally:
+        gc.enable()
     assert len(graphs.graphs) == 4 and len(set(graphs.graphs)) == 1, graphs.graphs  # compiled at step 1, never again
+    assert len(graphs.caches) == 4 and graphs.alive == [0] * 4, graphs.alive
     history = trainer.state.log_history
     assert [h["generation/compiled_rollout"] for h in history if "generation/compiled_rollout" in h] == [1.0] * 4
     assert all(h["generation/compiled_rollout_cache_len"] == 64 for h in history
