@@ -36,7 +36,9 @@ decoding step of all the batch's rows (the bandwidth measured here, by copying a
 torch.compile spent (``torch._dynamo``'s own timer) and how much longer the first step's sampling took than the
 later steps'; and each step's own peak memory (CPU: the peak
 RSS, reset at each step's start through ``/proc/self/clear_refs``; CUDA: ``reset_peak_memory_stats``), so that
-the steps after grpotrl's guard steps can be compared. On CUDA each timed span starts and ends with
+the steps after grpotrl's guard steps can be compared, split into the peak of its rollouts and of the rest (loss
+forward + backward, optimizer), with the memory held when the rollout ended and the widest loss microbatch's
+columns: where a variant samples other completions, a wider loss batch raises its peak by itself. On CUDA each timed span starts and ends with
 ``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
 ``padded``, or ``default`` where it resolved to padding_free off.
 Goals, after the guard steps: on CPU the step <= 0.6x plain TRL's for ``packed`` (the CPU default); on CUDA
@@ -154,14 +156,18 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     class Recorded(trainer_class):
         def _compute_loss(self, model, inputs):
             share.add(inputs)
+            widths.append(inputs["prompt_mask"].size(1) + inputs["completion_mask"].size(1))
             return super()._compute_loss(model, inputs)
 
         def _generate_and_score_completions(self, inputs):  # sampling, rewards, reference/old logprobs
             self.in_rollout = True
+            segment("rollout")
             try:
                 return timed("rollout", lambda: super(Recorded, self)._generate_and_score_completions(inputs))
             finally:
                 self.in_rollout = False
+                segment("rest")
+                held.append(read_held())
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             # the rollout's no-grad forwards only: a guard step's recompute inside the loss counts as the loss's
@@ -173,20 +179,41 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
             return timed("step", lambda: super(Recorded, self).training_step(*args, **kwargs))
 
     step_peaks = []  # bytes: each step's own peak (CPU: VmHWM reset at the step's start; CUDA: reset_peak_memory_stats)
+    # bytes, per step: the peak of its rollouts (sampling, rewards, the no-grad logprob forwards) and of the rest
+    # (loss forward + backward, optimizer), each read and reset where one gives way to the other
+    segment_peaks = {"rollout": [], "rest": []}
+    now = {"segment": "rest", "peaks": {"rollout": 0, "rest": 0}}
+    held, held_now = [], []  # bytes allocated (CPU: RSS) when a rollout ended: what the loss starts from
+    widths, step_widths = [], []  # the loss microbatches' P + C columns; per step, the widest
 
     before_steps = []  # bytes: the peak up to the first step (loading, setup), before the first reset
+
+    def segment(to: str | None) -> None:
+        """The peak since the last reset goes to the segment that ran; the next one starts from a reset."""
+        peaks = now["peaks"]
+        peaks[now["segment"]] = max(peaks[now["segment"]], read_peak())
+        reset_peak()
+        now["segment"] = to
 
     class Phases(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if not before_steps:
                 before_steps.append(read_peak())
             reset_peak()
+            now.update(segment="rest", peaks={"rollout": 0, "rest": 0})
+            held.clear()
+            widths.clear()
 
         def on_step_end(self, args, state, control, **kw):
             for k in phases:
                 per_step[k].append(phases[k])
                 phases[k] = 0.0
-            step_peaks.append(read_peak())
+            segment(None)
+            step_peaks.append(max(now["peaks"].values()))
+            for k in segment_peaks:
+                segment_peaks[k].append(now["peaks"][k])
+            held_now.append(max(held, default=0))
+            step_widths.append(max(widths, default=0))
 
     def reset_peak():
         if cuda:
@@ -196,6 +223,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
 
     def read_peak() -> int:
         return torch.cuda.max_memory_allocated() if cuda else _runner.rss_kib() * 1024
+
+    def read_held() -> int:
+        return torch.cuda.memory_allocated() if cuda else _runner.rss_kib("VmRSS") * 1024
 
     timer = _runner.step_timer()
     trainer = Recorded(model=resolve_model_path("smollm2-135m-instruct"), reward_funcs=length_reward, args=args,
@@ -211,7 +241,8 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
                    losses=[h["loss"] for h in logs], grad_norms=[h["grad_norm"] for h in logs],
                    rewards=[h["reward"] for h in trainer.state.log_history if "reward" in h],
                    real=share.real, cells=share.cells, completion_lengths=share.lengths,
-                   phases=per_step, step_peaks=step_peaks,
+                   phases=per_step, step_peaks=step_peaks, segment_peaks=segment_peaks, held=held_now,
+                   widths=step_widths,
                    decoding_rows=[h["padding_free/decoding_rows"] for h in trainer.state.log_history
                                   if "padding_free/decoding_rows" in h],
                    padding_free=getattr(trainer, "padding_free", None), compile_seconds=compile_seconds,
@@ -342,6 +373,11 @@ def main() -> None:
             goal = "  (goal <= %s)" % goals[v] if v in goals else ""
             print(f"  {v:8s} step {step:7.3f} s ({step / step0:.3f}x){goal}   cpu {cpu:7.3f} s ({cpu / cpu0:.3f}x)   "
                   f"peak {top / 2**20:7.0f} MiB ({top / top0:.3f}x)" + ("  (goal <= 1.0)" if v in goals else ""))
+            print(f"  {'':8s} " + "   ".join(
+                f"{name} peak {x / 2**20:7.0f} MiB ({x / x0:.3f}x)" for name, x, x0 in (
+                    (f"the {k}'s" if k == "rest" else "the rollouts'",
+                     *(max(max(res["segment_peaks"][k][after]) for res in results[u]) for u in (v, "trl")))
+                    for k in ("rollout", "rest"))))
     steady = slice(guard, None) if a.steps > guard else slice(None)
 
     def phase(v, name):
@@ -381,9 +417,16 @@ def main() -> None:
     for v in variants:
         for i, g in enumerate(results[v][0].get("guards", [])):
             print(f"  {v:8s} step {i + 1}: " + "  ".join(f"{k} {x:.4g}" for k, x in g.items()))
-    print("peak memory per step (round 0; the guard steps also hold I5's padded recompute):")
+    print("peak memory per step, MiB (round 0; the guard steps also hold I5's padded recompute): the step's, its "
+          "rollouts' (sampling, rewards, no-grad forwards) / the rest's (loss forward + backward, optimizer), what was "
+          "held when the rollout ended" + (" (allocated)" if cuda else " (RSS)") + ", and the widest loss "
+          "microbatch's P + C columns (a sampled batch with longer completions costs the loss more)")
     for v in variants:
-        print(f"  {v:8s} " + "  ".join(f"{x / 2**20:.0f}" for x in results[v][0]["step_peaks"]) + " MiB")
+        res0 = results[v][0]
+        print(f"  {v:8s} " + "  ".join(
+            f"{s / 2**20:.0f} ({r / 2**20:.0f} / {t / 2**20:.0f}, held {h / 2**20:.0f}, W {w})"
+            for s, r, t, h, w in zip(res0["step_peaks"], res0["segment_peaks"]["rollout"],
+                                     res0["segment_peaks"]["rest"], res0["held"], res0["widths"])))
     padded = "padded" if "padded" in variants else next(
         (v for v in variants if v == "default" and not results[v][0]["padding_free"]), None)
     if padded is not None and "packed" in variants:

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case "$part" in
   bench)
     # the guard steps (1-2) run I5 against the padded recompute: a variant whose logprobs are off stops with I5
-    timeout 510 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 4 \
+    timeout 510 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 5 \
       --child-timeout 200 2>&1 | tee "$out/bench.txt"
     exit "${PIPESTATUS[0]}" ;;
   tests)
@@ -28,7 +28,7 @@ case "$part" in
     exit "${PIPESTATUS[0]}" ;;
   all)
     start=$SECONDS
-    timeout 420 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 4 \
+    timeout 420 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 5 \
       --child-timeout 150 2>&1 | tee "$out/bench.txt"
     bench=${PIPESTATUS[0]}
     left=$(( 530 - (SECONDS - start) ))
