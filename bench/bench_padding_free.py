@@ -38,8 +38,8 @@ later steps'; and each step's own peak memory (CPU: the peak
 RSS, reset at each step's start through ``/proc/self/clear_refs``; CUDA: ``reset_peak_memory_stats``), so that
 the steps after grpotrl's guard steps can be compared, split into the peak of its rollouts and of the rest (loss
 forward + backward, optimizer), with the memory held when the rollout ended and the widest loss microbatch's
-columns: where a variant samples other completions, a wider loss batch raises its peak by itself. On CUDA each timed span starts and ends with
-``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
+columns: where a variant samples other completions, a wider loss batch raises its peak by itself. On CUDA each
+timed span starts and ends with ``torch.cuda.synchronize()``, so a phase's kernels count in it. The padded reference for the loss comparison is
 ``padded``, or ``default`` where it resolved to padding_free off.
 Goals, after the guard steps: on CPU the step <= 0.6x plain TRL's for ``packed`` (the CPU default); on CUDA
 <= 0.5x for ``default`` (the compiled rollout), ``compiled`` and ``fastest``, peak memory <= 1.0x, the
@@ -178,9 +178,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
         def training_step(self, *args, **kwargs):
             return timed("step", lambda: super(Recorded, self).training_step(*args, **kwargs))
 
-    step_peaks = []  # bytes: each step's own peak (CPU: VmHWM reset at the step's start; CUDA: reset_peak_memory_stats)
     # bytes, per step: the peak of its rollouts (sampling, rewards, the no-grad logprob forwards) and of the rest
-    # (loss forward + backward, optimizer), each read and reset where one gives way to the other
+    # (loss forward + backward, optimizer), each read and reset where one gives way to the other (CPU: VmHWM through
+    # /proc/self/clear_refs; CUDA: reset_peak_memory_stats); the step's own peak is the larger
     segment_peaks = {"rollout": [], "rest": []}
     now = {"segment": "rest", "peaks": {"rollout": 0, "rest": 0}}
     held, held_now = [], []  # bytes allocated (CPU: RSS) when a rollout ended: what the loss starts from
@@ -188,7 +188,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
 
     before_steps = []  # bytes: the peak up to the first step (loading, setup), before the first reset
 
-    def segment(to: str | None) -> None:
+    def segment(to: str) -> None:
         """The peak since the last reset goes to the segment that ran; the next one starts from a reset."""
         peaks = now["peaks"]
         peaks[now["segment"]] = max(peaks[now["segment"]], read_peak())
@@ -208,8 +208,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
             for k in phases:
                 per_step[k].append(phases[k])
                 phases[k] = 0.0
-            segment(None)
-            step_peaks.append(max(now["peaks"].values()))
+            segment("rest")
             for k in segment_peaks:
                 segment_peaks[k].append(now["peaks"][k])
             held_now.append(max(held, default=0))
@@ -233,6 +232,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     assert variant not in ("padded", "packed") or trainer.padding_free == (variant == "packed")
     trainer.train()
     compile_seconds = _compile_seconds()
+    step_peaks = [max(pair) for pair in zip(*segment_peaks.values())]
     # the run's peak: each step resets it (ru_maxrss and max_memory_allocated read the last step's alone)
     peak = max(before_steps + step_peaks + [read_peak()])
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]

@@ -359,9 +359,10 @@ class CompiledRolloutFields:
                   "adapter, which were not measured; off on CPU (docs/cost.md); true: on, on any device (CPU "
                   "too), refused with vLLM, continuous batching, a rollout_func, tools, a cache_implementation "
                   "other than 'static', a multimodal processing class, FSDP or ZeRO-3, a quantizer transformers "
-                  "cannot compile, or an offloaded model; false: TRL's eager rollout. With it on, the finished-row rollout of padding_free is "
-                  "off (the static cache keeps every row). A trl.GRPOConfig handed to a grpotrl trainer keeps "
-                  "TRL's rollout unless it sets compiled_rollout. The trainer logs what it chose, and why, at init."},
+                  "cannot compile, or an offloaded model; false: TRL's eager rollout. With it on, the finished-row "
+                  "rollout of padding_free is off (the static cache keeps every row). A trl.GRPOConfig handed to a "
+                  "grpotrl trainer keeps TRL's rollout unless it sets compiled_rollout. The trainer logs what it "
+                  "chose, and why, at init."},
     )
 
 

@@ -276,8 +276,8 @@ class GraphCount(transformers.TrainerCallback):
     """dynamo's count of the graphs it compiled, and how many of the static caches that transformers made are
     alive, at each step's end."""
 
-    def __init__(self, caches: list | None = None):
-        self.graphs, self.caches, self.alive = [], caches if caches is not None else [], []
+    def __init__(self, caches: list):
+        self.graphs, self.caches, self.alive = [], caches, []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
