@@ -9,10 +9,10 @@ The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``defa
 defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
 ``padded`` and ``packed`` (grpotrl with ``padding_free`` forced off and on); ``compiled`` (grpotrl's defaults with
 the compiled rollout forced on: a static KV cache and the decoding step compiled, ``compiled_rollout=true``);
-``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA in bf16 torch's varlen kernel, which
-grpotrl refuses while the guards run, so the variant is reported failed there; elsewhere one sdpa per sequence or
-prompt tree; the finished-row rollout on, as ``padding_free`` turns it on);
-``fastest`` (every speed setting the guards can check forced on: ``padding_free=true``, ``compiled_rollout=true``,
+``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA in bf16 torch's varlen kernel, I5's
+guard-step recompute through the same kernel; elsewhere one sdpa per sequence or prompt tree; the finished-row
+rollout on, as ``padding_free`` turns it on);
+``fastest`` (the speed settings measured on a GPU forced on: ``padding_free=true``, ``compiled_rollout=true``,
 ``packed_attention`` left at 'auto'). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
 on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so that on a GPU the three variants' 4 steps at 8 x 8 x 256,
 each child's setup and compilation included, run in one command of a few minutes. CUDA runs bf16 (autocast
@@ -131,7 +131,7 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     elif variant == "varlen":
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=True,
                                                                       packed_attention="varlen")
-    elif variant == "fastest":  # every speed setting the guards can check on (CUDA's varlen kernel they cannot)
+    elif variant == "fastest":  # the speed settings measured on a GPU (not CUDA's varlen kernel: no figure yet)
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(
             **common, padding_free=True, compiled_rollout="true")
     else:

@@ -3,7 +3,7 @@
 #   bash bench/gpu_check.sh bench   # about 5 minutes at 8 x 8 x 256: plain TRL, grpotrl's defaults (the compiled
 #                                   # rollout on CUDA) and the compiled rollout with padding_free too (fastest)
 #   bash bench/gpu_check.sh tests   # about 4-5 minutes: tests/test_gpu.py's speed settings with every guard on, I5
-#                                   # under the compiled rollout, the varlen kernel's refusal
+#                                   # under the compiled rollout and under the varlen kernel
 #   bash bench/gpu_check.sh all     # one command of at most 9 minutes (a lease's one long call): the bench (each
 #                                   # child at most 150 s), then as many of the speed tests as the time left allows
 # on a CUDA machine with grpotrl, TRL and the model installed (a bare machine: stage it, then prefix each command

@@ -2,7 +2,8 @@
 ``grpotrl CMD --config recipes/smollm2/... --use_cpu false --bf16 true``, and the GRPO recipe under
 ``accelerate launch`` with DeepSpeed ZeRO-2 and ZeRO-3 (one process); and I5 against a planted fault
 in bf16 through the Python API; the compiled rollout with every guard on, I5 stopping a planted fault under
-it, and ``packed_attention: varlen`` refused where I5 cannot verify the kernel.
+it; torch's varlen kernel (``packed_attention: varlen``) with every guard on, I5's recompute through the same
+kernel, and I5 stopping a planted position shift under it.
 
 Skipped without CUDA (CI has none): run on a GPU machine with ``pytest -q tests/test_gpu.py``. Each
 case is a bug class the CPU suite cannot see: a tensor left on the CPU beside CUDA ones (CAGrad
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from planted import LossAtScaledTemperature
+from planted import LossAtScaledTemperature, ShiftedCompletionPositions
 
 import grpotrl
 from grpotrl import InvariantError
@@ -143,15 +144,28 @@ def test_I5_passes_the_same_trainer_at_the_sampling_temperature_under_the_compil
     assert trainer.state.global_step == 2 and trainer.compiled_rollout is not None
 
 
-def test_the_varlen_kernel_is_refused_before_training_where_I5_runs(sft_model, tmp_path):
-    """In bf16 torch's FlashAttention varlen kernel moved the median logprob 0.022-0.032 nats from the padded
-    recompute on an H100, over I5's 0.02 bound: with guards on, ``packed_attention: varlen`` stops at init."""
+@pytest.mark.parametrize("shifted", [False, True], ids=["control", "shifted-positions"])
+def test_the_varlen_kernel_trains_with_every_guard_and_I5_stops_a_shifted_position(sft_model, tmp_path, shifted):
+    """torch's FlashAttention varlen kernel moved the median logprob 0.022-0.032 nats from sdpa's padded recompute
+    on an H100, over I5's 0.02 bound; I5's recompute now runs through the same kernel row by row
+    (``kernel_reference``). With every guard at every step, 2 steps train and log I5's median gap (control), and the
+    loss forward that numbers each completion token one position further than generate (a layout fault that moved
+    the median 0.030-0.052 against sdpa) stops with I5."""
     args = grpotrl.GRPOConfig(**bf16_api_config(tmp_path / "out", True), packed_attention="varlen", guard_steps=-1,
                               per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
-                              report_to="none", save_strategy="no")
-    with pytest.raises(grpotrl.InputError, match=r"packed_attention='varlen': torch's FlashAttention varlen kernel"):
-        grpotrl.GRPOTrainer(model=str(sft_model), reward_funcs=format_reward, args=args,
-                            train_dataset=load_quickstart("train"))
+                              temperature=1.0, beta=0.0, logging_steps=1, report_to="none", save_strategy="no",
+                              disable_tqdm=True, seed=42)
+    trainer = ShiftedCompletionPositions(model=str(sft_model), reward_funcs=[exact_answer_reward, format_reward],
+                                         args=args, train_dataset=load_quickstart("train"))
+    assert trainer.packed_attention == "varlen" and trainer.kernel_reference
+    trainer.active = shifted
+    if shifted:
+        with pytest.raises(InvariantError, match=r"\[I5\]"):
+            trainer.train()
+        return
+    trainer.train()
+    steps = [e for e in trainer.state.log_history if "reward" in e]
+    assert trainer.state.global_step == 2 and all("guards/logprob_median_gap" in e for e in steps), steps
 
 
 @pytest.mark.parametrize("cagrad", ["exact", "low_memory"])

@@ -209,7 +209,8 @@ _PACKED_CAUSE = ("padding_free is on: the loss's logprobs came from packed rows,
                  "If the model's attention ignores packed rows (its own mask code, or no position_ids), set "
                  "padding_free=False.")
 _VARLEN_CAUSE = ("padding_free is on with packed_attention='varlen': the loss's logprobs came from each forward's "
-                 "sequences in one row under grpotrl's varlen attention, the reference from the padded batch. If the "
+                 "sequences in one row under grpotrl's varlen attention, the reference from the padded batch (where "
+                 "torch's varlen kernel runs, through that kernel, row by row). If the "
                  "model's attention layers ignore the sequence boundaries (cu_seq_lens) or compute something the "
                  "varlen attention does not (a window, a softcap, a bias), set packed_attention='mask'.")
 

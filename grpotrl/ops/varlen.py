@@ -10,6 +10,9 @@ fp16/bf16 (the inputs', or autocast's: ``kernel_dtype``) this is torch's own Fla
 ``scaled_dot_product_attention`` per sequence, sliced by the boundaries (its cost is each sequence's own ``n^2``,
 summed).
 
+``padded_varlen_attention``: a padded batch ``[B, L]`` through the same attention, each row's kept tokens (the
+mask's) one sequence: the padded forward computed by the kernel the packed forwards use.
+
 ``tree_attention``: sequences that share a prompt, laid out as trees (the shared prefix once, then each
 sequence's own tokens): a prefix token attends to the earlier prefix tokens, a sequence's own token to the whole
 prefix and the earlier tokens of its own part; one sdpa per prefix and per sequence, over the prefix's keys and
@@ -61,6 +64,30 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                           enable_gqa=gqa)  # [1, H, n, D]
            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return torch.cat(out, dim=2)[0].transpose(0, 1)  # [T, H, D]
+
+
+def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float | None = None, half_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Causal attention of a padded batch, each row's kept tokens as one sequence of ``varlen_attention`` (the
+    same kernel, laid out from the mask alone): ``query [B, H, L, D]``, ``key, value [B, Hk, L, D]``, ``mask
+    [B, L]`` (True: a token; None: every token of every row). A kept token attends to the row's earlier kept
+    tokens and itself, as sdpa under the padded causal mask does; a padding token's output is zero. Returns
+    ``[B, L, H, D]`` (transformers' attention output), in the kernel's dtype on CUDA.
+
+    >>> q = torch.tensor([[0., 0.], [0., 0.], [0., 0.]]).view(1, 1, 3, 2)
+    >>> v = torch.tensor([[9., 9.], [1., 2.], [3., 4.]]).view(1, 1, 3, 2)  # the first token is padding
+    >>> padded_varlen_attention(q, q, v, torch.tensor([[False, True, True]]))[0, :, 0].tolist()
+    [[0.0, 0.0], [1.0, 2.0], [2.0, 3.0]]
+    """
+    B, H, L, D = query.shape
+    keep = torch.ones(B, L, dtype=torch.bool, device=query.device) if mask is None else mask.bool()  # [B, L]
+    lengths = keep.sum(1).tolist()  # B ints (a host transfer where the mask lives on an accelerator)
+    if not any(lengths):
+        return query.new_zeros(B, L, H, D)
+    q, k, v = (x.transpose(1, 2)[keep] for x in (query, key, value))  # [T, H, D], [T, Hk, D]: row by row
+    out = varlen_attention(q, k, v, cu_seqlens([n for n in lengths if n], query.device),
+                           max(lengths, default=0), scale=scale, half_dtype=half_dtype)  # [T, H, D]
+    return out.new_zeros(B, L, H, D).index_put_((keep,), out)  # [B, L, H, D]
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, trees: list[tuple[int, list[int]]],

@@ -45,12 +45,13 @@ import time
 
 import torch
 
+from ..checkpoints import D_DIR
 from ..configs import GADConfig
 from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
 from ..preflight import check_gad
 from . import _intercept
-from .gad_engine import D_DIR, prepare_discriminator
+from .gad_engine import prepare_discriminator
 from .grpo import GRPOTrainer
 
 

@@ -27,7 +27,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoints import D_DIR, D_OPTIMIZER, D_WEIGHTS, DS_TAG  # noqa: F401  D_DIR: gad.py imports it from here
+from ..checkpoints import D_OPTIMIZER, D_WEIGHTS, DS_TAG
 from ..errors import InputError, InvariantError
 from ..gad.discriminator import bradley_terry_loss, completion_texts, score_tolerance
 from ..ops.masking import pad_sequences

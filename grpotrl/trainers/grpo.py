@@ -107,9 +107,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         dynamo refuses their ``requires_grad_`` in a compiled step), put back after where TRL did not.
       * under ``packed_attention='varlen'`` (``trainers/packed_attention.py``): the policy's attention implementation
         (transformers' ``set_attn_implementation``) in ``training_step`` and ``prediction_step``, its backward
-        included, and the policy's or reference's in each packed no-grad forward; grpotrl's attention and mask
-        functions registered by name in transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (once,
-        for the process).
+        included, and the policy's or reference's in each packed no-grad forward, and, where torch's varlen kernel
+        runs them, in I5's padded recompute (``_reference_attention``); grpotrl's attention and mask functions
+        registered by name in transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (once, for the
+        process).
       * ``self.beta`` in ``_compute_loss`` (``inject_attr``): 0 for TRL's loss, whose KL grpotrl replaces.
       * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
         ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
@@ -196,6 +197,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             args, self.model, self.ref_model, device, self.padding_free)
         # prompts shared under the tree mask, or under varlen's tree attention where torch's kernel does not run it
         kernel = padding_free.kernel_runs(args, self.model, device, self.packed_attention)
+        # I5's padded recompute through that kernel too: it rounds every token otherwise than sdpa (docs/cost.md)
+        self.kernel_reference = kernel
         self.share_prompts = padding_free.resolve_share(self.padding_free and not kernel, self.model, self.ref_model)
         self.balance_microbatches, why_balanced = padding_free.resolve_balance(args, self.padding_free)
         if why_balanced is not None and self.padding_free:
@@ -683,9 +686,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([inputs["prompt_mask"], cmask], dim=1)  # [B, P+C]
-        reference, scale, logits = guards.recompute_logprobs(self.accelerator.unwrap_model(model), input_ids,
-                                                             attention_mask, completion_ids.size(1), self.temperature,
-                                                             return_logits=True)
+        unwrapped = self.accelerator.unwrap_model(model)
+        with self._reference_attention(unwrapped):
+            reference, scale, logits = guards.recompute_logprobs(unwrapped, input_ids, attention_mask,
+                                                                 completion_ids.size(1), self.temperature,
+                                                                 return_logits=True)
         self._log_logit_signals(logits, loss_mask)
         if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._warned):
             return  # under dropout the loss's forward samples masks: no deterministic reference exists
@@ -699,6 +704,18 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask, tol)
         del logits
         self._record_metrics(metrics, "train")
+
+    def _reference_attention(self, model) -> contextlib.AbstractContextManager:
+        """The attention of I5's padded recompute of ``model``: its own (sdpa), or where torch's varlen kernel runs
+        the packed forwards (``kernel_reference``) that kernel over each padded row's kept tokens
+        (``packed_attention.padded``), so that the recompute rounds as the loss's forward does and I5's bf16
+        bounds measure the layout, not two kernels' rounding."""
+        if not self.kernel_reference:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(packed_attention.running(model))  # already switched inside a training step
+        stack.enter_context(packed_attention.padded(model))
+        return stack
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
         """I10: the reference's and the old policy's logprobs on this (first, step-0) microbatch are

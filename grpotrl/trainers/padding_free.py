@@ -201,9 +201,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
     row ``[1, T]`` with their boundaries, ``trainers.packed_attention``: no mask), and why not
     ``"varlen"`` where it asked for ``"auto"``. ``"auto"`` is ``"varlen"`` only on ``VARLEN_MEASURED_FASTER_ON``
     and, where a kernel runs it (CUDA), in bf16/fp16 (the kernel's dtypes: in fp32 an explicit ``"varlen"`` runs one
-    sdpa per sequence); elsewhere (CPU) in fp32, the dtype it was measured in. Where the kernel would run it while
-    the guards run (``guard_steps`` not 0) varlen is refused: the kernel rounds every token otherwise than I5's
-    padded recompute, by as much as a layout fault moves I5's median (docs/cost.md).
+    sdpa per sequence); elsewhere (CPU) in fp32, the dtype it was measured in. Where the kernel runs it, I5's padded
+    recompute runs through the kernel too (``GRPOTrainer._reference_attention``): the kernel rounds every token
+    otherwise than sdpa, by as much as a layout fault moves I5's median (docs/cost.md).
     An explicit ``"varlen"`` that cannot work is an ``InputError``."""
     check_packed_attention(args)
     want = _packed_attention_setting(args)
@@ -237,12 +237,6 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
         elif not getattr(args, "disable_dropout", False) and (dropouts := _attention_dropout_modules(m)):
             why = (f"disable_dropout is off and {type(m).__name__}'s attention layers hold dropout "
                    f"({dropouts[0]}), which varlen does not compute (set disable_dropout=True)")
-    if why is None and getattr(args, "guard_steps", 0) != 0 and kernel_runs(args, model, device_type, "varlen"):
-        dtype = compute_dtype(model, getattr(args, "bf16", False), getattr(args, "fp16", False))
-        why = (f"torch's FlashAttention varlen kernel rounds every token in {str(dtype).removeprefix('torch.')} "
-               "otherwise than the padded recompute that I5 checks the loss's logprobs against (on an H100 in bf16 "
-               "the median gap was 0.022-0.032 nats, over I5's 0.02 bound), so I5 would stop the run at its first "
-               "guard step (docs/cost.md; guard_steps: 0 runs it unchecked)")
     if why is not None:
         if want == "varlen":
             raise InputError(f"packed_attention='varlen': {why}. Set packed_attention='mask' (or 'auto').")

@@ -32,6 +32,7 @@ from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
 from ..errors import InvariantError
+from ..guards import due
 from ..guards.ranks import add_rank_agreement
 from ..preflight import check_sft
 from ..models.quantization import pin_quantized_kernels
@@ -157,8 +158,6 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     # --- guard --------------------------------------------------------------------------------
 
     def _guard_now(self) -> bool:
-        from ..guards import due
-
         return due(sft_option(self.args, "guard_steps"), self.state.global_step)
 
     def _label_claims(self) -> dict:

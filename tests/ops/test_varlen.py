@@ -1,5 +1,6 @@
 """``ops.varlen``: the arguments torch's varlen kernel takes in either of its signatures give the same
-attention as the per-sequence path (a CPU stand-in for the CUDA kernel with each signature's semantics)."""
+attention as the per-sequence path (a CPU stand-in for the CUDA kernel with each signature's semantics); the padded
+batch through the same attention is sdpa under the padded causal mask."""
 
 import inspect
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpotrl.ops.varlen import _kernel_arguments, cu_seqlens, tree_attention, varlen_attention
+from grpotrl.ops.varlen import _kernel_arguments, cu_seqlens, padded_varlen_attention, tree_attention, varlen_attention
 
 
 def _per_sequence(q, k, v, cu, scale, causal):  # [T, H, D] with as many key/value heads as query heads
@@ -181,3 +182,48 @@ def test_tree_attention_in_low_precision_is_the_dense_masked_sdpa_but_for_roundi
     step = torch.finfo(dtype).eps * ref.abs().clamp_min(1)
     assert ((out.float() - ref.float()).abs() <= 2 * step.float()).all()
     assert (out != ref).float().mean() < 0.25
+
+
+# rows of 8 positions: left padding (a prompt), right padding (a stopped completion), a hole, none, nothing kept
+PADDED_ROWS = [[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0], [0, 1, 1, 0, 1, 1, 1, 0], [1] * 8, [0] * 8]
+
+
+def test_padded_varlen_attention_equals_sdpa_under_the_padded_causal_mask():
+    """I5's reference where the packed forwards run torch's varlen kernel: each row's kept tokens one sequence.
+    A kept token's output is sdpa's under the causal mask and the row's key mask (a hole's key unseen, as sdpa
+    masks it); a padding token's is zero. 4 query heads over 2 key/value heads, head size 8, fp32."""
+    torch.manual_seed(0)
+    keep = torch.tensor(PADDED_ROWS, dtype=torch.bool)  # [B, L]
+    B, L = keep.shape
+    q, k, v = torch.randn(B, 4, L, 8), torch.randn(B, 2, L, 8), torch.randn(B, 2, L, 8)
+    out = padded_varlen_attention(q, k, v, keep, scale=0.3)  # [B, L, H, D]
+    mask = torch.ones(L, L, dtype=torch.bool).tril() & keep[:, None, None, :]  # [B, 1, L, L]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+    assert out.shape == (B, L, 4, 8)
+    torch.testing.assert_close(out[keep], expected[keep], atol=1e-6, rtol=1e-5)
+    assert (out[~keep] == 0).all()
+    torch.testing.assert_close(padded_varlen_attention(q, k, v, None), padded_varlen_attention(
+        q, k, v, torch.ones(B, L, dtype=torch.bool)))  # no mask: every token kept
+
+
+def test_padded_varlen_attention_hands_the_kernel_each_rows_kept_tokens_as_one_sequence(monkeypatch):
+    """On the kernel's device the padded batch reaches the kernel as one call: the kept tokens row by row, with
+    one boundary per row that keeps any (here through the torch-2.13 stand-in kernel on CPU, in bf16)."""
+    import grpotrl.ops.varlen as varlen
+
+    calls = []
+
+    def recording(query, key, value, cu_q, cu_k, max_q, max_k, **options):
+        calls.append((cu_q.tolist(), max_q, query.shape[0]))
+        return kernel_2_13(query, key, value, cu_q, cu_k, max_q, max_k, **options)
+
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(varlen, "_kernel", lambda: (recording, inspect.signature(kernel_2_13).parameters))
+    torch.manual_seed(0)
+    keep = torch.tensor(PADDED_ROWS, dtype=torch.bool)
+    q, k, v = (torch.randn(5, h, 8, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    out = padded_varlen_attention(q, k, v, keep)
+    assert calls == [([0, 5, 10, 15, 23], 8, 23)]
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ())
+    # the per-sequence sdpa, but for bf16 rounding (the stand-in runs sdpa 3-D, another CPU kernel)
+    torch.testing.assert_close(out, padded_varlen_attention(q, k, v, keep), atol=2**-6, rtol=0)

@@ -353,6 +353,46 @@ def test_a_varlen_forward_builds_no_mask_and_every_layer_runs_varlen(tiny_llama,
                 pass  # no forward: no layer ran varlen
 
 
+def test_a_padded_forward_inside_padded_runs_the_varlen_attention_row_by_row(tiny_llama, monkeypatch):
+    """I5's recompute where torch's kernel runs the packed forwards: the padded batch (a left-padded prompt, a
+    stopped completion, a full row) inside ``padded`` gets the 2-D mask and each attention layer runs the varlen
+    attention over each row's kept tokens, once per layer; its logits equal sdpa's padded forward at every kept
+    token (fp32, the per-sequence path). On the kernel's branch (a stand-in on CPU) each layer hands the kernel the
+    batch's rows as one call of 3 sequences. A forward that did not run it (the model not switched) stops with I5."""
+    import grpotrl.ops.varlen as varlen
+    from grpotrl.ops.masking import position_ids_from_mask
+
+    model = _tiny_model(tiny_llama)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0], [1] * 7])  # [B, L]
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 0, 0], [9, 8, 7, 6, 5, 4, 3]])
+    batch = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+    keep = mask.bool()
+    ran = []
+    monkeypatch.setattr(packed_attention, "padded_varlen_attention",
+                        lambda *a, **k: ran.append(a[3]) or varlen.padded_varlen_attention(*a, **k))
+    with torch.no_grad():
+        expected = model(**batch).logits  # [B, L, V] sdpa
+        with packed_attention.running(model), packed_attention.padded(model):
+            out = model(**batch).logits
+    assert len(ran) == model.config.num_hidden_layers and all(torch.equal(m, keep) for m in ran)
+    torch.testing.assert_close(out[keep], expected[keep], atol=1e-5, rtol=1e-5)
+    calls = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        calls.append((cu_seq_q.tolist(), max_q))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(varlen, "KERNEL_DEVICES", ("cpu",))
+    monkeypatch.setattr(varlen, "_kernel", lambda: (kernel, inspect.signature(kernel).parameters))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_attention.running(model), \
+            packed_attention.padded(model):
+        model(**batch)
+    assert calls == [([0, 5, 10, 17], 7)] * model.config.num_hidden_layers
+    with pytest.raises(InvariantError, match=r"\[I5\].*0 attention calls of a padded forward.*2 layers"):
+        with torch.no_grad(), packed_attention.padded(model):
+            model(**batch)  # sdpa: not switched to grpotrl's attention
+
+
 def test_under_autocast_over_fp32_weights_every_layer_hands_the_kernel_one_half_dtype(tiny_llama, monkeypatch):
     """``bf16: true`` over fp32 weights: the rotary embedding hands each attention layer an fp32 query and key beside
     a bf16 value, and torch's kernel takes one half dtype. Through the model's own forward, with the kernel's branch
@@ -421,28 +461,23 @@ def test_auto_on_a_kernel_device_is_varlen_in_bf16_and_fp16_only(tiny_llama, mon
         ("varlen", None)
 
 
-def test_the_varlen_kernel_is_refused_where_I5_runs_and_cannot_verify_it(tiny_llama, monkeypatch):
-    """On CUDA in bf16/fp16 torch's FlashAttention kernel rounds every token otherwise than the padded recompute I5
-    compares with (an H100: median gap 0.022-0.032 nats, I5's bound 0.02): with guards on (guard_steps != 0) an
-    explicit 'varlen' is an InputError before training, naming I5, the measurement and both ways out, and 'auto'
-    stays on the mask with that reason; with guards off, or in fp32 (no kernel), 'varlen' is honoured."""
+def test_the_varlen_kernel_is_honoured_with_the_guards_on(tiny_llama, monkeypatch):
+    """On CUDA in bf16/fp16 torch's FlashAttention kernel rounds every token otherwise than sdpa (an H100: median
+    gap 0.022-0.032 nats, I5's bound 0.02), so I5's recompute runs through the kernel too (``padded``): an explicit
+    'varlen' is honoured with the guards on or off, and 'auto' stays on the mask on CUDA, where varlen was not
+    measured faster."""
     model = _tiny_model(tiny_llama)
     monkeypatch.setattr(padding_free, "_varlen_kernel_missing", lambda: None)
     for precision in ({"bf16": True}, {"fp16": True}):
-        guarded = _args(packed_attention="varlen", guard_steps=2, **precision)
-        with pytest.raises(InputError, match=r"packed_attention='varlen': torch's FlashAttention varlen kernel rounds "
-                                             r"every token in (bfloat16|float16) .*I5.*0\.022-0\.032.*guard_steps: 0.*"
-                                             r"Set packed_attention='mask'"):
-            padding_free.resolve_packed_attention(guarded, model, None, "cuda", True)
+        for guard_steps in (2, -1, 0):
+            args = _args(packed_attention="varlen", guard_steps=guard_steps, **precision)
+            assert padding_free.resolve_packed_attention(args, model, None, "cuda", True) == ("varlen", None)
+            assert padding_free.kernel_runs(args, model, "cuda", "varlen")
         choice, why = padding_free.resolve_packed_attention(_args(guard_steps=-1, **precision), model, None, "cuda",
                                                             True)
-        assert choice == "mask" and "I5" in why
-        assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=0, **precision),
-                                                     model, None, "cuda", True) == ("varlen", None)
-    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=2), model.float(), None,
-                                                 "cuda", True) == ("varlen", None)  # fp32: one sdpa per sequence
-    assert padding_free.resolve_packed_attention(_args(packed_attention="varlen", guard_steps=2, bf16=True), model,
-                                                 None, "cpu", True) == ("varlen", None)  # no kernel on CPU
+        assert choice == "mask" and "not measured faster" in why
+    assert not padding_free.kernel_runs(_args(), model.float(), "cuda", "varlen")  # fp32: one sdpa per sequence
+    assert not padding_free.kernel_runs(_args(bf16=True), model, "cpu", "varlen")  # no kernel on CPU
 
 
 def test_prompts_are_shared_under_varlen_except_where_the_kernel_runs_it(tiny_llama):
@@ -554,3 +589,34 @@ def test_a_run_trains_under_varlen_with_I5_on_every_step(tiny_llama, grpo_args, 
     assert trainer.model.config._attn_implementation == "sdpa"
     gaps = [h["guards/logprob_max_gap"] for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # I5 checked the varlen logprobs at both steps
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["control", "shifted-positions"])
+def test_I5_through_the_varlen_attention_row_by_row_passes_varlen_and_stops_a_shifted_position(
+        tiny_llama, grpo_args, monkeypatch, planted):
+    """Where torch's kernel runs the packed forwards (CUDA, bf16) I5's padded recompute runs through the same
+    attention (``kernel_reference``). On CPU the kernel does not run, so the switch is set by hand here; the
+    recompute then takes the varlen attention row by row (counted), and I5 in fp32 passes the varlen loss and stops
+    the loss forward that numbers each completion token one position further than generate did."""
+    from planted import ShiftedCompletionPositions
+
+    import grpotrl.ops.varlen as varlen
+
+    ran = []
+    monkeypatch.setattr(packed_attention, "padded_varlen_attention",
+                        lambda *a, **k: ran.append(1) or varlen.padded_varlen_attention(*a, **k))
+    # beta 0: the shifted loss forward would fail I10 first, against the reference model's step-0 logprobs
+    args = grpo_args(max_steps=2, guard_steps=-1, padding_free=True, packed_attention="varlen", beta=0.0)
+    trainer = ShiftedCompletionPositions(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                         train_dataset=arithmetic_prompts(16))
+    assert trainer.packed_attention == "varlen" and not trainer.kernel_reference  # CPU: no kernel
+    trainer.kernel_reference, trainer.active = True, planted
+    if planted:
+        with pytest.raises(InvariantError, match=r"(?s)\[I5\].*packed_attention='varlen'"):
+            trainer.train()
+        assert ran
+        return
+    trainer.train()
+    assert trainer.state.global_step == 2 and ran
+    gaps = [h["guards/logprob_max_gap"] for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
