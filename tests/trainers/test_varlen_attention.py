@@ -146,8 +146,8 @@ def test_the_attention_function_takes_transformers_signature_and_refuses_what_it
 # ---------------------------------------------------------------- the names relied on
 
 def test_the_transformers_and_torch_names_varlen_relies_on():
-    """transformers' AttentionInterface.register, the mask interface without an entry for grpotrl's name (so
-    no mask is built), set_attn_implementation and the dispatch heuristic, FlashAttentionKwargs' names (which
+    """transformers' AttentionInterface.register, the mask interface with grpotrl's mask function (sdpa's, or
+    FlashAttention's 2-D mask inside ``padded``), set_attn_implementation and the dispatch heuristic, FlashAttentionKwargs' names (which
     the model's forward passes to the attention function), and torch's varlen_attn's signature."""
     import transformers
     from torch.nn.attention.varlen import varlen_attn
@@ -163,6 +163,12 @@ def test_the_transformers_and_torch_names_varlen_relies_on():
     assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[packed_attention.NAME] is packed_attention.mask_function
     assert list(inspect.signature(masking_utils.sdpa_mask).parameters)[:2] == ["batch_size", "q_length"] or \
         "allow_is_causal_skip" in inspect.signature(masking_utils.sdpa_mask).parameters
+    # inside ``padded``: FlashAttention's mask function, the 2-D mask (None where it keeps every token)
+    keep = torch.tensor([[False, True, True]])
+    assert torch.equal(masking_utils.flash_attention_mask(batch_size=1, q_length=3, kv_length=3, attention_mask=keep),
+                       keep)
+    assert masking_utils.flash_attention_mask(batch_size=1, q_length=3, kv_length=3,
+                                              attention_mask=torch.ones(1, 3, dtype=torch.bool)) is None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     assert list(inspect.signature(sdpa_attention_forward).parameters)[:5] == ["module", "query", "key", "value",
                                                                               "attention_mask"]
