@@ -3,7 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_padding_free.py    # CPU: trl, padded, packed; 2 rounds
     python bench/bench_padding_free.py                                       # CUDA: trl, default, fastest; 1 round
     .venv/bin/python bench/bench_padding_free.py --prompts 4 --generations 8 --length 128 --steps 3 --rounds 1
-    MALLOC_MMAP_THRESHOLD_=131072 ... --variants trl,packed --steps 3    # each step's own CPU peak (slower)
+    MALLOC_MMAP_THRESHOLD_=131072 ... --variants trl,packed --steps 3    # each step's own CPU peak (slower, noisier times)
 
 The variants: ``trl`` (plain TRL, always run: every ratio is against it); ``default`` (grpotrl's GRPOConfig
 defaults, ``padding_free`` left at 'auto', so whatever that resolves to on this device; the header says which);
