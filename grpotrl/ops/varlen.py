@@ -86,7 +86,7 @@ def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         return query.new_zeros(B, L, H, D)
     q, k, v = (x.transpose(1, 2)[keep] for x in (query, key, value))  # [T, H, D], [T, Hk, D]: row by row
     out = varlen_attention(q, k, v, cu_seqlens([n for n in lengths if n], query.device),
-                           max(lengths, default=0), scale=scale, half_dtype=half_dtype)  # [T, H, D]
+                           max(lengths), scale=scale, half_dtype=half_dtype)  # [T, H, D]
     return out.new_zeros(B, L, H, D).index_put_((keep,), out)  # [B, L, H, D]
 
 

@@ -709,13 +709,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """The attention of I5's padded recompute of ``model``: its own (sdpa), or where torch's varlen kernel runs
         the packed forwards (``kernel_reference``) that kernel over each padded row's kept tokens
         (``packed_attention.padded``), so that the recompute rounds as the loss's forward does and I5's bf16
-        bounds measure the layout, not two kernels' rounding."""
-        if not self.kernel_reference:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(packed_attention.running(model))  # already switched inside a training step
-        stack.enter_context(packed_attention.padded(model))
-        return stack
+        bounds measure the layout, not two kernels' rounding. The model is switched to that attention already
+        (``training_step``, ``prediction_step``); where it is not, no layer runs it and ``padded`` stops with I5."""
+        return packed_attention.padded(model) if self.kernel_reference else contextlib.nullcontext()
 
     def _check_step0_identity(self, model, used: torch.Tensor, inputs: dict, loss_mask: torch.Tensor) -> None:
         """I10: the reference's and the old policy's logprobs on this (first, step-0) microbatch are

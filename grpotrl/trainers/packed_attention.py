@@ -59,8 +59,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     computing something else: dropout, a sliding window, softcapped logits, attention sinks, a position bias,
     non-causal attention, several rows of boundaries, a padded forward over a cache."""
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    # never inside ``bounded`` or ``padded`` in a forward torch.compile traces (the compiled rollout's decoding
+    # step): those forwards run eagerly, and dynamo cannot trace ``ContextVar.get``
+    forward = None if torch.compiler.is_compiling() else _FORWARD.get()
     padded = cu is None and longest is None
-    if padded and not _in_padded():
+    if padded and (forward is None or forward[0] != PADDED):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, sliding_window=sliding_window, softcap=softcap,
                                       s_aux=s_aux, position_bias=position_bias, **kwargs)
@@ -76,7 +79,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                    else f"{query.size(0)} rows (one row of sequences end to end only)")
         raise InputError(f"packed_attention='varlen': the attention layer {type(module).__name__} was called with "
                          f"{why}, which grpotrl's varlen attention does not compute. Set packed_attention='mask'.")
-    forward = _FORWARD.get()
     if forward is not None:
         forward[1].append(1)
     # under autocast the query and key can be fp32 beside a half value: the kernel takes them in autocast's dtype, as
@@ -93,15 +95,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # [T, H, D]
                            cu, int(longest), scale=scaling, half_dtype=half)
     return out.unsqueeze(0), None  # [1, T, H, D]
-
-
-def _in_padded() -> bool:
-    """Inside ``padded``. Never in a forward torch.compile traces (the compiled rollout's decoding step, a padded
-    forward under sdpa): dynamo cannot trace ``ContextVar.get``, and ``padded``'s recompute runs eagerly."""
-    if torch.compiler.is_compiling():
-        return False
-    forward = _FORWARD.get()
-    return forward is not None and forward[0] == PADDED
 
 
 def mask_function(*args, **kwargs):

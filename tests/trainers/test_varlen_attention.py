@@ -597,13 +597,15 @@ def test_a_run_trains_under_varlen_with_I5_on_every_step(tiny_llama, grpo_args, 
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # I5 checked the varlen logprobs at both steps
 
 
-@pytest.mark.parametrize("planted", [False, True], ids=["control", "shifted-positions"])
+@pytest.mark.parametrize("planted, bf16", [(False, False), (False, True), (True, False)],
+                         ids=["control", "control-bf16", "shifted-positions"])
 def test_I5_through_the_varlen_attention_row_by_row_passes_varlen_and_stops_a_shifted_position(
-        tiny_llama, grpo_args, monkeypatch, planted):
+        tiny_llama, grpo_args, monkeypatch, planted, bf16):
     """Where torch's kernel runs the packed forwards (CUDA, bf16) I5's padded recompute runs through the same
     attention (``kernel_reference``). On CPU the kernel does not run, so the switch is set by hand here; the
     recompute then takes the varlen attention row by row (counted), and I5 in fp32 passes the varlen loss and stops
-    the loss forward that numbers each completion token one position further than generate did."""
+    the loss forward that numbers each completion token one position further than generate did. In bf16 (CPU
+    autocast, the per-sequence sdpa under the kernel's dtype rules) the control passes I5's bf16 bounds."""
     from planted import ShiftedCompletionPositions
 
     import grpotrl.ops.varlen as varlen
@@ -612,7 +614,7 @@ def test_I5_through_the_varlen_attention_row_by_row_passes_varlen_and_stops_a_sh
     monkeypatch.setattr(packed_attention, "padded_varlen_attention",
                         lambda *a, **k: ran.append(1) or varlen.padded_varlen_attention(*a, **k))
     # beta 0: the shifted loss forward would fail I10 first, against the reference model's step-0 logprobs
-    args = grpo_args(max_steps=2, guard_steps=-1, padding_free=True, packed_attention="varlen", beta=0.0)
+    args = grpo_args(max_steps=2, guard_steps=-1, padding_free=True, packed_attention="varlen", beta=0.0, bf16=bf16)
     trainer = ShiftedCompletionPositions(model=tiny_llama, reward_funcs=length_reward, args=args,
                                          train_dataset=arithmetic_prompts(16))
     assert trainer.packed_attention == "varlen" and not trainer.kernel_reference  # CPU: no kernel
@@ -624,5 +626,10 @@ def test_I5_through_the_varlen_attention_row_by_row_passes_varlen_and_stops_a_sh
         return
     trainer.train()
     assert trainer.state.global_step == 2 and ran
+    if bf16:  # I5's bf16 statistics, within their bounds on both steps
+        medians = [h["guards/logprob_median_gap"] for h in trainer.state.log_history
+                   if "guards/logprob_median_gap" in h]
+        assert len(medians) == 2 and max(medians) <= 0.02, medians
+        return
     gaps = [h["guards/logprob_max_gap"] for h in trainer.state.log_history if "guards/logprob_max_gap" in h]
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
