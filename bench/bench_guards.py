@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_guards.py            # SmolLM2, 12 steps
     .venv/bin/python bench/bench_guards.py --steps 20 --rounds 3 --guard-steps 2
-    .venv/bin/python bench/bench_guards.py --prompts 8 --generations 8 --length 256 --steps 6   # issue 17's shape
+    .venv/bin/python bench/bench_guards.py --prompts 8 --generations 8 --length 256 --steps 6   # the target shape
     .venv/bin/python bench/bench_guards.py --profile-ops --steps 6     # what grpotrl adds to an unguarded step, op by op
 
 Both variants run the same config, seed and data in fresh subprocesses, alternated

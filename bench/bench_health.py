@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_health.py              # SmolLM2, 8 steps x 3 rounds
     .venv/bin/python bench/bench_health.py --steps 12 --rounds 4 --logit-steps 1
-    .venv/bin/python bench/bench_health.py --prompts 8 --generations 8 --length 256 --steps 6   # issue 17's shape
+    .venv/bin/python bench/bench_health.py --prompts 8 --generations 8 --length 256 --steps 6   # the target shape
 
 Variants, each in a fresh subprocess, alternated (bare, health, bare, health, ...) so machine
 noise hits both: ``bare`` is grpotrl.GRPOTrainer with the signal hooks emptied and the rules

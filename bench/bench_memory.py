@@ -21,7 +21,7 @@ handed back (``malloc_trim(0)``), and the children run with ``MALLOC_MMAP_THRESH
 every buffer over 128 KiB is a mapping of its own that leaves the RSS when freed: what a call
 allocates shows as RSS instead of reusing pages an earlier call left resident. The PROCESS peak (CUDA:
 ``max_memory_allocated``; CPU: peak RSS) is usually set by training's backward.
-Issue 17's regression (``output_scores``: ``length`` x [rows, vocab] fp32 held to the end of
+The ``output_scores`` regression (``length`` x [rows, vocab] fp32 held to the end of
 ``generate``) shows in the generation peak, growing with the length; the goal is on / off <= 1.05
 at every length, flat. Printed as a table; drawn as a PNG when matplotlib is installed.
 Step times are those of the steps after the first.

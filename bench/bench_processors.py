@@ -14,7 +14,7 @@ generates exactly rows x tokens tokens and the times compare per token; the proc
 block the stop ids for the first 8 tokens. Two generate times on a shared machine are noisy,
 so it also times the processors alone on tensors of generate's shapes. Goal: on / off <= 1.05.
 Memory is bench_memory.py's; printed here: what ``output_scores`` would hold (C tensors of
-[B, V] fp32), which grpotrl no longer asks for (issue 17).
+[B, V] fp32), which grpotrl no longer asks for.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
     print("goal: on / off <= 1.05")
     mib = a.rows * a.tokens * model.config.vocab_size * 4 / 2**20
     print(f"output_scores would hold {a.tokens} x [{a.rows}, {model.config.vocab_size}] fp32 = {mib:.0f} MiB "
-          "(not asked for since issue 17)")
+          "(grpotrl no longer asks for it)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training-health signals: pure functions on the tensors a GRPO step already has.
 
-These are the numbers seeds 000 and 004 read by hand in the first steps of a run (entropy
+These are the numbers a user reads by hand in the first steps of a broken run (entropy
 0.000, max prob 99.9 %, logit gap 7-10, 36 end-of-turn tokens, 1-token answers, rewards all
 zero, a response that starts with the chat header). ``grpotrl.GRPOTrainer`` logs them every
 step through TRL's metrics (so they reach TensorBoard / trackio / W&B like TRL's own);

@@ -1,6 +1,5 @@
 """An ``output_dir`` belongs to one run at a time (``grpotrl/run_lock.py``), and a finished run in
-it is replaced only when the user says so, in any of the ways a user can (issue #28, findings 2
-and 7).
+it is replaced only when the user says so, in any of the ways a user can.
 
 The CLI cases are real ``python -m grpotrl.cli grpo`` subprocesses on a tiny random model. The
 first run goes through a wrapper (``PAUSED``) whose first training step waits for a file, so the
@@ -108,11 +107,11 @@ def held_elsewhere(directory: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Finding 2: one run per output_dir
+# One run per output_dir
 # ---------------------------------------------------------------------------------------------
 
 def test_a_second_cli_run_into_a_running_runs_output_dir_is_refused_naming_it(tmp_path, tiny_llama):
-    """Issue #28/2: two runs started seconds apart into one output_dir both exited 0; every file on disk was the
+    """Two runs started seconds apart into one output_dir both exited 0; every file on disk was the
     second's. The first run here also replaces a finished run with the recipe key `overwrite_output_dir: true`,
     and the second, refused while the first runs, succeeds with `--overwrite_output_dir true` once it has ended."""
     out = tmp_path / "out"
@@ -145,7 +144,7 @@ def test_a_second_cli_run_into_a_running_runs_output_dir_is_refused_naming_it(tm
 
 def test_python_train_into_a_locked_output_dir_is_refused_and_a_killed_runs_lock_is_not(tmp_path, tiny_llama,
                                                                                          grpo_args):
-    """Issue #28/2 from Python: trainer.train() into the output_dir of a running CLI run is refused, naming it,
+    """From Python: trainer.train() into the output_dir of a running CLI run is refused, naming it,
     before anything is written. Once that run is SIGKILLed its lock file stays behind, and is no reason to
     refuse: the kernel released the lock. train() holds the lock through save_model until trainer.end()."""
     import grpotrl
@@ -180,11 +179,11 @@ def test_python_train_into_a_locked_output_dir_is_refused_and_a_killed_runs_lock
 
 
 # ---------------------------------------------------------------------------------------------
-# Finding 7: overwrite_output_dir wherever a user can set it
+# overwrite_output_dir wherever a user can set it
 # ---------------------------------------------------------------------------------------------
 
 def test_the_finished_run_refusals_name_every_way_to_lift_them(tmp_path):
-    """Issue #28/7: the refusal said `train(overwrite_output_dir=True)`, which the user of a script they do not own
+    """The refusal said `train(overwrite_output_dir=True)`, which the user of a script they do not own
     cannot pass."""
     finished_run(tmp_path / "run")
     for check in (checkpoints.check_finished_run, checkpoints.check_output_dir):
@@ -197,7 +196,7 @@ def test_the_finished_run_refusals_name_every_way_to_lift_them(tmp_path):
 
 
 def test_overwrite_output_dir_from_a_trlparser_scripts_recipe_lifts_the_refusal(tmp_path, tiny_llama):
-    """Issue #28/7: open-r1's grpo.py builds TrlParser((ScriptArguments, GRPOConfig, ModelConfig)); transformers 5
+    """open-r1's grpo.py builds TrlParser((ScriptArguments, GRPOConfig, ModelConfig)); transformers 5
     has no overwrite_output_dir, so a recipe could not say it. With grpotrl's GRPOConfig it parses, and train()
     into a finished run then proceeds; a trl.GRPOConfig handed in (no such field) is refused as before."""
     import trl

@@ -405,7 +405,7 @@ def test_the_cli_runs_without_the_judge_extra_and_an_http_judge_says_what_to_ins
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 16: bad input is one `grpotrl CMD: error:` line (exit 2) before any weights are read
+# Bad input is one `grpotrl CMD: error:` line (exit 2) before any weights are read
 # ---------------------------------------------------------------------------------------------
 
 def cli_error(capsys, argv: list[str]) -> str:
@@ -444,7 +444,7 @@ def recipe(tmp_path, model: str, text: str = "", name: str = "recipe.yaml", **fi
 ])
 def test_recipe_value_of_the_wrong_type_is_one_error_naming_field_value_and_type(
         text, expected, tmp_path, smollm2_path, no_model_load, capsys):
-    """Issue 16: argparse converts only strings, so YAML values reached the trainer as they were."""
+    """argparse converts only strings, so YAML values reached the trainer as they were."""
     base = yaml.safe_dump({"model_name_or_path": smollm2_path, "output_dir": str(tmp_path / "out"), "use_cpu": True})
     (tmp_path / "r.yaml").write_text(base + text)
     line = cli_error(capsys, ["grpo", "--config", str(tmp_path / "r.yaml")])
@@ -554,7 +554,7 @@ def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):
 ])
 def test_unreadable_data_file_is_one_error_with_the_cause_file_and_line(name, content, expected, tmp_path,
                                                                          smollm2_path, no_model_load, capsys):
-    """Issue 16: an empty JSONL was a StopIteration, non-UTF-8 data a UnicodeDecodeError at the first row read, a
+    """An empty JSONL was a StopIteration, non-UTF-8 data a UnicodeDecodeError at the first row read, a
     malformed file a generic DatasetGenerationError whose cause was 68 lines up."""
     (tmp_path / name).write_bytes(content)
     with pytest.raises(InputError, match=expected):
@@ -578,7 +578,7 @@ def write_rows(tmp_path, data: list[dict], name: str = "data.jsonl") -> str:
 
 def test_mixed_chat_and_plain_prompts_are_refused_before_load(tmp_path, smollm2_path, tiny_llama, no_model_load,
                                                               capsys):
-    """Issue 16: a mix failed at the first step with `TypeError: string indices must be integers`."""
+    """A mix failed at the first step with `TypeError: string indices must be integers`."""
     import grpotrl
 
     data = [{"prompt": "plain?", "answer": "1"}, *rows("train", 2), {"prompt": "also plain", "answer": "2"}]
@@ -594,7 +594,7 @@ def test_mixed_chat_and_plain_prompts_are_refused_before_load(tmp_path, smollm2_
 
 def test_a_reward_column_empty_on_every_row_is_refused_and_on_some_rows_named(tmp_path, smollm2_path,
                                                                               no_model_load, capsys, caplog):
-    """Issue 16: every `answer` empty trained with zero signal and no word."""
+    """Every `answer` empty trained with zero signal and no word."""
     from grpotrl.rewards.resolve import check_reward_signal
 
     useless = [{**r, "answer": value} for r, value in zip(rows("train", 4), ["", None, "  ", ""])]
@@ -615,7 +615,7 @@ def test_a_reward_column_empty_on_every_row_is_refused_and_on_some_rows_named(tm
 
 
 def test_a_prompt_longer_than_the_context_is_refused_naming_rows(tmp_path, tiny_llama, no_model_load, capsys):
-    """Issue 16: a prompt longer than the model's context passed every check. tiny_llama's context is 512 tokens
+    """A prompt longer than the model's context passed every check. tiny_llama's context is 512 tokens
     (max_position_embeddings, read from its config)."""
     import grpotrl
 
@@ -631,7 +631,7 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_rows(tmp_path, tiny_
 
 
 def test_unknown_task_label_is_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load, capsys):
-    """Issue 16: a task label with no rewards was caught only at trainer init, after the model loaded."""
+    """A task label with no rewards was caught only at trainer init, after the model loaded."""
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, dataset_name="multitask",
                                                          reward_funcs=["hallucination:exact_answer"])])
     assert "task(s) ['fairness'] in the data have no reward functions" in line
@@ -653,7 +653,7 @@ def test_missing_gad_discriminator_is_refused_before_the_model_loads(disc, expec
 
 
 def test_checkpoint_without_tokenizer_files_says_so(tmp_path, tiny_llama, no_model_load, capsys):
-    """Issue 16: transformers said to install sentencepiece or tiktoken."""
+    """transformers said to install sentencepiece or tiktoken."""
     import shutil
 
     import grpotrl
@@ -673,7 +673,7 @@ def test_checkpoint_without_tokenizer_files_says_so(tmp_path, tiny_llama, no_mod
 
 
 def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monkeypatch, capsys):
-    """Issue 16: the summary crashed on a None metric after a successful save (exit 1, trainer.end() skipped).
+    """The summary crashed on a None metric after a successful save (exit 1, trainer.end() skipped).
     The trainer is a stand-in that 'trains' instantly and logs metrics a judge-only run can log."""
     import types
 
@@ -720,7 +720,7 @@ def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monk
 ])
 def test_settings_caught_after_the_load_before_now_stop_before_it(command, fields, expected, tmp_path, smollm2_path,
                                                                   no_model_load, capsys):
-    """Issue 16: these were caught only after the model loaded (max_completion_length as `max_new_tokens`), or
+    """These were caught only after the model loaded (max_completion_length as `max_new_tokens`), or
     inside TRL (num_generations 0: ZeroDivisionError)."""
     extra = {"dataset_name": "gad_toy"} if command == "gad" else {}
     path = recipe(tmp_path, smollm2_path, **extra, **fields)
@@ -801,8 +801,8 @@ def test_prompt_length_check_on_a_large_dataset_tokenizes_only_prompts_that_coul
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 28 (5b, 5c): a rubric file that is not plain YAML, a reward that is not a reward function:
-# one error line before the model loads (they were tracebacks, (c) only after load and generation)
+# A rubric file that is not plain YAML, a reward that is not a reward function: one error line
+# before the model loads (they were tracebacks, the non-reward only after load and generation)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, content, expected", [
@@ -852,7 +852,7 @@ def no_keywords(prompts, completions):
 ])
 def test_a_reward_that_trl_cannot_call_is_refused_before_the_load(func, expected, tmp_path, tiny_llama,
                                                                   no_model_load):
-    """Issue 28 (5c): os.system passed the pre-load check and failed after the model loaded and generated."""
+    """os.system passed the pre-load check and failed after the model loaded and generated."""
     import grpotrl
 
     with pytest.raises(InputError, match=expected):
@@ -871,8 +871,8 @@ def test_cli_reward_builtin_by_dotted_path_is_one_error_before_the_load(tmp_path
 
 def test_no_reward_funcs_reaches_trls_own_rule(tmp_path, tiny_llama):
     """``reward_funcs=None`` is TRL's to judge (an ``environment_factory`` may own the reward; without one
-    TRL raises "No reward source provided"): the callable check of issue 28 (5c) took None for a reward
-    and refused it, which broke TRL's own test_no_reward_source_raises and environment-owned rewards."""
+    TRL raises "No reward source provided"): the callable check took None for a reward and refused it,
+    which broke TRL's own test_no_reward_source_raises and environment-owned rewards."""
     import grpotrl
 
     resolve.check_reward_callables(None, ["prompt", "answer"])  # nothing to check

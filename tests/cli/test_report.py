@@ -76,7 +76,7 @@ def test_gad_discriminator_and_a_stopped_run_read_from_its_checkpoint(tmp_path):
 
 
 def test_sampler_mismatch_and_raw_ratio_panels():
-    """Issue 19: the sampler/trainer gap, I10's step-0 gaps and the raw (untruncated) ratios are drawn."""
+    """The sampler/trainer gap, I10's step-0 gaps and the raw (untruncated) ratios are drawn."""
     history = [{"step": s, "sampling/sampler_trainer_logp_gap/mean": 0.2, "sampling/sampler_trainer_logp_gap/max": 1.5,
                 "sampling/raw_ratio/token/mean": 1.1, "sampling/raw_ratio/token/min": 0.3,
                 "sampling/raw_ratio/seq/max": 9.0, "sampling/raw_ratio/token/outside_share": 0.1,
@@ -108,7 +108,7 @@ def test_missing_state_is_a_clear_error(tmp_path, capsys):
     ('{"log_history": [1, 2]}', r"a mapping whose log_history is a list with non-mapping entries"),
 ])
 def test_cut_off_or_non_mapping_state_is_one_error_line(content, expected, tmp_path, capsys):
-    """Issue 16: a cut-off or non-mapping trainer_state.json was a raw traceback."""
+    """A cut-off or non-mapping trainer_state.json was a raw traceback."""
     (tmp_path / "trainer_state.json").write_text(content)
     with pytest.raises(InputError, match=expected):
         report.write_report(str(tmp_path))

@@ -25,7 +25,7 @@ def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
 
 
 def test_import_and_default_configs_print_nothing(tmp_path):
-    """Issue 14 item 6: no bitsandbytes kernel message, no gradient_checkpointing FutureWarning."""
+    """No bitsandbytes kernel message, no gradient_checkpointing FutureWarning."""
     out = _python("import grpotrl; grpotrl.GRPOConfig(output_dir='x'); grpotrl.SFTConfig(output_dir='y')", tmp_path)
     assert out.returncode == 0, out.stderr
     assert (out.stdout, out.stderr) == ("", "")

@@ -1,4 +1,4 @@
-"""The generation side of grpotrl.GRPOTrainer (issue 3): response-only penalties and
+"""The generation side of grpotrl.GRPOTrainer: response-only penalties and
 min-new-tokens on the transformers generate path (I6), the sampler's own logprobs and the
 optional importance-sampling correction (I5)."""
 
@@ -83,7 +83,7 @@ def test_without_penalties_nothing_is_added_to_generate(tiny_llama, grpo_args):
 @pytest.mark.parametrize("settings", [dict(presence_penalty=0.5, min_new_tokens=2),
                                       dict(hf_importance_sampling_correction=True)])
 def test_I5_sampler_logprobs_are_recorded_not_output_scores(tiny_llama, grpo_args, settings):
-    """Issue 17: generate keeps one logprob per sampled token, never output_scores' [B, V] per step."""
+    """generate keeps one logprob per sampled token, never output_scores' [B, V] per step."""
     from grpotrl.generation.sampled_logprobs import SampledLogprobRecorder
 
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**settings),

@@ -1,7 +1,7 @@
 """I6: response-only penalties and min-new-tokens suppression, on the real SmolLM2 tokenizer
 (<|im_end|> = 2 is eos AND pad), with hand counts; and the sampler's own logprobs from a real
 ``generate``: from its ``output_scores`` (the reference) and from ``SampledLogprobRecorder``
-(what training uses), equal, the recorder's memory flat in the completion length (issue 17)."""
+(what training uses), equal, the recorder's memory flat in the completion length (output_scores' is not)."""
 
 import math
 
@@ -25,7 +25,7 @@ def chat(tokenizer, text: str) -> list[int]:
                                               tokenize=True)["input_ids"])
 
 
-def test_I6_seed000_prompt_full_of_the(smollm2_tokenizer):
+def test_I6_a_prompt_full_of_the_is_not_penalised(smollm2_tokenizer):
     tok = smollm2_tokenizer
     (the,) = tok.encode(" the")
     prompt = chat(tok, "the" + " the" * 20)
@@ -218,7 +218,7 @@ def test_sampler_logprobs_needs_matching_widths():
         sampler_logprobs([torch.zeros(1, 4)], torch.zeros(1, 5, dtype=torch.long), prompt_width=3)
 
 
-# ---------------------------------------------------------------- SampledLogprobRecorder (issue 17)
+# ------------------------------------------ SampledLogprobRecorder: memory flat in the completion length
 
 def _left_padded(tok, n: int):
     texts = [tok.apply_chat_template([{"role": "user", "content": "What is " + "1 + " * (i % 5) + "2?"}],
@@ -347,7 +347,7 @@ def _peak_allocated_bytes(fn) -> int:
 
 @pytest.mark.parametrize("C", [128, pytest.param(512, marks=pytest.mark.slow)])
 def test_I5_sampler_logprobs_memory_flat_in_completion_length(tiny_llama, smollm2_tokenizer, C):
-    """Issue 17: penalties + min-new-tokens + the recorder cost a few [B, V] tensors over plain
+    """Penalties + min-new-tokens + the recorder cost a few [B, V] tensors over plain
     sampling, whatever C; output_scores kept C of them (64 x 8 x 49k fp32 = 96 MiB at C=64,
     768 MiB at 512; 34 GB at 64 rows x 1024 tokens x 128k vocab)."""
     model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()

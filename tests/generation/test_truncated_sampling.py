@@ -1,4 +1,4 @@
-"""Truncated sampling and the importance ratio (I5; issue 31, item 4; trl#6789).
+"""Truncated sampling and the importance ratio (I5; trl#6789).
 
 With top_p the sampler draws from the renormalised nucleus while the trainer scores the full
 softmax: at the same weights the ratio ``pi / q_trunc`` of a kept token is the kept mass ``m``, so the

@@ -1,4 +1,4 @@
-"""I11, the loss's own denominator (issue 31.3): on guard steps the weight each loss token carries in TRL's
+"""I11, the loss's own denominator: on guard steps the weight each loss token carries in TRL's
 loss, read from the loss's gradient, equals 1 / the normaliser recomputed from the completion mask, the
 accumulation window and the world size (``grpotrl/guards/denominator.py``)."""
 import pytest

@@ -19,7 +19,7 @@ def _run(cls, model, args):
 
 
 class RawPromptForLoss(grpotrl.GRPOTrainer):
-    """Seed 000 bug #3: generation on the templated prompt, loss/KL on the raw prompt text."""
+    """Generation on the templated prompt, loss/KL on the raw prompt text."""
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -30,7 +30,7 @@ class RawPromptForLoss(grpotrl.GRPOTrainer):
 
 
 class RawPromptForGeneration(grpotrl.GRPOTrainer):
-    """Bug #3 the other way round: generation from the untemplated text."""
+    """The same mismatch the other way round: generation from the untemplated text."""
 
     def _tokenize_prompts(self, prompts):
         return [self._tokenizer(p[-1]["content"])["input_ids"] for p in prompts], None, {}
@@ -45,7 +45,7 @@ class DoubledBOS(grpotrl.GRPOTrainer):
 
 
 class CountNotWidth(grpotrl.GRPOTrainer):
-    """Seed 000 bug #4: the completion is cut at the count of non-pad prompt tokens."""
+    """The completion is cut at the count of non-pad prompt tokens."""
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         tok = self._tokenizer
@@ -62,8 +62,8 @@ class CountNotWidth(grpotrl.GRPOTrainer):
         return completions, None
 
 
-class Seed002Mask(grpotrl.GRPOTrainer):
-    """Seed 002's own 'fix': mask[first_eos:] = 0 and mask *= (token != pad)."""
+class PadTokenMask(grpotrl.GRPOTrainer):
+    """A wrong 'fix': mask[first_eos:] = 0 and mask *= (token != pad)."""
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -78,7 +78,7 @@ class Seed002Mask(grpotrl.GRPOTrainer):
 
 
 class NoTemperature(grpotrl.GRPOTrainer):
-    """Seed 002 Fix 1's bug: logprobs as log_softmax(logits), the sampling temperature dropped."""
+    """Logprobs as log_softmax(logits), the sampling temperature dropped."""
 
     divide_by_temperature = False
 
@@ -122,9 +122,9 @@ def test_I3_guard_stops_extraction_at_non_pad_count(tiny_llama, grpo_args):
     assert "prompt tail" in str(err.value)  # the boundary report is in the message
 
 
-def test_I4_guard_stops_seed002_mask(tiny_llama, grpo_args):
+def test_I4_guard_stops_a_pad_token_mask(tiny_llama, grpo_args):
     with pytest.raises(InvariantError, match=r"(?s)\[I4\].*first stop token stays in the loss"):
-        _run(Seed002Mask, tiny_llama, grpo_args(max_steps=3))
+        _run(PadTokenMask, tiny_llama, grpo_args(max_steps=3))
 
 
 def test_I5_guard_stops_dropped_temperature(tiny_llama, grpo_args):

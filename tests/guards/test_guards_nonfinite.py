@@ -1,4 +1,4 @@
-"""Guards fail loudly on what they cannot verify (issue 15): a NaN or inf that reaches a comparison
+"""Guards fail loudly on what they cannot verify: a NaN or inf that reaches a comparison
 fails it, naming where it came from; masked-out positions are never compared, so they cannot poison
 the comparison; the entropy bonus coefficient in force must be >= 0 (I7)."""
 
@@ -50,7 +50,7 @@ def test_I7_entropy_values_masked_inf_and_real_nan():
 
 
 def test_I7_negative_coefficient_in_force_fails_even_when_the_slope_matches_it():
-    """Seed 004 by the back door: an adaptive controller driven below 0 gives c = -0.5, and a loss of
+    """A flipped entropy sign by the back door: an adaptive controller driven below 0 gives c = -0.5, and a loss of
     policy + 0.5 H has slope +0.5 = -c: the slope check alone would pass it."""
     H = torch.tensor([[1.0, 2.0]], requires_grad=True)
     loss = 1.0 + 0.5 * H.mean()

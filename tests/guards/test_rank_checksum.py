@@ -1,4 +1,4 @@
-"""I12: every rank holds the same model (grpotrl/guards/ranks.py; issue 31, item 2).
+"""I12: every rank holds the same model (grpotrl/guards/ranks.py).
 
 The pure check on hand-made checksums, then two-process CPU launches (gloo) through
 tests/dist_worker.py, as tests/test_distributed.py does: under DDP a GRPO trainer that never

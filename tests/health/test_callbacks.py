@@ -22,7 +22,7 @@ SENSITIVE = dict(health_patience=1, health_flat_reward_steps=1, health_max_one_t
 
 
 def zero_reward(completions, **kwargs):
-    """Seed 000's judge that always failed to 0."""
+    """A judge that always failed to 0."""
     return [0.0] * len(completions)
 
 
@@ -95,7 +95,7 @@ def test_flat_rewards_stop_with_a_resumable_checkpoint(tiny_llama, grpo_args, tm
 
 
 def test_one_token_policy_stops(tiny_llama, grpo_args):
-    """Seed 000 bug #2's symptom: EOS made certain at every position."""
+    """A one-token policy: EOS made certain at every position."""
     err = _stop(tiny_llama, grpo_args(max_steps=2, health_patience=1, health_action="stop",
                                       generation_kwargs={"sequence_bias": [[[2], 50.0]]}))
     assert err.rule == "one_token" and err.step == 1
@@ -157,7 +157,7 @@ def test_nan_stops_before_the_update_is_applied(tiny_llama, grpo_args, where):
 
 
 class SamplerIgnoresEndOfTurn(grpotrl.GRPOTrainer):
-    """Seed 000's sampler: it stops on <|endoftext|> (0) only, so it writes on past <|im_end|> (2), the
+    """A sampler that stops on <|endoftext|> (0) only, so it writes on past <|im_end|> (2), the
     end of turn the loss cuts the completion at."""
 
     def __init__(self, *args, **kwargs):
@@ -168,8 +168,8 @@ class SamplerIgnoresEndOfTurn(grpotrl.GRPOTrainer):
 
 def test_stop_tokens_generated_past_the_first_are_counted(tiny_llama, grpo_args, capsys):
     """stops/completion_max and the boundary report count what the model generated, not the loss's
-    completion (cut after its first stop, so it always held at most 1): seed 000's "10+ end tokens in the
-    response" shows. The guards pass: the loss's completion ends at its first stop token, as I4 wants."""
+    completion (cut after its first stop, so it always held at most 1): a response with 10+ end
+    tokens shows. The guards pass: the loss's completion ends at its first stop token, as I4 wants."""
     args = grpo_args(max_steps=1, max_completion_length=16, generation_kwargs={"sequence_bias": [[[2], 4.0]]})
     trainer = SamplerIgnoresEndOfTurn(model=tiny_llama, reward_funcs=length_reward, args=args,
                                       train_dataset=arithmetic_prompts())

@@ -57,7 +57,7 @@ def test_per_sample_entropy_empty_batch_is_nan_not_an_error():
 
 def test_stop_tokens_counted_without_left_padding_when_pad_is_a_stop_id():
     # SmolLM2: pad == <|im_end|> == 2. Row 0 is a left-padded prompt "<|im_start|>user\nhi<|im_end|>\n"
-    # with 3 pad tokens: 1 real stop token (seed 000 counted 4 "eot" and called it a bug).
+    # with 3 pad tokens: 1 real stop token (counting the pads too says 4 "eot", a false bug).
     prompt = torch.tensor([[2, 2, 2, 1, 4093, 198, 6004, 2, 198]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
     assert health.count_ids(prompt, mask, [2]).tolist() == [1]

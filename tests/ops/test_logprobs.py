@@ -13,7 +13,7 @@ def test_I5_temperature_divides_logits():
     # T=0.5: logits become [2, 0, 0]; p(token 0) = e^2 / (e^2 + 2)
     want = 2 - math.log(math.e**2 + 2)
     assert token_logprobs(logits, torch.tensor([[0]]), 0.5).item() == pytest.approx(want, abs=1e-6)
-    # seed 002 Fix 1's bug: T dropped, p = e / (e + 2)
+    # the temperature dropped (T=1): p = e / (e + 2)
     assert token_logprobs(logits, torch.tensor([[0]]), 1.0).item() == pytest.approx(1 - math.log(math.e + 2), abs=1e-6)
 
 

@@ -75,7 +75,7 @@ def test_importance_sampling_ratio_modes():
 
 
 def test_k3_gradient_is_finite_at_extreme_log_ratios():
-    """Issue 15: logp = -100, ref = 0 gave a NaN gradient (exp(100) = inf, then inf - inf in backward)."""
+    """logp = -100, ref = 0 gave a NaN gradient (exp(100) = inf, then inf - inf in backward)."""
     logp = torch.tensor([-100.0, 100.0, -1.0], requires_grad=True)
     ref = torch.tensor([0.0, 0.0, 0.0])
     kl_k3(logp, ref).sum().backward()
@@ -127,7 +127,7 @@ KL_CASES = [(name, ratio, sampler) for name in list(PROMISED) + list(VERL_ALIASE
 
 @pytest.mark.parametrize("name, bias_correction, sampler", KL_CASES)
 def test_gad_kl_gradient_matches_exact_enumeration(name, bias_correction, sampler):
-    """Issue 28.6: the expected gradient of kl_loss_term (GADTrainer's KL term), summed exactly over all
+    """The expected gradient of kl_loss_term (GADTrainer's KL term), summed exactly over all
     V^C = 16 outcomes weighted by their probability under the sampler, equals the gradient its docstring
     promises. Before, the ratio was differentiable for every estimator: k2, k1+, k3+, abs+ got the KL's
     gradient plus a score term (relative error 0.44, 1.0, 0.35, 0.44 here). Off-policy (tokens drawn from

@@ -15,10 +15,10 @@ def test_I4_stop_token_stays_in_loss_when_pad_is_eos():
     assert completion_mask(ids, [EOS]).tolist() == [[1, 1, 0, 0]]
 
 
-def test_I4_seed002_fix_is_wrong():
+def test_I4_a_pad_token_mask_drops_the_stop_token():
     ids = torch.tensor([[5, 6, EOS, PAD]])
-    seed002 = (ids != PAD).long()  # seed 002: mask = sequence != pad (and mask[first_eos:] = 0)
-    assert seed002.tolist() == [[1, 1, 0, 0]]  # drops the stop token: the model never learns to stop
+    pad_mask = (ids != PAD).long()  # the wrong fix: mask = sequence != pad (and mask[first_eos:] = 0)
+    assert pad_mask.tolist() == [[1, 1, 0, 0]]  # drops the stop token: the model never learns to stop
     assert completion_mask(ids, [EOS]).tolist() == [[1, 1, 1, 0]]
 
 
@@ -42,7 +42,7 @@ def test_I3_extraction_at_padded_width_not_count(smollm2_tokenizer):
     gen = torch.tensor([[100, 200], [300, 400]])
     out = torch.cat([batch["input_ids"], gen], dim=1)
     assert extract_completions(out, P).tolist() == gen.tolist()
-    # seed 000 bug #4: slicing at the count of non-pad tokens returns prompt tokens for the short row
+    # slicing at the count of non-pad tokens returns prompt tokens for the short row
     count = int(batch["attention_mask"][0].sum())
     assert count < P and out[0, count:].tolist() != gen[0].tolist()
 

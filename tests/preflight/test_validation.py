@@ -301,7 +301,7 @@ def test_model_only_checkpoint_is_named_as_such(tmp_path):
     with pytest.raises(InputError, match=r"no optimizer, scheduler or RNG state .*weights-only save "
                                          r"\(save_only_model=True.*model_name_or_path") as err:
         checkpoints.check_resume_checkpoint(str(ckpt))
-    assert "killed while saving" not in str(err.value)  # issue 16: it said both
+    assert "killed while saving" not in str(err.value)  # it used to say both
 
 
 def test_resuming_a_finished_runs_output_dir_points_at_its_last_full_checkpoint(tmp_path):
@@ -477,7 +477,7 @@ def test_model_whose_stop_tokens_cannot_be_determined_is_an_error(smollm2_path):
 
 
 def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_silently(tmp_path):
-    """Issue 16: re-running a recipe into a finished run's output_dir replaced its model and log."""
+    """Re-running a recipe into a finished run's output_dir replaced its model and log."""
     run = tmp_path / "run"
     write_weights(run)
     (run / "trainer_state.json").write_text(json.dumps({"global_step": 25}))
@@ -505,7 +505,7 @@ def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_si
     ("learning_rate", float("nan")), ("max_completion_length", 0), ("max_steps", 1.5), ("epsilon", -0.2),
     ("per_device_train_batch_size", 0), ("top_p", 1.5), ("entropy_coef", float("inf"))])
 def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, value, tmp_path):
-    """Issue 16: beta -1 trained and saved; num_generations 0 was a ZeroDivisionError inside TRL; temperature 0
+    """beta -1 trained and saved; num_generations 0 was a ZeroDivisionError inside TRL; temperature 0
     and a NaN learning rate were caught only after the model loaded."""
     import trl
 
@@ -524,7 +524,7 @@ def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, v
 
 def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path, smollm2_path, no_model_load,
                                                                          capsys):
-    """Issue 16: re-running a recipe into a finished run's output_dir replaced a 25-step model and its log."""
+    """Re-running a recipe into a finished run's output_dir replaced a 25-step model and its log."""
     out = tmp_path / "run"
     weights = write_weights(out)
     (out / "trainer_state.json").write_text(json.dumps({"global_step": 25, "log_history": [{"loss": 1.0}]}))
@@ -539,7 +539,7 @@ def test_cli_refuses_to_overwrite_a_finished_run_before_the_model_loads(tmp_path
 
 
 def test_temperature_zero_says_what_to_do_with_the_configs_grpotrl_has(tmp_path):
-    """Issue 16: temperature 0 suggested `do_sample=False`, which no config has."""
+    """Temperature 0 suggested `do_sample=False`, which no config has."""
     import grpotrl
 
     with pytest.raises(InputError, match=r"temperature=0 \(int\): it must be a finite number > 0: .*greedy decoding "
@@ -550,7 +550,7 @@ def test_temperature_zero_says_what_to_do_with_the_configs_grpotrl_has(tmp_path)
 
 
 def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_llama, grpo_args):
-    """Issue 16, the Python API's rule: TRL and transformers write into an existing output_dir, and TRL's own tests
+    """The Python API's rule: TRL and transformers write into an existing output_dir, and TRL's own tests
     build trainers in fresh temp dirs, so only a FINISHED run (final weights + trainer_state.json at the root) is
     refused, at train() before anything is written, unless resuming or train(overwrite_output_dir=True)."""
     import grpotrl

@@ -1,4 +1,4 @@
-"""Issue 28 ("Trust under faults"), findings 4 and 5 (a-c), through ``python -m grpotrl.cli grpo``
+"""Rewards and judges under faults, through ``python -m grpotrl.cli grpo``
 as a user runs it (a subprocess; a random 2-layer policy over the SmolLM2 tokenizer, 1-2 steps):
 
 * a reward function returning +-inf on some rows: TRL 1.16 turns the whole group's advantages
@@ -55,7 +55,7 @@ def history(tmp_path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4: non-finite rewards
+# non-finite rewards
 # ---------------------------------------------------------------------------------------------
 
 def test_inf_reward_stops_the_run_naming_function_rows_and_example_with_a_checkpoint(tmp_path, tiny_llama):
@@ -94,7 +94,7 @@ def test_inf_reward_with_the_rule_off_is_trl_as_it_is_and_the_summary_says_not_f
 
 
 # ---------------------------------------------------------------------------------------------
-# 5a: a judge's documented stop
+# a judge's documented stop
 # ---------------------------------------------------------------------------------------------
 
 def test_judge_max_failed_batches_stop_is_one_stopped_line_exit_4(tmp_path, tiny_llama):
@@ -111,7 +111,7 @@ def test_judge_max_failed_batches_stop_is_one_stopped_line_exit_4(tmp_path, tiny
 
 
 # ---------------------------------------------------------------------------------------------
-# 5b, 5c: one error line before the load (tests/cli/test_cli_inputs.py has every case in-process)
+# one error line before the load (tests/cli/test_cli_inputs.py has every case in-process)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, expected", [

@@ -373,7 +373,7 @@ def test_warmup_with_gradient_accumulation_steps_D_once_per_generation_batch(tin
 
 
 def test_discriminator_of_a_bf16_student_keeps_fp32_weights_and_learns_at_a_small_lr(tiny_llama, gad_args):
-    """Issue 15: D in bf16 with a plain AdamW at lr 1e-6 changed 18 of 1,000 weights in 10 steps (updates
+    """D in bf16 with a plain AdamW at lr 1e-6 changed 18 of 1,000 weights in 10 steps (updates
     below bf16's resolution round away). D now keeps fp32 master weights: every trained weight moves."""
     student = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     args = gad_args(max_steps=2, discriminator_warmup_steps=2, discriminator_learning_rate=1e-6, guard_steps=0)
@@ -519,8 +519,8 @@ def test_kl_loss_k3_equals_trls_own_kl_term(tiny_llama, gad_args):
 def test_every_kl_estimator_in_the_loss_matches_an_independent_recomputation(tiny_llama, gad_args):
     """Value and gradient of the added term, for k1/abs/k2/k3 and k1+/k3+/abs+ (sampled-token
     logprobs) and full (the policy's logits rebuilt from the loss's own forward, the reference's from
-    its own), under GAD's defaults: use_bias_correction_kl, sequence-level policy ratio. Issue 28.6:
-    the KL's ratio is per token, differentiable for k1/k3 only (tests/ops/test_losses.py: the gradient
+    its own), under GAD's defaults: use_bias_correction_kl, sequence-level policy ratio. The
+    KL's ratio is per token, differentiable for k1/k3 only (tests/ops/test_losses.py: the gradient
     that gives, by exact enumeration); it was the sequence's, differentiable for every estimator."""
     trainer, inputs = _kl_trainer(tiny_llama, gad_args)
     assert trainer.args.use_bias_correction_kl and trainer.importance_sampling_level == "sequence"
@@ -602,7 +602,7 @@ def test_config_takes_verl_estimator_names_and_refuses_unused_or_negative_kl_set
 
 @pytest.mark.parametrize("name", ["k1", "kl"])
 def test_config_refuses_k1_in_the_loss_without_the_importance_ratio(tmp_path, name):
-    """Issue 28.6: k1's gradient in the loss, d log pi, is zero in expectation without the ratio's
+    """k1's gradient in the loss, d log pi, is zero in expectation without the ratio's
     score term (tests/ops/test_losses.py enumerates it): noise with no pull to the reference."""
     make = lambda **kw: grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.1, **kw)  # noqa: E731
     with pytest.raises(InputError, match=r"kl_estimator='k1' in the loss with use_bias_correction_kl=False: .*"

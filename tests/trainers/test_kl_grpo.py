@@ -1,4 +1,4 @@
-"""KL estimators for grpotrl.GRPOTrainer (issue 31.1): the KLFields GAD had, on every GRPO config.
+"""KL estimators for grpotrl.GRPOTrainer: the KLFields GAD had, on every GRPO config.
 
 TRL 1.16's in-loss k3 is unclamped: at log pi_ref - log pi = 100, exp overflows fp32, its value is inf
 and its gradient NaN. grpotrl's own term (``GRPOTrainer._kl_loss``) clamps as verl does and equals

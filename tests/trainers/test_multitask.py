@@ -102,7 +102,7 @@ def test_I7_entropy_bonus_alone_raises_entropy(mode, peaked, grpo_args):
 
 
 class FlippedLoss:
-    """Seed 004 in a home-grown loss: ``entropy_loss = -H`` then ``loss - c * entropy_loss``."""
+    """A flipped entropy sign in a home-grown loss: ``entropy_loss = -H`` then ``loss - c * entropy_loss``."""
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
@@ -266,7 +266,7 @@ def no_reward(completion_ids, **kw):  # every advantage of the task 0: its loss 
 
 @pytest.mark.parametrize("mode", ["exact", "low_memory"])
 def test_cagrad_update_is_the_combination_computed_by_hand(mode, tiny_llama, grpo_args):
-    """Issue 15: the trainer's update at cagrad_c = 0.5 against the CAGrad combination computed here from
+    """The trainer's update at cagrad_c = 0.5 against the CAGrad combination computed here from
     each task's own gradient (a plain multi-task run in which only that task is rewarded): exact mode weighs
     them by the Gram matrix of the whole model, low-memory by that of the last block's parameters. Swapping
     the two tasks' weights gives an update this test tells apart."""
@@ -297,7 +297,7 @@ def test_cagrad_update_is_the_combination_computed_by_hand(mode, tiny_llama, grp
 
 
 class BeforeTaskForwards(grpotrl.MultiTaskGRPOTrainer):
-    """The CAGrad loss as it was before issue 17 (commit 5ab1214), kept as the reference for the
+    """The CAGrad loss as it was before the per-task forwards (commit 5ab1214), kept as the reference for the
     update: one forward of every row, and each term TRL's loss on all of it, so that every task
     term's backward ran through every row (K + 1 full backward passes in exact mode)."""
 
@@ -365,7 +365,7 @@ def one_sgd_step(cls, mode: str, model: str, grpo_args) -> tuple[list[torch.Tens
 
 @pytest.mark.parametrize("mode", ["exact", "low_memory"])
 def test_cagrad_update_unchanged_by_the_per_task_forward(mode, tiny_llama, grpo_args):
-    """Issue 17: the loss forward runs per task so that a task term's backward walks its own rows
+    """The loss forward runs per task so that a task term's backward walks its own rows
     only; the update and every logged metric must equal the code before it (BeforeTaskForwards),
     to 1e-5 relative (the per-task forwards multiply smaller matrices: float rounding only)."""
     new, new_logs = one_sgd_step(grpotrl.MultiTaskGRPOTrainer, mode, tiny_llama, grpo_args)

@@ -307,7 +307,7 @@ def test_I2_drift_in_the_data_stops_before_the_model_loads(tiny_llama, tmp_path,
 
 
 def test_I2_guard_catches_a_collator_that_drops_the_stop_token(tiny_llama, tmp_path):
-    """Seed 002's mask (``mask[first_eos:] = 0``) applied by a custom collator after grpotrl
+    """A stop-dropping mask (``mask[first_eos:] = 0``) applied by a custom collator after grpotrl
     tokenized the rows: the loss no longer ends with <|im_end|>."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -364,7 +364,7 @@ def test_I2_packed_chat_rows_train(tiny_llama, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The template SFT trained on (issue 15): chat_template_path, chat_template_kwargs, check_template
+# The template SFT trained on: chat_template_path, chat_template_kwargs, check_template
 # ---------------------------------------------------------------------------------------------
 
 def _bot_template(tok):

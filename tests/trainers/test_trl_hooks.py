@@ -153,7 +153,7 @@ def test_returned_loss_is_backpropagated_unscaled():
 
 def test_generate_builds_its_processor_list_in_get_logits_processor():
     """_intercept.inject_recorders_after_warpers shadows ``_get_logits_processor`` so the sampler-logprob
-    recorder runs after transformers' warpers (issue 17); generate must still build its list there, from
+    recorder runs after transformers' warpers; generate must still build its list there, from
     the caller's ``logits_processor``, and sample from what that list returns."""
     from transformers import GenerationMixin
 
