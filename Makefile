@@ -1,9 +1,10 @@
 # make setup       create .venv and install grpotrl (scripts/setup.sh; GRPOTRL_EXTRAS=deepspeed,...)
-# make test        the test suite, as CI runs it (.ci/run)
+# make test        the test suite, as CI runs it (.ci/run): all but the tests marked slow
+# make test-all    every test, the slow ones included (about 7 minutes more)
 # make quickstart  a tiny end-to-end run on SmolLM2-135M-Instruct
 # make docs        build the documentation site (mkdocs.yml, docs/) and serve it at http://127.0.0.1:8000
 # make notebooks   re-execute notebooks/ and store them with their outputs (scripts/run_notebooks.py)
-.PHONY: setup test quickstart docs notebooks
+.PHONY: setup test test-all quickstart docs notebooks
 
 # Idle OpenMP workers must yield, or any other busy process slows torch 30-100x on few
 # cores (grpotrl/_threads.py). Exported, so it is set before Python imports torch.
@@ -23,13 +24,19 @@ $(VENV_STAMP): setup.cfg pyproject.toml scripts/setup.sh
 
 # Tests run with 2 threads: the CI machine's core count, and the numbers the suite was timed with.
 test: export OMP_NUM_THREADS ?= 2
+# Tests marked slow (setup.cfg: real-model runs whose ground another test covers) are left out; `make test-all`
+# (TEST_MARKERS empty) runs them too.
+TEST_MARKERS ?= not slow
 # The import layers first (setup.cfg [importlinter]: imports only go down, lazy ones included);
 # pytest exits 5 when it collected nothing; make would only say "Error 5", so say what it is.
 test: $(VENV_STAMP)
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q tests --doctest-modules grpotrl || { status=$$?; [ $$status -ne 5 ] || \
+	.venv/bin/python -m pytest -q -m "$(TEST_MARKERS)" tests --doctest-modules grpotrl || { status=$$?; [ $$status -ne 5 ] || \
 	    echo "make test: FAIL: pytest collected no tests (exit 5); check tests/ and that its files import" >&2; \
 	    exit $$status; }
+
+test-all:
+	$(MAKE) test TEST_MARKERS=
 
 # SFT then GRPO on SmolLM2-135M-Instruct, exactly the two commands a user would type; the
 # log goes to outputs/quickstart.log as well as the terminal. A second `make quickstart` replaces

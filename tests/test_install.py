@@ -50,7 +50,6 @@ def readme_example() -> str:
     return short
 
 
-@pytest.mark.slow
 def test_readme_example_runs_from_the_installed_package(installed, hub_smollm2, tmp_path):
     proc = run_installed(installed, [sys.executable, "-c", readme_example()], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -83,7 +83,6 @@ def check_judged_run(logs: list[dict], proxy: LoopbackJudge, steps: int) -> None
     assert all("Answer in one sentence" in text for text in fair)  # only fairness rows reach this one
 
 
-@pytest.mark.slow  # ~110 s on 2 shared cores (CI runs it: `make test` runs slow tests too)
 def test_seeds_pipeline_sft_then_judged_multitask_grpo_through_the_cli(serve, tiny_llama, tmp_path):
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
     run([sys.executable, "-m", "grpotrl.cli", "sft", "--config", "recipes/smollm2/sft_quickstart.yaml",
@@ -99,7 +98,7 @@ def test_seeds_pipeline_sft_then_judged_multitask_grpo_through_the_cli(serve, ti
     assert "grpotrl: padding_free on (auto: measured faster" in text  # the trainer's startup line reaches the user
 
 
-@pytest.mark.slow  # ~85 s
+@pytest.mark.slow  # ~21 s; the CLI under accelerate launch is also tests/test_distributed.py and tests/models/test_hub.py
 def test_seeds_pipeline_under_accelerate_launch(serve, tiny_llama, tmp_path):
     out = tmp_path / "grpo"
     with LoopbackJudge(upstream=serve["url"]) as proxy:

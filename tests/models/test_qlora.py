@@ -140,7 +140,6 @@ def test_I5_quantized_layers_compute_the_same_function_in_train_and_eval(smollm2
 # QLoRA GRPO steps on SmolLM2 in 4-bit
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_qlora_grpo_steps_on_smollm2_4bit_train_lora_only_with_guards_on(smollm2_path, smollm2_tokenizer,
                                                                          grpo_args):
     from peft import LoraConfig
