@@ -42,13 +42,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
 from grpotrl.configs import recipe_types
 from grpotrl.errors import HealthStop, InputError
 from grpotrl.rewards.judges import JudgeError
 from grpotrl.rewards.resolve import REWARD_FUNCS
-from grpotrl.trainers._common import collectives_settled
 
 COMMANDS = ("sft", "grpo", "gad")
 USAGE = "usage: grpotrl {sft,grpo,gad} --config RECIPE.yaml [--key value ...]\n       grpotrl report OUTPUT_DIR [--out DIR]"
@@ -320,9 +317,8 @@ def main(argv: list[str] | None = None) -> None:
       batches in a row (``grpotrl.rewards.judges.JudgeError``); checkpoints saved before are kept;
     * anything else is a bug or a failure outside grpotrl's checks: Python's traceback, exit 1.
 
-    A distributed run that stops before ``trainer.end()`` (any of the above) still gives torch's collective
-    threads their pause (``collectives_settled``) before the interpreter shuts down, so that the exit code is
-    the one listed here and not a SIGABRT from a collective thread.
+    A distributed run exits with these codes, not a collective thread's SIGABRT: the trainer's ``train()``
+    registered ``trainers._common.settle_collectives_at_exit``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*COMMANDS, "report"):
@@ -353,9 +349,6 @@ def main(argv: list[str] | None = None) -> None:
     except JudgeError as err:  # a judge's documented stop (max_failed_batches): the message says what to check
         print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
         raise SystemExit(EXIT_JUDGE_STOP) from None
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # trainer.end() not reached
-            collectives_settled()
 
 
 if __name__ == "__main__":

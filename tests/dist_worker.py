@@ -46,8 +46,6 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from grpotrl.trainers._common import collectives_settled
-
 BATCH = 8  # per device, every method (see the module docstring)
 GUARD_CALLS: Counter = Counter()
 GENERATIONS: list[dict] = []
@@ -329,11 +327,8 @@ def main() -> None:
         with open(os.path.join(a.out, f"{method}_rank{acc.process_index}.json"), "w") as f:
             json.dump(evidence, f, indent=1)
         start_dir = save_dir
-    if trainer is not None:  # as a script ends a run: the process group destroyed, the collective threads settled
+    if trainer is not None:  # as a script ends a run (train() registered the pause for the collective threads)
         trainer.end()
-    else:
-        PartialState().destroy_process_group()
-        collectives_settled()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,15 @@
   unless the preflight already checked that checkpoint; a finished run is not trained over; the
   ``output_dir`` is locked against a second run from ``train()`` to ``end()`` (``run_lock``); a full
   disk while saving is one clear error (``checkpoints.disk_full_named``).
-* ``collectives_settled``: ``end()`` of a distributed run lets torch's collective threads free their
-  last work before the interpreter shuts down (else a finished run can exit with SIGABRT).
+* ``settle_collectives_at_exit``: a distributed process that trained lets torch's collective threads free
+  their last work before the interpreter shuts down, however it exits (else a finished run can exit with
+  SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import time
@@ -33,9 +36,11 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 0.2
 
 
-def collectives_settled(seconds: float = SETTLE_S) -> None:
-    """Release the GIL for ``seconds`` after the process group is destroyed, so torch's collective threads
-    free their last finished work while the interpreter is alive.
+@functools.cache  # once per process
+def settle_collectives_at_exit() -> None:
+    """At interpreter exit (an ``atexit`` handler: after the script's last line, an uncaught exception or
+    ``SystemExit``, before the interpreter shuts down), release the GIL for ``SETTLE_S`` seconds so that torch's
+    collective threads free their last finished work while the interpreter is alive.
 
     A gloo worker thread drops its reference to a finished work (and the Python tensors the work holds)
     just after the rank's ``wait()`` returns, and ``destroy_process_group`` does not join those threads.
@@ -45,7 +50,12 @@ def collectives_settled(seconds: float = SETTLE_S) -> None:
     then an all-reduce, then exit; the rate varied with the machine's load from 1 in 30 to 6 in 20):
     14 aborts in 162 exits without ``destroy_process_group``, 1 in 65 with it alone, 0 in 90 with it and
     this pause, 0 in 40 with this pause alone."""
-    time.sleep(seconds)
+    atexit.register(_settle)
+
+
+def _settle() -> None:
+    logger.debug("grpotrl: %.1f s for torch's collective threads to free their last work before exit", SETTLE_S)
+    time.sleep(SETTLE_S)
 
 
 @contextmanager
@@ -83,7 +93,10 @@ class CheckedResume:
         (final weights and ``trainer_state.json`` at its root) is refused unless resuming or overwriting
         (``overwrite_output_dir``: this argument, else the config's field).
         ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
-        here, it is resumed from as checked, not checked again."""
+        here, it is resumed from as checked, not checked again. In a distributed process it first registers
+        ``settle_collectives_at_exit``."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            settle_collectives_at_exit()
         # before anything is written; a no-op when this process holds it already (the CLI took it)
         took = lock_output_dir(self.args.output_dir, self.accelerator.process_index, self.accelerator.num_processes)
         if overwrite_output_dir is None:
@@ -108,14 +121,10 @@ class CheckedResume:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def end(self):
-        """transformers' ``end`` (trackers finished, process group destroyed), then, in a distributed run,
-        ``collectives_settled``; then the ``output_dir`` lock released: the run, with the ``save_model`` /
-        ``save_state`` / ``push_to_hub`` before it, is over."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        """transformers' ``end`` (trackers finished, process group destroyed), then the ``output_dir`` lock
+        released: the run, with the ``save_model`` / ``save_state`` / ``push_to_hub`` before it, is over."""
         try:
             super().end()
-            if distributed:
-                collectives_settled()
         finally:
             release_output_dir(self.args.output_dir)
 
