@@ -40,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import random
+import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -96,6 +98,11 @@ def redact(text: str, secrets) -> str:
     >>> redact("echo: Bearer sk-abcdefgh12345678, cut: sk-abcdefg...", ["sk-abcdefgh12345678"])
     'echo: Bearer <api key>, cut: <api key>...'
     """
+    return _replaced(text, _secret_spans(text, secrets), 0, len(text))
+
+
+def _secret_spans(text: str, secrets) -> list[list[int]]:
+    """The ``[start, end)`` runs of ``text`` that are a secret or a piece of one (``redact``), merged, in order."""
     pieces = {s[i:i + PIECE] for s in secrets if len(s) >= PIECE for i in range(len(s) - PIECE + 1)}
     pieces |= {s for s in secrets if 4 <= len(s) < PIECE}
     spans = []
@@ -104,26 +111,46 @@ def redact(text: str, secrets) -> str:
         while at >= 0:
             spans.append((at, at + len(piece)))
             at = text.find(piece, at + 1)
-    if not spans:
-        return text
     spans.sort()
-    merged = [list(spans[0])]
-    for start, end in spans[1:]:
-        if start <= merged[-1][1]:  # overlapping or touching: one run
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:  # overlapping or touching: one run
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
-    out, done = [], 0
-    for start, end in merged:
-        out += [text[done:start], REDACTED]
-        done = end
-    return "".join(out) + text[done:]
+    return merged
+
+
+def _replaced(text: str, spans: list[list[int]], lo: int, hi: int) -> str:
+    """``text[lo:hi]`` with each of ``spans`` (clipped to it) replaced by ``REDACTED``."""
+    out, done = [], lo
+    for start, end in spans:
+        start, end = max(start, lo), min(end, hi)
+        if start < end:
+            out += [text[done:start], REDACTED]
+            done = end
+    return "".join(out) + text[done:hi]
 
 
 def _excerpt(text: str, secrets, tail: bool = False) -> str:
-    """At most ``NOTE_CHARS`` of server text (its start, or its end with ``tail``), redacted first."""
-    text = redact(text, secrets)
-    return text[-NOTE_CHARS:] if tail else text[:NOTE_CHARS]
+    """At most ``NOTE_CHARS`` of server text (its start, or its end with ``tail``), redacted before it is cut.
+
+    Only a window of the text is searched, never a whole (up to ``max_reply_bytes``) body: the note is taken
+    from the part of the window that no secret can cross out of, one longest secret in from the window's
+    edge, so every secret there lies wholly inside the window and is found.
+
+    >>> _excerpt("x" * 300 + "sk-abcdefgh12345678" + "y" * 5, ["sk-abcdefgh12345678"], tail=True)[-20:]
+    'xxxxxx<api key>yyyyy'
+    """
+    longest = max((len(s) for s in secrets), default=0)
+    width = 2 * NOTE_CHARS + longest
+    if len(text) <= width:
+        return (redact(text, secrets)[-NOTE_CHARS:] if tail else redact(text, secrets)[:NOTE_CHARS])
+    if tail:
+        window = text[-width:]
+        return _replaced(window, _secret_spans(window, secrets), longest, width)[-NOTE_CHARS:]
+    window = text[:width]
+    return _replaced(window, _secret_spans(window, secrets), 0, width - longest)[:NOTE_CHARS]
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -206,14 +233,18 @@ class HttpJudge:
                  name: str | None = None, max_concurrency: int = 8, timeout: float = 30.0, max_retries: int = 2,
                  backoff: float = 0.5, max_tokens: int = 256, temperature: float = 0.0,
                  max_failed_batches: int = 3, cache_size: int = 100_000, max_reply_bytes: int = 1 << 20):
-        if api_key_env is not None and not os.environ.get(api_key_env):
-            raise InputError(f"HttpJudge: environment variable {api_key_env!r} (api_key_env) is not set; export "
-                             "it with the judge's API key, or pass api_key_env=None for a server without one.")
-        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or max_reply_bytes < 1024:
-            raise InputError(f"HttpJudge: need max_concurrency >= 1, timeout > 0, max_retries >= 0, max_reply_bytes "
-                             f">= 1024; got {max_concurrency}, {timeout}, {max_retries}, {max_reply_bytes}.")
+        if api_key_env is not None:
+            _check_key(os.environ.get(api_key_env), api_key_env)
+        _check_settings(max_concurrency=max_concurrency, timeout=timeout, max_retries=max_retries, backoff=backoff,
+                        max_tokens=max_tokens, temperature=temperature, max_failed_batches=max_failed_batches,
+                        cache_size=cache_size, max_reply_bytes=max_reply_bytes)
         _check_base_url(base_url)
-        _httpx()  # the HTTP client is there before a run counts on this judge
+        httpx = _httpx()  # the HTTP client is there before a run counts on this judge
+        try:  # SSL_CERT_FILE / SSL_CERT_DIR read now, not at the first judged batch
+            ssl = httpx.create_ssl_context()
+        except Exception as err:  # noqa: BLE001 - whatever the environment's certificates make it raise
+            raise InputError(f"HttpJudge: cannot build the TLS context from this environment ({type(err).__name__}: "
+                             f"{err}); check SSL_CERT_FILE / SSL_CERT_DIR.") from None
         self.rubric, self.base_url, self.model, self.api_key_env = rubric, base_url.rstrip("/"), model, api_key_env
         self.name = self.__name__ = name or rubric.name  # TRL names the reward column after __name__
         self.max_concurrency, self.timeout = max_concurrency, timeout
@@ -227,7 +258,7 @@ class HttpJudge:
         self.failed_batches, self.last_status, self.last_error = 0, None, ""
         self.requests = 0  # HTTP attempts sent, retries included
         self.failures = Counter()  # rows without a score so far, by reason (FAILURE_REASONS)
-        self._ssl = None  # built once: a new client is cheap with it, ~30-70 ms without
+        self._ssl = ssl  # built once: a new client is cheap with it, ~30-70 ms without
 
     def __repr__(self) -> str:
         key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
@@ -300,12 +331,19 @@ class HttpJudge:
         secrets = (*headers.values(), key) if key else ()
         slots = asyncio.Semaphore(self.max_concurrency)
         httpx = _httpx()
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        # One client per call: TRL's event loop is long-lived, a user's asyncio.run() is not,
-        # and a client must not outlive the loop its connections belong to.
-        self._ssl = self._ssl or httpx.create_ssl_context()
-        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl) as client:
-            keys = list(todo)
+        keys = list(todo)
+        try:  # a key changed since init, a proxy variable httpx cannot read: every row fails, nothing raises (I8)
+            if self.api_key_env:
+                _check_key(key, self.api_key_env)
+            limits = httpx.Limits(max_connections=self.max_concurrency,
+                                  max_keepalive_connections=self.max_concurrency)
+            # One client per call: TRL's event loop is long-lived, a user's asyncio.run() is not,
+            # and a client must not outlive the loop its connections belong to.
+            client = httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl)
+        except Exception as err:  # noqa: BLE001
+            self.last_status, self.last_error = 0, _excerpt(f"{type(err).__name__}: {err}", secrets)
+            return {k: _Verdict(None, f"no client: {self.last_error}", "transport") for k in keys}
+        async with client:
             results = await asyncio.gather(*(self._ask(client, slots, todo[k], secrets) for k in keys))
         return dict(zip(keys, results))
 
@@ -375,6 +413,52 @@ class HttpJudge:
         return _Verdict(score, note, "no_verdict" if score is None else None, cacheable=True), status, False, None
 
 
+def _check_key(key: str | None, env: str) -> None:
+    """The API key in variable ``env`` as an HTTP header can carry it: set, printable ASCII, no surrounding
+    whitespace (a key read from a file keeps its newline). The key is never shown; the variable's name only
+    when it reads as one (``variable_name``), not as a key pasted in its place."""
+    if not key:
+        raise InputError(f"HttpJudge: the environment variable {variable_name(env)} (api_key_env) is not set here; "
+                         "export it with the judge's API key, or pass api_key_env=None for a server without one.")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise InputError(f"HttpJudge: the API key in {variable_name(env)} (api_key_env) has whitespace around it or "
+                         "characters an HTTP header cannot carry (not printable ASCII); export the key alone, "
+                         "e.g. JUDGE_API_KEY=$(tr -d '\\n' < keyfile).")
+
+
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")  # JUDGE_API_KEY; not hf_..., sk_live_..., hex
+
+
+def variable_name(env: str) -> str:
+    """``env`` quoted when it reads as an environment variable's name (upper-case words joined by ``_``), else a
+    description: an API key pasted where its variable's name goes must not be echoed into an error.
+
+    >>> variable_name("JUDGE_API_KEY"), variable_name("hf_AbCdEfGh1234"), variable_name("d3b07384d113edec")
+    ("'JUDGE_API_KEY'", 'named by api_key_env', 'named by api_key_env')
+    """
+    return repr(env) if _VARIABLE_NAME.fullmatch(env) else "named by api_key_env"
+
+
+_SETTING_FLOORS = {  # setting: (smallest value; timeout must be above it), integer
+    "max_concurrency": (1, True), "timeout": (0, False), "max_retries": (0, True), "backoff": (0, False),
+    "max_tokens": (1, True), "temperature": (0, False), "max_failed_batches": (0, True), "cache_size": (0, True),
+    "max_reply_bytes": (1024, True),
+}
+
+
+def _check_settings(**settings) -> None:
+    """Each numeric setting finite and in range (``_SETTING_FLOORS``): NaN, an infinity, a negative cache or
+    count would fail, or hang, only at the first judged batch."""
+    for name, value in settings.items():
+        low, integer = _SETTING_FLOORS[name]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (not integer or value == int(value)) and (value > low if name == "timeout" else value >= low))
+        if not ok:
+            kind = "an integer" if integer else "a finite number"
+            raise InputError(f"HttpJudge: {name} must be {kind} {'>' if name == 'timeout' else '>='} {low}; "
+                             f"got {value!r}.")
+
+
 def _check_base_url(base_url: str) -> None:
     """The API root, without credentials: the URL is shown in repr, errors and logs. The value is
     never echoed here (it may hold a secret)."""
@@ -410,6 +494,8 @@ class LocalJudge:
     def __init__(self, model, tokenizer, rubric: Rubric, *, name: str | None = None, batch_size: int = 4):
         self.model, self.tokenizer, self.rubric, self.batch_size = model, tokenizer, rubric, batch_size
         self.name = self.__name__ = name or f"local_{rubric.name}"
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"LocalJudge {self.name!r}: batch_size must be an integer >= 1; got {batch_size!r}.")
         if tokenizer.pad_token_id is None:
             raise InputError(f"LocalJudge {self.name!r}: the tokenizer has no pad token; set "
                              "tokenizer.pad_token = tokenizer.eos_token (padding is masked out).")
@@ -472,8 +558,9 @@ class LocalJudge:
             texts = self._texts([prompts[i] for i in usable], [completions[i] for i in usable],
                                 [rows[i] for i in usable])
             expected, mass = self.scores(texts)
-            for i, e in zip(usable, expected.tolist()):
-                out[i] = self.rubric.normalise(e)
+            for i, e, m in zip(usable, expected.tolist(), mass.tolist()):
+                # No mass on the scale (it underflowed) or non-finite logits: no verdict, never a made-up score.
+                out[i] = self.rubric.normalise(e) if math.isfinite(e) and math.isfinite(m) and m > 0 else None
             if log_metric is not None:
                 log_metric(f"judge/{self.name}/verdict_mass", mass.mean().item())
         if log_metric is not None:

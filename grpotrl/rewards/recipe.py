@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import string
@@ -94,7 +95,7 @@ def parse_judges(judges: Mapping | str | None) -> dict:
 
 
 def _judge(name, settings):
-    from .judges import HttpJudge
+    from .judges import HttpJudge, variable_name
 
     where = f"judges.{name}"
     if not isinstance(name, str) or not _JUDGE_NAME.match(name):
@@ -130,7 +131,11 @@ def _judge(name, settings):
             check_model_source(path)
         except InputError as err:
             raise InputError(f"{where}.model_path {settings['model_path']!r}: {err}") from None
-        return LocalJudgeSpec(name, rubric, path, batch_size=_number(settings, "batch_size", 4, int, where))
+        batch_size = _number(settings, "batch_size", 4, int, where)
+        if batch_size < 1:
+            raise InputError(f"{where}.batch_size must be an integer >= 1 (rows per forward of the judge), got "
+                             f"{batch_size}.")
+        return LocalJudgeSpec(name, rubric, path, batch_size=batch_size)
     if "model" not in settings:
         raise InputError(f"{where} has no `model`: the model name the server at base_url serves (the `model` "
                          "field of each request).")
@@ -140,20 +145,24 @@ def _judge(name, settings):
             raise InputError(f"{where}.api_key_env must be the NAME of an environment variable (letters, digits, "
                              "'_'), not the key itself. Export the key as, e.g., JUDGE_API_KEY and set "
                              "api_key_env: JUDGE_API_KEY.")
-        if not os.environ.get(env):
-            raise InputError(f"{where}.api_key_env names the environment variable {env!r}, which is not set here. "
+        if not os.environ.get(env):  # the name shown only where it reads as one: it may be a key
+            raise InputError(f"{where}.api_key_env: the environment variable {variable_name(env)} is not set here. "
                              "Export it with the judge's API key, or drop api_key_env for a server without a key.")
     numbers = {"max_concurrency": (8, int), "timeout": (30.0, float), "max_retries": (2, int), "backoff": (0.5, float),
                "max_tokens": (256, int), "temperature": (0.0, float), "max_failed_batches": (3, int),
                "cache_size": (100_000, int), "max_reply_bytes": (1 << 20, int)}
     kwargs = {k: _number(settings, k, default, kind, where) for k, (default, kind) in numbers.items()}
-    return HttpJudge(rubric, base_url=str(settings["base_url"]), model=str(settings["model"]), api_key_env=env,
-                     name=name, **kwargs)
+    try:  # its own checks (ranges, the key, the URL, TLS), named after the recipe's judge
+        return HttpJudge(rubric, base_url=str(settings["base_url"]), model=str(settings["model"]), api_key_env=env,
+                         name=name, **kwargs)
+    except InputError as err:
+        raise InputError(f"{where}: {err}") from None
 
 
 def _number(settings, key, default, kind, where):
     value = settings.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (kind is int and value != int(value))):
         raise InputError(f"{where}.{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}.")
     return kind(value)
 

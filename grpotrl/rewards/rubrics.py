@@ -27,8 +27,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from ..errors import InputError
+
 _VERDICT_LINE = re.compile(  # a whole line: optional markdown, "verdict", ":" or "=", a number, optional "/5"
-    r"^[ \t*#_]*verdict[ \t*_]*[:=][ \t*_]*(-?\d+(?:\.\d+)?)[ \t]*(?:/[ \t]*\d+)?[ \t*_.]*$",
+    r"^[ \t*#_]*verdict[ \t*_]*[:=][ \t*_]*(-?\d+(?:\.\d+)?)[ \t]*(?:/[ \t]*(\d+))?[ \t*_.]*$",
     re.IGNORECASE | re.MULTILINE,
 )
 _MARKERS = re.compile(r"verdict|<\s*/?\s*(?:response|reference|question)\s*>", re.IGNORECASE)
@@ -67,7 +69,8 @@ def defang(text: str) -> str:
 
 def parse_verdict(reply: str, low: int = 1, high: int = 5) -> float | None:
     """The score in the judge's LAST ``VERDICT: <n>`` line, or ``None`` when there is no such
-    line or its value is off the scale ``[low, high]``. Nothing else in the reply counts.
+    line, its value is off the scale ``[low, high]``, or it names another scale (``4/10`` on a
+    1-5 rubric). Nothing else in the reply counts.
 
     >>> parse_verdict("The answer is correct.\\nVERDICT: 4")
     4.0
@@ -78,11 +81,15 @@ def parse_verdict(reply: str, low: int = 1, high: int = 5) -> float | None:
     >>> parse_verdict("<response>\\nScore: 5\\n[verdict]: 5\\n</response>")  # a parroted, defanged quote
     >>> parse_verdict("[verdict]: 5 was claimed.\\nVERDICT: 1")
     1.0
+    >>> parse_verdict("VERDICT: 4/10")  # a 4 on another scale is no 4 on this one
     """
     found = _VERDICT_LINE.findall(reply)
     if not found:
         return None
-    value = float(found[-1])
+    number, scale = found[-1]
+    value = float(number)
+    if scale and int(scale) != high:
+        return None
     return value if low <= value <= high else None
 
 
@@ -102,6 +109,22 @@ class Rubric:
     columns: dict[str, str] = field(default_factory=dict)
     low: int = 1
     high: int = 5
+
+    def __post_init__(self):
+        """A scale with room in it and worked examples that fill the template: checked when the rubric is
+        made, so that a broken one fails before a run, not at its first judged batch."""
+        if not (isinstance(self.low, int) and isinstance(self.high, int) and self.low < self.high):
+            raise InputError(f"rubric {self.name!r}: the scale low={self.low!r} .. high={self.high!r} needs two "
+                             "integers with low < high (the default is 1 .. 5).")
+        need = {"prompt", "completion", "verdict", *self.columns}
+        for i, ex in enumerate(self.examples):
+            missing = sorted(need - set(ex))
+            if missing:
+                raise InputError(f"rubric {self.name!r}: worked example {i} lacks {missing}; each example gives "
+                                 f"{sorted(need)}.")
+            if not (isinstance(ex["verdict"], int) and self.low <= ex["verdict"] <= self.high):
+                raise InputError(f"rubric {self.name!r}: worked example {i} has verdict {ex['verdict']!r}, not an "
+                                 f"integer on the scale {self.low} .. {self.high}.")
 
     def fields(self, prompt: str, completion: str, row: dict) -> dict[str, str]:
         """The template fields of one row, defanged; ``row`` maps dataset columns to values."""

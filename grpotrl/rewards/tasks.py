@@ -49,8 +49,29 @@ def rows_of(rows: list[int], n: int, **columns) -> dict:
     return {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == n else v for k, v in columns.items()}
 
 
+def whole_rows(log_extra: Callable, rows: list[int], n: int, task: str, logged: set[str]) -> Callable:
+    """A ``log_extra`` for a function called on ``rows`` of a batch of ``n``: TRL's completions table wants one
+    value per batch row, so each column is logged whole (``None`` on the other tasks' rows) and named after the
+    task (``<task>/<column>``), so that two tasks' functions never log the same column twice in one batch. Each
+    name logged is added to ``logged``.
+
+    >>> table, logged = {}, set()
+    >>> whole_rows(lambda c, v: table.update({c: v}), [1], 3, "a", logged)("judge/x", ["note"])
+    >>> table, logged
+    ({'a/judge/x': [None, 'note', None]}, {'a/judge/x'})
+    """
+    def log(column, values):
+        full = [None] * n
+        for i, v in zip(rows, values, strict=True):
+            full[i] = v
+        logged.add(f"{task}/{column}")
+        log_extra(f"{task}/{column}", full)
+    return log
+
+
 def _restricted(func: Callable, task: str, column: str) -> Callable:
     name = f"{task}/{get_callable_name(func)}"
+    logged: set[str] = set()  # the completion-table columns it has logged (whole_rows)
 
     def cut(prompts, completions, completion_ids=None, **kwargs):
         if column not in kwargs:
@@ -59,6 +80,10 @@ def _restricted(func: Callable, task: str, column: str) -> Callable:
         n = len(prompts)
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
+        if (log_extra := kwargs.get("log_extra")) is not None:
+            for logged_column in () if rows else logged:  # not called this batch: its columns stay aligned
+                log_extra(logged_column, [None] * n)
+            kwargs["log_extra"] = whole_rows(log_extra, rows, n, task, logged)
         return rows, n, rows_of(rows, n, prompts=prompts, completions=completions, **kwargs)
 
     def spread(rows, n, values):
