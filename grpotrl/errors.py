@@ -21,11 +21,16 @@ class InvariantError(RuntimeError):
 
 
 class HealthStop(RuntimeError):
-    """A health rule stopped training; ``checkpoint`` holds the resumable state it saved first."""
+    """A health rule stopped training; ``checkpoint`` holds the state it saved first: resumable, unless
+    ``resumable`` is False (weights only: a model sharded at load time, whose optimizer state the
+    Trainer cannot save); the message says which."""
 
-    def __init__(self, rule: str, step: int, message: str, checkpoint: str | None = None):
-        self.rule, self.step, self.checkpoint = rule, step, checkpoint
-        where = f" Checkpoint saved to {checkpoint} (resume_from_checkpoint works)." if checkpoint else ""
+    def __init__(self, rule: str, step: int, message: str, checkpoint: str | None = None, resumable: bool = True):
+        self.rule, self.step, self.checkpoint, self.resumable = rule, step, checkpoint, resumable
+        how = ("resume_from_checkpoint works" if resumable else
+               "weights only, no optimizer or RNG state: it cannot resume this run, only start a new one as "
+               "model_name_or_path")
+        where = f" Checkpoint saved to {checkpoint} ({how})." if checkpoint else ""
         super().__init__(f"[health: {rule}] step {step}: {message}{where}")
 
 

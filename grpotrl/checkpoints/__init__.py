@@ -9,8 +9,9 @@
   everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
   when the step falls inside one of TRL's generation batches (no exact resume then).
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
-  ``check_finished_run`` (the Python API: only a finished run is refused); both name every way to
-  set ``overwrite_output_dir`` (``OVERWRITE_HOW``). The run lock itself is ``run_lock.py``.
+  ``check_finished_run`` (the Python API: only a finished run is refused); a resume counts only from a
+  checkpoint inside ``output_dir`` (``resumes_inside``); both name every way to set
+  ``overwrite_output_dir`` (``OVERWRITE_HOW``). The run lock itself is ``run_lock.py``.
 * ``check_resume_architecture``: a checkpoint written by a model of another architecture (its
   ``config.json`` fields; LoRA: ``adapter_config.json``'s rank, target modules and base model), an
   ``InputError`` naming the field and both values before the weights load.
@@ -177,16 +178,34 @@ OVERWRITE_HOW = ("overwrite_output_dir: true in the recipe, --overwrite_output_d
                  "train(overwrite_output_dir=True)")
 
 
-def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -> None:
+def resumes_inside(checkpoint, output_dir: str) -> bool:
+    """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: True (or "true"/"last",
+    the newest ``checkpoint-N`` there) or a path inside ``output_dir`` (symlinks resolved). Only such a
+    resume lets a run write over what ``output_dir`` holds: a checkpoint of another run, resumed into
+    it, would replace this run's model and log with the other's continuation.
+
+    >>> [resumes_inside(c, "out") for c in (True, "out/checkpoint-5", "other/checkpoint-5", None)]
+    [True, True, False, False]
+    """
+    if not resume_requested(checkpoint):
+        return False
+    if checkpoint is True or checkpoint in ("true", "True", "last"):
+        return True
+    path, directory = (os.path.realpath(os.path.expanduser(str(p))) for p in (checkpoint, output_dir))
+    return os.path.commonpath([path, directory]) == directory
+
+
+def check_output_dir(path: str, resume=False, overwrite: bool = False) -> None:
     """Raise ``InputError`` when a run into ``path`` would replace what is there: a finished run
     (weights, ``trainer_state.json``), ``checkpoint-N`` dirs, or any other file (the Trainer writes
-    README.md, config.json, ... by name). Resuming from it (``resume``) or ``overwrite`` is the user
-    saying so. A file where a directory should be is always an error. Reads names only; the run
-    lock (``run_lock.LOCK_FILE``, live or left by a killed run) does not count."""
+    README.md, config.json, ... by name). Resuming that run or ``overwrite`` is the user saying so:
+    ``resume`` is the run's ``resume_from_checkpoint`` (True, "true", or a path), and only a checkpoint
+    inside ``path`` counts (``resumes_inside``). A file where a directory should be is always an error.
+    Reads names only; the run lock (``run_lock.LOCK_FILE``, live or left by a killed run) does not count."""
     directory = os.path.expanduser(path)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
-    if resume or overwrite or not os.path.isdir(directory):
+    if resumes_inside(resume, path) or overwrite or not os.path.isdir(directory):
         return
     names = set(os.listdir(directory)) - {LOCK_FILE}
     if not names:
@@ -205,17 +224,24 @@ def check_output_dir(path: str, resume: bool = False, overwrite: bool = False) -
             (f" and checkpoints {checkpoints}" if checkpoints else "")
     else:
         what = f"files grpotrl did not write ({file_listing(directory)})"
+    other = (f" (resume_from_checkpoint {resume!r} lies outside it: resuming another run's checkpoint does not "
+             "continue this one)" if resume_requested(resume) else "")
+    resume_how = ("resume that run with resume_from_checkpoint: true (--resume_from_checkpoint true), "
+                  if checkpoints else "")
     raise InputError(
-        f"output_dir {path!r} already holds {what}; this run would overwrite them. Choose a new output_dir, resume "
-        f"that run with resume_from_checkpoint: true (--resume_from_checkpoint true), or replace it: {OVERWRITE_HOW}."
+        f"output_dir {path!r} already holds {what}; this run would overwrite them{other}. Choose a new output_dir, "
+        f"{resume_how}or replace it: {OVERWRITE_HOW}."
     )
 
 
-def check_finished_run(path: str) -> None:
+def check_finished_run(path: str, resume=None) -> None:
     """The Python API's output_dir rule: raise ``InputError`` when ``path`` holds a finished run
     (final weights and ``trainer_state.json`` at its root, what ``save_model`` + ``save_state``
-    write); anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints).
+    write), unless ``resume`` (the checkpoint the run resumes from) continues it (``resumes_inside``);
+    anything else is written into as TRL and transformers do (fresh temp dirs, checkpoints).
     The message names every way to lift it: a script's user may own only the recipe or the command line."""
+    if resumes_inside(resume, path):
+        return
     directory = os.path.expanduser(path)
     if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
         return
@@ -229,10 +255,14 @@ def check_finished_run(path: str) -> None:
             steps = f" of {json.load(f).get('global_step')} steps"
     except (OSError, ValueError, AttributeError):
         steps = ""
+    other = (f" (resume_from_checkpoint {resume!r} lies outside it: resuming another run's checkpoint does not "
+             "continue this one)" if resume_requested(resume) else "")
+    resume_how = ("resume it (resume_from_checkpoint: true, --resume_from_checkpoint true or "
+                  "train(resume_from_checkpoint=True)), " if _checkpoints(directory) else "")
     raise InputError(
         f"output_dir {path!r} holds a finished run{steps} ({', '.join(weights)}, trainer_state.json); training into it "
-        "would replace its model and log history. Use a new output_dir, resume it (resume_from_checkpoint: true, "
-        f"--resume_from_checkpoint true or train(resume_from_checkpoint=True)), or replace it: {OVERWRITE_HOW}."
+        f"would replace its model and log history{other}. Use a new output_dir, {resume_how}or replace it: "
+        f"{OVERWRITE_HOW}."
     )
 
 

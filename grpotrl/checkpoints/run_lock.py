@@ -1,6 +1,7 @@
 """One run per ``output_dir``: an OS lock on ``output_dir/_grpotrl.lock``, taken before anything
 is written (the CLI: before the model loads; the Python API: at ``trainer.train()``), held until
-``trainer.end()`` or the process exits.
+``trainer.end()``, until ``trainer.train()`` raises (a health stop, a full disk, Ctrl-C: the run is over,
+and the resume a ``HealthStop`` invites may come from another process), or until the process exits.
 
 Two runs into one ``output_dir`` would write each other's checkpoints and final model, and both
 would report success. The second one is refused instead, with an ``InputError`` naming the

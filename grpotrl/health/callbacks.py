@@ -17,9 +17,15 @@ read the values of the optimizer step that just ended and act on them:
 A rule fires when its condition held for ``patience`` consecutive steps that observed the
 signal. Its action (``rule_action``: ``health_rule_actions`` over ``health_action`` over the
 rule's default): ``'warn'`` logs a warning (again after every further ``patience`` steps while
-the condition holds); ``'stop'`` asks the Trainer to save a checkpoint through its own
-``_save_checkpoint`` (so ``resume_from_checkpoint`` works) and to stop, and once that checkpoint
-is on disk (``on_save``) raises ``grpotrl.HealthStop`` naming the rule, the values and the step.
+the condition holds); ``'stop'`` asks the Trainer to save a checkpoint of that step through its own
+``_save_checkpoint`` and to stop, and once that checkpoint is on disk (``on_save``) raises
+``grpotrl.HealthStop`` naming the rule, the values, the step and the checkpoint. Whatever the save and
+evaluation strategies, the stop yields its checkpoint: where the Trainer skips the step's save
+(``save_strategy='best'`` saves only a new best when the step evaluates), the rule saves at the epoch's
+end, which the Trainer reaches right after the stop, before anything else is trained or logged. That save
+(``stop_save_settings``, applied by ``CheckedResume._save_checkpoint``) deletes no earlier checkpoint
+(``save_total_limit`` suspended: the last one before the stop may be the one to go back to) and is a full,
+resumable one even under ``save_only_model=True``.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class HealthRule(TrainerCallback):
         self._start: dict[str, int] = {}
         self._stop: tuple[int, str] | None = None
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A new ``train()`` (a resume on the same trainer) starts with no streak and no stop pending."""
+        self.streak, self._stop = [], None
+
     # values of this step: what was appended to the metric lists since the step began
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = {k: len(v) for k, v in self.trainer.metric_values().items()}
@@ -105,16 +115,49 @@ class HealthRule(TrainerCallback):
         if self.action == "warn":
             logger.warning("grpotrl health [%s] step %d: %s", self.name, state.global_step, message)
         elif self.action == "stop":
-            control.should_save = True
+            control.should_save = True  # the step's save, unless save_strategy='best' resets it (on_epoch_end)
             control.should_training_stop = True
             self._stop = (state.global_step, message)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether this rule stopped the run and its checkpoint is not saved yet."""
+        return self._stop is not None
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        """The Trainer skipped the stop step's save (``save_strategy='best'``: an evaluation at that step that
+        found no new best resets ``should_save``): save it now, as the Trainer would have, after the step's log
+        and evaluation (the Trainer breaks out of its epoch right after a stop and calls this first), then
+        ``on_save`` raises ``HealthStop``."""
+        if self._stop is not None:
+            self.trainer._save_checkpoint(self.trainer.model_wrapped, None)
+            self.trainer.callback_handler.on_save(args, state, control)
 
     def on_save(self, args, state, control, **kwargs):
         if self._stop is not None:
             step, message = self._stop
             self._stop = None
             checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            raise HealthStop(self.name, step, message, checkpoint if os.path.isdir(checkpoint) else None)
+            resumable = not args.save_only_model or "save_only_model" in stop_save_settings(self.trainer, True)
+            raise HealthStop(self.name, step, message, checkpoint if os.path.isdir(checkpoint) else None,
+                             resumable)
+
+
+def stop_save_settings(trainer, stopping: bool | None = None) -> dict:
+    """The ``TrainingArguments`` fields a health stop's checkpoint is saved with, over the run's own (empty
+    when no rule of ``trainer`` is stopping the run; ``stopping`` given: whether one is).
+    ``save_total_limit`` None: the save deletes no earlier checkpoint, since the last one before the
+    stop may be the state to go back to. ``save_only_model`` False: the checkpoint resumes (optimizer,
+    scheduler and RNG state saved), except for a model sharded at load time, whose optimizer state
+    transformers cannot checkpoint (``HealthStop`` then says it is weights only)."""
+    if stopping is None:
+        stopping = any(isinstance(cb, HealthRule) and cb.stopping for cb in trainer.callback_handler.callbacks)
+    if not stopping:
+        return {}
+    settings = {"save_total_limit": None}
+    if not getattr(trainer, "is_distributed_loading_by_transformers", False):
+        settings["save_only_model"] = False
+    return settings
 
 
 class HeaderRule(HealthRule):
@@ -185,7 +228,10 @@ class FlatRewardRule(HealthRule):
 class NonFiniteRule(HealthRule):
     """Loss or gradient norm NaN/inf. Checked before the optimizer step: under 'stop' the
     gradients are dropped so the saved checkpoint holds the last finite weights. Under ZeRO
-    (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked."""
+    (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked. What was not
+    recorded is not checked, and said so: a step with neither a loss (the trainer records each
+    backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
+    (a warning the first time), and a step with one of them is judged on that one alone."""
 
     name = "non_finite"
     default_action = "stop"
@@ -194,15 +240,26 @@ class NonFiniteRule(HealthRule):
     def __init__(self, trainer):
         super().__init__(trainer, patience=1)
         self._seen: tuple[bool, float, str] | None = None
+        self._warned_unchecked = False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         losses = self.trainer.step_findings.take_losses()
-        loss = torch.stack([x.float() for x in losses]).sum().item() if losses else 0.0
+        loss = torch.stack([x.float() for x in losses]).sum().item() if losses else None
         grads = [p.grad.detach() for p in self.trainer.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
-        broken = not (math.isfinite(loss) and math.isfinite(norm))
+        norm = torch.nn.utils.get_total_norm(grads).item() if grads else None
+        if loss is None and norm is None:
+            self._seen = None
+            if not self._warned_unchecked:
+                self._warned_unchecked = True
+                logger.warning("grpotrl health [%s] step %d: no loss was recorded and no parameter holds a "
+                               "gradient in .grad, so NaN/inf is not checked on this step (nor on later ones "
+                               "like it; warned once).", self.name, state.global_step + 1)
+            return
+        broken = any(v is not None and not math.isfinite(v) for v in (loss, norm))
+        seen = [f"loss {loss:.4g}" if loss is not None else "loss not recorded",
+                f"gradient norm {norm:.4g}" if norm is not None else "gradient norm not in .grad"]
         where = "after clipping, before the optimizer step"
-        self._seen = (broken, norm, f"loss {loss:.4g}, gradient norm {norm:.4g} ({where})")
+        self._seen = (broken, norm if norm is not None else loss, f"{', '.join(seen)} ({where})")
         if broken and self.action == "stop":
             self.trainer.model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a grad
 

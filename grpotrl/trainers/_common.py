@@ -4,8 +4,10 @@
   kernels: ``models.quantization``).
 * ``CheckedResume``: ``train(resume_from_checkpoint=...)`` checked (``checkpoints.resume_checkpoint``)
   unless the preflight already checked that checkpoint; a finished run is not trained over; the
-  ``output_dir`` is locked against a second run from ``train()`` to ``end()`` (``run_lock``); a full
-  disk while saving is one clear error (``checkpoints.disk_full_named``).
+  ``output_dir`` is locked against a second run from ``train()`` to ``end()`` or until ``train()`` raises
+  (``run_lock``); a full disk while saving is one clear error (``checkpoints.disk_full_named``); a save into
+  an existing ``checkpoint-N`` cut short leaves it incomplete, never mixed; a health stop's checkpoint is
+  full and deletes no earlier one (``health.callbacks.stop_save_settings``).
 * ``settle_collectives_at_exit``: a distributed process that trained lets torch's collective threads free
   their last work before the interpreter shuts down, however it exits (else a finished run can exit with
   SIGABRT).
@@ -26,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..checkpoints import (check_finished_run, check_resume_architecture, disk_full_named, resume_files,
                            resume_requested)
 from ..errors import InputError
+from ..health.callbacks import stop_save_settings
 from ..preflight import check_resume
 from ..checkpoints.run_lock import lock_output_dir, release_output_dir
 from . import _intercept
@@ -79,22 +82,28 @@ class CheckedResume:
     from Python gets the CLI's checks (a complete checkpoint with everything this trainer saves,
     LoRA vs full weights, the template fingerprint, I2), and a resumed QLoRA adapter keeps the
     dtype TRL gave it; a finished run in ``output_dir`` is not trained over unless asked
-    (``overwrite_output_dir``: the config's field or ``train``'s argument); a second run into the
-    same ``output_dir`` is refused (``run_lock``: locked from ``train()`` until ``end()`` or the process
-    exits, so ``save_model`` after ``train`` is covered); a checkpoint of another architecture is
-    refused before its weights load; a full disk while a checkpoint is written is a ``DiskFullError``
-    naming the file and the last complete checkpoint. Overrides ``train``, ``end``,
+    (``overwrite_output_dir``: the config's field or ``train``'s argument) or continued (a resume from a
+    checkpoint inside ``output_dir``); a second run into the same ``output_dir`` is refused (``run_lock``:
+    locked from ``train()`` until ``end()``, until ``train()`` raises, or until the process exits, so
+    ``save_model`` after ``train`` is covered and the resume that a ``HealthStop`` invites may come from
+    another process); a checkpoint of another architecture is refused before its weights load; a full disk
+    while a checkpoint is written is a ``DiskFullError`` naming the file and the last complete checkpoint;
+    a save into an existing ``checkpoint-N`` that is cut short leaves it incomplete; a health stop's
+    checkpoint is a full one and deletes no earlier checkpoint. Overrides ``train``, ``end``,
     ``_load_from_checkpoint`` and ``_save_checkpoint``."""
 
     _resume_kind = "grpo"
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, overwrite_output_dir=None):
         """TRL's ``train``, after the ``output_dir`` lock and the resume checks; a finished run in ``output_dir``
-        (final weights and ``trainer_state.json`` at its root) is refused unless resuming or overwriting
-        (``overwrite_output_dir``: this argument, else the config's field).
-        ``args.resume_from_checkpoint`` was checked by the preflight, before the weights loaded: passed
-        here, it is resumed from as checked, not checked again. In a distributed process it first registers
-        ``settle_collectives_at_exit``."""
+        (final weights and ``trainer_state.json`` at its root) is refused unless resuming it (a checkpoint
+        inside ``output_dir``: ``checkpoints.resumes_inside``) or overwriting (``overwrite_output_dir``: this
+        argument, else the config's field). The first ``train()`` given ``args.resume_from_checkpoint``
+        resumes from the checkpoint the preflight checked and resolved before the weights loaded, not checked
+        again; any other value, and any later ``train()`` (a run since may have written newer checkpoints), is
+        resolved and checked here. When TRL's ``train`` raises (a ``HealthStop``, a full disk, Ctrl-C), the
+        lock is released: the run is over, and its resume may come from another process. In a distributed
+        process it first registers ``settle_collectives_at_exit``."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             settle_collectives_at_exit()
         # before anything is written; a no-op when this process holds it already (the CLI took it)
@@ -103,6 +112,7 @@ class CheckedResume:
             overwrite_output_dir = getattr(self.args, "overwrite_output_dir", False)  # a trl config may lack it
         try:
             done = self._checked_resume  # the preflight's ResumeCheck, before the weights loaded
+            self._checked_resume = done._replace(given=None, checkpoint=None)  # resolved then: for this call only
             if resume_requested(done.given) and resume_from_checkpoint == done.given:
                 resume_from_checkpoint = done.checkpoint  # checked then: not again
             elif resume_requested(resume_from_checkpoint):  # another value: checked as the preflight checked its own
@@ -111,14 +121,18 @@ class CheckedResume:
                     self.args, done.kind, _intercept.read_tokenizer(self) or self.processing_class, use_peft,
                     done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
             else:
-                if not overwrite_output_dir:
-                    check_finished_run(self.args.output_dir)  # before the first checkpoint replaces its log and model
                 resume_from_checkpoint = None
+            if not overwrite_output_dir:  # before the first checkpoint replaces its log and model
+                check_finished_run(self.args.output_dir, resume=resume_from_checkpoint)
         except InputError:
             if took:  # refused before anything was written: output_dir is left as it was found
                 release_output_dir(self.args.output_dir)
             raise
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        except BaseException:
+            release_output_dir(self.args.output_dir)
+            raise
 
     def end(self):
         """transformers' ``end`` (trackers finished, process group destroyed), then the ``output_dir`` lock
@@ -143,10 +157,17 @@ class CheckedResume:
     def _save_checkpoint(self, model, trial):
         """TRL's, with a full disk turned into ``DiskFullError`` (``checkpoints.disk_full_named``: the file,
         the last complete checkpoint) instead of torch's "unexpected pos"; the incomplete
-        ``checkpoint-N`` is left as it is, and a resume refuses it."""
+        ``checkpoint-N`` is left as it is, and a resume refuses it. A ``checkpoint-N`` that exists already (a
+        run resumed from an earlier checkpoint reaches step N again) first loses what marks it complete
+        (``_unmark_complete``), so that a save cut short leaves it incomplete, never the new weights beside
+        the old optimizer and RNG state. While a health rule stops the run, the save uses
+        ``health.callbacks.stop_save_settings``: it deletes no earlier checkpoint and is a full one."""
         step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        with self.disk_full_named(os.path.join(self.args.output_dir, step),
-                                  f"the checkpoint of step {self.state.global_step}"):
+        directory = os.path.join(self.args.output_dir, step)
+        with self.disk_full_named(directory, f"the checkpoint of step {self.state.global_step}"), \
+                _fields_set(self.args, stop_save_settings(self)):
+            if self.args.should_save:
+                _unmark_complete(directory, weights_only=self.args.save_only_model)
             super()._save_checkpoint(model, trial)
 
     def disk_full_named(self, directory: str, what: str, in_checkpoint: bool = False):
@@ -155,3 +176,42 @@ class CheckedResume:
         if in_checkpoint:
             return nullcontext()
         return disk_full_named(directory, self.args.output_dir, what, resume_files(self.args, self._resume_kind))
+
+
+# what the Trainer (and TRL) write last into a checkpoint, in order: their presence marks it complete
+COMPLETION_MARKS = ("trainer_state.json", "entropy_ctrl_state.json")
+# what a weights-only save (save_only_model) does not write
+STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+def _unmark_complete(directory: str, weights_only: bool) -> None:
+    """Before a save into ``directory``: remove the files that mark an existing checkpoint complete
+    (``COMPLETION_MARKS``: ``trainer_state.json``, which ``checkpoints.checkpoint_problems`` requires and
+    the Trainer writes last, and TRL's ``entropy_ctrl_state.json`` after it), so that until the save
+    writes them again the checkpoint counts as incomplete; for a weights-only save also the optimizer,
+    scheduler, scaler and RNG files it will not rewrite (left, they would sit beside other weights).
+    Nothing when ``directory`` does not exist. Run by the processes that write ``trainer_state.json``
+    (``args.should_save``), before any of their own writes."""
+    if not os.path.isdir(directory):
+        return
+    names = list(COMPLETION_MARKS)
+    if weights_only:
+        names += [*STATE_FILES, *(n for n in os.listdir(directory) if n.startswith("rng_state") and n.endswith(".pth"))]
+    for name in names:
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:  # never written, or another node's process removed it first
+            pass
+
+
+@contextmanager
+def _fields_set(args, fields: dict):
+    """``args``'s ``fields`` set to the given values for the block, restored after it, however it ends."""
+    before = {name: getattr(args, name) for name in fields}
+    try:
+        for name, value in fields.items():
+            setattr(args, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(args, name, value)

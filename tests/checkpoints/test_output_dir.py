@@ -186,13 +186,18 @@ def test_the_finished_run_refusals_name_every_way_to_lift_them(tmp_path):
     """The refusal said `train(overwrite_output_dir=True)`, which the user of a script they do not own
     cannot pass."""
     finished_run(tmp_path / "run")
-    for check in (checkpoints.check_finished_run, checkpoints.check_output_dir):
-        with pytest.raises(InputError) as err:
-            check(str(tmp_path / "run"))
-        for way in ("overwrite_output_dir: true in the recipe", "--overwrite_output_dir true on the command line",
-                    "GRPOConfig(overwrite_output_dir=True) (SFTConfig, GADConfig alike)",
-                    "train(overwrite_output_dir=True)", "resume_from_checkpoint: true"):
-            assert way in str(err.value), (check.__name__, str(err.value))
+    for with_checkpoint in (False, True):
+        if with_checkpoint:
+            (tmp_path / "run" / "checkpoint-20").mkdir()
+        for check in (checkpoints.check_finished_run, checkpoints.check_output_dir):
+            with pytest.raises(InputError) as err:
+                check(str(tmp_path / "run"))
+            for way in ("overwrite_output_dir: true in the recipe", "--overwrite_output_dir true on the command line",
+                        "GRPOConfig(overwrite_output_dir=True) (SFTConfig, GADConfig alike)",
+                        "train(overwrite_output_dir=True)"):
+                assert way in str(err.value), (check.__name__, str(err.value))
+            # resuming is offered only where there is a checkpoint to resume: else it leads back here
+            assert ("resume_from_checkpoint: true" in str(err.value)) == with_checkpoint, str(err.value)
 
 
 def test_overwrite_output_dir_from_a_trlparser_scripts_recipe_lifts_the_refusal(tmp_path, tiny_llama):
