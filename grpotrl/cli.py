@@ -12,7 +12,8 @@ A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArgument
 plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / ``GRPOConfig`` /
 ``GADConfig`` (everything ``TrainingArguments`` and TRL know). ``--key value`` on the command
 line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
-with the closest known names; so is a value its field's type cannot hold (``recipe_types``).
+with the closest known names; so is a value its field's type cannot hold, and an ``env:`` variable
+that libraries read at import, before the recipe (``recipe_types``).
 
 Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model path and its load
 settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
@@ -128,9 +129,11 @@ def parse_args(command: str, argv: list[str]):
             raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
     parser = make_parser(command)
     parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
-    if "--config" in argv:  # YAML syntax, then each value against its field's type (argparse converts strings only)
-        recipe = argv[argv.index("--config") + 1]
-        recipe_types.check_recipe_types(recipe_types.read_recipe(recipe), parser.dataclass_types, recipe)
+    if "--config" in argv:  # YAML syntax, env: variables read at import, each value against its field's type
+        recipe = argv[argv.index("--config") + 1]  # (argparse converts strings only)
+        settings = recipe_types.read_recipe(recipe)
+        recipe_types.check_recipe_env(settings, recipe)
+        recipe_types.check_recipe_types(settings, parser.dataclass_types, recipe)
     try:
         *dataclasses, from_config, from_argv = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -172,7 +175,7 @@ def run(command: str, argv: list[str]) -> None:
     import transformers
     from trl import get_peft_config, get_quantization_config
 
-    from grpotrl.checkpoints import check_output_dir, resume_requested
+    from grpotrl.checkpoints import check_output_dir
     from grpotrl.data import load_splits, pick_split
     from grpotrl.models import resolve_model_path
     from grpotrl.preflight.model import check_model_args
@@ -205,12 +208,13 @@ def run(command: str, argv: list[str]) -> None:
                                               script_args.reward_model_name_or_path)
 
     ################
-    # Output dir: one run at a time (a second is refused, naming the first; held until trainer.end() or exit),
-    # and nothing of an earlier run is replaced unless asked (the trainer checks the resume checkpoint)
+    # Output dir: one run at a time (a second is refused, naming the first; held until trainer.end(), until
+    # train() raises, or exit), and nothing of an earlier run is replaced unless asked: overwrite, or resume a
+    # checkpoint inside it (the trainer checks the resume checkpoint)
     ################
     lock_output_dir(training_args.output_dir, training_args.process_index, training_args.world_size)
     try:
-        check_output_dir(training_args.output_dir, resume=resume_requested(training_args.resume_from_checkpoint),
+        check_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
                          overwrite=training_args.overwrite_output_dir)
     except InputError:
         release_output_dir(training_args.output_dir)  # refused: output_dir is left as it was found

@@ -5,10 +5,11 @@ Two TRL defaults change, both for the sampled-equals-scored guarantee (I5) and C
 ``disable_dropout`` defaults to True, so the logprob forward computes the function that
 sampled the tokens.
 
-Each config checks its own values once, at construction (``checks``: ranges, grpotrl's GRPO
-fields; ``recipe_types``: a value its field's type cannot hold). What needs the world (model,
-data, launch) is the preflight's (``grpotrl.preflight``). ``launch.sharded_launch``: DeepSpeed or
-FSDP, from the config and ``accelerate launch``'s environment.
+Each config checks its own values once, at construction (``checks``: ranges, TRL's string
+choices, grpotrl's GRPO fields; ``recipe_types``: a value its field's type cannot hold). What
+needs the world (model, data, launch) is the preflight's (``grpotrl.preflight``).
+``launch.sharded_launch``: DeepSpeed or FSDP, from the config and ``accelerate launch``'s
+environment.
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ class GenerationFields:
         default=False,
         metadata={"help": "On the transformers generate path, correct for the gap between the sampler's "
                   "processed distribution and the trainer's with TRL's truncated importance sampling, using "
-                  "the same knobs as vLLM: vllm_importance_sampling_mode / _clip_min / _clip_max."},
+                  "the same knobs as vLLM: vllm_importance_sampling_mode / _clip_min / _clip_max. Refused with "
+                  "use_vllm (TRL's own vllm_importance_sampling_correction corrects that path) and with "
+                  "use_transformers_continuous_batching (its sampler records no logprobs for it)."},
     )
 
 
@@ -492,10 +495,8 @@ class GADConfig(GRPOConfig):
                                        metadata={"help": "Upper clip of the sequence-level ratio (GSPO)."})
 
     def _check_own_fields(self) -> None:
-        """GAD's own fields, run by ``GRPOConfig.__post_init__`` after the ranges and types (once)."""
-        if self.discriminator_warmup_steps < 0 or self.discriminator_lora_r < 0:
-            raise InputError(f"discriminator_warmup_steps={self.discriminator_warmup_steps} and discriminator_lora_r="
-                             f"{self.discriminator_lora_r} must be >= 0.")
+        """GAD's own fields, run by ``GRPOConfig.__post_init__`` after the ranges (its counts among them) and
+        types (once)."""
         if self.fp16:
             raise InputError("fp16 is not supported by GAD: the discriminator's update has no loss scaler. "
                              "Use bf16: true or fp32.")

@@ -3,19 +3,26 @@ completed by ``complete_grpo_config`` / ``trainers.sft.sft_config``), before TRL
 divides by any of them. Nothing here needs the model, the data or the launch.
 
 * ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
-  mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN).
+  mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN), and every string-choice
+  field of TRL's GRPO and SFT configs one of the values TRL 1.16 takes (``GRPO_CHOICES``, ``SFT_CHOICES``).
 * ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty become the
   fields grpotrl reads (I5, I6); the one step here that changes the config.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
-  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, the KL's placement).
+  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, greedy decoding, which
+  samples no group, the KL's placement).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 
+import trl
+from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
 from ..errors import InputError
+from ..ops.loss_types import LOSS_TYPES
 from ..ops.losses import kl_estimator_name
 
 HEALTH_RULES = ("non_finite", "nonfinite_reward", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
@@ -26,6 +33,14 @@ def _real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# why greedy decoding, however asked for (temperature 0, top_k 1, do_sample false), is refused
+GREEDY = ("would give every completion of a group the same text, hence zero advantages; for nearly greedy sampling "
+          "use a small temperature such as 0.1")
+
 # field -> (test of a value that is set, what it must be); None always passes (TRL's "not set")
 RANGES = {
     "learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
@@ -33,22 +48,48 @@ RANGES = {
              "reference)"),
     "epsilon": (lambda v: _real(v) and v > 0, "a finite number > 0 (the lower clip of the ratio)"),
     "epsilon_high": (lambda v: _real(v) and v > 0, "a finite number > 0 (the upper clip of the ratio)"),
+    "delta": (lambda v: _real(v) and v > 1, "a finite number > 1, or null for none: the cap on a negative-advantage "
+              "token's importance ratio in TRL's two-sided clip, a ratio such as 4 (INTELLECT-2), not a margin like "
+              "epsilon; TRL advises more than 1 + epsilon, and any cap up to 1 + epsilon_high acts as that bound"),
     "temperature": (lambda v: _real(v) and v > 0, "a finite number > 0: the logprobs are log_softmax(logits / T), "
-                    "and greedy decoding (T = 0) would give every completion of a group the same text, hence zero "
-                    "advantages; for nearly greedy sampling use a small T such as 0.1"),
+                    f"and greedy decoding (T = 0) {GREEDY}"),
     "top_p": (lambda v: _real(v) and 0 < v <= 1, "in (0, 1]"),
     "min_p": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
-    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0: off)"),
+    "top_k": (lambda v: _int(v) and v >= 0 and v != 1, "an integer >= 0 other than 1 (0: off; top_k 1 keeps only the "
+              f"most likely token, greedy decoding, which {GREEDY})"),
     "repetition_penalty": (lambda v: _real(v) and v > 0, "a finite number > 0 (1.0: off)"),
     "presence_penalty": (_real, "a finite number"),
     "frequency_penalty": (_real, "a finite number"),
     "entropy_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0: the loss is policy + beta*KL - c*H with "
                      "c >= 0 encouraging exploration (INVARIANT I7); 0 for no bonus"),
+    "entropy_coef_delta": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (the adaptive controller's step: it "
+                           "raises the entropy coefficient by it while entropy is at or below entropy_target)"),
+    "entropy_target": (lambda v: _real(v) and v >= 0, "a finite number of nats >= 0 (a mean token entropy)"),
+    "top_entropy_quantile": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]: the share of tokens, by entropy, the "
+                             "policy loss keeps (1: all; 0: the highest-entropy token only)"),
+    "off_policy_mask_threshold": (lambda v: _real(v) and v > 0, "a finite number > 0, or null for no masking: the "
+                                  "mean per-token KL (nats) to the sampler above which a sequence with a negative "
+                                  "advantage leaves the loss, e.g. 0.5"),
+    "sapo_temperature_pos": (lambda v: _real(v) and v > 0, "a finite number > 0 (SAPO's gate divides by it)"),
+    "sapo_temperature_neg": (lambda v: _real(v) and v > 0, "a finite number > 0 (SAPO's gate divides by it)"),
+    "vespo_k_pos": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (VESPO's power of the ratio)"),
+    "vespo_k_neg": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (VESPO's power of the ratio)"),
+    "vespo_lambda_pos": (lambda v: _real(v) and v > 0, "a finite number > 0 (VESPO's decay; TRL raises it to 1e-4)"),
+    "vespo_lambda_neg": (lambda v: _real(v) and v > 0, "a finite number > 0 (VESPO's decay; TRL raises it to 1e-4)"),
+    "vllm_importance_sampling_clip_min": (lambda v: _real(v) and v >= 0, "a finite number >= 0, or null (a lower "
+                                          "bound on a ratio of probabilities)"),
+    "vllm_importance_sampling_clip_max": (lambda v: _real(v) and v > 0, "a finite number > 0, or null (an upper "
+                                          "bound on a ratio of probabilities)"),
+    "ref_model_mixup_alpha": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]: each sync sets the reference to "
+                              "alpha * policy + (1 - alpha) * reference"),
+    "ref_model_sync_steps": (lambda v: _int(v) and v >= 1, "an integer >= 1 (optimizer steps between syncs)"),
     "weight_decay": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
     "max_grad_norm": (lambda v: _real(v) and v >= 0, "a finite number >= 0 (0: no clipping)"),
     "warmup_ratio": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1]"),
     "num_train_epochs": (lambda v: _real(v) and v > 0, "a finite number > 0"),
     "num_generations": (lambda v: _int(v) and v >= 2, "an integer >= 2 (GRPO normalises rewards within a group)"),
+    "num_generations_eval": (lambda v: _int(v) and v >= 1, "an integer >= 1, or null for num_generations"),
+    "generation_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1, or null (from steps_per_generation)"),
     "num_iterations": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "steps_per_generation": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "per_device_train_batch_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
@@ -61,24 +102,78 @@ RANGES = {
     "min_new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "guard_steps": (lambda v: _int(v) and v >= -1, "an integer: -1 every step, 0 off, N the first N steps"),
     "guard_logprob_atol": (lambda v: _real(v) and v > 0, "a finite number > 0"),
+    "health_min_entropy": (lambda v: _real(v) and v >= 0, "a finite number of nats >= 0 (a mean token entropy; 0 "
+                           "turns the entropy-collapse rule off)"),
+    "health_max_one_token_share": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1] (a share of completions; 1 turns "
+                                   "the 1-token rule off)"),
+    "health_patience": (lambda v: _int(v) and v >= 1, "an integer >= 1 (consecutive steps a rule's condition must "
+                        "hold before it fires)"),
+    "health_flat_reward_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (consecutive flat steps; 0 turns "
+                                 "the rule off)"),
+    "health_report_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: never)"),
+    "health_logit_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: on guard steps only)"),
+    "dynamic_sampling_max_rounds": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: drop flat groups, no refill)"),
     "discriminator_learning_rate": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    "discriminator_lora_r": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: no LoRA, every weight trains)"),
+    "discriminator_warmup_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "kl_in_reward_coef": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
 }
 
+# field -> the values TRL 1.16 takes, where TRL's trainer (or vLLM's wrapper, or transformers' GenerationConfig)
+# would refuse any other only once the model has loaded. One table per config family: a name may be another
+# field in each (loss_type). Values TRL's __post_init__ converts are taken too (scale_rewards True / False,
+# SFT's deprecated 'chunked_nll' and 'bfd-requeue'). tests/configs/test_choices.py compares each with TRL's code.
+GRPO_CHOICES = {
+    "loss_type": tuple(LOSS_TYPES),
+    "importance_sampling_level": ("token", "sequence"),
+    "scale_rewards": ("group", "batch", "none", True, False),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_mode": ("colocate", "server"),
+    "cache_implementation": (*ALL_CACHE_IMPLEMENTATIONS, "paged"),  # transformers' GenerationConfig.validate
+}
+SFT_CHOICES = {
+    "loss_type": ("nll", "dft", "chunked_nll"),
+    "packing_strategy": ("bfd", "bfd_split", "wrapped", "bfd-requeue"),
+    "truncation_mode": ("keep_start", "keep_end"),
+}
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+
+def choices_of(args) -> dict:
+    """The choice table for ``args``' config family: ``SFT_CHOICES``, ``GRPO_CHOICES`` (GAD's too), else none."""
+    if isinstance(args, trl.SFTConfig):
+        return SFT_CHOICES
+    return GRPO_CHOICES if isinstance(args, trl.GRPOConfig) else {}
 
 
 def check_ranges(args) -> None:
     """Raise ``InputError`` for the first numeric setting of ``args`` (any TRL or grpotrl config) that is
-    set to something its field cannot mean: a wrong sign, a zero, a NaN, a list. Runs on the config,
-    before any weights load, and before TRL's own __post_init__ divides by any of them."""
+    set to something its field cannot mean (a wrong sign, a zero, a NaN, a list), or the first string-choice
+    field set to a value TRL 1.16 does not take (``choices_of``), with the closest value it takes. Runs on
+    the config, before any weights load, and before TRL's own __post_init__ divides by any of them."""
     for name, (ok, what) in RANGES.items():
         value = getattr(args, name, None)
         if value is not None and not ok(value):
-            raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}. Fix it in the recipe, "
-                             "on the command line or in the config.")
+            write = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() and ok(int(value)) \
+                else ""
+            raise InputError(f"{name}={value!r} ({type(value).__name__}): it must be {what}{write}. Fix it in the "
+                             "recipe, on the command line or in the config.")
+    for name, choices in choices_of(args).items():
+        value = getattr(args, name, None)
+        if value is not None and not any(isinstance(value, bool) == isinstance(c, bool) and value == c
+                                         for c in choices):  # 1 == True, but TRL converts only the bool
+            raise InputError(f"{name}={value!r}: TRL 1.16 takes {', '.join(map(repr, choices))}"
+                             f"{_closest(value, choices)}. Fix it in the recipe, on the command line or in the config.")
+
+
+def _closest(value, choices) -> str:
+    """`` (did you mean 'sequence'?)`` for a string close to, or a prefix of, one of ``choices``; else ''."""
+    if not isinstance(value, str):
+        return ""
+    names = [c for c in choices if isinstance(c, str)]
+    close = [c for c in names if value and c.startswith(value.lower())] or \
+        difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
@@ -180,22 +275,43 @@ def normalize_generation_kwargs(args) -> None:
 
 
 def _check_generation_settings(args) -> None:
-    """Sampling settings grpotrl would otherwise drop without a word are refused: continuous batching
-    runs transformers' own sampler, which takes no logits processors, so the response-only
-    penalties and ``min_new_tokens`` cannot be applied there."""
+    """Sampling settings grpotrl would otherwise drop without a word, or that sample no group, are refused:
+
+    * continuous batching runs transformers' own sampler, which takes no logits processors, so the
+      response-only penalties, ``min_new_tokens`` and the sampler-logprob recorder that
+      ``hf_importance_sampling_correction`` reads cannot run there;
+    * under vLLM, TRL's own ``vllm_importance_sampling_correction`` corrects the sampler gap, and
+      ``hf_importance_sampling_correction`` would correct it a second time, in the advantages;
+    * greedy decoding (``generation_kwargs``' ``do_sample`` false, ``top_k`` 1) samples no group: refused as
+      temperature 0 is (``RANGES``). Beam sampling (``num_beams`` > 1 with sampling) is taken, as TRL takes it."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     if args.use_transformers_continuous_batching:
         unsupported = {name: value for name, value in (
             ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
             ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
-            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens"))) if value}
+            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens")),
+            ("hf_importance_sampling_correction", args.hf_importance_sampling_correction)) if value}
         if unsupported:
             raise InputError(
                 f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
                 "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
-                "logits processors, so these would be silently dropped (a repetition penalty there would also count "
+                "logits processors (nor the recorder of the sampler's logprobs that hf_importance_sampling_correction "
+                "reads), so these would be silently dropped (a repetition penalty there would also count "
                 "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
                 "false) or vLLM, or leave these settings at their defaults.")
+    if args.use_vllm and args.hf_importance_sampling_correction:
+        raise InputError(
+            "hf_importance_sampling_correction=True with use_vllm: it is the transformers generate path's correction. "
+            "Under vLLM, TRL's own vllm_importance_sampling_correction (on by default, with the same "
+            "vllm_importance_sampling_mode / _clip_min / _clip_max) corrects for the sampler's logprobs, and "
+            "grpotrl's would correct the same gap a second time, in the advantages. Turn "
+            "hf_importance_sampling_correction off (and vllm_importance_sampling_correction on).")
+    if "do_sample" in kwargs and not kwargs["do_sample"]:
+        raise InputError(f"generation_kwargs['do_sample']={kwargs['do_sample']!r}: greedy decoding, like temperature "
+                         f"0, {GREEDY}. Drop do_sample from generation_kwargs (GRPO samples).")
+    if kwargs.get("top_k") == 1 and not isinstance(kwargs["top_k"], bool):
+        raise InputError(f"generation_kwargs['top_k']=1 keeps only the most likely token: greedy decoding "
+                         f"{GREEDY}. Drop it, or use a larger top_k.")
 
 
 def normalize_kl_estimators(args) -> None:

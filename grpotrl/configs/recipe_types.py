@@ -3,10 +3,11 @@
 ``TrlParser`` reads a recipe with ``yaml.safe_load`` and hands its values to argparse as
 defaults; argparse converts only strings, so ``learning_rate: [1]``, ``bf16: 2`` or
 ``max_steps: 1.5`` reached the trainer as they were. ``read_recipe`` turns a YAML syntax error
-into one line (file, line, column, problem); ``check_recipe_types`` refuses each value its
-field's annotation cannot hold, naming the field, the value, the expected type and, inside a
-list or mapping, the item; ``check_config_types`` does the same for the fields a Python user
-set on a grpotrl config.
+into one line (file, line, column, problem); ``check_recipe_env`` refuses, in the recipe's ``env:``
+block, the variables libraries read when imported, before a recipe is read; ``check_recipe_types``
+refuses each value its field's annotation cannot hold, naming the field, the value, the expected
+type and, inside a list or mapping, the item; ``check_config_types`` does the same for the fields a
+Python user set on a grpotrl config.
 
 pydantic checks each value against its field's annotation (``pydantic.TypeAdapter``), in its lax
 mode (a tuple is a list, an enum's value is the enum) except for the plain types, which
@@ -37,8 +38,9 @@ from ..errors import InputError
 _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a recipe or a plain Python call holds
 # Fields whose documented types go beyond their annotation: TRL/transformers convert these in
 # __post_init__ (GRPOConfig: scale_rewards True -> "group", False -> "none"; TrainingArguments:
-# fsdp=True), so a drop-in must take them too (TRL's own tests pass scale_rewards=True/False).
-ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool, "padding_free": bool,  # true/false/"auto"
+# fsdp=True, or a list of its options such as ["full_shard", "auto_wrap"]), so a drop-in must take them
+# too (TRL's own tests pass scale_rewards=True/False).
+ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool | list[str], "padding_free": bool,  # true/false/"auto"
               "balance_microbatches": bool, "compiled_rollout": bool}
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
@@ -70,6 +72,33 @@ def read_recipe(path: str) -> dict:
         raise InputError(f"Recipe {path} holds a YAML {type(recipe).__name__}, not a mapping of settings "
                          "(`key: value` lines, e.g. `learning_rate: 1.0e-5`).")
     return recipe
+
+
+# Environment variables read when a library is imported or first initialises, which happens before a recipe is
+# read: huggingface_hub, datasets and transformers read their HF_* / HUGGINGFACE_* / TRANSFORMERS_* settings (and
+# XDG_CACHE_HOME) into constants at import, torch, numpy and their BLAS / OpenMP runtimes size their thread pools
+# at import, and bitsandbytes' import initialises CUDA, which reads CUDA_VISIBLE_DEVICES once. TrlParser sets a
+# recipe's `env:` block after all of that, so these would be set without effect.
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA_VISIBLE_DEVICES",
+                   "XDG_CACHE_HOME")
+
+
+def check_recipe_env(recipe: dict, path: str) -> None:
+    """Raise ``InputError`` when the recipe's ``env:`` block (``TrlParser`` sets it in ``os.environ`` while
+    parsing) names a variable of ``IMPORT_TIME_ENV``: read before the recipe, it would not be honoured.
+    Other variables (``WANDB_PROJECT``, ``TOKENIZERS_PARALLELISM``, ...) are read when used and pass."""
+    env = recipe.get("env")
+    if not isinstance(env, dict):
+        return  # none, or not a mapping: TrlParser says so
+    late = [str(k) for k in env if str(k).startswith(IMPORT_TIME_ENV)]
+    if late:
+        shown = " ".join(f"{k}={env[k]}" for k in late)
+        raise InputError(
+            f"Recipe {path}: env: sets {', '.join(late)}, which torch, transformers, datasets or huggingface_hub read "
+            "when they are imported, before the recipe is read: the value would be set but not used (e.g. "
+            f"HF_HUB_OFFLINE would not make the run offline). Export {'them' if len(late) > 1 else 'it'} before the "
+            f"command instead (`{shown} grpotrl ...`, or in the shell or job script that launches it) and remove "
+            f"{'them' if len(late) > 1 else 'it'} from env:.")
 
 
 def _bool_string(text: str) -> str:

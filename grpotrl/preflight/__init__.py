@@ -275,16 +275,22 @@ def _check_reward_models(reward_funcs, args) -> None:
 
 
 def _check_generation_args(args, kwargs: dict) -> None:
-    """I6 arguments, validated before TRL loads anything."""
+    """I6 arguments (penalties and ``min_new_tokens`` valid, and not in the multi-turn loop of ``tools`` or an
+    ``environment_factory``), the loss type and what ``hf_importance_sampling_correction`` needs, before TRL loads
+    anything."""
     build_processors(0, args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
                      args.min_new_tokens, [0])
     if args.min_new_tokens and args.max_completion_length and args.min_new_tokens >= args.max_completion_length:
         raise InputError(f"min_new_tokens={args.min_new_tokens} must be < max_completion_length="
                          f"{args.max_completion_length}, or no completion could ever stop.")
-    penalties = args.presence_penalty or args.frequency_penalty or args.min_new_tokens
-    if penalties and kwargs.get("tools"):
-        raise InputError("presence/frequency penalties and min_new_tokens are not supported with tools yet: "
-                         "the multi-turn loop calls generate several times per completion. Set them to 0.")
+    penalties = {name: value for name, value in (("presence_penalty", args.presence_penalty), ("frequency_penalty",
+                 args.frequency_penalty), ("min_new_tokens", args.min_new_tokens)) if value}
+    multi_turn = [name for name in ("tools", "environment_factory") if kwargs.get(name)]
+    if penalties and multi_turn:
+        raise InputError(f"{', '.join(f'{k}={v}' for k, v in penalties.items())} with {' and '.join(multi_turn)}: "
+                         "presence/frequency penalties and min_new_tokens are not supported in the multi-turn tool "
+                         "loop yet (it calls generate once per turn, and each call would count its own turn's tokens "
+                         "only). Set them to 0.")
     if args.loss_type not in LOSS_TYPES:  # TRL would fail at the first loss, after generation
         raise InputError(f"loss_type={args.loss_type!r} is not one of TRL 1.16's loss types: "
                          f"{', '.join(LOSS_TYPES)}.")

@@ -96,7 +96,7 @@ def test_type_check_takes_what_trls_config_documents_beyond_its_annotation(tmp_p
     for cls in (trl.GRPOConfig, grpotrl.GRPOConfig):
         assert cls(output_dir=str(tmp_path), use_cpu=True, scale_rewards=value).scale_rewards == expected
     check_recipe_types({"scale_rewards": value}, [grpotrl.GRPOConfig], "recipe.yaml")
-    with pytest.raises(grpotrl.InputError, match="scale_rewards: 2 is an int"):
+    with pytest.raises(grpotrl.InputError, match="scale_rewards=2: TRL 1.16 takes 'group', 'batch', 'none', True"):
         grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, scale_rewards=2)
 
 
@@ -116,10 +116,12 @@ def test_multitask_trainer_takes_a_trl_config(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
                                      {"repetition_penalty": 1.2}, {"min_new_tokens": 2},
-                                     {"generation_kwargs": {"repetition_penalty": 1.2}}])
+                                     {"generation_kwargs": {"repetition_penalty": 1.2}},
+                                     {"hf_importance_sampling_correction": True}])
 def test_I6_continuous_batching_refuses_the_processors_it_cannot_apply(tmp_path, setting):
     """Continuous batching takes no logits processors: the response-only penalties and min_new_tokens were
-    silently dropped there (and repetition_penalty forced to 1.0)."""
+    silently dropped there (and repetition_penalty forced to 1.0), and so was hf_importance_sampling_correction,
+    whose sampler logprobs a processor records: the run logged no importance-sampling metric."""
     with pytest.raises(grpotrl.InputError, match=r"with use_transformers_continuous_batching"):
         grpotrl.GRPOConfig(output_dir=str(tmp_path), use_transformers_continuous_batching=True, **setting)
     from grpotrl.configs import complete_grpo_config
@@ -131,6 +133,74 @@ def test_I6_continuous_batching_refuses_the_processors_it_cannot_apply(tmp_path,
     # TRL's defaults (repetition_penalty=1.0, ...) pass
     complete_grpo_config(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                                         use_transformers_continuous_batching=True))
+
+
+def test_hf_importance_sampling_correction_is_refused_under_vllm(tmp_path):
+    """Under vLLM TRL multiplies the loss by its own vllm_importance_sampling_correction ratio, and grpotrl's
+    correction, which reads the sampler logprobs TRL's output holds on every path, would fold a second one into
+    the advantages."""
+    from grpotrl.configs import complete_grpo_config
+
+    with pytest.raises(grpotrl.InputError, match=r"^hf_importance_sampling_correction=True with use_vllm: .*a second "
+                                                 r"time.*Turn hf_importance_sampling_correction off"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True,
+                           hf_importance_sampling_correction=True)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True)
+    args.hf_importance_sampling_correction = True
+    with pytest.raises(grpotrl.InputError, match=r"with use_vllm"):
+        complete_grpo_config(args)
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)  # TRL's own correction alone
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, hf_importance_sampling_correction=True)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"generation_kwargs": {"do_sample": False}}, r"generation_kwargs\['do_sample'\]=False: greedy decoding, like "
+                                                  r"temperature 0, would give every completion of a group the same"),
+    ({"generation_kwargs": {"top_k": 1}}, r"generation_kwargs\['top_k'\]=1 keeps only the most likely token: greedy"),
+    ({"top_k": 1}, r"top_k=1 \(int\): it must be an integer >= 0 other than 1 .*greedy decoding"),
+    ({"generation_kwargs": {"num_beams": 4, "do_sample": False}}, r"generation_kwargs\['do_sample'\]=False: greedy"),
+])
+@pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
+def test_I5_greedy_decoding_is_refused_like_temperature_zero(tmp_path, config, setting, message):
+    """generation_kwargs={'do_sample': False} decoded greedily: one distinct completion per group of 4, zero
+    advantages, while temperature 0 was refused for exactly that."""
+    from grpotrl.configs import complete_grpo_config
+
+    with pytest.raises(grpotrl.InputError, match=message):
+        complete_grpo_config(config(output_dir=str(tmp_path), use_cpu=True, bf16=False, **setting))
+
+
+def test_sampling_settings_that_sample_pass(tmp_path):
+    for setting in ({"generation_kwargs": {"do_sample": True, "top_k": 5, "num_beams": 1}}, {"top_k": 0}, {"top_k": 2},
+                    {"generation_kwargs": {"do_sample": True, "num_beams": 2}}):  # beam sampling, as TRL's own test
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **setting)
+
+
+def test_counts_and_thresholds_take_their_documented_ends(tmp_path):
+    """The ends each field's help names (0 turns a rule off, 1 keeps all tokens, ...) pass; the ranges
+    refuse only what a field cannot mean."""
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, health_min_entropy=0.0, health_max_one_token_share=1.0,
+                       health_patience=1, health_flat_reward_steps=0, health_report_steps=0, health_logit_steps=0,
+                       dynamic_sampling_max_rounds=0, top_entropy_quantile=0.0, ref_model_mixup_alpha=1.0,
+                       delta=1.5, off_policy_mask_threshold=0.5, sapo_temperature_pos=0.1, entropy_coef_delta=0.0,
+                       entropy_target=0.0, num_generations_eval=1, vllm_importance_sampling_clip_min=0.0)
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, top_entropy_quantile=1)  # an int for a float field
+    grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, discriminator_lora_r=0, discriminator_warmup_steps=0)
+    with pytest.raises(grpotrl.InputError, match=r"^discriminator_warmup_steps=-1 \(int\): it must be an integer >= 0"):
+        grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, discriminator_warmup_steps=-1)
+
+
+def test_drop_in_fsdp_list_is_taken_and_integral_floats_name_the_integer(tmp_path):
+    """transformers takes fsdp as a list of options (and turns it into fsdp=True); grpotrl's type check refused
+    it. seed=1.0 and SFT's max_length=512.0 TRL takes at construction and fails with later (numpy's seed, a
+    slice): refused with the integer to write (docs/refused.md)."""
+    for config in (grpotrl.GRPOConfig, grpotrl.SFTConfig):
+        assert config(output_dir=str(tmp_path), use_cpu=True, fsdp=["full_shard", "auto_wrap"]).fsdp is True
+        with pytest.raises(grpotrl.InputError, match=r"seed: 1.0 is a float, but seed takes an integer \(write 1\)"):
+            config(output_dir=str(tmp_path), use_cpu=True, seed=1.0)
+    with pytest.raises(grpotrl.InputError, match=r"^max_length=512.0 \(float\): it must be an integer >= 1 \(write "
+                                                 r"512\)"):
+        grpotrl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, max_length=512.0)
 
 
 def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_llama, tmp_path):
@@ -174,6 +244,8 @@ def test_I5_generation_kwargs_temperature_becomes_the_field_or_is_refused(tmp_pa
                                                  r"=1.0 disagree \(I6"):
         make(repetition_penalty=1.2, generation_kwargs={"repetition_penalty": 1.0})
     assert make(generation_kwargs={"temperature": 1.0}).temperature == 1.0
+    # the field's 1.0 cannot be told from its default (docs/refused.md): generation_kwargs' value is taken
+    assert make(temperature=1.0, generation_kwargs={"temperature": 0.7}).temperature == 0.7
     for bad in (float("nan"), 0.0, -1.0, "0.7"):
         with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['temperature'\]=.*must be a finite"):
             make(generation_kwargs={"temperature": bad})

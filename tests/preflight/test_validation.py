@@ -503,10 +503,17 @@ def test_output_dir_with_a_finished_run_or_foreign_files_is_never_overwritten_si
 @pytest.mark.parametrize("field, value", [
     ("beta", -1.0), ("num_generations", 0), ("temperature", 0.0), ("temperature", -0.5), ("learning_rate", [1]),
     ("learning_rate", float("nan")), ("max_completion_length", 0), ("max_steps", 1.5), ("epsilon", -0.2),
-    ("per_device_train_batch_size", 0), ("top_p", 1.5), ("entropy_coef", float("inf"))])
+    ("per_device_train_batch_size", 0), ("top_p", 1.5), ("entropy_coef", float("inf")), ("top_k", 1),
+    ("delta", 1.0), ("top_entropy_quantile", 1.5), ("off_policy_mask_threshold", -0.5), ("sapo_temperature_neg", 0.0),
+    ("ref_model_mixup_alpha", 2.0), ("ref_model_sync_steps", 0), ("entropy_coef_delta", -0.005),
+    ("generation_batch_size", 0), ("health_patience", 0), ("health_flat_reward_steps", -3),
+    ("health_min_entropy", -1.0), ("health_max_one_token_share", 1.5), ("health_report_steps", -1),
+    ("health_logit_steps", -1), ("dynamic_sampling_max_rounds", -1)])
 def test_numeric_settings_out_of_range_are_refused_before_anything_runs(field, value, tmp_path):
     """beta -1 trained and saved; num_generations 0 was a ZeroDivisionError inside TRL; temperature 0
-    and a NaN learning rate were caught only after the model loaded."""
+    and a NaN learning rate were caught only after the model loaded; top_k 1 decoded greedily,
+    ref_model_mixup_alpha 2 moved the reference past the policy at each sync, and grpotrl's own counts and
+    thresholds (health_patience 0, a negative health_flat_reward_steps) were taken as they were."""
     import trl
 
     import grpotrl
@@ -563,7 +570,7 @@ def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_lla
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
                                   args=grpo_args(output_dir=str(out), max_steps=1, guard_steps=0))
     with pytest.raises(InputError, match=r"output_dir '\S+out' holds a finished run of 25 steps \(model.safetensors, "
-                                         r"trainer_state.json\).*resume_from_checkpoint=True.*overwrite_output_dir"):
+                                         r"trainer_state.json\).*overwrite_output_dir"):
         trainer.train()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and weights.is_file()
     checkpoints.check_finished_run(str(tmp_path / "fresh"))  # missing, empty, checkpoints only: TRL's behaviour
@@ -578,6 +585,52 @@ def test_python_api_refuses_to_train_over_a_finished_run_only(tmp_path, tiny_lla
 
 
 def test_an_unknown_loss_type_is_refused_before_the_model_loads(tiny_llama, grpo_args):
-    with pytest.raises(InputError, match=r"loss_type='gspo' is not one of TRL 1.16's loss types: grpo, "):
+    with pytest.raises(InputError, match=r"loss_type='gspo': TRL 1.16 takes 'grpo', "):
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(loss_type="gspo"),
                             train_dataset=arithmetic_prompts())
+    args = grpo_args()
+    args.loss_type = "gspo"  # set after the config checked itself: the trainer's preflight still refuses it
+    with pytest.raises(InputError, match=r"loss_type='gspo' is not one of TRL 1.16's loss types: grpo, "):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts())
+
+
+class Counter:
+    """An environment (TRL's ``environment_factory``): ``reset`` writes the prompt, ``multiply`` is its tool."""
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        return f"The counter is at {start}. Multiply it by 4."
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        return a * b
+
+
+@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_new_tokens": 2}])
+def test_I6_penalties_in_the_multi_turn_loop_are_refused_for_tools_and_environments(tiny_llama, smollm2_tokenizer,
+                                                                                     grpo_args, no_model_load,
+                                                                                     setting):
+    """The multi-turn loop calls generate once per turn: refused with ``tools``, and with an ``environment_factory``
+    (whose public methods are tools too), which got past the check and trained with them."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = qwen2_5_chat_template  # a template that renders tools
+    args = grpo_args(per_device_train_batch_size=3, num_generations=3, **setting)
+    (name, value), = setting.items()
+    environment_rows = Dataset.from_list([{"start": i} for i in range(4)])  # reset() writes the prompt
+    for kwargs in ({"tools": [Counter().multiply], "train_dataset": Dataset.from_list([{"prompt": USER}] * 4)},
+                   {"environment_factory": Counter, "train_dataset": environment_rows}):
+        multi_turn = next(k for k in kwargs if k != "train_dataset")
+        with pytest.raises(InputError, match=rf"^{name}={value} with {multi_turn}: .*not supported in the multi-turn "
+                                             r"tool loop"):
+            grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, processing_class=tokenizer, args=args,
+                                **kwargs)
