@@ -18,7 +18,9 @@ checksums after resuming a second trainer from the step-1 checkpoint and trainin
 ``grpo`` also records one packed logprob call whose forward plan differs between the ranks (``probe``: under
 ZeRO-3 every rank must run as many forwards).
 A method that stops with ``grpotrl.InputError`` or ``InvariantError`` records the message (``"error"``);
-``grpo_nosync`` is GRPO with the gradient all-reduce skipped (I12 must stop it). ``rank_checks``: the
+``grpo_nosync`` is GRPO with the gradient all-reduce skipped (I12 must stop it); ``grpo_nan_rank1`` GRPO whose
+loss turns NaN on rank 1 only (the ``non_finite`` rule must stop both ranks; a ``HealthStop`` is recorded like an
+error, with its ``kind``). ``rank_checks``: the
 I12 checks each rank ran.
 All trainers use the same per-device batch size and accumulation, because DeepSpeed's "auto"
 values are filled once per process.
@@ -210,6 +212,22 @@ class NoSyncGRPOTrainer(grpotrl.GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
 
+class NanOnRank1GRPOTrainer(grpotrl.GRPOTrainer):
+    """GRPO whose loss forward's logits are NaN on rank 1 only (method ``grpo_nan_rank1``; generation and the
+    no-grad forwards are left alone): that rank's loss is NaN, the other's is finite, and under ZeRO no rank
+    holds its gradients in ``.grad``. The ``non_finite`` health rule must stop every rank at step 1: a rank
+    that stopped alone would leave the other waiting in its next collective."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.model.norm.register_forward_hook(self._poison)  # the last hidden states: TRL's fused head reads them
+
+    def _poison(self, module, inputs, output):
+        if self.accelerator.process_index == 1 and torch.is_grad_enabled():
+            return output * float("nan")
+        return output
+
+
 def rank_checks(trainer) -> list:
     """(step, parameters compared, sharded) of each I12 check ``RankAgreement`` ran on this rank."""
     from grpotrl.guards.ranks import RankAgreement
@@ -228,6 +246,10 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
     if method == "sft":
         args = grpotrl.SFTConfig(**common(os.path.join(out, "sft"), steps), max_length=64)
         trainer = grpotrl.SFTTrainer(model=model_dir, args=args, train_dataset=sft_rows(), callbacks=[clock])
+    elif method == "grpo_nan_rank1":
+        args = grpotrl.GRPOConfig(**{**common(os.path.join(out, method), steps), "guard_steps": 0}, **RL)
+        trainer = NanOnRank1GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
+                                        train_dataset=grpo_prompts(), callbacks=[clock])
     elif method in ("grpo", "grpo_nosync"):
         args = grpotrl.GRPOConfig(**common(os.path.join(out, method), steps), beta=0.04, **RL)
         cls = NoSyncGRPOTrainer if method == "grpo_nosync" else ProbedGRPOTrainer
@@ -288,10 +310,11 @@ def main() -> None:
         GENERATIONS.clear()
         try:
             trainer, clock = run(method, start_dir, a.out, a.steps)
-        except (grpotrl.InputError, grpotrl.InvariantError) as err:  # record the message the user would see
+        except (grpotrl.InputError, grpotrl.InvariantError, grpotrl.HealthStop) as err:  # what the user would see
             rank = PartialState().process_index
             with open(os.path.join(a.out, f"{method}_rank{rank}.json"), "w") as f:
-                json.dump({"method": method, "rank": rank, "error": str(err)}, f, indent=1)
+                json.dump({"method": method, "rank": rank, "error": str(err), "kind": type(err).__name__}, f,
+                          indent=1)
             continue
         acc = trainer.accelerator
         unwrapped = acc.unwrap_model(trainer.model_wrapped)

@@ -218,6 +218,20 @@ def test_zero3_with_cpu_offload_trains_and_guards(tiny_llama, tmp_path):
         assert gad["d_resumed"]["optimizer"] == pytest.approx(gad["d_end"]["optimizer"], rel=1e-12)
 
 
+def test_a_nan_loss_on_one_rank_under_zero2_stops_every_rank_with_its_checkpoint(tiny_llama, tmp_path):
+    """Rank 1's loss is NaN, rank 0's finite; under ZeRO the gradients are not in ``.grad``, so each rank sees
+    only its own loss. The ``non_finite`` rule's verdict is one for both: both stop at step 1 with the same
+    checkpoint, and the launch ends (a rank stopping alone would leave the other waiting until the timeout)."""
+    accelerate_launch("zero2", tmp_path, tiny_llama, "grpo_nan_rank1")
+    ev = read_evidence(tmp_path, "grpo_nan_rank1")
+    for rank in (0, 1):
+        assert ev["grpo_nan_rank1", rank]["kind"] == "HealthStop", ev["grpo_nan_rank1", rank]
+        assert "[health: non_finite] step 1" in ev["grpo_nan_rank1", rank]["error"]
+    assert "NaN/inf on another process" in ev["grpo_nan_rank1", 0]["error"]
+    assert "loss nan" in ev["grpo_nan_rank1", 1]["error"]
+    assert (tmp_path / "grpo_nan_rank1" / "checkpoint-1" / "trainer_state.json").is_file()
+
+
 def test_multinode_recipe_as_two_local_machines(tiny_llama, tmp_path):
     """recipes/accelerate/multinode_zero3.yaml, one process on each of two "machines" (localhost)."""
     port = str(free_port())

@@ -282,19 +282,6 @@ def nonfinite_rewards(rewards_per_func: torch.Tensor, names: list[str]) -> tuple
     return shares, found
 
 
-def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """[B / G] True for each group whose (non-NaN) rewards are all equal: advantage 0 for every
-    member, so no policy gradient (TRL's ``frac_reward_zero_std`` is their share).
-
-    >>> zero_std_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
-    tensor([ True, False,  True])
-    """
-    groups = rewards.view(-1, num_generations)  # [B/G, G]
-    lo = torch.where(torch.isnan(groups), torch.inf, groups).amin(-1)  # [B/G]
-    hi = torch.where(torch.isnan(groups), -torch.inf, groups).amax(-1)  # [B/G]
-    return ~(hi - lo > 1e-6 * hi.abs().clamp(min=1.0))  # all-NaN groups count as zero-variance
-
-
 def zero_reward_share(rewards: torch.Tensor) -> float:
     """Share of scored completions whose reward is exactly 0 (a reward signal that is all zero trains nothing).
 

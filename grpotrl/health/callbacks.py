@@ -231,7 +231,9 @@ class NonFiniteRule(HealthRule):
     (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked. What was not
     recorded is not checked, and said so: a step with neither a loss (the trainer records each
     backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
-    (a warning the first time), and a step with one of them is judged on that one alone."""
+    (a warning the first time), and a step with one of them is judged on that one alone. On several
+    processes the verdict is one for all (``agreed``): each judges its own loss, and a process that
+    stopped alone would leave the others waiting in their next collective."""
 
     name = "non_finite"
     default_action = "stop"
@@ -247,7 +249,10 @@ class NonFiniteRule(HealthRule):
         loss = torch.stack([x.float() for x in losses]).sum().item() if losses else None
         grads = [p.grad.detach() for p in self.trainer.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).item() if grads else None
-        if loss is None and norm is None:
+        broken, observed, elsewhere = agreed(self.trainer.accelerator,
+                                             any(v is not None and not math.isfinite(v) for v in (loss, norm)),
+                                             loss is not None or norm is not None)
+        if not observed:
             self._seen = None
             if not self._warned_unchecked:
                 self._warned_unchecked = True
@@ -255,17 +260,31 @@ class NonFiniteRule(HealthRule):
                                "gradient in .grad, so NaN/inf is not checked on this step (nor on later ones "
                                "like it; warned once).", self.name, state.global_step + 1)
             return
-        broken = any(v is not None and not math.isfinite(v) for v in (loss, norm))
         seen = [f"loss {loss:.4g}" if loss is not None else "loss not recorded",
                 f"gradient norm {norm:.4g}" if norm is not None else "gradient norm not in .grad"]
+        if elsewhere:
+            seen.append("NaN/inf on another process")
         where = "after clipping, before the optimizer step"
-        self._seen = (broken, norm if norm is not None else loss, f"{', '.join(seen)} ({where})")
+        value = next((v for v in (norm, loss) if v is not None), math.nan)  # nan: observed on another process only
+        self._seen = (broken, value, f"{', '.join(seen)} ({where})")
         if broken and self.action == "stop":
             self.trainer.model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a grad
 
     def check(self):
         seen, self._seen = self._seen, None
         return seen
+
+
+def agreed(accelerator, broken: bool, observed: bool) -> tuple[bool, bool, bool]:
+    """This process's ``broken`` / ``observed`` made every process's: (broken on any, observed on any,
+    broken on another but not here). One all-reduce of two numbers where there are several processes;
+    every process must call it at the same point of the step."""
+    if accelerator.num_processes == 1:
+        return broken, observed, False
+    flags = accelerator.reduce(torch.tensor([float(broken), float(observed)], device=accelerator.device),
+                               reduction="sum")  # [2]: processes broken, processes that observed
+    anywhere, seen = bool(flags[0] > 0), bool(flags[1] > 0)
+    return anywhere, seen, anywhere and not broken
 
 
 class NonFiniteRewardRule(HealthRule):

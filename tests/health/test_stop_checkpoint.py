@@ -103,7 +103,8 @@ def nonfinite_rule(losses: list, grads: list[torch.Tensor | None]) -> NonFiniteR
         p.grad = grad
         model.register_parameter(f"p{i}", p)
     trainer = SimpleNamespace(args=SimpleNamespace(health_rule_actions=None, health_action="auto"),
-                              step_findings=StepFindings(losses=list(losses)), model=model)
+                              step_findings=StepFindings(losses=list(losses)), model=model,
+                              accelerator=SimpleNamespace(num_processes=1))  # one process: nothing to agree on
     return NonFiniteRule(trainer)
 
 
