@@ -31,9 +31,10 @@ from ..ops.masking import masked_mean
 def expected_normaliser(loss_type: str, mask: torch.Tensor, *, max_completion_length: int, accumulation: int,
                         window_tokens: float | None, num_processes: int, steps_per_generation: int) -> torch.Tensor:
     """What each row's loss tokens must be divided by [B], for TRL 1.16's ``loss_type`` in training, from
-    ``mask`` [B, C] (this microbatch's loss mask), ``accumulation`` (the configured
-    ``gradient_accumulation_steps``), and for a token-sum loss type ``window_tokens`` (the loss tokens of
-    the whole generation batch, summed over all ``num_processes``). By its ``loss_types.Normaliser``:
+    ``mask`` [B, C] (this microbatch's loss mask), ``accumulation`` (the microbatch count of this accumulation
+    window, the Trainer's ``current_gradient_accumulation_steps``: ``gradient_accumulation_steps``, fewer on an
+    epoch's last, partial window, which TRL divides by), and for a token-sum loss type ``window_tokens`` (the
+    loss tokens of the whole generation batch, summed over all ``num_processes``). By its ``loss_types.Normaliser``:
 
     * ``ROW_TOKEN_MEAN``: each row's token mean, then the mean over rows: ``n_i * B * accumulation``;
     * ``MICROBATCH_TOKENS``: the microbatch's token mean: ``sum(mask) * accumulation``;
@@ -133,7 +134,8 @@ def check_denominator(loss_type: str, grad: torch.Tensor, slope: torch.Tensor, e
             "I11", f"loss_type={loss_type!r}: the loss divides row {i}'s tokens by {float(found[i, t]):.6g} (found), "
                    f"but the normaliser recomputed from the completion mask, the accumulation window and the world "
                    f"size is {float(want[i, t]):.6g} (expected): every update is scaled by "
-                   f"{float(want[i, t] / found[i, t]):.4g}. Check how the loss counts tokens over gradient accumulation (trl#5619).")
+                   f"{float(want[i, t] / found[i, t]):.4g}. Check how the loss counts tokens over gradient "
+                   "accumulation.")
     total = int(on.sum())
     return {"guards/denominator_checked_share": int(readable.sum()) / total if total else 0.0,
             "guards/denominator_max_rel_error": worst}

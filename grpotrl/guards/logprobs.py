@@ -269,27 +269,39 @@ def entropy_slope(loss: torch.Tensor, entropies: torch.Tensor, accumulation: flo
 
 
 def check_entropy_sign(loss: torch.Tensor, entropies: torch.Tensor | None, coef: float, accumulation: float,
-                       where: str) -> float:
+                       where: str, acts: bool = True) -> float:
     """I7: ``loss = policy + beta * KL - c * H``, so ``d loss / d H`` must be ``-c`` (to 1e-4 of
-    max(c, 1)). Returns the measured slope; raises naming ``where`` otherwise."""
+    max(c, 1)). ``acts``: whether the bonus acts on any token of the microbatch; where it does not (its
+    mask is empty), the bonus is ``c * 0`` and the slope must be 0 (``check_slope``). Returns the measured
+    slope; raises naming ``where`` otherwise."""
     if entropies is None:
         if coef:
             raise InvariantError("I7", f"{where}: an entropy bonus c={coef:g} is configured but the loss received "
                                  "no entropies (compute_entropy=False?), so the bonus cannot act.")
         return 0.0
-    return check_slope(entropy_slope(loss, entropies, accumulation), coef, where)
+    return check_slope(entropy_slope(loss, entropies, accumulation), coef, where, acts=acts)
 
 
-def check_slope(slope: float, coef: float, where: str) -> float:
+def check_slope(slope: float, coef: float, where: str, acts: bool = True) -> float:
     """I7 on a measured ``d loss / d H`` (``entropy_slopes``): it must be ``-c`` with ``c >= 0``, to
-    1e-4 of max(c, 1); a NaN or inf fails. Returns ``slope``."""
+    1e-4 of max(c, 1); a NaN or inf fails. Where the bonus acts on no token (``acts`` False: its mask
+    is empty, so no sign can be read), the slope must be 0: the loss depends on no entropy outside the
+    bonus's tokens. Returns ``slope``.
+
+    >>> check_slope(-0.1, 0.1, "the loss"), check_slope(0.0, 0.1, "the loss", acts=False)
+    (-0.1, 0.0)
+    """
     if not coef >= 0:  # NaN fails too
         raise InvariantError("I7", f"{where}: the entropy bonus coefficient in force is c = {coef:g}. The loss is "
                              "policy + beta * KL - c * H with c >= 0: a negative c minimises entropy. Keep "
                              "entropy_coef (and entropy_coef_min with use_adaptive_entropy) >= 0.")
-    if not abs(slope + coef) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
+    want = coef if acts else 0.0
+    if not abs(slope + want) <= 1e-4 * max(abs(coef), 1.0):  # NaN fails too
         if slope != slope or abs(slope) == float("inf"):
             problem = "the slope is not finite (a NaN/inf in the loss or the entropies), so it cannot be verified"
+        elif not acts:
+            problem = ("the bonus acts on no token of this microbatch (every loss token is masked), so the loss must "
+                       "not depend on H at all: it reads entropies outside the tokens it trains on")
         elif coef and slope == 0.0:
             problem = "the bonus is missing from it (the entropies carry no gradient into the loss)"
         elif coef and slope * coef > 0:
@@ -300,7 +312,7 @@ def check_slope(slope: float, coef: float, where: str) -> float:
         raise InvariantError(
             "I7",
             f"{where}: on the graph being backpropagated d loss / d H = {slope:+.6g}, but the entropy bonus "
-            f"coefficient is c = {coef:g}, so it must be {-coef:+.6g}: {problem}.\n"
+            f"coefficient is c = {coef:g}, so it must be {0.0 - want:+.6g}: {problem}.\n"
             "The loss must be policy + beta * KL - c * H with c >= 0 encouraging exploration. Fix the sign where "
             "the entropy term is built; do not switch modes to hide it.",
         )

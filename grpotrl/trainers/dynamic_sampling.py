@@ -1,17 +1,20 @@
 """DAPO dynamic sampling (Yu et al. 2025, "DAPO", section 3.2; TRL issue #3708).
 
-A group whose rewards are all equal has advantage 0 for every member, so it adds no policy
-gradient, but it still counts in the loss's normalisers (the token count ``num_items_in_batch``
-of TRL's default ``loss_type='dapo'``, the row count of ``'grpo'``) and still carries the KL
-and entropy terms: it dilutes the update. Dynamic sampling removes such groups' rows from the
-batch and refills it with groups of fresh prompts, for up to a capped number of extra
-generation rounds. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``, which hands it what
-it needs (a callable that scores one round, one that logs metrics, the settings): it reads and
+A group whose advantages are all 0 adds no policy gradient, but it still counts in the loss's
+normalisers (the token count ``num_items_in_batch`` of TRL's default ``loss_type='dapo'``, the row
+count of ``'grpo'``) and still carries the KL and entropy terms: it dilutes the update. Dynamic
+sampling removes such groups' rows from the batch and refills it with groups of fresh prompts, for
+up to a capped number of extra generation rounds. Which groups have no gradient is read from the
+advantages TRL computed (``flat_groups``), not from the rewards: under
+``multi_objective_aggregation='normalize_then_sum'`` TRL normalises each reward function within the
+group before the weighted sum, so a group whose weighted reward sums are equal can still have
+advantages of both signs. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``, which hands it
+what it needs (a callable that scores one round, one that logs metrics, the settings): it reads and
 writes no trainer field. The pure functions before it pick and merge rows.
 
 Simplified on purpose: refill prompts are drawn uniformly from ``train_dataset`` (seeded by
 step and round, the same on every process), not from the next batches of the epoch; a batch
-that stays short after the cap trains on fewer rows; a few zero-variance rows stay when
+that stays short after the cap trains on fewer rows; a few rows without a gradient stay when
 needed so that every process keeps as many rows and the batch splits evenly into
 ``steps_per_generation`` microbatches (they have advantage 0, but carry KL and entropy
 terms). Text-only batches (no images).
@@ -26,16 +29,33 @@ from collections.abc import Callable
 import torch
 
 from ..errors import InputError
-from ..health import zero_std_groups
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # [B, P], left-padded
 COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
                    "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask")  # [B, C], right-padded
 
 
-def keep_groups(zero_std: list[torch.Tensor], target: int) -> list[torch.Tensor]:
-    """Which groups of each round go into the loss: groups with reward variance, first come,
-    at most ``target`` in all. ``zero_std[r]`` is [N_r] (True = all rewards equal).
+def flat_groups(advantages: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[N] True for each group of ``num_generations`` consecutive rows whose advantages (TRL's, over every
+    process: [B_global], or [B_global, C]) are all equal: the group carries no policy gradient. Whatever TRL's
+    ``multi_objective_aggregation``: under 'sum_then_normalize' a group's advantages are equal exactly when its
+    weighted reward sums are; under 'normalize_then_sum' each reward function is normalised within the group
+    first, so the group's normalised sums add up to 0 and are equal only when all are 0 (TRL's batch
+    normalisation after it moves them by rounding only). Equal: within 1e-6 of the batch's largest
+    ``|advantage|`` (at least 1), fp32 rounding of TRL's arithmetic.
+
+    >>> flat_groups(torch.tensor([0.0, 0.0, -0.7, 0.7, 1e-8, -2e-8]), 2)  # the last: rounding of 0
+    tensor([ True, False,  True])
+    """
+    groups = advantages.reshape(-1, num_generations, *advantages.shape[1:]).flatten(1).float()  # [N, G (x C)]
+    spread = groups.amax(-1) - groups.amin(-1)  # [N]; NaN: not flat
+    scale = float(groups.abs().max()) if groups.numel() else 0.0
+    return spread <= 1e-6 * max(scale, 1.0)
+
+
+def keep_groups(flat: list[torch.Tensor], target: int) -> list[torch.Tensor]:
+    """Which groups of each round go into the loss: groups with a gradient, first come,
+    at most ``target`` in all. ``flat[r]`` is [N_r] (True = no gradient, ``flat_groups``).
 
     >>> keep_groups([torch.tensor([True, False, True]), torch.tensor([False, False, True])], 3)
     [tensor([False,  True, False]), tensor([ True,  True, False])]
@@ -43,7 +63,7 @@ def keep_groups(zero_std: list[torch.Tensor], target: int) -> list[torch.Tensor]
     tensor([False])
     """
     out, budget = [], target
-    for z in zero_std:
+    for z in flat:
         keep = ~z  # [N_r]
         over = keep.nonzero().flatten()[max(budget, 0):]
         keep[over] = False
@@ -126,24 +146,24 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
 # ---------------------------------------------------------------- the rounds, for a GRPOTrainer
 
 
-def refill(output: dict, rewards: torch.Tensor, record: dict | None, *,
+def refill(output: dict, advantages: torch.Tensor, record: dict | None, *,
            score_round: Callable[[list[dict]], tuple[dict, torch.Tensor, dict | None]],
            log: Callable[[dict[str, float]], None], accelerator, train_dataset, seed: int, step: int,
            num_generations: int, max_rounds: int, steps_per_generation: int, pad_token_id: int,
            row_key: str) -> tuple[dict, dict | None]:
-    """Drop zero-variance groups of ``output`` (one scored generation batch, rows tagged ``row_key``,
-    ``rewards`` [B_global], guard ``record`` or None) from the loss and refill with fresh prompts from
-    ``train_dataset``, for up to ``max_rounds`` extra rounds. ``score_round(rows)`` generates and scores
-    this process's ``rows`` and returns the round's batch, its rewards [B_global] and its guard record;
-    ``log(metrics)`` logs ``dynamic_sampling/*``. Decisions use the gathered rewards, so every process
-    takes the same rounds. Returns the merged batch and the guard record of every round's rows (row
-    tags offset to match)."""
+    """Drop the groups of ``output`` (one scored generation batch, rows tagged ``row_key``, guard ``record`` or
+    None) that carry no policy gradient (``flat_groups`` of ``advantages`` [B_global], the advantages TRL
+    computed, gathered over every process) from the loss and refill with fresh prompts from ``train_dataset``,
+    for up to ``max_rounds`` extra rounds. ``score_round(rows)`` generates and scores this process's ``rows``
+    and returns the round's batch, its advantages [B_global] and its guard record; ``log(metrics)`` logs
+    ``dynamic_sampling/*``. Decisions use the gathered advantages, so every process takes the same rounds.
+    Returns the merged batch and the guard record of every round's rows (row tags offset to match)."""
     acc, G = accelerator, num_generations
-    target = rewards.numel() // G  # groups per generation batch, all processes
-    batches, zero_std = [output], [zero_std_groups(rewards, G)]
+    target = advantages.size(0) // G  # groups per generation batch, all processes
+    batches, flat = [output], [flat_groups(advantages, G)]
     rounds = 0
     while rounds < max_rounds:
-        missing = target - int(sum((~z).sum() for z in zero_std))
+        missing = target - int(sum((~z).sum() for z in flat))
         if missing <= 0:
             break
         rounds += 1
@@ -151,15 +171,15 @@ def refill(output: dict, rewards: torch.Tensor, record: dict | None, *,
             missing += 1
         rows = refill_prompts(train_dataset, missing, G, seed=seed, step=step, round_=rounds,
                               process_index=acc.process_index, num_processes=acc.num_processes)
-        out, r, new_record = score_round(rows)
+        out, round_advantages, new_record = score_round(rows)
         out[row_key] = out[row_key] + sum(b[row_key].numel() for b in batches)
         if record is not None and new_record is not None:
             record = {k: record[k] + new_record[k] for k in record}
         batches.append(out)
-        zero_std.append(zero_std_groups(r, G))
-    keeps = keep_groups(zero_std, target)
+        flat.append(flat_groups(round_advantages, G))
+    keeps = keep_groups(flat, target)
     kept = sum(int(k.sum()) for k in keeps)
-    generated = sum(z.numel() for z in zero_std)
+    generated = sum(z.numel() for z in flat)
     log({"dynamic_sampling/dropped_share": 1 - kept / generated if kept else 0.0,
          "dynamic_sampling/rounds": rounds,
          "dynamic_sampling/filled_share": kept / target})

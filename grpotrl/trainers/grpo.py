@@ -40,7 +40,7 @@ from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling, packed_attention, padding_free
 from ._common import CheckedResume
 from ._intercept import TRLGenerate
-from .records import Generated, HookRecord, LossTerms
+from .records import BatchRecord, Generated, HookRecord, LossTerms
 from .reference_kl import ReferenceKL
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         registered by name in transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (once, for the
         process).
       * ``self.beta`` in ``_compute_loss`` (``inject_attr``): 0 for TRL's loss, whose KL grpotrl replaces.
+      * ``self.get_high_entropy_mask`` in ``_compute_loss`` (``record_entropy_mask``): records TRL's top-entropy
+        mask (``top_entropy_quantile``), which with the loss mask gives the tokens TRL's entropy bonus acts on (I7).
       * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
         ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
         forwards and backward.
@@ -422,10 +424,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's generation batch for ``inputs``, rows tagged and health signals logged (``_score_round``); with
-        ``dynamic_sampling`` the groups whose rewards are all equal refilled (``dynamic_sampling.refill``); on the
-        transformers path with ``hf_importance_sampling_correction`` the advantages corrected. Writes
-        ``hook_record.guard`` (the batch's I1/I3/I4 record, None off guard steps) and, on training guard steps,
-        ``hook_record.window_tokens`` (the batch's loss tokens over every process, I11) for its microbatches.
+        ``dynamic_sampling`` the groups without a gradient (TRL's advantages all equal) refilled
+        (``dynamic_sampling.refill``); on the transformers path with ``hf_importance_sampling_correction`` the
+        advantages corrected. Writes the current mode's ``hook_record.batches`` entry (``BatchRecord``) for its
+        microbatches: the batch's I1/I3/I4 record (None off guard steps), on training guard steps its loss tokens
+        over every process (I11), and the sampler's measures. An evaluation's batch writes the ``"eval"`` entry
+        only, so a training generation batch that several optimizer steps share is checked against its own record
+        after an evaluation in between.
 
         Args:
             inputs: this process's rows of the generation batch (the dataset's columns, one dict a row).
@@ -435,27 +440,36 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             ``advantages`` [B], ..., plus ``grpotrl_row`` [B] (each row's index in the generation batch, which the
             loss's guards trace rows back by) and, when rows carry a task, ``grpotrl_task`` [B].
         """
-        output, rewards, generated = self._score_round(inputs)
-        guard = generated.guard
+        output, generated = self._score_round(inputs)
+        guard, sampler = generated.guard, generated.sampler
+        training = self.model.training
 
         def rescore(rows):  # one more round of generation for dynamic sampling, with its own guard record
-            round_output, round_rewards, round_generated = self._score_round(rows)
-            return round_output, round_rewards, round_generated.guard
+            round_output, round_generated = self._score_round(rows)
+            return round_output, self._gathered_advantages(round_output), round_generated.guard
 
-        if self.args.dynamic_sampling and self.model.training:
+        if self.args.dynamic_sampling and training:
+            sampler = None  # the merged rows come from several rounds: no one recorder measured them
             output, guard = dynamic_sampling.refill(
-                output, rewards, guard, log=self._record_metrics, score_round=rescore,
+                output, self._gathered_advantages(output), guard, log=self._record_metrics, score_round=rescore,
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
                 pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
-        self.hook_record.guard, self.hook_record.window_tokens = guard, None
-        if self._guard_now() and self.model.training:  # I11: the generation batch's loss tokens, every process
+        window_tokens = None
+        if self._guard_now() and training:  # I11: the generation batch's loss tokens, every process
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)  # [B, C]
-            self.hook_record.window_tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().item()
+            window_tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().item()
+        self.hook_record.batches["train" if training else "eval"] = BatchRecord(guard, window_tokens, sampler)
         return output
+
+    def _gathered_advantages(self, output: dict) -> torch.Tensor:
+        """The advantages TRL computed for a scored round, over every process [B_global] (TRL keeps this
+        process's slice): what dynamic sampling decides "no gradient" from, whatever TRL's
+        ``multi_objective_aggregation`` and ``scale_rewards``."""
+        return self.accelerator.gather(output["advantages"])  # [B_global]
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards [B_global, K], with every +-inf made missing (NaN, as TRL reads a ``None``:
@@ -471,8 +485,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.step_findings.nonfinite_rewards.extend(found)
         return rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan"))  # [B_global, K]
 
-    def _score_round(self, inputs) -> tuple[dict, torch.Tensor, Generated]:
-        """TRL's generate-and-score, rows tagged, health logged; also returns the rewards [B_global] and what
+    def _score_round(self, inputs) -> tuple[dict, Generated]:
+        """TRL's generate-and-score, rows tagged, health logged (from the rewards TRL scored); also returns what
         the round's ``_generate`` saw."""
         with _intercept.record_rewards(self) as scored, _intercept.skip_stacked_input_grad_hooks(self.model):
             output = super()._generate_and_score_completions(inputs)
@@ -485,7 +499,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                       self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
         self._log_batch_health(inputs, output, rewards, generated)
-        return output, rewards, generated
+        return output, generated
 
     def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor, generated: Generated) -> None:
         """Stop tokens in prompts and completions, chat-header starts, zero rewards (``health.stop_rows``,
@@ -636,13 +650,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 [B, C].
 
         Returns:
-            loss (torch.Tensor): the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies
-            and loss mask TRL's loss used) for ``compute_loss``'s I7 check.
+            loss (torch.Tensor): the scalar loss to backpropagate. Writes ``hook_record.loss`` (the entropies,
+            the loss mask and the entropy bonus's tokens TRL's loss used) for ``compute_loss``'s I7 check.
 
         Raises:
             InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11).
         """
-        guard = self.hook_record.guard if self._guard_now() and ROW_KEY in inputs else None
+        record = self.hook_record.batch("train" if self.model.training else "eval")
+        guard = record.guard if self._guard_now() and ROW_KEY in inputs else None
         if guard is not None:  # I1, I3, I4 on the microbatch the loss uses, before any compute
             guards.check_loss_inputs(_intercept.read_tokenizer(self), guard, inputs, inputs[ROW_KEY].tolist(),
                                      self.eos_token_ids, self._completion_cap(), self.mask_truncated_completions)
@@ -653,15 +668,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # padded (padding_free's 'auto' is off for it at init; this covers a config changed afterwards)
         padded = _intercept.inject_attr(self, "padding_free", False) if full_kl else contextlib.nullcontext()
         with _intercept.record_loss_forward(self) as calls, _intercept.inject_attr(self, "beta", 0.0), \
-                capture as hidden, padded:
+                _intercept.record_entropy_mask(self) as entropy_masks, capture as hidden, padded:
             loss = super()._compute_loss(model, inputs)
         used, entropies = calls[0][0], calls[0][1]  # [B, C] the policy logprobs and entropies the loss used
         loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
+        bonus_mask = loss_mask * entropy_masks[0] if entropy_masks else loss_mask  # [B, C]: TRL's effective mask
         if guard is not None and self.model.training:  # I11 on TRL's policy loss (grpotrl's KL is not added yet)
             self._check_denominator(loss, used, inputs, loss_mask)
         if self._kl_in_loss:
             loss = loss + self._kl_loss(model, inputs, used, loss_mask, hidden[0] if full_kl else None)
-        self.hook_record.loss = LossTerms(entropies, loss_mask)
+        self.hook_record.loss = LossTerms(entropies, loss_mask, bonus_mask)
         self._check_loss(model, inputs, loss, used, entropies, loss_mask, guarded=guard is not None)
         return loss
 
@@ -738,8 +754,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         trainer = used.detach() if old is None else old  # [B, C]
         sampler = inputs["sampling_per_token_logps"]  # [B, C]
         local = importance.sampler_gap_local(used, trainer, sampler, mask)  # [2 + K]
-        measured = self.hook_record.generated.sampler if self.hook_record.generated is not None else None
-        if measured is not None and ROW_KEY in inputs and not self.args.dynamic_sampling:
+        measured = self.hook_record.batch("train" if self.model.training else "eval").sampler
+        if measured is not None and ROW_KEY in inputs:
             rows, C = inputs[ROW_KEY], mask.size(1)
             raw, log_mass = (_fit_columns(measured[k].to(used.device)[rows], C) for k in ("raw", "log_kept_mass"))
             untruncated = sampler if self.args.truncated_sampling_correction else sampler + log_mass  # [B, C]
@@ -764,10 +780,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _check_denominator(self, loss: torch.Tensor, used: torch.Tensor, inputs: dict, mask: torch.Tensor) -> None:
         """I11: the weight TRL's policy loss gives each loss token, read as ``d loss / d used`` (one backward
         through the loss's elementwise ops), equals ``1 / guards.denominator.expected_normaliser`` computed
-        from ``mask`` [B, C], the configured ``gradient_accumulation_steps``, the world size and the generation
-        batch's token count (counted here, ``_generate_and_score_completions``). Tokens whose weight cannot be
-        read (advantage 0, a clipped ratio, a token masked by TRL's entropy or off-policy masks) are counted in
-        ``guards/denominator_checked_share``; a step where none can be read warns once."""
+        from ``mask`` [B, C], the accumulation window's real microbatch count (TRL's and the Trainer's
+        ``current_gradient_accumulation_steps``: ``gradient_accumulation_steps``, fewer on an epoch's last, partial
+        window), the world size and the generation batch's token count (``_generate_and_score_completions``).
+        Tokens whose weight cannot be read (advantage 0, a clipped ratio, a token masked by TRL's entropy or
+        off-policy masks) are counted in ``guards/denominator_checked_share``; a step where none can be read warns
+        once."""
         if not used.requires_grad:
             return
         args = self.args
@@ -789,7 +807,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             slope = torch.where(grad == 0, torch.nan, slope)  # a token TRL masked out carries no weight to read
         expected = denominator.expected_normaliser(
             self.loss_type, mask, max_completion_length=self.max_completion_length,
-            accumulation=args.gradient_accumulation_steps, window_tokens=self.hook_record.window_tokens,
+            accumulation=self.current_gradient_accumulation_steps,
+            window_tokens=self.hook_record.batch("train").window_tokens,
             num_processes=self.accelerator.num_processes, steps_per_generation=args.steps_per_generation)  # [B]
         metrics = denominator.check_denominator(self.loss_type, grad.float(), slope, expected, mask,
                                                 rtol=self.guard_tolerances.denominator_rtol,
@@ -816,7 +835,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's (which calls ``_compute_loss``), then I7 on the loss about to be backpropagated: ``d loss / d H``
         along the entropies the loss used (``hook_record.loss``) is ``-c``, the coefficient in force before the
-        adaptive controller updated it.
+        adaptive controller updated it; 0 on a microbatch where the bonus acts on no token (``_check_entropy_sign``).
 
         Returns:
             loss (torch.Tensor): the loss, as TRL's.
@@ -828,7 +847,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         terms = self.hook_record.loss
         if self.model.training and terms is not None and terms.entropies is not None:
-            self._check_entropy_sign(loss, terms.entropies, coef, "the GRPO loss")
+            self._check_entropy_sign(loss, terms, coef, "the GRPO loss")
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch):
@@ -851,11 +870,26 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """``packed_attention.running(model)`` under ``packed_attention='varlen'``, else nothing."""
         return packed_attention.running(model) if self.packed_attention == "varlen" else contextlib.nullcontext()
 
-    def _check_entropy_sign(self, loss: torch.Tensor, entropies: torch.Tensor, coef: float, where: str) -> float:
-        """I7 on ``loss``; the slope is logged as ``entropy/dloss_dH`` (must read ``-entropy_coef``)."""
-        slope = guards.check_entropy_sign(loss, entropies, coef, self.current_gradient_accumulation_steps, where)
-        self._record_metrics({"entropy/dloss_dH": slope}, "train")
-        return slope
+    def _check_entropy_sign(self, loss: torch.Tensor, terms: LossTerms, coef: float, where: str) -> None:
+        """I7 on ``loss`` along ``terms.entropies`` (``guards.check_entropy_sign``); the slope is logged as
+        ``entropy/dloss_dH`` (must read ``-entropy_coef``). Where the bonus acts on no token of the microbatch
+        (``terms.bonus_mask`` empty: every row truncated under ``mask_truncated_completions``, an all-zero tool
+        mask, no token of this process above TRL's top-entropy threshold), TRL's bonus is ``c * 0``: the slope must
+        be 0, the sign is not checked there, and with a bonus in force ``guards/entropy_sign_checked_share`` counts
+        it (0 for such a microbatch, 1 for a checked one; a warning once), as I11 counts its unreadable tokens."""
+        acts = bool(terms.bonus_mask.any())
+        slope = guards.check_entropy_sign(loss, terms.entropies, coef, self.current_gradient_accumulation_steps,
+                                          where, acts=acts)
+        metrics = {"entropy/dloss_dH": slope} if acts else {}
+        if coef:
+            metrics["guards/entropy_sign_checked_share"] = float(acts)
+            if not acts and "entropy_sign" not in self._warned:
+                self._warned.add("entropy_sign")
+                logger.warning("grpotrl guard I7: the entropy bonus (c=%g) acts on no token of this microbatch (every "
+                               "loss token masked: truncated completions, tool results, or TRL's top-entropy mask), so "
+                               "%s was checked to carry no entropy gradient, and its sign was not checked here.",
+                               coef, where)
+        self._record_metrics(metrics, "train")
 
     # ------------------------------------------------------------------ checkpoints (I2)
 

@@ -2,7 +2,8 @@
 (Liu et al., NeurIPS 2021). What it changes about TRL is listed in the class docstring.
 
 INVARIANT I7 in the CAGrad modes: ``d loss / d H == -c`` on every graph that is backpropagated
-(the regulariser in exact mode, the weighted loss in low-memory mode), ``0`` on each task
+(the regulariser in exact mode, the weighted loss in low-memory mode; ``0`` on a microbatch where the
+bonus acts on no token, as in ``grpotrl.GRPOTrainer``), ``0`` on each task
 term that CAGrad rescales, and on guard steps the task terms add up to the policy loss of the
 whole batch (so the regulariser carries no policy loss) and, in exact mode, the update the
 combination applies raises H to first order when the bonus acts alone (a flipped sign anywhere
@@ -120,7 +121,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         """GRPO's loss with CAGrad off or in evaluation. In training with CAGrad on: the loss split into the
         per-task policy losses and the regulariser (``_loss_terms``), each task's loss checked to hold no entropy
         bonus (I7: CAGrad rescales it), then exact CAGrad's accumulation (``_exact_step``) or low-memory CAGrad's
-        combined loss; the composed update is checked to raise the entropy on guard steps.
+        combined loss, whose ``d loss / d H`` is checked to be ``-c`` (0 where the bonus acts on no token of the
+        microbatch: ``GRPOTrainer._check_entropy_sign``); the composed update is checked to raise the entropy on
+        guard steps.
 
         Returns:
             loss (torch.Tensor): the loss the Trainer backpropagates for this microbatch.
@@ -140,7 +143,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             loss = self._exact_step(model, task_losses, reg, coef, present)
         else:
             loss = self._low_memory_loss(task_losses, reg, present)
-        self._check_entropy_sign(loss, entropies, coef, f"the CAGrad {self.args.cagrad} loss")
+        self._check_entropy_sign(loss, self.hook_record.loss, coef, f"the CAGrad {self.args.cagrad} loss")
         return loss + (full - loss).detach()  # logs the GRPO loss; backpropagates ``loss``
 
     def _loss_terms(self, model, inputs: dict, coef: float):

@@ -6,9 +6,12 @@ Who writes and who reads each field, in the order TRL calls the hooks:
 
 * ``_generate`` (inside TRL's ``_generate_and_score_completions``) writes ``generated``: what the round's
   ``generate`` calls saw and returned;
-* ``_generate_and_score_completions`` reads it (health signals, dynamic sampling) and writes ``guard`` (the
-  generation batch's I1/I3/I4 record, after dynamic sampling's refills) and ``window_tokens`` (I11);
-* ``_compute_loss`` (each microbatch) reads ``guard`` and ``window_tokens`` and writes ``loss``;
+* ``_generate_and_score_completions`` reads it (health signals, dynamic sampling) and writes the mode's
+  ``BatchRecord`` into ``batches``: the generation batch's I1/I3/I4 record (after dynamic sampling's refills),
+  its loss tokens (I11) and the sampler's measures. One record per mode: an evaluation between two training
+  steps that share one generation batch (``num_iterations > 1``, ``steps_per_generation >
+  gradient_accumulation_steps``) leaves the training batch's record as it was;
+* ``_compute_loss`` (each microbatch) reads the record of its mode (``HookRecord.batch``) and writes ``loss``;
 * ``compute_loss`` (TRL's wrapper around ``_compute_loss``) and the multi-task trainer read ``loss`` (I7);
 * ``_compute_loss``'s first training microbatch at step 0 clears ``identity_due`` (I10 runs once);
 * ``_generate_and_score_completions`` writes ``last_batch``, which ``boundary_report()`` and the boundary-report
@@ -44,31 +47,51 @@ class Generated:
 
 
 @dataclass(frozen=True)
+class BatchRecord:
+    """What one generation batch's microbatches are checked against. ``guard``: ``guards.check_generation``'s
+    I1/I3/I4 record of its rows (None off guard steps). ``window_tokens``: its loss tokens over every process,
+    the normaliser of dapo/cispo/vespo that I11 checks (training guard steps only, else None). ``sampler``: what
+    the sampler's logprob recorder measured on its rows (None where nothing was recorded, or where dynamic
+    sampling merged rows of several generation rounds)."""
+
+    guard: dict | None = None
+    window_tokens: float | None = None
+    sampler: dict | None = None
+
+
+@dataclass(frozen=True)
 class LossTerms:
     """What the last ``_compute_loss`` fed TRL's loss: the policy's per-token ``entropies`` [B, C] (None
-    when TRL computed none) and the ``mask`` [B, C] of the tokens in the loss."""
+    when TRL computed none), the ``mask`` [B, C] of the tokens in the loss, and ``bonus_mask`` [B, C], the
+    tokens TRL's entropy bonus averages over: ``mask`` times TRL's top-entropy mask (``top_entropy_quantile``),
+    empty where every row is masked (truncated completions under ``mask_truncated_completions``, an all-zero
+    tool mask) or no token of this process passed the top-entropy threshold."""
 
     entropies: torch.Tensor | None
     mask: torch.Tensor
+    bonus_mask: torch.Tensor
 
 
 @dataclass
 class HookRecord:
     """The record the GRPO hooks hand each other (module docstring: who writes, who reads).
 
-    ``generated``: the last ``_generate`` call's ``Generated``. ``guard``: the generation batch's I1/I3/I4
-    record for its microbatches (None off guard steps). ``window_tokens``: the loss tokens of the whole
-    generation batch over every process, the normaliser of dapo/cispo/vespo that I11 checks (None off guard
-    steps). ``loss``: the last microbatch's ``LossTerms``. ``identity_due``: I10 is still to run, on the first
+    ``generated``: the last ``_generate`` call's ``Generated`` (in either mode: read within the same
+    ``_generate_and_score_completions``). ``batches``: mode (``"train"``, ``"eval"``) -> the ``BatchRecord`` of
+    that mode's last generation batch, which its microbatches are checked against. ``loss``: the last
+    microbatch's ``LossTerms``. ``identity_due``: I10 is still to run, on the first
     training microbatch. ``last_batch``: the last generation batch's ids, lengths, stop counts and rewards, for
     ``boundary_report()``."""
 
     generated: Generated | None = None
-    guard: dict | None = None
-    window_tokens: float | None = None
+    batches: dict[str, BatchRecord] = field(default_factory=dict)
     loss: LossTerms | None = None
     identity_due: bool = False
     last_batch: dict | None = None
+
+    def batch(self, mode: str) -> BatchRecord:
+        """The ``BatchRecord`` of ``mode``'s last generation batch (an empty one before the first)."""
+        return self.batches.get(mode, BatchRecord())
 
 
 @dataclass

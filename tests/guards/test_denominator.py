@@ -139,3 +139,21 @@ def test_I11_every_loss_type_passes_with_accumulation(tiny_llama, grpo_args, los
     logged = [h for h in trainer.state.log_history if "guards/denominator_checked_share" in h]
     assert logged and logged[0]["guards/denominator_checked_share"] > 0.3, logged
     assert logged[0]["guards/denominator_max_rel_error"] < 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_I11_an_epochs_last_partial_window_is_read_with_its_real_accumulation_count(tiny_llama, grpo_args,
+                                                                                   loss_type):
+    """3 prompts x 4 completions, one prompt per microbatch, gradient_accumulation_steps 2: the epoch is a window
+    of 2 microbatches, then one of 1. TRL (and the Trainer) divide that last window by
+    ``current_gradient_accumulation_steps`` = 1, not the configured 2; I11 expects the same, so the correct update
+    passes (read with the configured 2, it stopped: 'divides row 0's tokens by 44, expected 88')."""
+    args = grpo_args(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+                     steps_per_generation=1, max_steps=-1, num_train_epochs=1, loss_type=loss_type)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(3),
+                                  args=args)
+    trainer.train()
+    assert trainer.state.global_step == 2  # the full window, then the partial one
+    logged = [h for h in trainer.state.log_history if "guards/denominator_checked_share" in h]
+    assert len(logged) == 2 and all(h["guards/denominator_checked_share"] > 0.3 for h in logged), logged
+    assert max(h["guards/denominator_max_rel_error"] for h in logged) < 1e-4

@@ -86,7 +86,7 @@ def test_I1_I3_I4_multi_turn_tool_calls_pass_the_guards_on_every_step(tiny_llama
     assert logs[-1]["tools/failure_frequency"] == pytest.approx(1 / 2)
     assert len([h for h in trainer.state.log_history if "guards/logprob_max_gap" in h]) == 2  # I5 ran every step
     assert all((m == 0).any() for m in trainer.tool_masks)  # the loss saw tool results, masked out
-    loss_mask = trainer.hook_record.guard["loss_mask"]  # I4's per-turn loss mask, from the recorded turns
+    loss_mask = trainer.hook_record.batch("train").guard["loss_mask"]  # I4's per-turn loss mask, from the recorded turns
     assert loss_mask[0].count(0) > 0 and 0 not in loss_mask[2]
 
 

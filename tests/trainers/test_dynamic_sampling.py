@@ -3,6 +3,7 @@ always get flat rewards: none of their rows reaches the loss, the batch is refil
 loss normaliser counts only kept tokens, and the I1-I5 guards (on every step) pass on the
 merged batches."""
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -70,17 +71,17 @@ def scored(prompt_ids, completion_lens):
 
 
 def test_refill_runs_rounds_through_the_callables_it_is_given():
-    # G=2. First batch: group 0 (rows 0, 1) has rewards [1, 1] (flat), group 1 (rows 2, 3) [0, 2]: 1 of 2
-    # target groups has variance, so one round of 1 group (2 rows) is scored; its rewards [3, 4] vary.
+    # G=2. First batch: group 0 (rows 0, 1) has advantages [0, 0] (flat), group 1 (rows 2, 3) [-0.7, 0.7]: 1 of 2
+    # target groups has a gradient, so one round of 1 group (2 rows) is scored; its advantages [-0.7, 0.7] vary.
     first = scored([10, 10, 11, 11], [1, 1, 2, 3])
     calls, logged = [], []
 
     def score_round(rows):
         calls.append(rows)
-        return scored([12, 12], [3, 1]), torch.tensor([3.0, 4.0]), {"prompt": ["r0", "r1"]}
+        return scored([12, 12], [3, 1]), torch.tensor([-0.7, 0.7]), {"prompt": ["r0", "r1"]}
 
     data = [{"prompt": "p"}] * 5
-    merged, record = ds.refill(first, torch.tensor([1.0, 1.0, 0.0, 2.0]), {"prompt": ["a", "b", "c", "d"]},
+    merged, record = ds.refill(first, torch.tensor([0.0, 0.0, -0.7, 0.7]), {"prompt": ["a", "b", "c", "d"]},
                                score_round=score_round, log=logged.append, accelerator=OneProcess(),
                                train_dataset=data, seed=0, step=0, num_generations=2, max_rounds=3,
                                steps_per_generation=2, pad_token_id=0, row_key=ROW_KEY)
@@ -125,3 +126,62 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_llama, grpo_args):
         assert not any("What is 2?<|im_end|>" in t for t in texts), "a flat group reached the loss"
         assert len(texts) == 8  # refilled to 2 groups x 4
         assert normaliser == tokens  # dapo's normaliser counts only the kept tokens
+
+
+def trl_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, G: int, aggregation: str) -> torch.Tensor:
+    """TRL 1.16's advantages (``_generate_and_score_completions``, ``scale_rewards='group'``), restated."""
+    from trl.trainer.utils import nanstd
+
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(1)  # [B]
+        grouped = rewards.view(-1, G)
+        mean, std = grouped.mean(1).repeat_interleave(G), nanstd(grouped, dim=1).repeat_interleave(G)
+        return (rewards - mean) / (std + 1e-4)
+    grouped = rewards_per_func.view(-1, G, rewards_per_func.size(1))  # [N, G, K]
+    z = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    rewards = (z.view(-1, rewards_per_func.size(1)) * weights).nansum(1)  # [B]
+    return (rewards - rewards.nanmean()) / (nanstd(rewards) + 1e-4)
+
+
+def test_dynamic_sampling_decides_from_trls_advantages_under_either_aggregation():
+    # G = 2, reward functions f1, f2 with weights (1, 2). Group 0: f1 = (2, 0), f2 = (0, 1): the weighted sums
+    # are 2 + 0 = 2 and 0 + 2 = 2, equal. normalize_then_sum normalises each function in the group first:
+    # f1 -> (+0.707, -0.707), f2 -> (-0.707, +0.707), sums 0.707 - 1.414 = -0.707 and +0.707: a gradient.
+    # Group 1: f1 = (1, 0), f2 = (0, 0): sums 1 and 0 (a gradient either way), normalised +0.707, -0.707.
+    # Group 2: both functions flat, 0 and 0. Over the batch (mean 0, std sqrt(4 * 0.5 / 5) = 0.632): -/+1.118.
+    rewards = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 3.0], [1.0, 3.0]])
+    w = torch.tensor([1.0, 2.0])
+    summed = trl_advantages(rewards, w, 2, "sum_then_normalize")
+    normalised = trl_advantages(rewards, w, 2, "normalize_then_sum")
+    assert normalised[:2].tolist() == pytest.approx([-1.118, 1.118], abs=1e-3)
+    assert ds.flat_groups(summed, 2).tolist() == [True, False, True]
+    assert ds.flat_groups(normalised, 2).tolist() == [False, False, True]
+
+
+def length(completions, **kwargs):
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+def minus_half_length(completions, **kwargs):  # weighted x2 it cancels ``length`` in the sum, not once normalised
+    return [-len(c[0]["content"]) / 20 for c in completions]
+
+
+@pytest.mark.parametrize("aggregation, kept", [("normalize_then_sum", True), ("sum_then_normalize", False)])
+def test_dynamic_sampling_keeps_groups_whose_normalised_rewards_vary_under_normalize_then_sum(
+        tiny_llama, grpo_args, aggregation, kept):
+    """Rewards ``length`` and ``-length / 2`` weighted (1, 2): every weighted sum is 0, so under
+    sum_then_normalize every advantage is 0 and no group has a gradient; under normalize_then_sum each function is
+    normalised in its group first, ``z - 2 z = -z``, so every group whose lengths vary has one. Dynamic sampling
+    must keep those (it dropped them all, reading the weighted sums)."""
+    prompts = Dataset.from_list([{"prompt": [{"role": "user", "content": "Hi?"}]}] * 8)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=[length, minus_half_length], train_dataset=prompts,
+                                  args=grpo_args(max_steps=1, dynamic_sampling=True, dynamic_sampling_max_rounds=1,
+                                                 reward_weights=[1.0, 2.0], multi_objective_aggregation=aggregation))
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "dynamic_sampling/filled_share" in h)
+    if kept:
+        # both groups' lengths vary: both kept, no refill round (reading the sums: both dropped, 1 round, 0 filled)
+        assert logged["dynamic_sampling/filled_share"] == 1.0 and logged["dynamic_sampling/rounds"] == 0, logged
+    else:
+        # every advantage 0: nothing kept after the one round allowed; the batch trains as plain GRPO would
+        assert logged["dynamic_sampling/filled_share"] == 0.0 and logged["dynamic_sampling/rounds"] == 1, logged

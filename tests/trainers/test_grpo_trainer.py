@@ -191,3 +191,29 @@ def test_I3_loss_completion_must_be_the_generated_one(smollm2_tokenizer):
     with pytest.raises(grpotrl.InvariantError, match="other completion ids"):  # shifted by one prompt token
         guards.check_same_completions(smollm2_tokenizer, [[1, 2]], generated, torch.tensor([[198, 520, 33, 2]]),
                                       [0])
+
+
+@pytest.mark.parametrize("shared", [{"num_iterations": 2}, {"steps_per_generation": 2}])
+def test_I1_I11_an_evaluation_between_two_steps_on_one_generation_batch_leaves_its_guard_record(
+        tiny_llama, grpo_args, shared):
+    """Two optimizer steps train on one generation batch (``num_iterations=2``, or ``steps_per_generation=2`` over
+    a window of 1) and an evaluation on other prompts runs between them. Its generation batch must not replace
+    the training batch's record: step 2's microbatches are checked (I1/I3/I4, and I11's dapo window tokens)
+    against the batch they come from, and pass; the eval batch keeps its own."""
+    from datasets import Dataset
+
+    evaluation = Dataset.from_list([{"prompt": [{"role": "user", "content": "Name a colour of the sky at dusk, in "
+                                                                               "one word please."}]}] * 8)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  eval_dataset=evaluation,
+                                  args=grpo_args(max_steps=2, loss_type="dapo", eval_strategy="steps", eval_steps=1,
+                                                 per_device_eval_batch_size=8, **shared))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert len([h for h in trainer.state.log_history if "eval_loss" in h]) == 2  # after step 1 and step 2
+    checked = [h["guards/denominator_max_rel_error"] for h in trainer.state.log_history
+               if "guards/denominator_max_rel_error" in h]
+    assert len(checked) == 2 and max(checked) < 1e-4  # I11 ran on both steps, on the training batch's tokens
+    train, evaluated = trainer.hook_record.batch("train"), trainer.hook_record.batch("eval")
+    assert train.guard is not None and evaluated.guard is not None and train.guard is not evaluated.guard
+    assert evaluated.window_tokens is None  # I11 is a training check

@@ -213,6 +213,45 @@ def test_I7_entropy_node_must_be_the_policy_entropy(tiny_llama, grpo_args):
         trainer.train()
 
 
+@pytest.mark.parametrize("mode, bf16", [(m, False) for m in MODES] + [("single", True), ("exact", True)])
+def test_I7_a_microbatch_whose_bonus_acts_on_no_token_trains_and_is_counted_unchecked(mode, bf16, tiny_llama,
+                                                                                     grpo_args):
+    """Every completion runs to max_completion_length (3 tokens, no stop bias) and mask_truncated_completions masks
+    them all: TRL's bonus is c * 0 / 1, so d loss / d H = 0, which I7 read as "the bonus is missing" and stopped a
+    correct run. Now the slope must be 0 there, the microbatch is counted unchecked, and the run trains."""
+    args = mode_args(grpo_args, mode, entropy_coef=0.1, max_steps=1, max_completion_length=3, generation_kwargs={},
+                     mask_truncated_completions=True, bf16=bf16)
+    trainer = make_trainer(mode, tiny_llama, args, {"fairness": longer, "hallucination": shorter})
+    trainer.train()
+    assert trainer.state.global_step == 1
+    shares = [h["guards/entropy_sign_checked_share"] for h in trainer.state.log_history
+              if "guards/entropy_sign_checked_share" in h]
+    assert shares == [0.0]  # no microbatch had a token for the bonus: none was sign-checked
+    assert not any("entropy/dloss_dH" in h for h in trainer.state.log_history)  # no -c to read
+
+
+class BonusDropped(grpotrl.GRPOTrainer):
+    """TRL's loss built without its entropy bonus (its coefficient 0 inside the loss) while c = 0.1 is in force."""
+
+    def _compute_loss(self, model, inputs):
+        coef, self.entropy_coef = self.entropy_coef, 0.0
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self.entropy_coef = coef
+
+
+def test_I7_a_bonus_missing_on_a_microbatch_with_tokens_is_still_stopped_with_truncation_masked(tiny_llama,
+                                                                                                grpo_args):
+    """Control for the empty-mask case: rows stop early (the stop-token bias), so microbatches hold loss tokens
+    under mask_truncated_completions, and a loss without the bonus there stops at step 1."""
+    args = mode_args(grpo_args, "single", entropy_coef=0.1, max_steps=1, mask_truncated_completions=True)
+    trainer = make_trainer("single", tiny_llama, args, {"fairness": longer}, cls=BonusDropped)
+    with pytest.raises(InvariantError, match=r"\[I7\] the GRPO loss.*must be -0.1: the bonus is missing"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def first_step_grads(mode: str, model: str, grpo_args, rewards=None, **kw) -> list[torch.Tensor]:
     """The gradients the optimizer receives at step 1 (clipping off), same seed and data: both
     tasks ask the same questions, one rewards token X, the other penalises it."""

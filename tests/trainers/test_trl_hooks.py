@@ -584,3 +584,18 @@ def test_transformers_input_grad_hooks_the_compiled_rollout_skips(tiny_llama):
     assert names() == ["make_inputs_require_grads"] and len(model._require_grads_hooks) == 1
     model.disable_input_require_grads()
     assert names() == [] and model._require_grads_hooks == []
+
+
+def test_trl_bonus_mask_and_advantages_grpotrl_reads_are_as_pinned():
+    """I7 expects ``d loss / d H = 0`` where TRL's bonus acts on no token: TRL's bonus must average the entropy
+    over ``mask * entropy_mask`` with the count clamped at 1 (so an empty mask gives ``c * 0``). Dynamic sampling
+    reads "no gradient" from the advantages TRL returns: they must be in the output, after either aggregation."""
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    for needle in ("effective_mask = mask if entropy_mask is None else mask * entropy_mask",
+                   "(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor"):
+        assert needle in loss, f"trl.GRPOTrainer._compute_loss no longer has {needle!r}"
+    scored = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    for needle in ('if self.multi_objective_aggregation == "sum_then_normalize":',
+                   'elif self.multi_objective_aggregation == "normalize_then_sum":',
+                   "advantages = advantages[process_slice]", '"advantages": advantages,'):
+        assert needle in scored, f"trl.GRPOTrainer._generate_and_score_completions no longer has {needle!r}"
