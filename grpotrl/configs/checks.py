@@ -5,7 +5,7 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 * ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
   mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN), and every string-choice
   field of TRL's GRPO and SFT configs one of the values TRL 1.16 takes (``GRPO_CHOICES``, ``SFT_CHOICES``).
-* ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty become the
+* ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty / min_new_tokens become the
   fields grpotrl reads (I5, I6); the one step here that changes the config.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
@@ -176,9 +176,9 @@ def _closest(value, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
+def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str, default=1.0) -> None:
     """``generation_kwargs[name]``, where given, becomes ``args.<name>`` (this changes ``args``): checked
-    against ``RANGES`` first, refused where the field is set to another value than its default 1.0
+    against ``RANGES`` first, refused where the field is set to another value than its ``default``
     (``temperature=0.7`` with ``generation_kwargs={"temperature": 1.0}`` too: TRL would sample at 1.0)."""
     if name not in kwargs:
         return
@@ -186,7 +186,7 @@ def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str) -> None:
     ok, what = RANGES[name]
     if not ok(given):
         raise InputError(f"generation_kwargs['{name}']={given!r}: it must be {what}.")
-    if field not in (1.0, given):  # 1.0: the default of both fields
+    if field not in (default, given):
         raise InputError(f"{name}={field} and generation_kwargs['{name}']={given} disagree ({why}): "
                          f"set it once, as {name}.")
     setattr(args, name, given)
@@ -259,19 +259,23 @@ def check_compiled_rollout(args) -> None:
 
 
 def normalize_generation_kwargs(args) -> None:
-    """Move the two sampling settings grpotrl reads from the fields into those fields, where
+    """Move the three sampling settings grpotrl reads from the fields into those fields, where
     ``generation_kwargs`` gives them (this changes ``args``; run once, by the config, before
     ``check_grpotrl_fields``). A value given in both places differently is an ``InputError``.
 
-    TRL lets ``generation_kwargs`` override the sampling fields. Two of them grpotrl reads elsewhere:
+    TRL lets ``generation_kwargs`` override the sampling fields. Three of them grpotrl reads elsewhere:
     ``repetition_penalty``, applied response-only like the field (I6; on the transformers path
-    grpotrl replaces transformers' own, which counts the prompt), and ``temperature``, at which the
+    grpotrl replaces transformers' own, which counts the prompt); ``temperature``, at which the
     logprobs are computed (I5: TRL computes them at the field's temperature, so
-    ``generation_kwargs={"temperature": 0.7}`` alone sampled at 0.7 and trained on logprobs at 1.0)."""
+    ``generation_kwargs={"temperature": 0.7}`` alone sampled at 0.7 and trained on logprobs at 1.0); and
+    ``min_new_tokens``, which TRL's config has no field for, so a TRL user writes it here: alone it would be
+    transformers' own processor, which blocks the generation config's eos ids only, where grpotrl's blocks
+    every stop id and logs how often it fired (I6)."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     _adopt_generation_kwarg(args, kwargs, "repetition_penalty", "I6: the penalty counts response tokens only")
     _adopt_generation_kwarg(args, kwargs, "temperature", "I5: completions would be sampled at one temperature "
                             "and their logprobs computed at the other")
+    _adopt_generation_kwarg(args, kwargs, "min_new_tokens", "I6: every stop id is blocked until then", default=0)
 
 
 def _check_generation_settings(args) -> None:

@@ -180,9 +180,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if getattr(self, "generation_config", None) is not None:
             self.generation_config.eos_token_id = self.eos_token_ids
             self.generation_kwargs["eos_token_id"] = self.eos_token_ids
-            # transformers' repetition penalty counts the prompt: ours (I6) replaces it
+            # transformers' repetition penalty counts the prompt: ours (I6) replaces it; its min-new-tokens (from
+            # generation_kwargs, which the config made the field) would block first and hide ours, whose rate is logged
             self.generation_config.repetition_penalty = 1.0
             self.generation_kwargs["repetition_penalty"] = 1.0
+            self.generation_config.min_new_tokens = None
+            self.generation_kwargs.pop("min_new_tokens", None)
         if self.use_vllm:
             self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,
                                                       **vllm_penalties(args)}

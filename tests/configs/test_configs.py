@@ -222,6 +222,27 @@ def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_
 
 
 @pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
+def test_I6_generation_kwargs_min_new_tokens_becomes_the_field_or_is_refused(tmp_path, config):
+    """TRL's config has no min_new_tokens field, so a TRL user writes it in generation_kwargs: it becomes grpotrl's
+    field, whose processor blocks every stop id and logs its trigger rate (I6); refused where the field disagrees,
+    checked like the field."""
+    from grpotrl.configs import complete_grpo_config
+
+    def make(**kw):
+        return complete_grpo_config(config(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw))
+
+    assert make(generation_kwargs={"min_new_tokens": 3}).min_new_tokens == 3
+    assert make(generation_kwargs={"top_k": 5}).min_new_tokens == 0
+    if config is grpotrl.GRPOConfig:
+        assert make(min_new_tokens=3, generation_kwargs={"min_new_tokens": 3}).min_new_tokens == 3
+        with pytest.raises(grpotrl.InputError, match=r"min_new_tokens=2 and generation_kwargs\['min_new_tokens'\]=3 "
+                                                     r"disagree \(I6"):
+            make(min_new_tokens=2, generation_kwargs={"min_new_tokens": 3})
+    with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['min_new_tokens'\]=-1: it must be an integer"):
+        make(generation_kwargs={"min_new_tokens": -1})
+
+
+@pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
 def test_I5_generation_kwargs_temperature_becomes_the_field_or_is_refused(tmp_path, config):
     """generation_kwargs' temperature is the temperature the logprobs are computed at (I5): taken as the
     field when the field is at its default, refused when the two disagree, checked like the field."""

@@ -46,6 +46,16 @@ def test_I6_all_penalties_on_run_completes_and_logs(tiny_llama, grpo_args):
     assert max(_logged(trainer, "sampling/sampler_trainer_logp_gap/mean")) > 1e-3
 
 
+def test_I6_min_new_tokens_written_in_generation_kwargs_blocks_every_stop_id_and_logs(tiny_llama, grpo_args):
+    """Where a TRL user writes it (TRL's config has no field for it): grpotrl's processor runs and is logged."""
+    trainer = _train(tiny_llama, grpo_args(generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]],
+                                                              "min_new_tokens": 3}))
+    assert trainer.args.min_new_tokens == 3
+    rates = _logged(trainer, "generation/min_new_tokens_trigger_rate")
+    assert len(rates) == 2 and max(rates) > 0, rates
+    assert min(int(m.sum()) for b in trainer.seen for m in b["completion_mask"]) >= 3
+
+
 def test_I5_sampler_logprobs_equal_trainer_logprobs_without_processors(tiny_llama, grpo_args):
     """No processor, no bias: the sampler drew from softmax(logits / T), exactly what the trainer
     scores, so the captured sampler logprobs must agree with the loss's."""
