@@ -210,3 +210,26 @@ def perturbed_batch(trainer):
     trainer.model.train()
     batch = next(iter(trainer.get_train_dataloader()))
     return trainer._prepare_inputs(batch)
+
+
+class CounterEnvironment:
+    """An environment (TRL's ``environment_factory``): ``reset`` builds the prompt from the row, its
+    public method is the tool."""
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        self.count = start
+        return f"The counter is at {start}. Multiply it by 4."
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        self.count = a * b
+        return self.count

@@ -11,6 +11,7 @@ every step has a valid tool call, a failing one and a plain answer."""
 
 import pytest
 import torch
+from conftest import CounterEnvironment
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl.chat_template_utils import qwen2_5_chat_template
@@ -90,35 +91,13 @@ def test_I1_I3_I4_multi_turn_tool_calls_pass_the_guards_on_every_step(tiny_llama
     assert loss_mask[0].count(0) > 0 and 0 not in loss_mask[2]
 
 
-class Counter:
-    """An environment (TRL's ``environment_factory``): ``reset`` builds the prompt from the row, its
-    public method is the tool."""
-
-    def reset(self, start: int = 0, **kwargs) -> str:
-        self.count = start
-        return f"The counter is at {start}. Multiply it by 4."
-
-    def multiply(self, a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
-        self.count = a * b
-        return self.count
-
-
 def test_I1_I3_I4_environment_rows_without_prompt_pass_the_guards(tiny_llama, tool_tokenizer, grpo_args,
                                                                    monkeypatch):
     """Rows with no ``prompt`` column: the environment's reset() writes it (with TRL's placeholder
     user turn), and the tool schema in the template is the environment's."""
     trainer = Observed(model=tiny_llama, reward_funcs=reward_done, processing_class=tool_tokenizer,
-                       environment_factory=Counter, train_dataset=Dataset.from_list([{"start": i} for i in range(4)]),
+                       environment_factory=CounterEnvironment,
+                       train_dataset=Dataset.from_list([{"start": i} for i in range(4)]),
                        args=grpo_args(per_device_train_batch_size=3, num_generations=3, max_completion_length=128,
                                       max_steps=1))
     calls = []

@@ -14,7 +14,7 @@ from datasets import Dataset
 from safetensors.torch import save_file
 
 import grpotrl
-from conftest import arithmetic_prompts, length_reward
+from conftest import CounterEnvironment, arithmetic_prompts, length_reward
 from grpotrl import checkpoints, cli
 from grpotrl.data import checks as preflight_data
 from grpotrl.configs import checks
@@ -594,26 +594,6 @@ def test_an_unknown_loss_type_is_refused_before_the_model_loads(tiny_llama, grpo
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts())
 
 
-class Counter:
-    """An environment (TRL's ``environment_factory``): ``reset`` writes the prompt, ``multiply`` is its tool."""
-
-    def reset(self, start: int = 0, **kwargs) -> str:
-        return f"The counter is at {start}. Multiply it by 4."
-
-    def multiply(self, a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The product of the two integers.
-        """
-        return a * b
-
-
 @pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_new_tokens": 2}])
 def test_I6_penalties_in_the_multi_turn_loop_are_refused_for_tools_and_environments(tiny_llama, smollm2_tokenizer,
                                                                                      grpo_args, no_model_load,
@@ -627,8 +607,9 @@ def test_I6_penalties_in_the_multi_turn_loop_are_refused_for_tools_and_environme
     args = grpo_args(per_device_train_batch_size=3, num_generations=3, **setting)
     (name, value), = setting.items()
     environment_rows = Dataset.from_list([{"start": i} for i in range(4)])  # reset() writes the prompt
-    for kwargs in ({"tools": [Counter().multiply], "train_dataset": Dataset.from_list([{"prompt": USER}] * 4)},
-                   {"environment_factory": Counter, "train_dataset": environment_rows}):
+    for kwargs in ({"tools": [CounterEnvironment().multiply],
+                    "train_dataset": Dataset.from_list([{"prompt": USER}] * 4)},
+                   {"environment_factory": CounterEnvironment, "train_dataset": environment_rows}):
         multi_turn = next(k for k in kwargs if k != "train_dataset")
         with pytest.raises(InputError, match=rf"^{name}={value} with {multi_turn}: .*not supported in the multi-turn "
                                              r"tool loop"):
