@@ -86,13 +86,14 @@ IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "OMP_", "MKL_", "OPEN
 def check_recipe_env(recipe: dict, path: str) -> None:
     """Raise ``InputError`` when the recipe's ``env:`` block (``TrlParser`` sets it in ``os.environ`` while
     parsing) names a variable of ``IMPORT_TIME_ENV``: read before the recipe, it would not be honoured.
-    Other variables (``WANDB_PROJECT``, ``TOKENIZERS_PARALLELISM``, ...) are read when used and pass."""
+    Other variables (``WANDB_PROJECT``, ``TOKENIZERS_PARALLELISM``, ...) are read when used and pass. The values
+    are not shown: ``HF_TOKEN`` is one of these variables."""
     env = recipe.get("env")
     if not isinstance(env, dict):
         return  # none, or not a mapping: TrlParser says so
     late = [str(k) for k in env if str(k).startswith(IMPORT_TIME_ENV)]
     if late:
-        shown = " ".join(f"{k}={env[k]}" for k in late)
+        shown = " ".join(f"{k}=<value>" for k in late)  # never the value: it may be a token
         raise InputError(
             f"Recipe {path}: env: sets {', '.join(late)}, which torch, transformers, datasets or huggingface_hub read "
             "when they are imported, before the recipe is read: the value would be set but not used (e.g. "

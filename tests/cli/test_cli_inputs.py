@@ -753,7 +753,10 @@ def test_recipe_env_variables_read_at_import_are_refused_and_others_set(tmp_path
     line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, env=env)])
     assert re.search(r"Recipe \S+recipe.yaml: env: sets HF_HUB_OFFLINE, OMP_NUM_THREADS, which .* read when they are "
                      r"imported, before the recipe is read.*Export them before the command instead "
-                     r"\(`HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 grpotrl \.\.\.`", line), line
+                     r"\(`HF_HUB_OFFLINE=<value> OMP_NUM_THREADS=<value> grpotrl \.\.\.`", line), line
+    token = "hf_SeCrEtToKeN0123456789abcdef"  # the error shows names, never values: HF_TOKEN is one of them
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path, env={"HF_TOKEN": token})])
+    assert "env: sets HF_TOKEN," in line and "SeCrEt" not in line, line
     for name in ("CUDA_VISIBLE_DEVICES", "TRANSFORMERS_OFFLINE", "MKL_NUM_THREADS", "HUGGINGFACE_HUB_CACHE"):
         assert f"env: sets {name}," in cli_error(capsys, ["grpo", "--config", recipe(tmp_path, smollm2_path,
                                                                                       env={name: "0"})])
