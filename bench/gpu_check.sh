@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh tests   # about 4-5 minutes: tests/test_gpu.py's speed settings with every guard on, I5
 #                                   # under the compiled rollout and under the varlen kernel
 #   bash bench/gpu_check.sh all     # one command of at most 9 minutes (a lease's one long call): the bench (each
-#                                   # child at most 150 s), then as many of the speed tests as the time left allows
+#                                   # child at most 150 s), the guard readings' peak (bench_guard_readings.py), then
+#                                   # as many of the speed tests as the time left allows
 # on a CUDA machine with grpotrl, TRL and the model installed (a bare machine: stage it, then prefix each command
 # with the stage script, as the GPU notes in docs/cost.md say). Each part runs under a timeout and leaves its output
 # in $OUT (or /tmp/grpotrl-gpu-check): a variant that fails or hangs is killed and reported, the others go on.
@@ -31,6 +32,7 @@ case "$part" in
     timeout 420 python3 bench/bench_padding_free.py --variants trl,default,fastest --steps 5 \
       --child-timeout 150 2>&1 | tee "$out/bench.txt"
     bench=${PIPESTATUS[0]}
+    timeout 60 python3 bench/bench_guard_readings.py --device cuda 2>&1 | tee "$out/readings.txt"
     left=$(( 530 - (SECONDS - start) ))
     echo "bench exited $bench; $left s left for the tests" | tee -a "$out/bench.txt"
     [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -rs tests/test_gpu.py \

@@ -21,7 +21,7 @@ import logging
 import torch
 
 from ..errors import InvariantError
-from ..ops.logprobs import completion_logits, fit_along, token_logprobs
+from ..ops.logprobs import completion_logits, fit_along, logit_scale, token_logprobs
 from ..ops.masking import position_ids_from_mask
 from .precision import Tolerances, gap_statistics
 
@@ -91,7 +91,7 @@ def recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     finally:
         model.train(was_training)
     logits = completion_logits(out.logits, completion_width)  # [B, C, V]
-    scale = logits.float().abs().amax(-1) / temperature  # [B, C]
+    scale = logit_scale(logits, temperature)  # [B, C]
     logprobs = token_logprobs(logits, input_ids[:, -completion_width:], temperature)  # [B, C]
     return (logprobs, scale, logits) if return_logits else (logprobs, scale)
 

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..chat.boundary import starts_with_header
+from ..ops.logprobs import row_chunks
 from ..ops.masking import completion_mask
 
 # ---------------------------------------------------------------- per-token and per-sample entropy
@@ -70,7 +71,7 @@ def logit_stats(logits: torch.Tensor, temperature: float = 1.0, k: int = 5) -> d
       probability of the top ``k`` under ``softmax(logits / T)``, the distribution that sampled.
 
     Raw logits are reported unscaled (divide by T for the sampled distribution); the
-    probabilities are at the sampling temperature.
+    probabilities are at the sampling temperature. The fp32 normaliser is taken in ``row_chunks``.
 
     >>> logits = torch.tensor([[[4.0, 2.0, 1.0, 0.0, 0.0, 0.0, -1.0]]])  # [B=1, C=1, V=7]
     >>> s = logit_stats(logits)
@@ -80,9 +81,10 @@ def logit_stats(logits: torch.Tensor, temperature: float = 1.0, k: int = 5) -> d
     >>> round(s["logits/top5_mass"].item(), 4)
     0.9799
     """
-    logits = logits.detach().float()  # [B, C, V]
-    top = logits.topk(min(k, logits.size(-1)), dim=-1).values  # [B, C, K]
-    log_z = torch.logsumexp(logits / temperature, dim=-1, keepdim=True)  # [B, C, 1]
+    logits = logits.detach()  # [B, C, V]
+    top = logits.topk(min(k, logits.size(-1)), dim=-1).values.float()  # [B, C, K]
+    log_z = torch.cat([torch.logsumexp(logits[rows].float() / temperature, dim=-1, keepdim=True)
+                       for rows in row_chunks(logits)]) if logits.size(0) else top[..., :1]  # [B, C, 1]
     top_probs = (top / temperature - log_z).exp()  # [B, C, K]
     gap = top[..., 0] - top[..., 1] if top.size(-1) > 1 else torch.full_like(top[..., 0], math.inf)  # [B, C]
     return {

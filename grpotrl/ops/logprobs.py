@@ -12,13 +12,36 @@ from __future__ import annotations
 import torch
 
 
+CHUNK_ELEMENTS = 1 << 24  # fp32 elements of one chunk's [b, C, V] temporary: 64 MiB
+
+
+def row_chunks(logits: torch.Tensor) -> list[slice]:
+    """Row slices of ``logits`` [B, C, V] with at most ``CHUNK_ELEMENTS`` elements each (one row where a
+    row alone is larger). The functions below that take [B, C, V] logits work one chunk at a time, so a
+    call holds a few [b, C, V] fp32 temporaries instead of several [B, C, V] ones (at 8 rows x 256
+    tokens x 49152 each is 386 MiB) next to the loss's autograd graph; rows are independent, so the
+    values are those of one whole-batch call.
+
+    >>> row_chunks(torch.empty(5, 1 << 11, 1 << 12, device="meta"))  # two rows of 2^23 per chunk
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
+    B, C, V = logits.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, C * V))
+    return [slice(start, min(start + step, B)) for start in range(0, B, step)]
+
+
+def _joined(pieces: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    """The per-chunk [b, C] results as one [B, C] (fp32 zeros [0, C] for no rows)."""
+    return torch.cat(pieces) if pieces else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+
+
 def completion_logits(logits: torch.Tensor, completion_width: int) -> torch.Tensor:
     """The logits that score completion tokens: positions ``P-1 .. L-2`` (I4's shift by one)."""
     return logits[:, -completion_width - 1 : -1, :]  # [B, C, V]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / T)`` gathered at ``tokens``, in fp32.
+    """``log_softmax(logits / T)`` gathered at ``tokens`` [B, C], in fp32 (rows in ``row_chunks``).
 
     >>> logits = torch.tensor([[[2.0, 0.0]]])  # one row, one token, V=2
     >>> round(token_logprobs(logits, torch.tensor([[0]]), temperature=2.0).item(), 6)  # log(e/(e+1))
@@ -26,18 +49,34 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score sampled tokens, got {temperature}")
-    logps = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, C, V]
-    return logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, C]
+    out = []
+    for rows in row_chunks(logits):
+        logps = torch.log_softmax(logits[rows].float() / temperature, dim=-1)  # [b, C, V]
+        out.append(logps.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1))  # [b, C]
+    return _joined(out, logits)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / T)`` per position, in fp32.
+    """Entropy of ``softmax(logits / T)`` per position [B, C], in fp32 (rows in ``row_chunks``).
 
     >>> round(entropy_from_logits(torch.zeros(1, 1, 4)).item(), 6)  # uniform over 4: log 4
     1.386294
     """
-    logps = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, C, V]
-    return -(logps.exp() * logps).sum(-1)  # [B, C]
+    out = []
+    for rows in row_chunks(logits):
+        logps = torch.log_softmax(logits[rows].float() / temperature, dim=-1)  # [b, C, V]
+        out.append(-(logps.exp() * logps).sum(-1))  # [b, C]
+    return _joined(out, logits)
+
+
+def logit_scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``max |logits / T|`` per position [B, C], in fp32 (rows in ``row_chunks``): the size that fp32
+    rounding of a logprob grows with.
+
+    >>> logit_scale(torch.tensor([[[3.0, -5.0]]]), 2.0).item()
+    2.5
+    """
+    return _joined([logits[rows].float().abs().amax(-1) / temperature for rows in row_chunks(logits)], logits)
 
 
 def temperature_slope(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -46,21 +85,19 @@ def temperature_slope(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
     A logprob scored at another temperature ``T'`` differs from the one at ``T`` by about
     ``(1 / T' - 1 / T) * slope`` per token, whatever the logits: the direction along which a
     temperature error moves every token (``fit_along``). ``logits`` [B, C, V], ``tokens``
-    [B, C] -> [B, C]; rows in chunks, so no more than one [rows, C, V] fp32 temporary lives at a time.
+    [B, C] -> [B, C]; rows in ``row_chunks``.
 
     >>> z = torch.tensor([[[2.0, 0.0]]])  # E[z] under softmax([2, 0]) = 2 sigmoid(2) = 1.761594
     >>> round(temperature_slope(z, torch.tensor([[0]]), 1.0).item(), 6)  # 2 - 1.761594
     0.238406
     """
-    B, C, V = logits.shape
-    rows = max(1, (1 << 24) // max(1, C * V))  # about 64 MiB of fp32 per chunk
     out = []
-    for start in range(0, B, rows):
-        z = logits[start:start + rows].float()  # [b, C, V]
+    for rows in row_chunks(logits):
+        z = logits[rows].float()  # [b, C, V]
         p = torch.softmax(z / temperature, dim=-1)  # [b, C, V]
         mean = (p * z).sum(-1)  # [b, C]
-        out.append(z.gather(-1, tokens[start:start + rows].unsqueeze(-1)).squeeze(-1) - mean)
-    return torch.cat(out) if out else logits.new_zeros((B, C), dtype=torch.float32)
+        out.append(z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - mean)
+    return _joined(out, logits)
 
 
 def fit_along(gap: torch.Tensor, direction: torch.Tensor, mask: torch.Tensor
