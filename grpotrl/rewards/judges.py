@@ -11,20 +11,25 @@ CLI and the other judges load, and building an ``HttpJudge`` is an ``InputError`
 
 Failure semantics (INVARIANTS I8). Whatever the server or the transport does -- a timeout, a
 dropped connection, an HTTP error, a corrupt or non-UTF-8 body, a body that is not a chat
-completion, a reply over ``max_reply_bytes``, a reply without a readable verdict -- that row
-gets ``None`` (TRL leaves it out of the group baseline), never 0 and never an exception out of
-the reward function; only cancellation and ``JudgeError`` leave it. Each call logs, through
+completion, a reply over ``max_reply_bytes``, a reply the server cut at ``max_tokens``, a reply
+without a readable verdict -- that row gets ``None`` (TRL leaves it out of the group baseline),
+never 0 and never an exception out of the reward function; only cancellation and ``JudgeError``
+leave it. Each call logs, through
 TRL's ``log_metric``, ``judge/<name>/missing_share`` (rows without a score),
 ``judge/<name>/failed/<reason>`` (share of rows per reason, ``FAILURE_REASONS``),
 ``judge/<name>/http_status`` (the last status; 0 when no whole reply came back) and
 ``judge/<name>/cache_hit_share``, and through ``log_extra`` the end of the judge's reply or the
 failure per row. After ``max_failed_batches`` consecutive calls in which no row got a score,
-``JudgeError`` stops training, naming the judge, the last HTTP status and the last error.
+``JudgeError`` stops training, naming the judge, the last HTTP status and the last error. The calls
+are counted per task (``tasks.reward_task``): one judge shared by two tasks, of which one always
+fails, stops all the same.
 
 The API key. Read from the variable ``api_key_env`` names at each call, sent only as the
 ``Authorization`` header. Server text is redacted (``redact``: the header value and the key,
-whole or any piece of ``PIECE`` = 8 characters or more) before it is cut short, so no note,
-log, error or completion table holds a piece of it, whatever a server echoes. Memory: a
+whole or any piece of ``PIECE`` = 8 characters or more, as sent or JSON-escaped) before it is cut
+short, so no note, log, error or completion table holds a piece of it, whatever a server echoes.
+A loopback ``base_url`` (``localhost``, 127.0.0.0/8, ``::1``) is asked directly: the environment's
+proxy variables, which other hosts follow as httpx does, would hand such a proxy the key. Memory: a
 reply's body is read streamed up to ``max_reply_bytes`` (1 MiB); the cache keeps a score and
 a note of at most ``NOTE_CHARS`` per pair, never a body.
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -56,7 +62,7 @@ from ..errors import InputError
 from ..ops.masking import last_token_index, position_ids_from_mask
 from .rubrics import Rubric, parse_verdict, prompt_text
 from .rules import completion_text
-from .tasks import rows_of
+from .tasks import reward_task, rows_of
 
 # Statuses worth asking again: overload and server-side errors.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -74,7 +80,14 @@ FAILURE_REASONS = (
     "not_a_chat_completion",  # text, but no choices[0].message.content string in it
     "too_large",              # a body over max_reply_bytes (the rest is not read)
     "no_verdict",             # a chat completion without a readable verdict on the rubric's scale
+    "truncated",              # a reply the server cut at max_tokens (finish_reason "length"): never read for a
+                              # verdict, since the verdict it would have ended with may be missing or cut
 )
+# Where a JSON string escape may hide a key from plain search: "\/", "\"", "\\", "\n", ... and "\uXXXX"
+# for any character, which is also the longest (ESCAPED characters for one).
+_JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
+_JSON_SIMPLE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+ESCAPED = 6
 
 
 class JudgeError(RuntimeError):
@@ -87,30 +100,33 @@ class _Verdict:
     note: str  # the end of the judge's reply, or what went wrong (redacted, at most ~NOTE_CHARS + a prefix)
     reason: str | None  # one of FAILURE_REASONS when score is None
     cacheable: bool = False  # the server answered (a score or a reply without a verdict)
+    status: int = 0  # the HTTP status of its last attempt (0 when no whole reply came back)
 
 
 def redact(text: str, secrets) -> str:
-    """``text`` with every secret, and every piece of one at least ``PIECE`` characters long, replaced
-    by ``<api key>``: a server may echo a key whole, cut, or only its start or end. Redact
-    BEFORE cutting text short, or a key crossing the cut survives as a fragment. Secrets shorter
-    than ``PIECE`` are replaced whole (from 4 characters on).
+    r"""``text`` with every secret, and every piece of one at least ``PIECE`` characters long, replaced
+    by ``<api key>``: a server may echo a key whole, cut, or only its start or end, and as a JSON
+    string it may escape any of its characters (``/`` as ``\/`` or ``\u002f``). Redact BEFORE cutting
+    text short, or a key crossing the cut survives as a fragment. Secrets shorter than ``PIECE`` are
+    replaced whole (from 4 characters on).
 
     >>> redact("echo: Bearer sk-abcdefgh12345678, cut: sk-abcdefg...", ["sk-abcdefgh12345678"])
     'echo: Bearer <api key>, cut: <api key>...'
+    >>> redact('{"error": "bad key sk\\u002dab\\/cd\\/efgh"}', ["sk-ab/cd/efgh"])
+    '{"error": "bad key <api key>"}'
     """
     return _replaced(text, _secret_spans(text, secrets), 0, len(text))
 
 
 def _secret_spans(text: str, secrets) -> list[list[int]]:
-    """The ``[start, end)`` runs of ``text`` that are a secret or a piece of one (``redact``), merged, in order."""
+    """The ``[start, end)`` runs of ``text`` that are a secret or a piece of one (``redact``), as they are or
+    JSON-escaped, merged, in order."""
     pieces = {s[i:i + PIECE] for s in secrets if len(s) >= PIECE for i in range(len(s) - PIECE + 1)}
     pieces |= {s for s in secrets if 4 <= len(s) < PIECE}
-    spans = []
-    for piece in pieces:  # str.find, not a regex: re's pattern cache would keep the pieces
-        at = text.find(piece)
-        while at >= 0:
-            spans.append((at, at + len(piece)))
-            at = text.find(piece, at + 1)
+    spans = _found(text, pieces)
+    if "\\" in text:  # the same pieces in the text read as a JSON string, mapped back to where they are written
+        unescaped, at = _json_unescaped(text)
+        spans += [(at[start], at[end]) for start, end in _found(unescaped, pieces)]
     spans.sort()
     merged: list[list[int]] = []
     for start, end in spans:
@@ -119,6 +135,34 @@ def _secret_spans(text: str, secrets) -> list[list[int]]:
         else:
             merged.append([start, end])
     return merged
+
+
+def _found(text: str, pieces) -> list[tuple[int, int]]:
+    """Every ``[start, end)`` of ``text`` that is one of ``pieces``."""
+    spans = []
+    for piece in pieces:  # str.find, not a regex: re's pattern cache would keep the pieces
+        at = text.find(piece)
+        while at >= 0:
+            spans.append((at, at + len(piece)))
+            at = text.find(piece, at + 1)
+    return spans
+
+
+def _json_unescaped(text: str) -> tuple[str, list[int]]:
+    r"""``text`` with its JSON string escapes decoded, and where in ``text`` each character of that starts, plus
+    ``len(text)`` at the end: characters ``[a, b)`` of the decoded text are written at ``text[at[a]:at[b]]``.
+
+    >>> _json_unescaped("a\\/b\\u0063")
+    ('a/bc', [0, 1, 3, 4, 10])
+    """
+    out, at, done = [], [], 0
+    for m in _JSON_ESCAPE.finditer(text):
+        out += [text[done:m.start()], chr(int(m[1], 16)) if m[1] else _JSON_SIMPLE[m[2]]]
+        at += [*range(done, m.start()), m.start()]
+        done = m.end()
+    out.append(text[done:])
+    at += range(done, len(text) + 1)
+    return "".join(out), at
 
 
 def _replaced(text: str, spans: list[list[int]], lo: int, hi: int) -> str:
@@ -137,12 +181,13 @@ def _excerpt(text: str, secrets, tail: bool = False) -> str:
 
     Only a window of the text is searched, never a whole (up to ``max_reply_bytes``) body: the note is taken
     from the part of the window that no secret can cross out of, one longest secret in from the window's
-    edge, so every secret there lies wholly inside the window and is found.
+    edge, so every secret there lies wholly inside the window and is found. A secret written JSON-escaped is
+    up to ``ESCAPED`` times its length (``\\uXXXX`` per character), which is the length that counts.
 
     >>> _excerpt("x" * 300 + "sk-abcdefgh12345678" + "y" * 5, ["sk-abcdefgh12345678"], tail=True)[-20:]
     'xxxxxx<api key>yyyyy'
     """
-    longest = max((len(s) for s in secrets), default=0)
+    longest = ESCAPED * max((len(s) for s in secrets), default=0)
     width = 2 * NOTE_CHARS + longest
     if len(text) <= width:
         return (redact(text, secrets)[-NOTE_CHARS:] if tail else redact(text, secrets)[:NOTE_CHARS])
@@ -206,21 +251,28 @@ class HttpJudge:
     Args:
         rubric: what to ask (``rubrics.FAIRNESS``, ``rubrics.HALLUCINATION`` or your own).
         base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``; no credentials in it
-            (``user:password@``, ``?key=``): use ``api_key_env``.
+            (``user:password@``, ``?key=``): use ``api_key_env``. A loopback host (``localhost``,
+            127.0.0.0/8, ``::1``) is asked directly, never through the environment's proxy variables
+            (``HTTP_PROXY``, ``ALL_PROXY``, ...); other hosts follow them, and ``NO_PROXY``, as httpx does.
         model: the ``model`` field of each request.
         api_key_env: NAME of the environment variable holding the API key (sent as a bearer
             token). The key is read at each call and kept nowhere: not in the object, its
             repr, its cache keys, logs or errors. Server text that echoes it (whole, or any
-            piece of 8 characters or more) is redacted before it is cut short or kept.
+            piece of 8 characters or more, as sent or JSON-escaped) is redacted before it is cut
+            short or kept.
         name: metric and reward-column name (default: the rubric's name).
         max_concurrency: requests in flight at once.
         timeout: seconds per attempt, whole request and reply included.
         max_retries: further attempts after a timeout, a transport error, 429 or 5xx, with
             exponential backoff from ``backoff`` seconds (a 429's ``Retry-After`` wins, capped).
-        max_tokens: the judge's reply, at most this many tokens.
+        max_tokens: the judge's reply, at most this many tokens. A reply the server cut at this
+            limit (``finish_reason`` ``"length"``) gives ``None`` (reason ``truncated``), whatever
+            verdict lines it holds: the verdict it was to end with may be missing or cut
+            (``VERDICT: 4`` of ``VERDICT: 4.5``, or a verdict revised further on).
         temperature: the judge's sampling temperature.
         max_failed_batches: consecutive calls without a single score before ``JudgeError``
-            (0 never raises).
+            (0 never raises), counted per task where the judge scores several (``per_task``,
+            ``JudgeRouter``): another task's scores do not hide a task that always fails.
         cache_size: verdicts kept (least recently used dropped). A (settings, prompt,
             completion, columns) pair the server has answered is never sent again; failures
             are not cached. An entry is the score and a note of at most ``NOTE_CHARS``.
@@ -238,7 +290,7 @@ class HttpJudge:
         _check_settings(max_concurrency=max_concurrency, timeout=timeout, max_retries=max_retries, backoff=backoff,
                         max_tokens=max_tokens, temperature=temperature, max_failed_batches=max_failed_batches,
                         cache_size=cache_size, max_reply_bytes=max_reply_bytes)
-        _check_base_url(base_url)
+        loopback = _check_base_url(base_url)
         httpx = _httpx()  # the HTTP client is there before a run counts on this judge
         try:  # SSL_CERT_FILE / SSL_CERT_DIR read now, not at the first judged batch
             ssl = httpx.create_ssl_context()
@@ -255,10 +307,14 @@ class HttpJudge:
         self._cache: OrderedDict[str, tuple[float | None, str, str | None]] = OrderedDict()  # score, note, reason
         self._settings = json.dumps({"url": self.base_url, "model": model, "rubric": rubric.to_dict(),
                                      "max_tokens": max_tokens, "temperature": temperature}, sort_keys=True)
-        self.failed_batches, self.last_status, self.last_error = 0, None, ""
+        self.last_status, self.last_error = None, ""
+        # Consecutive calls without a score, per task (``reward_task``; None when called outside per-task rewards).
+        self.failed_batches: Counter[str | None] = Counter()
         self.requests = 0  # HTTP attempts sent, retries included
         self.failures = Counter()  # rows without a score so far, by reason (FAILURE_REASONS)
         self._ssl = ssl  # built once: a new client is cheap with it, ~30-70 ms without
+        # httpx reads the proxy variables only with trust_env (the TLS context above is built already)
+        self._trust_env = not loopback
 
     def __repr__(self) -> str:
         key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
@@ -282,7 +338,7 @@ class HttpJudge:
         for key in keys:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                verdicts[key] = _Verdict(*self._cache[key])
+                verdicts[key] = _Verdict(*self._cache[key], status=200)  # cached: the server answered
                 hits += 1
         todo = {key: m for key, m in zip(keys, messages) if key is not None and key not in verdicts}
         if todo:  # each distinct pair once, even when a group repeats a completion
@@ -308,20 +364,34 @@ class HttpJudge:
         if log_extra is not None:
             log_extra(f"judge/{self.name}", [verdicts[k].note if k is not None else "row lacks a rubric column"
                                              for k in keys])
-        asked = sum(k is not None for k in keys)
-        self._count_failure(asked > 0 and missing == n, asked)
+        self._count_failure(reward_task.get(), [verdicts[k] for k in keys if k is not None])
         return [self.rubric.normalise(s) if s is not None else None for s in scores]
 
-    def _count_failure(self, failed: bool, rows: int) -> None:
-        self.failed_batches = self.failed_batches + 1 if failed else 0
-        if self.max_failed_batches and self.failed_batches >= self.max_failed_batches:
-            status = self.last_status if self.last_status else "none (no response)"
+    def _count_failure(self, task: str | None, asked: list[_Verdict]) -> None:
+        """Count a call in which no row of ``asked`` got a score against ``task`` (a call that scored one, or asked
+        nothing, ends the run of failures), and raise ``JudgeError`` when that makes ``max_failed_batches``. The
+        status and error named are this call's own, whatever another task's calls met meanwhile."""
+        failed = bool(asked) and all(v.score is None for v in asked)
+        self.failed_batches[task] = self.failed_batches[task] + 1 if failed else 0
+        if self.max_failed_batches and self.failed_batches[task] >= self.max_failed_batches:
+            last = asked[-1]
+            status = last.status if last.status else "none (no response)"
+            of_task = f" on task {task!r}" if task is not None else ""
             raise JudgeError(
-                f"judge {self.name!r} gave no score for {self.failed_batches} batches in a row (last batch: "
-                f"{rows} rows) at {self.base_url} model={self.model!r}; last HTTP status: {status}; last error: "
-                f"{self.last_error or 'none'}. Check that the server is up and answers in the rubric's format "
-                f"(a last line 'VERDICT: <{self.rubric.low}-{self.rubric.high}>'), or raise max_failed_batches "
-                f"(0 never stops).")
+                f"judge {self.name!r} gave no score for {self.failed_batches[task]} batches in a row{of_task} (last "
+                f"batch: {len(asked)} rows) at {self.base_url} model={self.model!r}; last HTTP status: {status}; "
+                f"last error: {self._error(last)}. Check that the server is up and answers in the rubric's format "
+                f"(a last line 'VERDICT: <{self.rubric.low}-{self.rubric.high}>') within max_tokens="
+                f"{self.max_tokens}, or raise max_failed_batches (0 never stops).")
+
+    def _error(self, verdict: _Verdict) -> str:
+        """What went wrong with a row without a score, for ``last_error`` and ``JudgeError``."""
+        if verdict.reason == "no_verdict":
+            return f"no verdict line in the reply: {verdict.note!r}"
+        if verdict.reason == "truncated":
+            return (f"the reply was cut at max_tokens={self.max_tokens} (finish_reason 'length'), so it was not read "
+                    f"for a verdict; raise max_tokens or ask for a shorter reply: {verdict.note!r}")
+        return verdict.note or "none"
 
     async def _ask_all(self, todo: dict[str, list[dict]]) -> dict[str, _Verdict]:
         key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
@@ -339,7 +409,8 @@ class HttpJudge:
                                   max_keepalive_connections=self.max_concurrency)
             # One client per call: TRL's event loop is long-lived, a user's asyncio.run() is not,
             # and a client must not outlive the loop its connections belong to.
-            client = httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl)
+            client = httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl,
+                                       trust_env=self._trust_env)
         except Exception as err:  # noqa: BLE001
             self.last_status, self.last_error = 0, _excerpt(f"{type(err).__name__}: {err}", secrets)
             return {k: _Verdict(None, f"no client: {self.last_error}", "transport") for k in keys}
@@ -356,11 +427,9 @@ class HttpJudge:
             async with slots:
                 self.requests += 1
                 verdict, status, retry, retry_after = await self._attempt(client, body, secrets)
-            self.last_status = status
-            if verdict.reason == "no_verdict":
-                self.last_error = f"no verdict line in the reply: {verdict.note!r}"
-            elif verdict.reason is not None:
-                self.last_error = verdict.note
+            self.last_status = verdict.status = status
+            if verdict.reason is not None:
+                self.last_error = self._error(verdict)
             if not retry or attempt == self.max_retries:
                 return verdict
             wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
@@ -402,14 +471,17 @@ class HttpJudge:
                     f"{_excerpt(data.decode('utf-8', 'replace'), secrets)!r}")
             return _Verdict(None, note, "undecodable"), status, False, None
         try:
-            reply = json.loads(text)["choices"][0]["message"]["content"]
+            choice = json.loads(text)["choices"][0]
+            reply = choice["message"]["content"]
             if not isinstance(reply, str):
                 raise TypeError(type(reply).__name__)
         except Exception:  # noqa: BLE001 - any body that is not a chat completion
             note = f"HTTP 200 with a body that is not a chat completion: {_excerpt(text, secrets)!r}"
             return _Verdict(None, note, "not_a_chat_completion"), status, False, None
-        score = parse_verdict(reply, self.rubric.low, self.rubric.high)  # a number: nothing of a key in it
         note = _excerpt(reply, secrets, tail=True)
+        if choice.get("finish_reason") == "length":  # the reply is cut where the server stopped, not where it ended
+            return _Verdict(None, note, "truncated", cacheable=True), status, False, None
+        score = parse_verdict(reply, self.rubric.low, self.rubric.high)  # a number: nothing of a key in it
         return _Verdict(score, note, "no_verdict" if score is None else None, cacheable=True), status, False, None
 
 
@@ -459,9 +531,9 @@ def _check_settings(**settings) -> None:
                              f"got {value!r}.")
 
 
-def _check_base_url(base_url: str) -> None:
+def _check_base_url(base_url: str) -> bool:
     """The API root, without credentials: the URL is shown in repr, errors and logs. The value is
-    never echoed here (it may hold a secret)."""
+    never echoed here (it may hold a secret). Returns whether its host is loopback (``_is_loopback``)."""
     try:
         parts = urlsplit(base_url)
         has_credentials = parts.username is not None or parts.password is not None
@@ -475,6 +547,24 @@ def _check_base_url(base_url: str) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise InputError(f"HttpJudge: base_url must be an http:// or https:// URL with a host, e.g. "
                          f"http://127.0.0.1:8000/v1; got scheme {parts.scheme!r}.")
+    return _is_loopback(parts.hostname)
+
+
+def _is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ``::1``, ``::ffff:127.x.y.z``); a host as
+    ``urlsplit`` gives it (lower case, no brackets).
+
+    >>> [_is_loopback(h) for h in ("localhost", "127.0.0.2", "::1", "::ffff:127.0.0.1", "10.0.0.1", "judge.local")]
+    [True, True, True, True, False, False]
+    """
+    if host.rstrip(".") == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class LocalJudge:
@@ -606,13 +696,15 @@ class JudgeRouter:
                     extras[column][i] = v
             return log
 
+        async def ask(task, judge, sub):  # its own asyncio task under gather: the reward_task set stays in it
+            reward_task.set(task)
+            return await judge(**sub) if is_async_callable(judge) else await asyncio.to_thread(judge, **sub)
+
         calls = []
         for task, idx in by_task.items():
             sub = rows_of(idx, n, prompts=prompts, completions=completions, **kwargs)
             sub["log_extra"] = scatter(idx)
-            judge = self.judges[task]
-            result = judge(**sub) if is_async_callable(judge) else asyncio.to_thread(judge, **sub)
-            calls.append(result)
+            calls.append(ask(task, self.judges[task], sub))
         out: list[float | None] = [None] * n
         for idx, scores in zip(by_task.values(), await asyncio.gather(*calls)):
             for i, s in zip(idx, scores, strict=True):

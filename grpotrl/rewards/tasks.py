@@ -5,6 +5,8 @@ the function on its task's rows only (prompts, completions and every per-row col
 those rows; judges see no other task's text) and returns None for the other rows. TRL sums
 the functions with ``nansum``, so every row's reward comes from its own task's functions, and
 ``rewards/<task>/<name>/mean`` is logged per pair. Async functions (HTTP judges) stay async.
+While a function scores its task's rows, ``reward_task`` holds the task: one function given to
+several tasks (one judge) keeps what it counts per task apart (``HttpJudge``'s failed batches).
 
 >>> def short(completions, **kw): return [-len(c[0]["content"]) for c in completions]
 >>> f, = per_task({"a": short}, "task")
@@ -17,10 +19,15 @@ the functions with ``nansum``, so every row's reward comes from its own task's f
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 
 from trl.trainer.utils import get_callable_name, is_async_callable
 
 from ..errors import InputError
+
+# The task whose rows a reward function is scoring (set by per_task and JudgeRouter around the call; a context
+# variable, so each of TRL's concurrent async rewards sees its own), None outside them.
+reward_task: ContextVar[str | None] = ContextVar("grpotrl_reward_task", default=None)
 
 
 def per_task(reward_funcs: Mapping[str, Callable | list[Callable]], column: str) -> list[Callable]:
@@ -98,11 +105,19 @@ def _restricted(func: Callable, task: str, column: str) -> Callable:
     if is_async_callable(func):
         async def restricted(prompts, completions, completion_ids=None, **kwargs):
             rows, n, sub = cut(prompts, completions, completion_ids, **kwargs)
-            return spread(rows, n, await func(**sub) if rows else [])
+            token = reward_task.set(task)
+            try:
+                return spread(rows, n, await func(**sub) if rows else [])
+            finally:
+                reward_task.reset(token)
     else:
         def restricted(prompts, completions, completion_ids=None, **kwargs):
             rows, n, sub = cut(prompts, completions, completion_ids, **kwargs)
-            return spread(rows, n, func(**sub) if rows else [])
+            token = reward_task.set(task)
+            try:
+                return spread(rows, n, func(**sub) if rows else [])
+            finally:
+                reward_task.reset(token)
 
     restricted.__name__ = restricted.__qualname__ = name
     return restricted

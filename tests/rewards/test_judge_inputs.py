@@ -71,8 +71,10 @@ def test_I8_a_key_spoilt_after_the_judge_was_built_gives_none_rows_not_an_except
     assert server.requests == [] and "abc" not in judge.last_error
 
 
-def test_I8_a_proxy_variable_httpx_cannot_read_gives_none_rows_not_an_exception(server, monkeypatch):
-    judge = HttpJudge(FAIRNESS, base_url=server.url, model="m", max_failed_batches=1)
+def test_I8_a_proxy_variable_httpx_cannot_read_gives_none_rows_not_an_exception(monkeypatch):
+    # a remote host: a loopback one never reads the proxy variables (test_judge_faults.py); no request leaves,
+    # since the client cannot be built
+    judge = HttpJudge(FAIRNESS, base_url="http://judge.invalid:8000/v1", model="m", max_failed_batches=1)
     monkeypatch.setenv("ALL_PROXY", "ftp://proxy.invalid:21")
     with pytest.raises(Exception) as err:  # the documented stop after max_failed_batches, naming the cause
         asyncio.run(judge(["q"], ["a"]))
@@ -196,13 +198,16 @@ KEY = "sk-proj-7Hq2Lx9Vd4Wm1Rc8Tz5Np3Kb6Yf0Gs"
 
 @pytest.mark.parametrize("tail", [False, True])
 def test_I8_a_large_body_keeps_no_piece_of_the_key_wherever_it_sits(tail):
-    """The note comes from a window of a 1 MiB body: a key at every offset around that window's edges
-    (whole, or cut by the body's end) leaves no 8-character piece of itself in the note."""
+    """The note comes from a window of a 1 MiB body: a key at every offset across the note's 200-character
+    cut and around the window's edges (whole, or cut by the body's end) leaves no 8-character piece of itself
+    in the note."""
+    from grpotrl.rewards.judges import ESCAPED
+
     secrets = (f"Bearer {KEY}", KEY)
     pieces = {KEY[i:i + 8] for i in range(len(KEY) - 7)}
     body = "x" * (1 << 20)
-    edge = 2 * 200 + len(secrets[0])  # the window: twice the note plus the longest secret
-    for at in range(edge - 2 * len(KEY) - 30, edge + 30):
+    edge = 2 * 200 + ESCAPED * len(secrets[0])  # the window: twice the note plus the longest secret, escaped
+    for at in [*range(0, 200 + 30), *range(edge - 2 * len(KEY) - 30, edge + 30)]:
         text = (body[:len(body) - at] + KEY + "y" * max(at - len(KEY), 0))[-len(body):] if tail else \
             "z" * at + KEY + body
         note = _excerpt(text, secrets, tail=tail)
