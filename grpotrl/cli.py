@@ -119,9 +119,13 @@ def make_parser(command: str):
 
 def parse_args(command: str, argv: list[str]):
     """``(script_args, training_args, model_args)`` from ``--config`` YAML (read with
-    ``yaml.safe_load`` by ``TrlParser``) and ``--key value`` overrides."""
+    ``yaml.safe_load`` by ``TrlParser``; ``--config=PATH`` too) and ``--key value`` overrides."""
     if command not in COMMANDS:
         raise InputError(f"Unknown command {command!r}; use one of {list(COMMANDS)}. {USAGE}")
+    # `--config=recipe.yaml` as argparse takes any `--key=value` (TrlParser looks for `--config` alone)
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    if argv.count("--config") > 1:
+        raise InputError("--config is given more than once: pass one recipe, and override its keys with --key value.")
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv) or not os.path.isfile(argv[i + 1]):

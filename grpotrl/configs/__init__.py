@@ -121,7 +121,9 @@ class GenerationFields:
     min_new_tokens: int = field(
         default=0,
         metadata={"help": "Block every stop id (eos, end-of-turn, generation_config.eos_token_id) until this many "
-                  "tokens are generated; the trigger rate is logged as `generation/min_new_tokens_trigger_rate`."},
+                  "tokens are generated; the trigger rate is logged as `generation/min_new_tokens_trigger_rate`. "
+                  "generation_kwargs' min_new_tokens (transformers' name) or min_tokens (vLLM's) becomes this field; "
+                  "under vLLM it is passed as min_tokens."},
     )
     truncated_sampling_correction: bool = field(
         default=True,

@@ -5,12 +5,12 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 * ``check_ranges``: every numeric setting of a TRL or grpotrl config within what its field can
   mean (a wrong sign, ``entropy_coef < 0`` for I7 among them, a zero, a NaN), and every string-choice
   field of TRL's GRPO and SFT configs one of the values TRL 1.16 takes (``GRPO_CHOICES``, ``SFT_CHOICES``).
-* ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty / min_new_tokens become the
-  fields grpotrl reads (I5, I6); the one step here that changes the config.
+* ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty / min_new_tokens (or
+  vLLM's min_tokens) become the fields grpotrl reads (I5, I6); the one step here that changes the config.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
   adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, greedy decoding, which
-  samples no group, the KL's placement).
+  samples no group, beam sampling where the sampler's logprobs are recorded, the KL's placement).
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ GRPO_CHOICES = {
     "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     "vllm_mode": ("colocate", "server"),
+    # handed to vLLM's LLM(model_impl=...) as is; the values TRL's vLLM wrapper documents
+    # (trl.generation.vllm_generation.VLLMGeneration), of which GRPOConfig's help names two
+    "vllm_model_impl": ("auto", "vllm", "transformers", "terratorch"),
     "cache_implementation": (*ALL_CACHE_IMPLEMENTATIONS, "paged"),  # transformers' GenerationConfig.validate
 }
 SFT_CHOICES = {
@@ -176,18 +179,19 @@ def _closest(value, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str, default=1.0) -> None:
-    """``generation_kwargs[name]``, where given, becomes ``args.<name>`` (this changes ``args``): checked
-    against ``RANGES`` first, refused where the field is set to another value than its ``default``
-    (``temperature=0.7`` with ``generation_kwargs={"temperature": 1.0}`` too: TRL would sample at 1.0)."""
-    if name not in kwargs:
+def _adopt_generation_kwarg(args, kwargs: dict, name: str, why: str, default=1.0, key: str | None = None) -> None:
+    """``generation_kwargs[key]`` (``key`` defaults to ``name``), where given, becomes ``args.<name>`` (this
+    changes ``args``): checked against ``RANGES`` first, refused where the field is set to another value than its
+    ``default`` (``temperature=0.7`` with ``generation_kwargs={"temperature": 1.0}`` too: TRL would sample at 1.0)."""
+    key = key or name
+    if key not in kwargs:
         return
-    given, field = kwargs[name], getattr(args, name)
+    given, field = kwargs[key], getattr(args, name)
     ok, what = RANGES[name]
     if not ok(given):
-        raise InputError(f"generation_kwargs['{name}']={given!r}: it must be {what}.")
+        raise InputError(f"generation_kwargs['{key}']={given!r}: it must be {what}.")
     if field not in (default, given):
-        raise InputError(f"{name}={field} and generation_kwargs['{name}']={given} disagree ({why}): "
+        raise InputError(f"{name}={field} and generation_kwargs['{key}']={given} disagree ({why}): "
                          f"set it once, as {name}.")
     setattr(args, name, given)
 
@@ -258,6 +262,9 @@ def check_compiled_rollout(args) -> None:
                          "than TRL's eager rollout: no device yet).")
 
 
+MIN_LENGTH_KEYS = ("min_new_tokens", "min_tokens")  # generation_kwargs' names of min_new_tokens (transformers', vLLM's)
+
+
 def normalize_generation_kwargs(args) -> None:
     """Move the three sampling settings grpotrl reads from the fields into those fields, where
     ``generation_kwargs`` gives them (this changes ``args``; run once, by the config, before
@@ -268,14 +275,37 @@ def normalize_generation_kwargs(args) -> None:
     grpotrl replaces transformers' own, which counts the prompt); ``temperature``, at which the
     logprobs are computed (I5: TRL computes them at the field's temperature, so
     ``generation_kwargs={"temperature": 0.7}`` alone sampled at 0.7 and trained on logprobs at 1.0); and
-    ``min_new_tokens``, which TRL's config has no field for, so a TRL user writes it here: alone it would be
-    transformers' own processor, which blocks the generation config's eos ids only, where grpotrl's blocks
-    every stop id and logs how often it fired (I6)."""
+    the minimum completion length, which TRL's config has no field for, so a TRL user writes it here, as
+    ``min_new_tokens`` (transformers' name) or ``min_tokens`` (vLLM's). Either becomes the field
+    ``min_new_tokens`` and leaves ``generation_kwargs`` (a new dict: the caller's is not changed); the trainer
+    hands the field to each sampler under its own name (grpotrl's processor on the transformers path, which
+    blocks every stop id and logs how often it fired, I6; ``min_tokens`` to vLLM). Left in
+    ``generation_kwargs``, TRL passes each name to both samplers as it is: vLLM's ``SamplingParams`` has no
+    ``min_new_tokens`` (a TypeError at the first rollout, after the model loaded) and transformers'
+    ``GenerationConfig`` ignores ``min_tokens`` without a word."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     _adopt_generation_kwarg(args, kwargs, "repetition_penalty", "I6: the penalty counts response tokens only")
     _adopt_generation_kwarg(args, kwargs, "temperature", "I5: completions would be sampled at one temperature "
                             "and their logprobs computed at the other")
-    _adopt_generation_kwarg(args, kwargs, "min_new_tokens", "I6: every stop id is blocked until then", default=0)
+    if set(MIN_LENGTH_KEYS) <= set(kwargs) and kwargs["min_new_tokens"] != kwargs["min_tokens"]:
+        raise InputError(f"generation_kwargs['min_new_tokens']={kwargs['min_new_tokens']!r} and "
+                         f"generation_kwargs['min_tokens']={kwargs['min_tokens']!r} disagree (transformers' and vLLM's "
+                         "names of one setting): set it once, as min_new_tokens.")
+    for key in MIN_LENGTH_KEYS:
+        _adopt_generation_kwarg(args, kwargs, "min_new_tokens", "I6: every stop id is blocked until then", default=0,
+                                key=key)
+    if any(key in kwargs for key in MIN_LENGTH_KEYS):
+        args.generation_kwargs = {k: v for k, v in kwargs.items() if k not in MIN_LENGTH_KEYS}
+
+
+def _recorded_settings(args) -> dict:
+    """The settings that put grpotrl's logits processors and its recorder of the sampler's logprobs into each
+    transformers ``generate`` call (``generation.sampled_logprobs.generation_extras``), by name, where set."""
+    return {name: value for name, value in (
+        ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
+        ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
+        ("min_new_tokens", args.min_new_tokens),
+        ("hf_importance_sampling_correction", args.hf_importance_sampling_correction)) if value}
 
 
 def _check_generation_settings(args) -> None:
@@ -287,22 +317,30 @@ def _check_generation_settings(args) -> None:
     * under vLLM, TRL's own ``vllm_importance_sampling_correction`` corrects the sampler gap, and
       ``hf_importance_sampling_correction`` would correct it a second time, in the advantages;
     * greedy decoding (``generation_kwargs``' ``do_sample`` false, ``top_k`` 1) samples no group: refused as
-      temperature 0 is (``RANGES``). Beam sampling (``num_beams`` > 1 with sampling) is taken, as TRL takes it."""
+      temperature 0 is (``RANGES``);
+    * beam sampling (``generation_kwargs``' ``num_beams`` > 1) on the transformers path with any setting that
+      records the sampler's logprobs: beam search samples each token from every beam's accumulated score and
+      reorders its rows at each step, so no row has a sampler logprob to record (the recorder would fail
+      after the first rollout, or hand a row another's numbers). Without those settings it is taken, as TRL
+      takes it."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-    if args.use_transformers_continuous_batching:
-        unsupported = {name: value for name, value in (
-            ("presence_penalty", args.presence_penalty), ("frequency_penalty", args.frequency_penalty),
-            ("repetition_penalty", args.repetition_penalty if args.repetition_penalty != 1.0 else None),
-            ("min_new_tokens", args.min_new_tokens or kwargs.get("min_new_tokens")),
-            ("hf_importance_sampling_correction", args.hf_importance_sampling_correction)) if value}
-        if unsupported:
-            raise InputError(
-                f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with use_transformers_continuous_batching: "
-                "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
-                "logits processors (nor the recorder of the sampler's logprobs that hf_importance_sampling_correction "
-                "reads), so these would be silently dropped (a repetition penalty there would also count "
-                "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
-                "false) or vLLM, or leave these settings at their defaults.")
+    recorded = _recorded_settings(args)
+    if args.use_transformers_continuous_batching and recorded:
+        raise InputError(
+            f"{', '.join(f'{k}={v}' for k, v in recorded.items())} with use_transformers_continuous_batching: "
+            "continuous batching samples with transformers' own batch scheduler, which takes none of grpotrl's "
+            "logits processors (nor the recorder of the sampler's logprobs that hf_importance_sampling_correction "
+            "reads), so these would be silently dropped (a repetition penalty there would also count "
+            "the prompt, INVARIANT I6). Use the transformers generate path (use_transformers_continuous_batching: "
+            "false) or vLLM, or leave these settings at their defaults.")
+    beams = kwargs.get("num_beams", 1)
+    if not args.use_vllm and _int(beams) and beams > 1 and recorded:
+        raise InputError(
+            f"generation_kwargs['num_beams']={beams} with {', '.join(f'{k}={v}' for k, v in recorded.items())}: "
+            "these settings record the sampler's logprob of every token (the sampler/trainer gap, "
+            "hf_importance_sampling_correction), but beam sampling draws each token from all beams' accumulated "
+            "scores and reorders the rows at every step, so no row has a sampler logprob of its own. Drop "
+            "num_beams (GRPO samples each completion on its own), or leave these settings at their defaults.")
     if args.use_vllm and args.hf_importance_sampling_correction:
         raise InputError(
             "hf_importance_sampling_correction=True with use_vllm: it is the transformers generate path's correction. "

@@ -121,7 +121,10 @@ class SampledLogprobRecorder(LogitsProcessor):
     that had stopped), it keeps that token's processed logprob (``[B]``) and lets the scores go.
     ``logprobs(sequences)`` gathers the last step's once ``generate`` has returned. Build one per
     ``generate`` call. As with ``sampler_logprobs``, columns after a row's first stop token are
-    meaningless (maybe ``-inf``): select them with the completion mask.
+    meaningless (maybe ``-inf``): select them with the completion mask. Each row must stay one completion
+    from the first step to the sequences returned, as in transformers' sampling loop: ``logprobs`` compares
+    the tokens it saw each row take with the row returned, and refuses beam search (rows reordered at each
+    step, the best beams returned), where no row has a sampler logprob of its own.
 
     >>> rec = SampledLogprobRecorder()
     >>> rec.placed_last = True  # inject_recorders_after_warpers does this
@@ -148,6 +151,7 @@ class SampledLogprobRecorder(LogitsProcessor):
         self._pending_raw: torch.Tensor | None = None  # [B, V] R of the last step (generate holds it too)
         self._pending_lse: tuple | None = None  # [B] x 3: logsumexp of W, log kept mass, logsumexp(R / T)
         self._steps: list[torch.Tensor] = []  # one [B] per step before it: truncated logprob
+        self._tokens: list[torch.Tensor] = []  # [B] per step before it: the token each row took, as input_ids showed
         self._log_mass: list[torch.Tensor] = []  # [B] log kept mass per step (0 without truncation)
         self._raw_steps: list[torch.Tensor] = []  # [B] log_softmax(R / T_sampler)[token] per step
 
@@ -162,6 +166,7 @@ class SampledLogprobRecorder(LogitsProcessor):
             )
         self._width = width
         if self._pending is not None:
+            self._tokens.append(input_ids[:, -1].clone())  # a view would keep each step's input_ids alive
             self._keep(input_ids[:, -1])
         # this step's [B] normalisers now, so that no [B, V] beyond what generate holds itself (the raw logits
         # R and the final scores W, until its next step) outlives the step: S is let go here
@@ -206,6 +211,7 @@ class SampledLogprobRecorder(LogitsProcessor):
                 "you did, transformers no longer builds its processor list in GenerationMixin._get_logits_processor."
             )
         tokens = sequences[:, self._prompt_width:]  # [B, C]
+        self._check_rows(tokens)
         if self._pending is not None and len(self._steps) < tokens.size(1):
             self._keep(tokens[:, len(self._steps)])
         if len(self._steps) < tokens.size(1):
@@ -216,6 +222,22 @@ class SampledLogprobRecorder(LogitsProcessor):
             )
         # generate may run steps that it then undoes (transformers' DeferredStopCheck): always the last ones
         return torch.stack(self._steps[: tokens.size(1)], dim=1) if tokens.size(1) else tokens[:, :0].float()  # [B, C]
+
+    def _check_rows(self, tokens: torch.Tensor) -> None:
+        """``InputError`` unless row ``b`` of the completion ``tokens`` ``[B, C]`` is the row whose tokens the
+        recorder saw step by step (its numbers are then that row's): beam search keeps ``num_beams`` rows per
+        completion, reorders them at every step and returns the best, so the rows differ in number or tokens."""
+        rows = (self._pending if self._pending is not None else self._steps[0]).size(0)
+        seen = torch.stack(self._tokens, dim=1) if self._tokens else tokens[:rows, :0]  # [B', t]
+        n = min(seen.size(1), tokens.size(1))  # the steps generate undid (DeferredStopCheck) are the last ones
+        if rows != tokens.size(0) or not torch.equal(seen[:, :n], tokens[:, :n]):
+            raise InputError(
+                f"SampledLogprobRecorder recorded {rows} rows, but generate returned {tokens.size(0)} completions "
+                "that are not those rows token by token: generate selected or reordered rows, as beam search "
+                "(num_beams > 1, in generation_kwargs or the model's generation_config.json) does at every step. "
+                "Beam sampling draws each token from all beams' accumulated scores, so no completion has a "
+                "sampler logprob of its own. Generate with num_beams=1."
+            )
 
     def measures(self, sequences: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per sampled token ``[B, C]``: ``truncated`` (= ``logprobs``), ``log_kept_mass`` (log of the full

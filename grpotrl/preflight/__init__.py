@@ -276,7 +276,7 @@ def _check_reward_models(reward_funcs, args) -> None:
 
 def _check_generation_args(args, kwargs: dict) -> None:
     """I6 arguments (penalties and ``min_new_tokens`` valid, and not in the multi-turn loop of ``tools`` or an
-    ``environment_factory``), the loss type and what ``hf_importance_sampling_correction`` needs, before TRL loads
+    ``environment_factory`` nor beside a ``rollout_func``, which samples without them), the loss type and what ``hf_importance_sampling_correction`` needs, before TRL loads
     anything."""
     build_processors(0, args.presence_penalty, args.frequency_penalty, args.repetition_penalty,
                      args.min_new_tokens, [0])
@@ -291,6 +291,12 @@ def _check_generation_args(args, kwargs: dict) -> None:
                          "presence/frequency penalties and min_new_tokens are not supported in the multi-turn tool "
                          "loop yet (it calls generate once per turn, and each call would count its own turn's tokens "
                          "only). Set them to 0.")
+    own = {**penalties, **({"repetition_penalty": args.repetition_penalty} if args.repetition_penalty != 1.0 else {})}
+    if own and kwargs.get("rollout_func") is not None:
+        raise InputError(f"{', '.join(f'{k}={v}' for k, v in own.items())} with a rollout_func: grpotrl applies these "
+                         "as logits processors inside transformers' generate, which a rollout_func replaces, so they "
+                         "would be silently dropped. Apply them in your rollout_func's own sampler (response tokens "
+                         "only, INVARIANT I6) and leave these settings at their defaults.")
     if args.loss_type not in LOSS_TYPES:  # TRL would fail at the first loss, after generation
         raise InputError(f"loss_type={args.loss_type!r} is not one of TRL 1.16's loss types: "
                          f"{', '.join(LOSS_TYPES)}.")

@@ -414,13 +414,15 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 for p, t in zip(prompts, tools)]
 
     def _log_completion_shape(self, completion_ids: list, call: dict | None = None) -> torch.Tensor:
-        """Logs the shares of 1-token and capped completions (``health.length_shares``) and the
+        """Logs the shares of 1-token and capped completions (``health.length_shares``) and, where grpotrl's
+        processor blocks the stop ids (``_injects_processors``; vLLM's ``min_tokens`` counts nothing), the
         min-new-tokens trigger rate, over every process's completions; returns this process's completion
         lengths [B]."""
         lengths = torch.tensor([len(c) for c in completion_ids], device=self.accelerator.device)  # [B]
         local = torch.cat([lengths, lengths.new_tensor([min_new_tokens_fired(call)])])  # [B + 1]
+        counted = self.args.min_new_tokens if self._injects_processors() else 0
         self._record_metrics(health.completion_shape(self.accelerator.gather(local).view(-1, local.numel()),
-                                             self.args.max_completion_length, self.args.min_new_tokens))
+                                             self.args.max_completion_length, counted))
         return lengths
 
     # ------------------------------------------------------------------ scoring, health, dynamic sampling

@@ -508,6 +508,20 @@ def test_recipe_and_config_values_that_passed_before_pass(tmp_path):
     assert args.reward_weights == (1, 2.0) and args.logging_steps == 2
 
 
+def test_config_written_with_an_equals_sign_reads_the_recipe(tmp_path, smollm2_path, no_model_load, capsys):
+    """argparse takes `--key=value` for every key, but TrlParser looks for `--config` alone: `grpotrl grpo
+    --config=recipe.yaml` was refused as an unknown argument 'config'. The recipe's dataset error shows it is read."""
+    path = recipe(tmp_path, smollm2_path, dataset_name="gad_toy", eval_strategy="steps", max_steps=3)
+    for argv in (["grpo", "--config", path], ["grpo", f"--config={path}"], ["grpo", "--max_steps=4", f"--config={path}"]):
+        line = cli_error(capsys, argv)
+        assert "Dataset 'gad_toy' has splits ['train'], not 'test'" in line, line
+    spaced = cli.parse_args("grpo", ["--config", path, "--learning_rate", "2e-5"])[1]
+    joined = cli.parse_args("grpo", [f"--config={path}", "--learning_rate=2e-5"])[1]
+    assert (joined.max_steps, joined.learning_rate, joined.output_dir) == (spaced.max_steps, 2e-5, spaced.output_dir)
+    line = cli_error(capsys, ["grpo", f"--config={path}", "--config", path])
+    assert "--config is given more than once: pass one recipe" in line, line
+
+
 def test_command_line_value_of_the_wrong_type_is_one_error_line(tmp_path, capsys):
     line = cli_error(capsys, ["grpo", "--output_dir", str(tmp_path), "--learning_rate", "fast"])
     assert "Argument --learning_rate/--learning-rate: invalid float value: 'fast'" in line

@@ -58,7 +58,8 @@ def test_choice_tables_are_the_values_trls_code_branches_on(config, table, modul
     """Every field TRL's trainer or config branches on by string is in the table, with exactly those strings
     (the config's for the deprecated values it converts: SFT's 'chunked_nll', 'bfd-requeue')."""
     branched = branched_on(config, *modules)
-    assert set(branched) == set(table) - {"cache_implementation"}  # transformers' field, checked below
+    # cache_implementation: transformers' field; vllm_model_impl: handed to vLLM (both checked below)
+    assert set(branched) == set(table) - {"cache_implementation", "vllm_model_impl"}
     for name, values in branched.items():
         assert {v for v in table[name] if isinstance(v, str)} == values, name
     declared = {f.name: set(f.metadata["choices"]) for f in trl_fields(config) if "choices" in f.metadata}
@@ -78,12 +79,32 @@ def test_grpo_choice_tables_take_what_trl_converts_and_transformers_validates():
         transformers.GenerationConfig(cache_implementation="statik").validate(strict=True)
 
 
+def test_vllm_model_impl_takes_what_trls_vllm_wrapper_documents(tmp_path):
+    """TRL hands vllm_model_impl to vLLM's LLM(model_impl=...) unread, so a misspelling failed only once vLLM
+    started, after the model had loaded. The table is the list TRL's vLLM wrapper documents (GRPOConfig's help
+    names two of them)."""
+    import re
+
+    import trl.generation.vllm_generation
+
+    doc = inspect.getdoc(trl.generation.vllm_generation.VLLMGeneration)
+    section = re.search(r"^( *)model_impl \(`str`.*?\n(.*?)(?=^\1\w+ \(`)", doc, re.S | re.M).group(2)
+    assert checks.GRPO_CHOICES["vllm_model_impl"] == tuple(re.findall(r'^\s*- "(\w+)"', section, re.M))
+    help_names = set(re.findall(r"`(\w+)`", trl.GRPOConfig.__dataclass_fields__["vllm_model_impl"].metadata["help"]))
+    assert help_names == {"vllm", "transformers"} and help_names <= set(checks.GRPO_CHOICES["vllm_model_impl"])
+    for value in checks.GRPO_CHOICES["vllm_model_impl"]:
+        assert grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, vllm_model_impl=value).vllm_model_impl \
+            == value
+
+
 @pytest.mark.parametrize("config, field, value, hint", [
     (grpotrl.GRPOConfig, "importance_sampling_level", "seq", "sequence"),
     (grpotrl.GRPOConfig, "scale_rewards", "grp", "group"),
     (grpotrl.GRPOConfig, "multi_objective_aggregation", "normalise_then_sum", "normalize_then_sum"),
     (grpotrl.GRPOConfig, "vllm_importance_sampling_mode", "token_trunc", "token_truncate"),
     (grpotrl.GRPOConfig, "vllm_mode", "colocated", "colocate"),
+    (grpotrl.GRPOConfig, "vllm_model_impl", "vlm", "vllm"),
+    (grpotrl.GRPOConfig, "vllm_model_impl", "Transformers", "transformers"),
     (grpotrl.GRPOConfig, "loss_type", "dr-grpo", "dr_grpo"),
     (grpotrl.GRPOConfig, "cache_implementation", "statik", "static"),
     (grpotrl.GADConfig, "importance_sampling_level", "Sequence", "sequence"),

@@ -242,6 +242,59 @@ def test_I6_generation_kwargs_min_new_tokens_becomes_the_field_or_is_refused(tmp
         make(generation_kwargs={"min_new_tokens": -1})
 
 
+@pytest.mark.parametrize("key", ["min_new_tokens", "min_tokens"])
+@pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
+def test_I6_generation_kwargs_min_length_reaches_vllm_as_min_tokens(tmp_path, config, key):
+    """TRL hands generation_kwargs to vLLM's SamplingParams as they are, and SamplingParams has no min_new_tokens
+    (vLLM's name is min_tokens): generation_kwargs={'min_new_tokens': 3} under use_vllm was a TypeError at the first
+    rollout, after the model had loaded. transformers' GenerationConfig ignores min_tokens without a word. Either
+    name becomes the field and leaves generation_kwargs; the trainer hands the field to vLLM as min_tokens
+    (vllm_penalties) and to grpotrl's processor on the transformers path."""
+    from grpotrl.configs import complete_grpo_config
+    from grpotrl.generation.processors import vllm_penalties
+
+    def make(**kw):
+        return complete_grpo_config(config(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw))
+
+    given = {key: 3, "top_k": 5}
+    args = make(use_vllm=True, generation_kwargs=given)
+    assert args.min_new_tokens == 3 and args.generation_kwargs == {"top_k": 5}
+    assert given == {key: 3, "top_k": 5}  # the caller's dict is left as it was
+    # what TRL's vLLM path updates SamplingParams' keyword arguments with (GRPOTrainer.__init__ adds vllm_penalties)
+    assert {**args.generation_kwargs, **vllm_penalties(args)} == {"top_k": 5, "min_tokens": 3}
+    assert make(generation_kwargs={key: 2}).min_new_tokens == 2  # the transformers path: grpotrl's processor
+    assert make(generation_kwargs={"min_new_tokens": 2, "min_tokens": 2}).generation_kwargs == {}
+    with pytest.raises(grpotrl.InputError, match=r"^generation_kwargs\['min_new_tokens'\]=2 and generation_kwargs"
+                                                 r"\['min_tokens'\]=4 disagree \(transformers' and vLLM's names"):
+        make(generation_kwargs={"min_new_tokens": 2, "min_tokens": 4})
+    with pytest.raises(grpotrl.InputError, match=rf"generation_kwargs\['{key}'\]=-1: it must be an integer"):
+        make(generation_kwargs={key: -1})
+    if config is grpotrl.GRPOConfig:
+        with pytest.raises(grpotrl.InputError, match=rf"min_new_tokens=2 and generation_kwargs\['{key}'\]=3 disagree"):
+            make(min_new_tokens=2, generation_kwargs={key: 3})
+
+
+@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                                     {"repetition_penalty": 1.2}, {"min_new_tokens": 2},
+                                     {"hf_importance_sampling_correction": True}])
+def test_I5_beam_sampling_is_refused_where_the_sampler_logprobs_are_recorded(tmp_path, setting):
+    """Beam sampling reorders generate's rows at every step and draws each token from all beams' accumulated
+    scores: the recorder of the sampler's logprobs, which these settings put into every generate call, failed
+    after the first rollout (or gave a row another row's numbers, tests/generation/test_processors.py). Without
+    them beam sampling is taken, as TRL takes it (test_sampling_settings_that_sample_pass)."""
+    from grpotrl.configs import complete_grpo_config
+
+    beams = {"do_sample": True, "num_beams": 2}
+    with pytest.raises(grpotrl.InputError, match=rf"^generation_kwargs\['num_beams'\]=2 with {next(iter(setting))}=.*"
+                                                 r"no row has a sampler logprob of its own\. Drop num_beams"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs=beams, **setting)
+    if set(setting) <= set(trl.GRPOConfig.__dataclass_fields__):  # TRL's repetition_penalty
+        with pytest.raises(grpotrl.InputError, match=r"generation_kwargs\['num_beams'\]=2 with"):
+            complete_grpo_config(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                                generation_kwargs=beams, **setting))
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs={**beams, "num_beams": 1}, **setting)
+
+
 @pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
 def test_I5_generation_kwargs_temperature_becomes_the_field_or_is_refused(tmp_path, config):
     """generation_kwargs' temperature is the temperature the logprobs are computed at (I5): taken as the

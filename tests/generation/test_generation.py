@@ -164,3 +164,15 @@ def test_the_cpu_rollout_draws_torchs_tokens_in_grpotrls_faster_draw(tiny_llama,
     plain = _train(tiny_llama, grpo_args(max_steps=2))
     assert entered == [False, False]  # the block is not entered where the device is off the list
     assert all(torch.equal(a["completion_ids"], b["completion_ids"]) for a, b in zip(fast.seen, plain.seen))
+
+
+@pytest.mark.parametrize("setting", [dict(min_new_tokens=3), dict(presence_penalty=0.5), dict(repetition_penalty=1.2)])
+def test_I6_processor_settings_beside_a_rollout_func_are_refused_before_the_model_loads(tiny_llama, grpo_args,
+                                                                                       setting):
+    """A rollout_func samples its own way, without grpotrl's processors: the setting would be dropped."""
+    def rollout(prompts, trainer):
+        raise AssertionError("refused before any rollout")
+
+    with pytest.raises(InputError, match=f"{next(iter(setting))}=.* with a rollout_func"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                            args=grpo_args(generation_kwargs=None, **setting), rollout_func=rollout)

@@ -314,6 +314,26 @@ def test_I5_recorder_equals_output_scores_path(tiny_llama, smollm2_tokenizer, na
     assert got[mask].isfinite().all()
 
 
+@pytest.mark.parametrize("returned", [1, 3])
+def test_I5_recorder_refuses_beam_sampling_whose_rows_it_cannot_attribute(tiny_llama, smollm2_tokenizer, returned):
+    """Beam sampling runs num_beams rows per prompt, reorders them at every step and returns the best: the recorder
+    kept one number per running row and step, so with one sequence returned per prompt (GRPO's) reading it was a
+    RuntimeError (9 recorded rows for 3), and with num_beams returned the rows matched in number only: every row's
+    recorded logprobs were another row's (0.3 nats off the policy's own on this model). Plain sampling keeps
+    its rows (test_I5_recorder_equals_output_scores_path)."""
+    model = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    batch = _left_padded(smollm2_tokenizer, 3)
+    rec = SampledLogprobRecorder()
+    torch.manual_seed(0)
+    with torch.no_grad(), inject_recorders_after_warpers(model):
+        seq = model.generate(**batch, do_sample=True, num_beams=3, num_return_sequences=returned, max_new_tokens=5,
+                             min_new_tokens=5, pad_token_id=PAD, logits_processor=LogitsProcessorList([rec]))
+    assert seq.size(0) == 3 * returned
+    with pytest.raises(ValueError, match=rf"recorded 9 rows, but generate returned {3 * returned} completions that "
+                                         r"are not those rows.*beam search \(num_beams > 1"):
+        rec.logprobs(seq)
+
+
 def test_I5_recorder_under_peft_records_on_the_base_model(tiny_llama, smollm2_tokenizer):
     """PeftModel.generate runs the base model's generate: inject_recorders_after_warpers shadows the base model."""
     from peft import LoraConfig, get_peft_model
