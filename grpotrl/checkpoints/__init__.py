@@ -2,10 +2,12 @@
 ``checkpoint-N`` dir complete, may this run write into ``output_dir``, and which checkpoint it resumes.
 
 * ``checkpoint_problems``: what keeps a ``checkpoint-N`` dir from being resumed exactly (a SIGKILL
-  during the save: trainer state, weights, optimizer, scheduler, RNG and the files the trainer
-  adds, each present and not truncated; headers and zip directories only, no weights read).
+  during the save: trainer state, weights, optimizer, scheduler, RNG -- every saving process's, where the
+  checkpoint records how many saved it -- and the files the trainer adds, each present and not truncated;
+  headers and zip directories only, no weights read).
 * ``check_resume_checkpoint`` / ``find_last_checkpoint`` / ``resume_checkpoint``:
-  ``resume_from_checkpoint`` (a path, or true for the newest ``checkpoint-N``) checked to hold
+  ``resume_from_checkpoint`` (a path, or true for the newest ``checkpoint-N`` of the run that last
+  started in ``output_dir``: ``earlier_run_checkpoints``, ``run_lock.GrpotrlRun``) checked to hold
   everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
   when the step falls inside one of TRL's generation batches (no exact resume then).
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
@@ -35,7 +37,7 @@ from ..chat import templates
 from ..configs.launch import sharded_launch
 from ..errors import DiskFullError, HealthStop, InputError, InvariantError
 from ..models.sources import WEIGHT_FILES, file_listing, safetensors_problem, weights_problem
-from .run_lock import LOCK_FILE
+from .run_lock import LOCK_FILE, RUN_FILE, checkpoint_record, read_run_file
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +98,28 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
         if not fsdp_optimizer:
             problems += [p for name in ("optimizer.pt", "scheduler.pt") if (p := _file_problem(directory, name))]
     rng = sorted(n for n in os.listdir(directory) if re.fullmatch(r"rng_state(_\d+)?\.pth", n))
-    if not rng:
-        problems.append("no rng_state.pth")
+    problems += _missing_rng_states(directory, rng)
     problems += [p for name in rng if (p := _file_problem(directory, name))]
     problems += [p for name in required if (p := _file_problem(directory, name))]
     if {"no trainer_state.json", "no optimizer.pt"} & set(problems) == {"no optimizer.pt"} and not rng:
         # trainer_state.json is written last: a kill cannot leave it without the optimizer
         problems.append(WEIGHTS_ONLY)
     return problems
+
+
+def _missing_rng_states(directory: str, rng: list[str]) -> list[str]:
+    """The RNG files ``directory`` lacks (``rng`` are those it has): each rank's ``rng_state_<rank>.pth``
+    where grpotrl recorded that several processes saved it (``run_lock.checkpoint_record``), else
+    ``rng_state.pth``. Without a record (plain TRL, or ``save_on_each_node``: each node holds its own ranks'
+    files) any one RNG file will do."""
+    record = checkpoint_record(directory) or {}
+    processes = record.get("processes")
+    if not isinstance(processes, int) or record.get("save_on_each_node"):
+        return [] if rng else ["no rng_state.pth"]
+    if processes <= 1:
+        return [] if "rng_state.pth" in rng else ["no rng_state.pth"]
+    return [f"no {name} ({processes} processes saved this checkpoint, each its own rng_state_<rank>.pth)"
+            for name in (f"rng_state_{rank}.pth" for rank in range(processes)) if name not in rng]
 
 
 WEIGHTS_ONLY = ("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: it cannot "
@@ -116,11 +132,49 @@ def _checkpoints(directory: str) -> list[str]:
         return []
     names = [n for n in os.listdir(directory) if re.fullmatch(r"checkpoint-\d+", n)
              and os.path.isdir(os.path.join(directory, n))]
-    return sorted(names, key=lambda n: int(n.split("-")[1]))
+    return sorted(names, key=_step)
+
+
+def _step(name: str) -> int:
+    """The step of a ``checkpoint-N`` name."""
+    return int(name.split("-")[1])
+
+
+def _last_written(path: str) -> float:
+    """When ``path`` (a directory) or a file directly in it was last written."""
+    return max([os.path.getmtime(path)] + [os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)])
+
+
+def earlier_run_checkpoints(directory: str) -> list[str]:
+    """The ``checkpoint-N`` names in ``directory`` that an earlier run left there, by step: the run that last
+    started training in ``directory`` (its ``run_lock.RUN_FILE``) did not save them and does not continue them.
+    A checkpoint grpotrl saved says which run it belongs to (``run_lock.checkpoint_record``); one without that
+    record (plain TRL, or a save cut short before ``trainer_state.json``) is an earlier run's when it was last
+    written before that run first wrote there. Empty without a ``RUN_FILE`` (no grpotrl run trained there)."""
+    current = read_run_file(directory)
+    if current is None:
+        return []
+    earlier = []
+    for name in _checkpoints(directory):
+        path = os.path.join(directory, name)
+        record = checkpoint_record(path)
+        if record is not None:
+            if record["run"] != current["run"]:
+                earlier.append(name)
+        elif _last_written(path) < current["since"]:
+            earlier.append(name)
+    return earlier
 
 
 def _complete_checkpoints(directory: str, required: tuple[str, ...] = ()) -> list[str]:
-    return [n for n in _checkpoints(directory) if not checkpoint_problems(os.path.join(directory, n), required)]
+    """The complete ``checkpoint-N`` names in ``directory`` that belong to its current run (the ones to name as
+    a resume's alternative; never an earlier run's, ``earlier_run_checkpoints``)."""
+    try:
+        earlier = set(earlier_run_checkpoints(directory)) if os.path.isdir(directory) else set()
+    except InputError:  # its run file is unreadable: name them all (a resume by path is checked on its own)
+        earlier = set()
+    return [n for n in _checkpoints(directory)
+            if n not in earlier and not checkpoint_problems(os.path.join(directory, n), required)]
 
 
 def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
@@ -158,9 +212,12 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
 
 
 def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str:
-    """The newest ``checkpoint-N`` in ``output_dir`` (for ``resume_from_checkpoint: true``), checked
-    by ``check_resume_checkpoint``: when the newest is incomplete that is an error naming it and the
-    newest complete one, never a silent step back to an older checkpoint."""
+    """The newest ``checkpoint-N`` of the run that last started in ``output_dir`` (for
+    ``resume_from_checkpoint: true``), checked by ``check_resume_checkpoint``: when the newest is incomplete
+    that is an error naming it and the newest complete one, never a silent step back to an older checkpoint.
+    An earlier run's checkpoints (``earlier_run_checkpoints``: a run started afresh since, with
+    ``overwrite_output_dir`` or into a dir holding checkpoints only) are never taken: when they are all there
+    is, an ``InputError`` names them and how to resume one (by its path). Nothing is deleted."""
     names = _checkpoints(output_dir)
     if not names:
         raise InputError(
@@ -168,7 +225,24 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
             f"(found: {file_listing(output_dir) if os.path.isdir(output_dir) else 'no such directory'}). Set "
             "resume_from_checkpoint to a checkpoint path, or drop it to start fresh."
         )
-    last = os.path.join(output_dir, names[-1])
+    earlier = earlier_run_checkpoints(output_dir)
+    current = [n for n in names if n not in earlier]
+    if not current:
+        raise InputError(
+            f"resume_from_checkpoint is true but every checkpoint in output_dir {output_dir!r} ({earlier}) belongs "
+            "to an earlier run than the one that last trained there (started "
+            f"{read_run_file(output_dir).get('started', 'at an unrecorded time')}, with overwrite_output_dir or "
+            "without resuming), which saved no checkpoint before it ended; resuming true would continue that last "
+            "run. Nothing was deleted. To continue the earlier run, name its checkpoint: --resume_from_checkpoint "
+            f"{os.path.join(output_dir, earlier[-1])} (resume_from_checkpoint=... in Python); to start afresh, "
+            "drop resume_from_checkpoint."
+        )
+    left_out = [n for n in earlier if _step(n) > _step(current[-1])]
+    if left_out:
+        logger.warning("resume_from_checkpoint is true: resuming %s, the newest checkpoint of the run that last "
+                       "trained in %s; %s belong to an earlier run it replaced, and are left as they are.",
+                       current[-1], output_dir, left_out)
+    last = os.path.join(output_dir, current[-1])
     check_resume_checkpoint(last, required)
     return last
 
@@ -201,13 +275,14 @@ def check_output_dir(path: str, resume=False, overwrite: bool = False) -> None:
     README.md, config.json, ... by name). Resuming that run or ``overwrite`` is the user saying so:
     ``resume`` is the run's ``resume_from_checkpoint`` (True, "true", or a path), and only a checkpoint
     inside ``path`` counts (``resumes_inside``). A file where a directory should be is always an error.
-    Reads names only; the run lock (``run_lock.LOCK_FILE``, live or left by a killed run) does not count."""
+    Reads names only; the run lock (``run_lock.LOCK_FILE``, live or left by a killed run) and the run file
+    (``run_lock.RUN_FILE``) do not count."""
     directory = os.path.expanduser(path)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise InputError(f"output_dir {path!r} is a file, not a directory. Point output_dir at a new directory.")
     if resumes_inside(resume, path) or overwrite or not os.path.isdir(directory):
         return
-    names = set(os.listdir(directory)) - {LOCK_FILE}
+    names = set(os.listdir(directory)) - {LOCK_FILE, RUN_FILE}
     if not names:
         return
     checkpoints = _checkpoints(directory)

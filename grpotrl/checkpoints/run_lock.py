@@ -17,6 +17,18 @@ first (pid, host, start time, command), which the lock file holds.
 * Where the file system has no ``flock`` (Lustre mounted without ``-o flock``, some FUSE mounts),
   the run goes on unlocked with a warning. NFS has it (the kernel maps it to NFS byte-range locks),
   unless mounted ``nolock``, where the lock is seen by processes on the same host only.
+
+Which run the ``checkpoint-N`` dirs of an ``output_dir`` belong to (``GrpotrlRun``, added by ``add_run_record``):
+a run that starts afresh into a used ``output_dir`` (``overwrite_output_dir``, or the Python API into a dir
+holding checkpoints only) leaves the earlier run's checkpoints where they are, and ``resume_from_checkpoint:
+true`` must not take one of them for its own.
+
+* Each run has an id. When it starts training (``on_train_begin``) it writes ``output_dir/_grpotrl_run.json``
+  (``RUN_FILE``: the id and the time the run first wrote there; ``_*``, which push_to_hub leaves out). A run
+  resumed from a checkpoint continues that checkpoint's run and keeps its id; any other run gets a new one.
+* Every checkpoint it saves carries the id in ``trainer_state.json`` (``stateful_callbacks``, what the
+  Trainer writes last), with the number of processes that saved it (each saves its ``rng_state_<rank>.pth``).
+* ``checkpoint_record`` reads that record back; ``read_run_file`` the run file (``checkpoints`` decides).
 """
 
 from __future__ import annotations
@@ -29,6 +41,10 @@ import os
 import socket
 import sys
 import time
+import uuid
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..errors import InputError
 from ..models.sources import LOCK_FILE
@@ -151,3 +167,109 @@ def _refusal(path: str, lock_file: str) -> str:
     return (f"output_dir {path!r} is in use by another run: {who}. Two runs into one output_dir would overwrite "
             f"each other's checkpoints and final model. Wait for that run to end (or stop it), or choose another "
             f"output_dir. The lock ({lock_file}) is released when that process exits.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which run a checkpoint belongs to
+# ---------------------------------------------------------------------------------------------
+
+RUN_FILE = "_grpotrl_run.json"
+
+
+class GrpotrlRun(TrainerCallback, ExportableState):
+    """The run's id and the number of processes that save its checkpoints, in every checkpoint's
+    ``trainer_state.json`` (``stateful_callbacks["GrpotrlRun"]``, an ``ExportableState``: the Trainer writes
+    ``state()`` at each save), and the id in ``output_dir/RUN_FILE``. The constructor's arguments are the
+    state's attributes, so that ``restore_callback_states_from_checkpoint`` can rebuild it."""
+
+    def __init__(self, run: str | None = None, processes: int | None = None, save_on_each_node: bool = False):
+        self.run, self.processes, self.save_on_each_node = run, processes, save_on_each_node
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"run": self.run, "processes": self.processes,
+                                           "save_on_each_node": self.save_on_each_node}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Take the id of the checkpoint this ``train()`` resumed (its state is loaded by now: ``global_step``
+        > 0), else a new one, the same on every process; record it in the state the Trainer saves (also when
+        the resumed checkpoint had no record: the Trainer's save looks the entry up), and in ``RUN_FILE``."""
+        saved = _attributes(state.stateful_callbacks.get(type(self).__name__)) if state.global_step > 0 else None
+        run = saved["run"] if saved else None
+        if run is None:
+            run = uuid.uuid4().hex[:12]
+            if args.world_size > 1:  # every process must record the main process's id
+                from accelerate.utils import broadcast_object_list
+
+                box = [run]
+                broadcast_object_list(box, from_process=0)
+                run = box[0]
+        self.run, self.processes, self.save_on_each_node = run, args.world_size, bool(args.save_on_each_node)
+        state.stateful_callbacks[type(self).__name__] = self.state()
+        if args.should_save:
+            _write_run_file(args.output_dir, run)
+
+
+def add_run_record(trainer) -> None:
+    """Add ``GrpotrlRun`` to ``trainer`` unless it has one."""
+    if not any(isinstance(cb, GrpotrlRun) for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(GrpotrlRun())
+
+
+def _attributes(entry) -> dict | None:
+    """A ``GrpotrlRun`` state's attributes (the first, were there several), or None when it is not one."""
+    entry = entry[0] if isinstance(entry, list) and entry else entry
+    attributes = entry.get("attributes") if isinstance(entry, dict) else None
+    if not isinstance(attributes, dict) or not isinstance(attributes.get("run"), str):
+        return None
+    return attributes
+
+
+def checkpoint_record(checkpoint: str) -> dict | None:
+    """What the run that saved ``checkpoint`` recorded in its ``trainer_state.json``: ``run`` (its id),
+    ``processes`` (how many saved it), ``save_on_each_node``; None when there is no record (plain TRL or
+    transformers, or no readable ``trainer_state.json``: a save cut short)."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    callbacks = state.get("stateful_callbacks") if isinstance(state, dict) else None
+    return _attributes(callbacks.get(GrpotrlRun.__name__)) if isinstance(callbacks, dict) else None
+
+
+def read_run_file(output_dir: str) -> dict | None:
+    """``output_dir/RUN_FILE``: ``{"run": id, "since": the time (s since the epoch) that run first wrote
+    there}``, or None when no grpotrl run has trained there. ``InputError`` when it cannot be read."""
+    path = os.path.join(os.path.expanduser(output_dir), RUN_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as err:
+        run = err
+    if not (isinstance(run, dict) and isinstance(run.get("run"), str) and isinstance(run.get("since"), (int, float))):
+        raise InputError(
+            f"{path} does not say which run the checkpoints in output_dir {output_dir!r} belong to (it holds "
+            f"{run!r}, not {{'run': ..., 'since': ...}}), so resume_from_checkpoint: true cannot tell the current "
+            "run's from an earlier one's. Name the checkpoint to resume (--resume_from_checkpoint "
+            "PATH/checkpoint-N), or delete that file to resume the highest checkpoint-N there."
+        )
+    return run
+
+
+def _write_run_file(output_dir: str, run: str) -> None:
+    """Write ``RUN_FILE`` naming ``run``: its ``since`` kept when the file names that run already (a resume),
+    else now. Written whole or not at all (a temporary file, then renamed)."""
+    directory = os.path.realpath(os.path.expanduser(output_dir))
+    try:
+        since = read_run_file(directory)
+    except InputError:  # unreadable: this run's record replaces it
+        since = None
+    since = since["since"] if since and since["run"] == run else time.time()
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f"{RUN_FILE}.{os.getpid()}")
+    with open(temporary, "w") as f:
+        json.dump({"run": run, "since": since, "started": time.strftime("%Y-%m-%d %H:%M:%S %z",
+                                                                        time.localtime(since))}, f)
+    os.replace(temporary, os.path.join(directory, RUN_FILE))

@@ -19,7 +19,8 @@ signal. Its action (``rule_action``: ``health_rule_actions`` over ``health_actio
 rule's default): ``'warn'`` logs a warning (again after every further ``patience`` steps while
 the condition holds); ``'stop'`` asks the Trainer to save a checkpoint of that step through its own
 ``_save_checkpoint`` and to stop, and once that checkpoint is on disk (``on_save``) raises
-``grpotrl.HealthStop`` naming the rule, the values, the step and the checkpoint. Whatever the save and
+``grpotrl.HealthStop`` naming the rule, the values, the step and the checkpoint (rules that stop on the same
+step share that checkpoint and one ``HealthStop``, which names each of them with its reason). Whatever the save and
 evaluation strategies, the stop yields its checkpoint: where the Trainer skips the step's save
 (``save_strategy='best'`` saves only a new best when the step evaluates), the rule saves at the epoch's
 end, which the Trainer reaches right after the stop, before anything else is trained or logged. That save
@@ -134,13 +135,21 @@ class HealthRule(TrainerCallback):
             self.trainer.callback_handler.on_save(args, state, control)
 
     def on_save(self, args, state, control, **kwargs):
-        if self._stop is not None:
-            step, message = self._stop
-            self._stop = None
-            checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            resumable = not args.save_only_model or "save_only_model" in stop_save_settings(self.trainer, True)
-            raise HealthStop(self.name, step, message, checkpoint if os.path.isdir(checkpoint) else None,
-                             resumable)
+        """Once the stop's checkpoint is saved, raise one ``HealthStop`` for every rule that stopped the run on
+        this step (the first of them to see the save raises; the others would never be called), each rule's
+        reason in it."""
+        if self._stop is None:
+            return
+        rules = [cb for cb in self.trainer.callback_handler.callbacks if isinstance(cb, HealthRule) and cb.stopping]
+        stops = [(rule.name, *rule._stop) for rule in rules]
+        for rule in rules:
+            rule._stop = None
+        step = stops[0][1]
+        message = stops[0][2] if len(stops) == 1 else "\n".join(f"{name}: {text}" for name, _, text in stops)
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        resumable = not args.save_only_model or "save_only_model" in stop_save_settings(self.trainer, True)
+        raise HealthStop(", ".join(name for name, _, _ in stops), step, message,
+                         checkpoint if os.path.isdir(checkpoint) else None, resumable)
 
 
 def stop_save_settings(trainer, stopping: bool | None = None) -> dict:

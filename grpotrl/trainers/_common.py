@@ -30,7 +30,7 @@ from ..checkpoints import (check_finished_run, check_resume_architecture, disk_f
 from ..errors import InputError
 from ..health.callbacks import stop_save_settings
 from ..preflight import check_resume
-from ..checkpoints.run_lock import lock_output_dir, release_output_dir
+from ..checkpoints.run_lock import add_run_record, lock_output_dir, release_output_dir
 from . import _intercept
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,9 @@ class CheckedResume:
         again; any other value, and any later ``train()`` (a run since may have written newer checkpoints), is
         resolved and checked here. When TRL's ``train`` raises (a ``HealthStop``, a full disk, Ctrl-C), the
         lock is released: the run is over, and its resume may come from another process. In a distributed
-        process it first registers ``settle_collectives_at_exit``."""
+        process it first registers ``settle_collectives_at_exit``. Before TRL's ``train`` it adds the
+        ``checkpoints.run_lock.GrpotrlRun`` callback (once): every checkpoint records its run's id and how many
+        processes saved it, so that ``resume_from_checkpoint: true`` never takes an overwritten run's checkpoint."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             settle_collectives_at_exit()
         # before anything is written; a no-op when this process holds it already (the CLI took it)
@@ -128,6 +130,7 @@ class CheckedResume:
             if took:  # refused before anything was written: output_dir is left as it was found
                 release_output_dir(self.args.output_dir)
             raise
+        add_run_record(self)  # which run each checkpoint belongs to, and how many processes saved it
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:

@@ -1,0 +1,196 @@
+"""Which run a ``checkpoint-N`` belongs to, and how many processes saved it (``grpotrl/checkpoints``).
+
+* A run started afresh into a used ``output_dir`` (``overwrite_output_dir``, or the Python API into a dir
+  that holds checkpoints only) leaves the earlier run's ``checkpoint-N`` dirs where they are, and
+  ``resume_from_checkpoint=True`` never resumes one of them: it takes the newest checkpoint of the current
+  run (a resume continues the run it resumes), or, when only an earlier run's checkpoints are there, stops
+  with an error naming them. The earlier run may be plain TRL's, which records no run.
+* A checkpoint saved by several processes is complete only with every rank's ``rng_state_<rank>.pth``;
+  one written by a single process, or by plain TRL (no grpotrl record), is checked as before.
+
+Tiny random model, 4-token completions, no guards: each run takes a second or two; the two-process
+launch takes ~30 s on 2 cores and is marked slow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trl
+from conftest import arithmetic_prompts, free_port, length_reward
+from test_resume_paths import CtrlC, small, trainer_for
+
+from grpotrl import checkpoints
+from grpotrl.checkpoints import checkpoint_problems, find_last_checkpoint, resume_checkpoint, resume_files
+from grpotrl.errors import InputError
+
+EVERY_STEP = dict(save_strategy="steps", save_steps=1)
+
+
+def interrupted(model, args, step: int, resume=None):
+    """A grpotrl run into ``args.output_dir`` stopped (Ctrl-C) at the end of ``step``, before that step's
+    checkpoint; returns the checkpoint names it loaded from."""
+    trainer = trainer_for(model, args, callbacks=[CtrlC(step)])
+    loaded = []
+    original = trainer._load_from_checkpoint
+    trainer._load_from_checkpoint = lambda checkpoint, model=None: (loaded.append(os.path.basename(checkpoint)),
+                                                                    original(checkpoint, model))[1]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(resume_from_checkpoint=resume)
+    return loaded
+
+
+def plain_trl_run(model, output_dir: Path, steps: int) -> None:
+    """A run of TRL's own GRPOTrainer (no grpotrl record), a checkpoint every step."""
+    args = trl.GRPOConfig(output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=4, max_steps=steps, report_to="none", use_cpu=True, **EVERY_STEP)
+    trl.GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=arithmetic_prompts(), args=args).train()
+
+
+def test_resume_true_never_picks_a_checkpoint_of_an_overwritten_run(tiny_llama, grpo_args, tmp_path):
+    """Run A saves checkpoint-1..3; run B, overwriting it, saves checkpoint-1 and is stopped at step 2.
+    ``resume_from_checkpoint=True`` used to pick A's checkpoint-3 (the highest step in output_dir)."""
+    out = tmp_path / "out"
+    required = resume_files(small(grpo_args, out), "grpo")
+    run_a = trainer_for(tiny_llama, small(grpo_args, out, max_steps=3, **EVERY_STEP))
+    run_a.train()
+    run_a.end()
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-3")
+
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=3, overwrite_output_dir=True, **EVERY_STEP), step=2)
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # none deleted
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-1")  # B's, not A's checkpoint-3
+
+    # resuming B continues B: its checkpoints, the one it resumed from and the ones it saves, are the current run's
+    args = small(grpo_args, out, max_steps=3, **EVERY_STEP)
+    assert interrupted(tiny_llama, args, step=2, resume=True) == ["checkpoint-1"]
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-1")  # stopped again before a save
+    assert interrupted(tiny_llama, args, step=3, resume=True) == ["checkpoint-1"]
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-2")  # B's continuation saved it
+
+    # run C overwrites B and is stopped before its first checkpoint: every checkpoint is an earlier run's
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=3, overwrite_output_dir=True, **EVERY_STEP), step=1)
+    for find in (lambda: find_last_checkpoint(str(out), required),
+                 lambda: resume_checkpoint(True, small(grpo_args, out), "grpo")):
+        with pytest.raises(InputError, match=r"resume_from_checkpoint is true but every checkpoint in output_dir "
+                                             r".*\(\['checkpoint-1', 'checkpoint-2', 'checkpoint-3'\]\) belongs to an "
+                                             rf"earlier run.*--resume_from_checkpoint {out / 'checkpoint-3'}"):
+            find()
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # named explicitly, an earlier run's checkpoint resumes as before
+    assert resume_checkpoint(str(out / "checkpoint-3"), small(grpo_args, out), "grpo") == str(out / "checkpoint-3")
+
+
+def test_resume_true_never_picks_a_checkpoint_of_an_overwritten_plain_trl_run(tiny_llama, grpo_args, tmp_path):
+    """A plain TRL run records no run in its checkpoints: grpotrl's run that overwrites it tells them apart by
+    when they were written (before it started)."""
+    out = tmp_path / "out"
+    required = resume_files(small(grpo_args, out), "grpo")
+    plain_trl_run(tiny_llama, out, steps=2)
+    assert find_last_checkpoint(str(out), ()) == str(out / "checkpoint-2")  # no grpotrl run recorded: as TRL
+
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=3, overwrite_output_dir=True, **EVERY_STEP), step=2)
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-1")  # not TRL's checkpoint-2
+
+
+def test_an_incomplete_checkpoint_of_an_overwritten_run_does_not_block_the_resume(tiny_llama, grpo_args, tmp_path):
+    """Run A was killed while saving checkpoint-3 (no trainer_state.json); run B, overwriting it, saved
+    checkpoint-1. A's cut-short checkpoint-3 is A's: the resume takes B's checkpoint-1."""
+    out = tmp_path / "out"
+    required = resume_files(small(grpo_args, out), "grpo")
+    run_a = trainer_for(tiny_llama, small(grpo_args, out, max_steps=3, **EVERY_STEP))
+    run_a.train()
+    run_a.end()
+    (out / "checkpoint-3" / "trainer_state.json").unlink()
+    with pytest.raises(InputError, match="checkpoint-3' is incomplete"):
+        find_last_checkpoint(str(out), required)
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=3, overwrite_output_dir=True, **EVERY_STEP), step=2)
+    assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank's RNG state
+# ---------------------------------------------------------------------------------------------
+
+def saved_by(checkpoint: Path, processes: int) -> None:
+    """Make a single process's checkpoint read as rank 0's part of a ``processes``-process save: its RNG file
+    as that rank names it and the record grpotrl's saving processes write into trainer_state.json."""
+    (checkpoint / "rng_state.pth").rename(checkpoint / "rng_state_0.pth")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    record = state.setdefault("stateful_callbacks", {}).setdefault("GrpotrlRun", {"args": {}, "attributes": {}})
+    record["attributes"]["processes"] = processes
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_a_checkpoint_needs_the_rng_state_of_every_process_that_saved_it(tiny_llama, grpo_args, tmp_path):
+    """A 2-process checkpoint without rank 1's rng_state_1.pth used to pass (any one rng_state file did);
+    a resume then restarts rank 1's sampling from a fresh RNG, silently."""
+    out = tmp_path / "out"
+    args = small(grpo_args, out, max_steps=1, **EVERY_STEP)
+    trainer = trainer_for(tiny_llama, args)
+    trainer.train()
+    trainer.end()
+    checkpoint, required = out / "checkpoint-1", resume_files(args, "grpo")
+    assert checkpoint_problems(str(checkpoint), required) == []
+    saved_by(checkpoint, 2)
+    assert checkpoint_problems(str(checkpoint), required) == [
+        "no rng_state_1.pth (2 processes saved this checkpoint, each its own rng_state_<rank>.pth)"]
+    with pytest.raises(InputError, match=r"checkpoint-1' is incomplete: no rng_state_1.pth \(2 processes"):
+        find_last_checkpoint(str(out), required)
+    (checkpoint / "rng_state_1.pth").write_bytes((checkpoint / "rng_state_0.pth").read_bytes())
+    assert checkpoint_problems(str(checkpoint), required) == []
+
+
+def test_a_plain_trl_checkpoint_is_checked_for_rng_state_as_before(tiny_llama, tmp_path):
+    """Without grpotrl's record the number of processes is unknown: any one rng_state file passes, none fails."""
+    out = tmp_path / "out"
+    plain_trl_run(tiny_llama, out, steps=1)
+    checkpoint = out / "checkpoint-1"
+    assert checkpoint_problems(str(checkpoint)) == []
+    (checkpoint / "rng_state.pth").rename(checkpoint / "rng_state_0.pth")
+    assert checkpoint_problems(str(checkpoint)) == []
+    (checkpoint / "rng_state_0.pth").unlink()
+    assert checkpoint_problems(str(checkpoint)) == ["no rng_state.pth"]
+
+
+WORKER = """
+import sys
+from datasets import Dataset
+import grpotrl
+
+model, out = sys.argv[1], sys.argv[2]
+rows = [{"prompt": [{"role": "user", "content": "What is " + "1 + " * (i % 5) + "2?"}]} for i in range(16)]
+args = grpotrl.GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                          max_steps=1, report_to="none", use_cpu=True, guard_steps=0, health_action="off",
+                          save_strategy="steps", save_steps=1, seed=0, disable_tqdm=True)
+
+def length(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+trainer = grpotrl.GRPOTrainer(model=model, args=args, reward_funcs=length, train_dataset=Dataset.from_list(rows))
+trainer.train()
+trainer.end()
+"""
+
+
+@pytest.mark.slow
+def test_a_two_process_checkpoint_without_rank_1s_rng_state_is_incomplete(tiny_llama, tmp_path):
+    """The same on a checkpoint two processes really saved (``accelerate launch``, DDP over gloo)."""
+    worker, out = tmp_path / "worker.py", tmp_path / "out"
+    worker.write_text(WORKER)
+    root = Path(__file__).resolve().parents[2]
+    launch = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+         "recipes/accelerate/ddp.yaml", "--main_process_port", str(free_port()), str(worker), tiny_llama, str(out)],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"})
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    checkpoint = out / "checkpoint-1"
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(checkpoint))
+    assert checkpoint_problems(str(checkpoint), ("grpotrl_template.json",)) == []
+    (checkpoint / "rng_state_1.pth").unlink()
+    assert checkpoint_problems(str(checkpoint), ("grpotrl_template.json",)) == [
+        "no rng_state_1.pth (2 processes saved this checkpoint, each its own rng_state_<rank>.pth)"]
