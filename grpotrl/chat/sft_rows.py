@@ -50,12 +50,14 @@ def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> lis
 
 
 def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: dict | None,
-                    training_template: str | None = None, assistant_masks: bool = False) -> dict:
+                    training_template: str | None = None, assistant_masks: bool = False,
+                    end_of_turn: int | None = None) -> dict:
     """One conversational prompt-completion row on the RL template, with what TRL renders it with:
-    the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's."""
+    the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's.
+    ``end_of_turn``: the template's end-of-turn id, where the sequence ends (computed when not given)."""
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
     kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
     return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
                                           training_template=training_template, tools=tools,
-                                          assistant_masks=assistant_masks, **kw)
+                                          assistant_masks=assistant_masks, end_of_turn=end_of_turn, **kw)

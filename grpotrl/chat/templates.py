@@ -102,20 +102,25 @@ def prompt_ids(tokenizer, messages: list[dict], chat_template: str | None = None
 
 def generation_prompt_ids(tokenizer, chat_template: str | None = None, **template_kwargs) -> list[int]:
     """The ids the template appends for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant\n``):
-    every RL prompt ends with them, so every SFT loss span must start right after them."""
+    every RL prompt ends with them, so every SFT loss span must start right after them. They follow
+    what both renderings share: a template may end a conversation without the generation prompt
+    with more than the last turn (Phi-3's eos)."""
     probe = [{"role": "user", "content": "x"}]
     with_gen = prompt_ids(tokenizer, probe, chat_template, **template_kwargs)
     without = _tok(tokenizer).apply_chat_template(
         probe, tokenize=True, return_dict=True, chat_template=chat_template, **template_kwargs
     )["input_ids"]
-    n = len(without) if list(with_gen[: len(without)]) == list(without) else 0
-    return list(with_gen[n:])
+    return list(with_gen[_common_prefix(with_gen, without):])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def tokenize_sft_example(
     tokenizer, prompt: list[dict], completion: list[dict], stop_ids: list[int], chat_template: str | None = None,
     *, training_template: str | None = None, tools: list | None = None, assistant_masks: bool = False,
-    **template_kwargs,
+    end_of_turn: int | None = None, **template_kwargs,
 ) -> dict[str, list[int]]:
     """I2 tokenization of one conversational prompt-completion row.
 
@@ -123,10 +128,14 @@ def tokenize_sft_example(
     prompt + completion rendered whole, the same ``tools`` and ``template_kwargs`` -- with two
     differences: the RL prompt ids (``chat_template``, the template RL renders prompts with) must be
     a prefix of the sequence (TRL warns and trains on the divergent rendering), and the sequence ends
-    at its last stop token (TRL also trains on what the template writes after the end-of-turn token,
-    e.g. ChatML's newline, which RL never generates). ``training_template`` renders prompt +
-    completion when it differs from ``chat_template`` (TRL's ``{% generation %}`` variant for
-    ``assistant_masks``). Returns ``input_ids`` and ``completion_mask`` (and ``assistant_masks``).
+    at the last end-of-turn token of the completion (TRL also trains on what the template writes after
+    it, e.g. ChatML's newline, or Phi-3's newline and eos at the end of a conversation, none of which
+    RL generates: it stops at the end-of-turn). ``end_of_turn`` is that token's id
+    (``end_of_turn_token_id``; computed from the template when not given); where the template writes
+    none that is in ``stop_ids``, the sequence ends at its last stop token. ``training_template``
+    renders prompt + completion when it differs from ``chat_template`` (TRL's ``{% generation %}``
+    variant for ``assistant_masks``). Returns ``input_ids`` and ``completion_mask`` (and
+    ``assistant_masks``).
     """
     tok = _tok(tokenizer)
     kw = {"tools": tools, **template_kwargs}
@@ -145,7 +154,7 @@ def tokenize_sft_example(
         if merged and not assistant_masks:  # RL's prompt ids, then the response as RL would generate it
             full = p_ids + list(tok(f_text[len(p_text):], add_special_tokens=False)["input_ids"])
         else:
-            n = next((i for i, (a, b) in enumerate(zip(p_ids, full)) if a != b), min(len(p_ids), len(full)))
+            n = _common_prefix(p_ids, full)
             raise InvariantError(
                 "I2",
                 "SFT tokenization of (prompt, response) does not start with the RL prompt ids, so SFT would "
@@ -156,9 +165,12 @@ def tokenize_sft_example(
                    "which grpotrl re-tokenizes only without assistant_only_loss." if merged else
                    "Use a chat template that renders the prompt identically with and without the assistant turn."),
             )
-    stop = set(stop_ids)
-    ends = [i + 1 for i in range(len(p_ids), len(full)) if full[i] in stop]
-    end = ends[-1] if ends else len(full)  # after the last stop token: the template's trailer is cut
+    if end_of_turn is None:
+        end_of_turn = end_of_turn_token_id(tok, training_template or chat_template)
+    ends = [i + 1 for i in range(len(p_ids), len(full)) if full[i] == end_of_turn and end_of_turn in stop_ids]
+    if not ends:  # no end-of-turn among the stop tokens, or none in this completion
+        ends = [i + 1 for i in range(len(p_ids), len(full)) if full[i] in set(stop_ids)]
+    end = ends[-1] if ends else len(full)  # after the last end-of-turn: the template's trailer is cut
     row = {"input_ids": full[:end], "completion_mask": [0] * len(p_ids) + [1] * (end - len(p_ids))}
     if assistant_masks:
         mask = list(out["assistant_masks"])

@@ -234,6 +234,8 @@ def _sft_messages_problem(value, what: str) -> str | None:
     (any role and content the template takes: tool calls with content None, multimodal parts)."""
     if not isinstance(value, list):
         return f"{what} is a {type(value).__name__}, not a list of messages"
+    if not value:  # TRL fails on it after the model loads, or (a completion) trains on nothing
+        return f"{what} is an empty list of messages"
     for j, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role", message.get("from")), str):
             return f"{what}[{j}] is {message!r}, not a dict with a 'role'"
@@ -250,8 +252,9 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
     """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly; accept what it accepts.
 
     A ``Dataset`` or ``IterableDataset`` (streams: their first row), not empty, in one of TRL's layouts:
-    ``text_field`` (language modelling), ``messages`` or ``conversations`` (conversational language
-    modelling), ``prompt`` + ``completion`` (both strings or both message lists), or ``input_ids``
+    ``text_field`` (language modelling, a string in every row), ``messages`` or ``conversations``
+    (conversational language modelling), ``prompt`` + ``completion`` (both strings or both non-empty
+    message lists; an empty completion has nothing to train on), or ``input_ids``
     (pre-tokenized). With a ``formatting_func`` or ``skip_prepare`` (``dataset_kwargs``), the columns
     are the function's or the collator's business and only emptiness is checked.
     """
@@ -285,8 +288,10 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
         values = _sft_column(dataset, first, column)
         bad = next(((i, why) for i, v in enumerate(values) if (why := _sft_messages_problem(v, column))), None)
     elif text_field in columns:
-        if not isinstance(first[text_field], str):
-            bad = (0, f"{text_field!r} is a {type(first[text_field]).__name__}, not a string")
+        values = _sft_column(dataset, first, text_field)
+        example = json.dumps({text_field: "The number after 7 is 8."})
+        bad = next(((i, f"{text_field!r} is a {type(v).__name__}, not a string") for i, v in enumerate(values)
+                    if not isinstance(v, str)), None)
     else:
         raise InputError(
             f"SFT takes a {text_field!r} column (plain text; `dataset_text_field` names another), 'messages', "
@@ -297,7 +302,7 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
     if bad is not None:
         index, why = bad
         raise InputError(
-            f"Row {index} of the {split_name!r} split (SFT): {why}. A conversational row looks like {example}. "
+            f"Row {index} of the {split_name!r} split (SFT): {why}. A valid row looks like {example}. "
             "Fix or drop that row."
         )
 

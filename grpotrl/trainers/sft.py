@@ -7,8 +7,9 @@ whose prompt is what RL will prompt with. grpotrl tokenizes those rows itself
 ``chat_template_path``, with each row's ``tools`` and ``chat_template_kwargs`` (plus grpotrl's
 ``SFTConfig.chat_template_kwargs``), with assistant masks for ``assistant_only_loss`` -- except that
 the RL prompt ids must be a prefix of the sequence (an ``InvariantError``; TRL warns and trains on
-the other rendering) and the sequence ends at its last stop token (TRL also trains on what the
-template writes after it, e.g. ChatML's newline after ``<|im_end|>``, which RL never generates).
+the other rendering) and the sequence ends at its last end-of-turn token (TRL also trains on what the
+template writes after it, e.g. ChatML's newline after ``<|im_end|>`` or Phi-3's eos after ``<|end|>\n``,
+which RL never generates).
 Everything else -- plain text, ``messages``, plain prompt-completion, pre-tokenized rows,
 ``formatting_func``, ``skip_prepare_dataset``, vision data -- reaches TRL unchanged and trains exactly
 as with ``trl.SFTTrainer``. A plain ``trl.SFTConfig`` (or a subclass) works: grpotrl's fields then
@@ -137,9 +138,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
             self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *templates.stop_token_ids(tok)]))
             stops, training_template = self.stop_token_ids, self.chat_template
             assistant = args.assistant_only_loss
+            end_of_turn = templates.end_of_turn_token_id(tok, training_template)  # where each sequence ends
 
             def tokenize(row):
-                return tokenize_i2_row(row, tok, stops, config_kwargs, training_template, assistant)
+                return tokenize_i2_row(row, tok, stops, config_kwargs, training_template, assistant, end_of_turn)
 
             map_kwargs = ({"num_proc": args.dataset_num_proc,
                            "desc": f"Tokenizing {dataset_name} dataset on the RL chat template (I2)"}
@@ -201,7 +203,7 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
                      holes: bool = False) -> None:
     """I2 on a collated batch of rows tokenized on the RL template, claiming only what holds for them:
     the loss starts right after one of ``gen_prompts`` (the template's generation prompt, per set of
-    chat_template_kwargs; None: not checked), is one contiguous span (unless ``holes``: assistant-only
+    chat_template_kwargs; None, or a set whose template writes none: not checked), is one contiguous span (unless ``holes``: assistant-only
     loss masks the non-assistant turns of a completion) that ends at the row's last real token, and
     its last token is a stop token (when the template writes one after an assistant turn). A row cut
     by ``max_length`` is checked only on the side truncation left intact."""
@@ -214,7 +216,7 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
         real = attn[i].nonzero().flatten() if attn is not None else torch.arange(ids.size(1))
         cut = max_length is not None and real.numel() >= max_length
         start, problems = int(on[0]), []
-        if gen_prompts and not (cut and keep_end):
+        if gen_prompts and all(gen_prompts) and not (cut and keep_end):  # a template may write none (Mistral's)
             if not any(g and ids[i, max(0, start - len(g)):start].tolist() == g for g in gen_prompts):
                 before = ids[i, max(0, start - len(gen_prompts[0])):start].tolist()
                 problems.append(

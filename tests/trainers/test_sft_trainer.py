@@ -299,7 +299,7 @@ def test_I2_drift_in_the_data_stops_before_the_model_loads(tiny_llama, tmp_path,
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     tok.chat_template = "{% if messages[-1]['role'] == 'assistant' %}[train]{% endif %}" + tok.chat_template
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",  # what TRL's create_model_from_path calls
                         lambda *a, **k: pytest.fail("the model was loaded before I2 was checked"))
     with pytest.raises(InvariantError, match=r"(?s)\[I2\].*does not start with the RL prompt ids"):
         grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), processing_class=tok,
@@ -361,6 +361,60 @@ def test_I2_packed_chat_rows_train(tiny_llama, tmp_path):
     packed = trainer.train_dataset[0]
     assert NL not in [t for t in packed["labels"] if t != -100]  # the I2 rows were packed, trailer-free
     trainer.train()
+
+
+def test_I2_sequence_ends_at_the_end_of_turn_not_at_the_eos_the_template_writes_after_it(tiny_multistop, tmp_path):
+    """Phi-3's template ends a conversation with eos after the last <|end|>\\n; RL stops at <|end|>.
+    Here eos = <|endoftext|> (id 0) and the end-of-turn <|im_end|> (id 2), both stop ids: the loss
+    ends at <|im_end|>, not at the eos two tokens later."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_multistop)
+    tok.chat_template += "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}"
+    assert templates.stop_token_ids(tok) == [0, 2]
+    assert tok.decode(templates.generation_prompt_ids(tok)) == "<|im_start|>assistant\n"  # what the guard checks
+    trainer = grpotrl.SFTTrainer(model=tiny_multistop, args=_sft_args(tmp_path), processing_class=tok,
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    row = trainer.train_dataset[0]
+    assert _loss_text(tok, row) == "1<|im_end|>" and row["input_ids"][-1] == 2  # not "1<|im_end|>\n<|endoftext|>"
+    two_turns = templates.tokenize_sft_example(tok, PROMPT, ANSWER + PROMPT + ANSWER, [0, 2])
+    assert tok.decode(two_turns["input_ids"][-3:]) == "\n5<|im_end|>"  # the last end-of-turn, with none after it
+    trainer.train()
+
+
+def test_I2_guard_takes_a_template_without_a_generation_prompt(tiny_llama, tmp_path):
+    """Mistral-7B-Instruct-v0.1's template writes no generation prompt: the response follows
+    ' [/INST]' directly. The loss is right ("1<|im_end|>"), and the guard (every step) stays silent."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = (
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+        "{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+    assert templates.generation_prompt_ids(tok) == []
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), processing_class=tok,
+                                 train_dataset=Dataset.from_list(_sft_rows()))
+    assert _loss_text(tok, trainer.train_dataset[0]) == "1<|im_end|>"
+    trainer.train()
+
+
+@pytest.mark.parametrize("column, value, why", [
+    ("completion", [], "completion is an empty list of messages"),  # TRL drops the row silently
+    ("prompt", [], "prompt is an empty list of messages"),  # TRL: IndexError after the model loads
+    ("messages", [], "messages is an empty list of messages"),  # TRL: IndexError
+    ("text", None, "'text' is a NoneType, not a string"),  # TRL: AttributeError (None.endswith)
+])
+def test_bad_row_after_the_first_is_named_before_the_model_loads(column, value, why, tiny_llama, tmp_path,
+                                                                 monkeypatch):
+    import transformers
+
+    rows = {"messages": _messages_rows(), "text": _text_rows()}.get(column, _sft_rows())
+    rows[3] = {**rows[3], column: value}
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the rows were checked"))
+    with pytest.raises(grpotrl.InputError, match=rf"Row 3 of the 'train' split \(SFT\): {why}"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), train_dataset=Dataset.from_list(rows))
 
 
 # ---------------------------------------------------------------------------------------------
