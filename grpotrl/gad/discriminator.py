@@ -253,7 +253,7 @@ class Discriminator(nn.Module):
             self._packable = (full_attention and not getattr(cfg, "is_encoder_decoder", False)
                               and "position_ids" in inspect.signature(inner.base_model.forward).parameters)
         return (self._packable and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
-                and not (self.training and any(_dropout_active(m) for m in self.modules())))
+                and not (self.training and has_dropout(self)))
 
 
 def _dropout_active(module: nn.Module) -> bool:
@@ -262,6 +262,23 @@ def _dropout_active(module: nn.Module) -> bool:
         return module.p > 0
     p = getattr(module, "attention_dropout", None)
     return isinstance(p, float) and p > 0
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` (or any DDP/DeepSpeed wrapper around it) drops anything in training mode: a
+    dropout layer or an attention module's ``attention_dropout`` above 0."""
+    return any(_dropout_active(m) for m in model.modules())
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout of ``model`` to 0: its ``nn.Dropout`` layers and the ``attention_dropout`` floats
+    that Llama-style attention modules apply themselves in training mode (TRL's ``disable_dropout``
+    zeroes the layers only; a kept attention dropout would make D's scores random in training)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
 def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0,
@@ -329,6 +346,15 @@ class DiscriminatorReward:
         """Whether each generated response ended with a stop token (TRL keeps it in the ids)."""
         return [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids]
 
+    def texts(self, completion_ids: list[list[int]]) -> list[str]:
+        """The text each student generated, decoded from its ids without the closing stop token and with
+        every other special token kept: what D must judge. TRL's completions skip special tokens, so a
+        response of ``<file_sep>`` tokens or one that opens a new ``<|im_start|>`` turn read to D as an
+        empty or a plain answer. Re-tokenized by ``parts`` as the teacher's text is (special token strings
+        come back as their ids)."""
+        cut = [ids[:-1] if done else ids for ids, done in zip(completion_ids, self.finished(completion_ids))]
+        return self.tokenizer.batch_decode(cut, skip_special_tokens=False)
+
     @torch.no_grad()
     def score(self, seqs: list[list[int]]) -> torch.Tensor:
         """Scores [N] of token sequences, in chunks of ``batch_size``."""
@@ -340,8 +366,12 @@ class DiscriminatorReward:
         return torch.cat(out)
 
     def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
-        finished = self.finished(completion_ids) if completion_ids is not None else None
-        return self.score(self.sequences(prompts, completion_texts(completions), finished)).tolist()
+        """D's scores of the generated responses: of ``completion_ids`` where given (``texts``, ``finished``),
+        else of the ``completions`` text, taken as finished."""
+        if completion_ids is None:
+            return self.score(self.sequences(prompts, completion_texts(completions))).tolist()
+        texts = self.texts(completion_ids)
+        return self.score(self.sequences(prompts, texts, self.finished(completion_ids))).tolist()
 
 
 def completion_texts(completions: list) -> list[str]:

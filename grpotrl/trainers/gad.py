@@ -8,8 +8,11 @@ hold ``prompt`` (chat messages) and ``teacher_response`` (text).
 
 Each generation batch: generate (TRL), score student and teacher responses with D in one
 forward with gradient, take the student scores (detached, BEFORE this batch's D update, as
-verl's GAD does) as the reward, then step D's own AdamW. For the first
-``discriminator_warmup_steps`` optimizer steps the student is not stepped. D reads its score
+verl's GAD does) as the reward, then step D's own AdamW. D reads the text the student generated,
+decoded from its ids with every special token but the closing stop token (TRL's completions drop
+them). With ``disable_dropout`` off and a D that holds dropout, the scores come from a separate
+eval-mode forward without gradient, so the reward is D's function, not a dropout sample. For the
+first ``discriminator_warmup_steps`` optimizer steps the student is not stepped. D reads its score
 at the last real token through the same chat template for teacher and student (I9,
 ``grpotrl/discriminator.py``).
 
@@ -47,7 +50,7 @@ import torch
 
 from ..checkpoints import D_DIR
 from ..configs import GADConfig
-from ..gad.discriminator import DiscriminatorReward, load_discriminator
+from ..gad.discriminator import DiscriminatorReward, disable_dropout, load_discriminator
 from ..errors import InputError
 from ..preflight import check_gad
 from . import _intercept
@@ -131,10 +134,8 @@ class GADTrainer(GRPOTrainer):
         disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype,
                                   lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings)
-        if args.disable_dropout:
-            for module in disc.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+        if args.disable_dropout:  # its layers and the attention modules' own dropout
+            disable_dropout(disc)
         self._d = prepare_discriminator(self, disc, args.discriminator_learning_rate)  # DDP or DeepSpeed
         self.discriminator, self.discriminator_optimizer = self._d.model, self._d.optimizer
         self._d_reward.discriminator = self.discriminator
@@ -151,10 +152,10 @@ class GADTrainer(GRPOTrainer):
         Returns:
             rewards (torch.Tensor): [N_global, n_funcs], gathered over processes, as TRL's.
         """
-        # D scores the student (before this batch's update, as verl's GAD) and steps in train mode
+        # D scores the student (before this batch's update, as verl's GAD) and steps
         scores, metrics = self._d.score_and_step(
-            self._d_reward, inputs, prompts, completions, completion_ids_list, update=self.model.training,
-            check_alone=self._guard_now() and self.args.disable_dropout)  # [N]
+            self._d_reward, inputs, prompts, completion_ids_list, update=self.model.training,
+            check_alone=self._guard_now())  # [N], read from the generated ids, without dropout
         self._record_metrics(metrics)
         columns = [scores]
         if self.args.use_kl_in_reward:

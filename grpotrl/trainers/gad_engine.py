@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoints import D_OPTIMIZER, D_WEIGHTS, DS_TAG
 from ..errors import InputError, InvariantError
-from ..gad.discriminator import bradley_terry_loss, completion_texts, score_tolerance
+from ..gad.discriminator import bradley_terry_loss, has_dropout, score_tolerance
 from ..ops.masking import pad_sequences
 
 def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
@@ -39,13 +39,19 @@ def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
 class _Engine:
     """What both engines share: the D step, and the full weights written once, by the main process."""
 
-    def score_and_step(self, reward, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
+    def score_and_step(self, reward, inputs: list[dict], prompts: list, completion_ids: list,
                        update: bool, check_alone: bool) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score each student response and its row's teacher response (``inputs[i]["teacher_response"]``)
-        with D through ``reward`` (a ``DiscriminatorReward``: parts, packed batches); with ``update``,
-        step D on the Bradley-Terry loss. ``check_alone``: I9 on the first chunk (``check_score_alone``).
-        Returns the student scores [N] of D before the step, and the gad/* metrics over every process."""
-        student_parts = reward.parts(prompts, completion_texts(completions), reward.finished(completion_ids))
+        """Score each student response (decoded from its generated ids, special tokens kept:
+        ``reward.texts``) and its row's teacher response (``inputs[i]["teacher_response"]``) with D through
+        ``reward`` (a ``DiscriminatorReward``: parts, packed batches); with ``update``, step D on the
+        Bradley-Terry loss. ``check_alone``: I9 on the first chunk (``check_score_alone``).
+
+        The scores are D's function, without dropout: where D holds dropout and steps (``disable_dropout``
+        off), each chunk is read first in eval mode without gradient, then run again in train mode for
+        the loss; otherwise one forward gives both. Returns the student scores [N] of D before the step,
+        and the gad/* metrics over every process (``d_loss`` from the loss's forward, the rest from the
+        scores)."""
+        student_parts = reward.parts(prompts, reward.texts(completion_ids), reward.finished(completion_ids))
         # one teacher sequence per distinct (prompt, teacher_response): a group shares it
         keys = [json.dumps(p, sort_keys=True) + "\x00" + x["teacher_response"] for p, x in zip(prompts, inputs)]
         first: dict[str, int] = {}
@@ -62,27 +68,35 @@ class _Engine:
         teacher_scores = torch.empty(len(teacher_parts), device=device)
         sums = torch.zeros(3, device=device)  # loss sum, correct pairs, pairs
         d = self.model
+        read_apart = update and has_dropout(d)  # the loss's forward drops; the reward must not
         d.train(update)
         starts = list(range(0, n, chunk))
         for j, start in enumerate(starts):
             rows = list(range(start, min(start + chunk, n)))
             needed = sorted({teacher_of[r] for r in rows})
+            pair = [needed.index(teacher_of[r]) for r in rows]  # [rows] each row's teacher among needed
             parts = [student_parts[r] for r in rows] + [teacher_parts[t] for t in needed]
+            read = None
+            if read_apart:
+                d.eval()
+                with torch.no_grad(), self.accelerator.autocast():
+                    read = d(**reward.batch(parts, device=device))  # [rows + teachers] D itself, no dropout
+                d.train()
             batch = reward.batch(parts, device=device)  # a prompt several rows share runs once
             last = j == len(starts) - 1
             sync = self.accumulate(last) if update else contextlib.nullcontext()
             grad = torch.enable_grad() if update else torch.no_grad()
             with sync, grad, self.accelerator.autocast():
                 scores = d(**batch)  # [rows + teachers]
-                s = scores[: len(rows)]  # [rows]
-                t = scores[len(rows):][[needed.index(teacher_of[r]) for r in rows]]  # [rows] each row's teacher
-                loss = bradley_terry_loss(t, s) * len(rows) / n  # this chunk's share of the mean over pairs
-                if update:
+                loss = bradley_terry_loss(scores[len(rows):][pair], scores[: len(rows)]) * len(rows) / n
+                if update:  # this chunk's share of the mean over pairs
                     self.backward(loss)
+            read = scores.detach() if read is None else read
             if j == 0 and check_alone:
-                self.check_score_alone([p + r for p, r in parts], scores.detach(), reward.tokenizer)
-            student_scores[rows] = s.detach()
-            teacher_scores[needed] = scores[len(rows):].detach()
+                self.check_score_alone([p + r for p, r in parts], read, reward.tokenizer)
+            s, t = read[: len(rows)], read[len(rows):][pair]  # [rows], [rows]
+            student_scores[rows] = s
+            teacher_scores[needed] = read[len(rows):]
             sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
         if update:
             self.step()
@@ -96,9 +110,12 @@ class _Engine:
 
     def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, tokenizer) -> None:
         """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
-        from its prompt when the batch is packed, ``scoring_batch``), score the same alone."""
+        from its prompt when the batch is packed, ``scoring_batch``), score the same alone, in eval
+        mode (``batched`` holds D's scores without dropout)."""
         shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
         last = len(seqs) - 1 if len(seqs) - 1 != shortest else 0
+        training = self.model.training
+        self.model.eval()
         for k in (shortest, last):  # always two forwards (ZeRO-3: every process must run as many)
             with torch.no_grad(), self.accelerator.autocast():
                 alone = self.model(*pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device))[0]
@@ -112,6 +129,7 @@ class _Engine:
                     f"{tokenizer.decode(seqs[k][-12:])!r}. A custom discriminator must pool by the attention mask "
                     "(grpotrl.discriminator.Discriminator does); a packed batch needs an attention that takes its 4D "
                     "mask as given (sdpa, eager).")
+        self.model.train(training)
 
     def _compute_dtype(self) -> torch.dtype:
         """The precision D's forward runs in: the mixed-precision setting, else its weights' dtype."""

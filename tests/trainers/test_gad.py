@@ -123,12 +123,78 @@ def test_discriminator_reward_is_a_trl_reward_function(tiny_llama, smollm2_token
     reward = gd.DiscriminatorReward(d, tok, templates.stop_token_ids(tok))
     completions = [[{"role": "assistant", "content": "27"}], [{"role": "assistant", "content": "26"}]]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    scores = reward(prompts=[PROMPT, PROMPT], completions=completions, completion_ids=[[1], [2, im_end]])
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ("27", "26")]
+    scores = reward(prompts=[PROMPT, PROMPT], completions=completions, completion_ids=[ids[0], ids[1] + [im_end]])
     with torch.no_grad():  # the first response was cut (no stop id): scored without an end-of-turn
         seqs = reward.sequences([PROMPT, PROMPT], ["27", "26"], finished=[False, True])
         direct = d(*pad_sequences(seqs, tok.pad_token_id))
     assert scores == pytest.approx(direct.tolist(), abs=1e-6)
+    assert reward(prompts=[PROMPT, PROMPT], completions=completions) == pytest.approx(  # text only: finished
+        d(*pad_sequences(reward.sequences([PROMPT, PROMPT], ["27", "26"]), tok.pad_token_id)).tolist(), abs=1e-6)
     assert trl.trainer.utils.get_callable_name(reward) == "discriminator"
+
+
+def test_discriminator_reads_the_special_tokens_the_student_generated(tiny_llama, gad_args, smollm2_tokenizer):
+    """A student sampling <file_sep> and <reponame> (SmolLM2 special tokens, no stop token): TRL's
+    completions skip special tokens, so D read all 8 responses as the same empty cut answer (48
+    generated, 0 read). D now reads the generated ids: each response's tokens as sampled."""
+    tok = smollm2_tokenizer
+    specials = tok.convert_tokens_to_ids(["<file_sep>", "<reponame>"])
+    args = gad_args(max_steps=1, guard_steps=0, max_completion_length=6,
+                    generation_kwargs={"sequence_bias": [[[specials[0]], 12.0], [[specials[1]], 11.5]]})
+    trainer = Recorded(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    read = []
+    d.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"]), with_kwargs=True)
+    trainer.train()
+    (_, _, generated), = trainer.batches
+    assert len(read) == 1  # one forward: 8 students and 2 teachers
+    for special in specials:
+        sampled = sum(ids.count(special) for ids in generated)
+        assert sampled > 0 and int((read[0] == special).sum()) == sampled, special
+    texts = trainer._d_reward.texts(generated)
+    assert [trainer._d_reward.parts([PROMPT], [t])[0][1][:-1] for t in texts] == generated  # cut: no stop
+
+
+def test_reward_is_the_discriminators_score_without_dropout(tiny_gpt2, gad_args):
+    """disable_dropout off and GPT-2's dropout 0.1: D's step runs in train mode, and the reward was read
+    from that forward, a dropout sample (up to 0.16 away from D's score, on scores of ~0.2). The reward
+    is now D's eval-mode score before the step, and D still steps."""
+    args = gad_args(max_steps=1, guard_steps=-1, disable_dropout=False, discriminator_learning_rate=1e-3)
+    trainer = Recorded(model=tiny_gpt2, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.1 for m in d.modules())
+    before, rewards = [], []
+    calculate = trainer._calculate_rewards
+
+    def recorded(inputs, prompts, completions, completion_ids_list):
+        before.append(copy.deepcopy(d).eval())
+        rewards.append(calculate(inputs, prompts, completions, completion_ids_list)[:, 0])  # [N]
+        return rewards[-1][:, None]
+
+    trainer._calculate_rewards = recorded
+    trainer.train()
+    (prompts, completions, ids), = trainer.batches
+    fixed = gd.DiscriminatorReward(before[0], trainer._d_reward.tokenizer, trainer.stop_token_ids)
+    assert rewards[0].tolist() == pytest.approx(fixed(prompts, completions, completion_ids=ids), abs=1e-5)
+    assert not torch.equal(d.hf_model.score.weight, before[0].hf_model.score.weight)  # D stepped
+
+
+def test_disable_dropout_zeroes_the_discriminators_attention_dropout(tiny_llama, gad_args, tmp_path):
+    """A discriminator checkpoint with attention_dropout 0.1 (Llama's attention applies it itself in
+    training mode; TRL's disable_dropout zeroes nn.Dropout layers only): its scores in training were
+    random, and the I9 guard stopped training with a false 'not the last real token' (gap 2.4)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(tmp_path / "d")
+    args = gad_args(max_steps=1, guard_steps=-1, discriminator_model_name_or_path=str(tmp_path / "d"))
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(16)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    with torch.no_grad():
+        d.hf_model.score.weight.mul_(100)  # the random head's scores are ~0.03: make dropout's noise visible
+    trainer.train()  # the guard scores two sequences alone on this step
+    assert "gad/d_loss" in trainer.state.log_history[0]
+    assert [m.attention_dropout for m in d.modules() if hasattr(m, "attention_dropout")] == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------- D's cost: shared prompts, frozen embeddings
