@@ -14,8 +14,11 @@ mode (a tuple is a list, an enum's value is the enum) except for the plain types
 ``_PLAIN_TYPES`` makes strict: a bool is true or false (``bf16: 2`` is refused), an int no bool
 and no float (``max_steps: 1.5``, ``max_steps: true``), a float any int or float but NaN (inf
 passes: ``checks.RANGES`` refuses it where it means nothing), a str a string (quote numbers).
-Each also takes a string argparse converts to it (``learning_rate: '1.0e-5'``, ``use_peft: yes``),
-and a ``list[str]`` one string (``reward_funcs: exact_answer``, argparse's ``nargs``). Any other
+A recipe's own value may also be a string argparse converts to it (``learning_rate: '1.0e-5'``,
+``use_peft: yes``); an item of a list or mapping may not, nor any value of a config built in Python:
+argparse converts neither, so ``reward_weights: [1e-1, 1]`` (YAML 1.1 reads ``1e-1`` as a string) or
+``GRPOConfig(use_cpu="false")`` (a true string) would reach the trainer as strings. A ``list[str]``
+takes one string (``reward_funcs: exact_answer``, argparse's ``nargs``). Any other
 class (``ParallelismConfig``) takes its instances only. An annotation pydantic cannot read passes
 (the config's own checks see it).
 """
@@ -130,39 +133,46 @@ _PLAIN_TYPES = {
     float: Annotated[_Real | Annotated[str, AfterValidator(float)], AfterValidator(_not_nan)],
     str: StrictStr,
 }
+# Where no argparse converts a string (an item of a list or mapping, which argparse hands on as it is; any value
+# of a config built in Python): the type itself only. ``reward_weights: [1e-1, 1]`` holds the string '1e-1' (YAML
+# 1.1 reads a number without a dot as a string) and reached ``torch.tensor`` after the model loaded.
+_STRICT_TYPES = {bool: StrictBool, int: _Integral, float: Annotated[_Real, AfterValidator(_not_nan)], str: StrictStr}
 
 
-def _checked_as(tp):
+def _checked_as(tp, converted: bool = True):
     """The type pydantic checks a value for a field annotated ``tp`` against: ``tp`` with each plain type
-    replaced by its ``_PLAIN_TYPES`` entry, one string also taken for a ``list[str]``, and a dataclass
-    (``ParallelismConfig``) taken as an instance only, never built from a mapping."""
+    replaced by its ``_PLAIN_TYPES`` entry where argparse ``converted`` a string (a recipe's own values), else
+    by its ``_STRICT_TYPES`` one (the items of a list or mapping), one string also taken for a ``list[str]``, and
+    a dataclass (``ParallelismConfig``) taken as an instance only, never built from a mapping."""
     if tp in _PLAIN_TYPES:
-        return _PLAIN_TYPES[tp]
+        return (_PLAIN_TYPES if converted else _STRICT_TYPES)[tp]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        return typing.Union[tuple(_checked_as(a) for a in args)]
+        return typing.Union[tuple(_checked_as(a, converted) for a in args)]
     if origin is list and args == (str,):
         return list[StrictStr] | StrictStr
     if origin in (list, dict) and args:
-        return origin[tuple(_checked_as(a) for a in args)]
+        return origin[tuple(_checked_as(a, converted=False) for a in args)]
     if dataclasses.is_dataclass(tp):
         return pydantic.InstanceOf[tp]
     return tp
 
 
 @functools.lru_cache(maxsize=None)
-def _adapter(tp) -> pydantic.TypeAdapter | None:
-    """pydantic's validator for a field annotated ``tp``; None for an annotation pydantic cannot read."""
+def _adapter(tp, converted: bool = True) -> pydantic.TypeAdapter | None:
+    """pydantic's validator for a field annotated ``tp`` (``_checked_as``); None for an annotation pydantic
+    cannot read."""
     try:
-        return pydantic.TypeAdapter(_checked_as(tp), config=pydantic.ConfigDict(arbitrary_types_allowed=True))
+        return pydantic.TypeAdapter(_checked_as(tp, converted),
+                                    config=pydantic.ConfigDict(arbitrary_types_allowed=True))
     except pydantic.PydanticUserError:
         return None
 
 
-def _refusal(value, tp) -> pydantic.ValidationError | None:
-    """pydantic's error for ``value`` (as YAML or a Python call gives it) where a field is annotated
-    ``tp``; None where the field holds it."""
-    adapter = _adapter(tp)
+def _refusal(value, tp, converted: bool = True) -> pydantic.ValidationError | None:
+    """pydantic's error for ``value`` (as YAML gives it, ``converted`` by argparse; or as a Python call gives
+    it, not) where a field is annotated ``tp``; None where the field holds it."""
+    adapter = _adapter(tp, converted)
     if adapter is None:
         return None
     try:  # strict=None: each type as ``_checked_as`` made it (True or False would override that)
@@ -181,6 +191,8 @@ def matches(value, tp) -> bool:
     (True, True, True)
     >>> matches("exact_answer", list[str] | None), matches([1, "x"], list[float]), matches({"a": 2}, dict[str, bool])
     (True, False, False)
+    >>> matches(["1e-1"], list[float]), matches({"rope": "no"}, dict[str, bool])  # argparse converts no item
+    (False, False)
     """
     return _refusal(value, tp) is None
 
@@ -214,10 +226,23 @@ def _shown(value, width: int) -> str:
     return repr(value) if len(repr(value)) <= width else repr(value)[:width - 3] + "..."
 
 
-def _wrong_item(name: str, value, err: pydantic.ValidationError) -> str:
+def _as_yaml_number(item) -> str:
+    """``'; write 1.0e-05'`` for a string that is a number (YAML 1.1 reads ``1e-5``, without a dot, as a
+    string), as YAML writes that number; '' for anything else."""
+    import yaml
+
+    try:
+        number = float(item) if isinstance(item, str) else None
+    except ValueError:
+        return ""
+    return "" if number is None or math.isnan(number) else f"; write {yaml.safe_dump(number).splitlines()[0]}"
+
+
+def _wrong_item(name: str, value, err: pydantic.ValidationError, recipe: bool = False) -> str:
     """The deepest wrong item pydantic found in ``value`` (a list or mapping), as ``reward_weights[1] is 'x',
     a str`` or ``model_init_kwargs has the key 1, an int``; '' where ``value`` itself is wrong. A location
-    also names the union members pydantic tried (``'list[...]'``): those index nothing and are skipped."""
+    also names the union members pydantic tried (``'list[...]'``): those index nothing and are skipped. In a
+    ``recipe`` a number that YAML read as a string comes with how to write it (``_as_yaml_number``)."""
     found, depth = "", 0
     for error in err.errors():
         where, item, steps, is_key = name, value, 0, False
@@ -230,13 +255,15 @@ def _wrong_item(name: str, value, err: pydantic.ValidationError) -> str:
                 where, item, steps = f"{where}[{key!r}]", item[key], steps + 1
         if steps > depth:
             found, depth = f"{where} {'has the key' if is_key else 'is'} {_shown(item, 60)}, {_kind(item)}", steps
+            found += _as_yaml_number(item) if recipe and not is_key else ""
     return found
 
 
-def _problem(name: str, value, tp) -> str | None:
+def _problem(name: str, value, tp, recipe: bool = True) -> str | None:
     """What is wrong with ``value`` for the field ``name`` annotated ``tp``, e.g. ``bf16: 2 is an int, but
-    bf16 takes true or false``, with the wrong item of a list or mapping; None where the field holds it."""
-    err = _refusal(value, tp)
+    bf16 takes true or false``, with the wrong item of a list or mapping; None where the field holds it.
+    A ``recipe``'s own values are strings argparse converts; a config's, built in Python, are not."""
+    err = _refusal(value, tp, converted=recipe)
     if err is None:
         return None
     hint = ""
@@ -244,7 +271,7 @@ def _problem(name: str, value, tp) -> str | None:
         hint = f" (write {int(value)})"
     elif str in typing.get_args(tp) or tp is str:
         hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
-    if item := _wrong_item(name, value, err):
+    if item := _wrong_item(name, value, err, recipe):
         hint += f" ({item})"
     return f"{name}: {_shown(value, 80)} is {_kind(value)}, but {name} takes {_type_name(tp)}{hint}"
 
@@ -288,7 +315,7 @@ def check_config_types(config) -> None:
         value = getattr(config, f.name, None)
         if _same(value, default) or not isinstance(value, _PLAIN):
             continue  # left as it was, or an object the user built on purpose (AcceleratorConfig, ...)
-        if problem := _problem(f.name, value, _annotation(f.name, hints)):
+        if problem := _problem(f.name, value, _annotation(f.name, hints), recipe=False):
             bad.append(problem)
     if bad:
         raise InputError(f"{type(config).__name__}: " + "; ".join(bad) + ".")

@@ -10,12 +10,14 @@ fine-tuning and ``save_pretrained`` fails. We therefore convert it once: load th
 model + tokenizer to ``$GRPOTRL_CACHE/models/<alias>`` (default ``~/.cache/grpotrl``).
 Later loads take well under a second.
 
-The cache is written to a temporary directory beside the target and moved into place with
-one ``os.replace`` while a file lock is held, so a crashed conversion never leaves a
-half-written directory that a later run would trust.
+The cache is written to a temporary directory beside the target, flushed to disk (``fsync``) and
+moved into place with one ``os.replace`` while a file lock is held, so a crashed conversion (or
+machine) never leaves a half-written directory. One that is found anyway (truncated weights, no
+tokenizer: a copy of the cache, a disk fault) is not trusted: an ``InputError`` says to delete it.
 
 Usage: ``AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"))``.
-Any string that is not an alias (a Hub id, a local directory) passes through unchanged.
+Any string that is not an alias (a Hub id, a local directory) passes through unchanged; an alias that
+is also a path relative to the working directory is an ``InputError`` (transformers would load the path).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,32 +63,78 @@ def resolve_model_path(name_or_path: str) -> str:
     if alias is None:
         return name_or_path
     target = cache_dir() / name_or_path
-    if _is_complete(target):
-        return str(target)
+    if os.path.exists(name_or_path) and not (target.exists() and os.path.samefile(name_or_path, target)):
+        raise InputError(  # transformers and TRL would load the directory, grpotrl the alias: say which
+            f"{name_or_path!r} is both a model alias (the GGUF of the PyPI package {alias.pip_name!r}, converted "
+            f"and cached at {target}) and a path relative to {os.getcwd()}. For that path write "
+            f"'./{name_or_path}'; for the alias, rename the path or run from another directory."
+        )
+    if target.exists():
+        return _checked_cache(target)
     gguf_dir = _find_gguf_dir(name_or_path, alias)
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if _is_complete(target):  # another process converted it while we waited
-            return str(target)
-        if target.exists():
-            raise InputError(
-                f"Model cache {target} exists but holds no complete checkpoint (config.json + "
-                f"model.safetensors). Delete it (`rm -r {target}`) and run again to reconvert."
-            )
+        if target.exists():  # another process converted it while we waited
+            return _checked_cache(target)
         for stale in target.parent.glob(f".{name_or_path}.tmp-*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.tmp-", dir=target.parent))
         try:
             _convert_gguf(gguf_dir, alias, tmp)
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+            _fsync_tree(tmp)  # on disk before the rename makes it the cache: a crash leaves no truncated file
             os.replace(tmp, target)
+            _fsync_tree(target.parent, files=False)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    return _checked_cache(target)
+
+
+CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what a conversion writes
+
+
+def _checked_cache(target: Path) -> str:
+    """``target`` as a string when it holds a complete conversion; else an ``InputError`` that says to delete it."""
+    missing = [n for n in CACHE_FILES if not (target / n).is_file()]
+    problem = f"{', '.join(missing)} missing" if missing else safetensors_problem(str(target / "model.safetensors"))
+    if problem:
+        raise InputError(
+            f"Model cache {target} exists but holds no complete checkpoint ({problem}): a conversion or a copy of "
+            f"the cache did not finish. Delete it (`rm -r {target}`) and run again to reconvert."
+        )
     return str(target)
 
 
-def _is_complete(target: Path) -> bool:
-    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+def _fsync_tree(directory: Path, files: bool = True) -> None:
+    """Flush ``directory``'s files (``files``) and then its own entry list to disk."""
+    for path in (p for p in directory.iterdir() if p.is_file()) if files else ():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why the safetensors file at ``path`` is truncated or unreadable, or None. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is {size} bytes, too short for a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"{path} is {size} bytes but its header alone claims {8 + n}"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return f"{path} has an unreadable safetensors header"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path} is {size} bytes, its header says {8 + n + end} (truncated or still being written)"
+    return None
 
 
 def _find_gguf_dir(name: str, alias: GGUFAlias) -> str:

@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 
 from ..errors import InputError
-from . import ALIASES, resolve_model_path
+from . import ALIASES, resolve_model_path, safetensors_problem
 
 # the lock an output_dir holds while a run writes it (checkpoints/run_lock.py): left out of listings, as not
 # the model's; "_*", so the Trainer's push_to_hub never uploads it
@@ -158,26 +157,6 @@ def _hub_snapshot(repo_id: str, revision: str | None, what: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Local model directories: config.json and complete weights (headers only, no weights read)
 # ---------------------------------------------------------------------------------------------
-
-def safetensors_problem(path: str) -> str | None:
-    """Why the safetensors file at ``path`` is truncated or unreadable, or None. Reads the header only."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{path} is {size} bytes, too short for a safetensors header"
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            return f"{path} is {size} bytes but its header alone claims {8 + n}"
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            return f"{path} has an unreadable safetensors header"
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        return f"{path} is {size} bytes, its header says {8 + n + end} (truncated or still being written)"
-    return None
-
 
 WEIGHT_FILES = {"model": ("model.safetensors", "pytorch_model.bin"),
                 "adapter": ("adapter_model.safetensors", "adapter_model.bin")}

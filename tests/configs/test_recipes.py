@@ -56,6 +56,19 @@ def test_method_recipe_opens_with_its_launch_command(path):
     assert f"grpotrl {method_of(path)} --config {rel(path)}" in header(path)
 
 
+@pytest.mark.parametrize("path", RECIPES, ids=rel)
+def test_every_command_and_module_a_recipe_names_exists(path):
+    """Each `grpotrl M --config R` / `accelerate launch --config_file A` of a recipe's comments names files that
+    exist, R a recipe of method M; each grpotrl/*.py it points a reader to exists."""
+    text = path.read_text()
+    for method, recipe in re.findall(r"grpotrl(?:\.cli)? (sft|grpo|gad) +--config (\S+)", text):
+        assert (ROOT / recipe).is_file() and method_of(ROOT / recipe) == method, f"{method} --config {recipe}"
+    for config in re.findall(r"--config_file (\S+)", text):
+        assert (ROOT / config).is_file(), config
+    for module in re.findall(r"grpotrl/[\w/]+\.py", text):
+        assert (ROOT / module).is_file(), f"{rel(path)} names {module}, which does not exist"
+
+
 RAN_WITH = "# Accelerate configs it was run with"
 
 
@@ -157,3 +170,34 @@ def test_command_line_overrides_the_recipe():
     path = ROOT / "recipes/smollm2/grpo_quickstart.yaml"
     _, training_args, _ = cli.parse_args("grpo", ["--config", str(path), "--max_steps", "3", "--learning_rate", "1e-6"])
     assert (training_args.max_steps, training_args.learning_rate) == (3, 1e-6)
+
+
+def test_a_number_yaml_reads_as_a_string_inside_a_list_is_refused(tmp_path):
+    """YAML 1.1 reads ``1e-1`` (no dot) as the string '1e-1'; argparse converts a recipe's own string values but
+    no item of a list or mapping, so ``reward_weights: [1e-1, 1]`` reached TRL's ``torch.tensor`` as strings
+    ("too many dimensions 'str'", after the model loaded) and ``{rope: 'no'}`` as a true string."""
+    from grpotrl.errors import InputError
+
+    path = tmp_path / "r.yaml"
+    for text, expected in [
+        ("reward_weights: [1e-1, 1]\n", r"reward_weights\[0\] is '1e-1', a str; write 0\.1\)"),
+        ("liger_kernel_config: {rope: 'no'}\n", r"liger_kernel_config\['rope'\] is 'no', a str\)"),
+    ]:
+        path.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nreward_funcs: [exact_answer, format]\n" + text)
+        with pytest.raises(InputError, match=r"^Recipe \S+r\.yaml: .*" + expected):
+            cli.parse_args("grpo", ["--config", str(path)])
+    path.write_text(f"output_dir: {tmp_path / 'out'}\nuse_cpu: true\nlearning_rate: 1e-5\nreward_weights: [1.0e-1, 1]\n")
+    _, args, _ = cli.parse_args("grpo", ["--config", str(path)])  # argparse converts a recipe's own '1e-5'
+    assert args.learning_rate == 1e-5 and args.reward_weights == [0.1, 1]
+
+
+@pytest.mark.parametrize("value", [{"use_cpu": "false"}, {"disable_dropout": "no"}, {"reward_weights": ["1e-1", 2]}])
+def test_a_config_built_in_python_takes_no_string_for_a_bool_or_number(value, tmp_path):
+    """No argparse converts a Python call's values: ``use_cpu="false"`` is a true string (the run would go to
+    the CPU), ``disable_dropout="no"`` would disable dropout."""
+    import grpotrl
+    from grpotrl.errors import InputError
+
+    name = next(iter(value))
+    with pytest.raises(InputError, match=rf"^GRPOConfig: {name}: .* is a (str|list), but {name} takes"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), report_to="none", **value)

@@ -94,9 +94,54 @@ def test_half_written_cache_is_not_trusted(monkeypatch, tmp_path):
         resolve_model_path(ALIAS)
 
 
+@pytest.mark.parametrize("damage", ["truncated weights", "no tokenizer"])
+def test_cache_with_truncated_weights_or_no_tokenizer_is_not_trusted(damage, monkeypatch, tmp_path):
+    """A cache dir that holds config.json and model.safetensors but not all of it (a crash before the files
+    reached the disk, a copy of the cache that did not finish) was returned as complete; the preflight then
+    said to "save or copy it again", which a user of the alias never did."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("GRPOTRL_CACHE", str(tmp_path))
+    cache = tmp_path / "models" / ALIAS
+    cache.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (cache / name).write_text("{}")
+    save_file({"w": torch.zeros(64, 64)}, str(cache / "model.safetensors"))
+    assert resolve_model_path(ALIAS) == str(cache)  # complete: trusted, nothing converted
+    if damage == "truncated weights":
+        with open(cache / "model.safetensors", "r+b") as f:
+            f.truncate(4096)
+        expected = r"model\.safetensors is 4096 bytes, its header says \d+ \(truncated"
+    else:
+        (cache / "tokenizer.json").unlink()
+        expected = r"\(tokenizer\.json missing\)"
+    with pytest.raises(InputError, match=rf"Model cache {cache} exists but holds no complete checkpoint.*{expected}"
+                                         rf".*`rm -r {cache}`"):
+        resolve_model_path(ALIAS)
+
+
 @pytest.mark.parametrize(
     "name",
     ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", "SmolLM2-135M-Instruct", "./smollm2-135m-instruct"],
 )
 def test_non_alias_passes_through_unchanged(name):
     assert resolve_model_path(name) == name
+
+
+def test_alias_that_is_also_a_local_directory_is_an_error(monkeypatch, tmp_path):
+    """transformers and TRL load a directory named ``smollm2-135m-instruct`` in the working directory; grpotrl
+    took the alias instead and trained another model without a word. The cache itself (run from inside it) and
+    ``./smollm2-135m-instruct`` are unambiguous."""
+    monkeypatch.setenv("GRPOTRL_CACHE", str(tmp_path / "grpotrl"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ALIAS).mkdir()
+    with pytest.raises(InputError, match=rf"'{ALIAS}' is both a model alias .* and a path relative to {tmp_path}\. "
+                                         rf"For that path write './{ALIAS}'"):
+        resolve_model_path(ALIAS)
+    assert resolve_model_path(f"./{ALIAS}") == f"./{ALIAS}"
+    cache = tmp_path / "grpotrl" / "models"
+    cache.mkdir(parents=True)
+    (tmp_path / ALIAS).rename(cache / ALIAS)
+    monkeypatch.chdir(cache)
+    with pytest.raises(InputError, match="no complete checkpoint"):  # the cache itself: checked as the cache
+        resolve_model_path(ALIAS)
