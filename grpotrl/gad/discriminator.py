@@ -43,6 +43,7 @@ from torch import nn
 
 from ..chat import templates
 from ..errors import InputError
+from ..models.dropout import has_dropout
 from ..ops.masking import last_token_index, pad_sequences, position_ids_from_mask
 
 
@@ -254,31 +255,6 @@ class Discriminator(nn.Module):
                               and "position_ids" in inspect.signature(inner.base_model.forward).parameters)
         return (self._packable and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
                 and not (self.training and has_dropout(self)))
-
-
-def _dropout_active(module: nn.Module) -> bool:
-    """A dropout layer, or a Llama-style attention module's ``attention_dropout`` float, above 0."""
-    if isinstance(module, nn.Dropout):
-        return module.p > 0
-    p = getattr(module, "attention_dropout", None)
-    return isinstance(p, float) and p > 0
-
-
-def has_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` (or any DDP/DeepSpeed wrapper around it) drops anything in training mode: a
-    dropout layer or an attention module's ``attention_dropout`` above 0."""
-    return any(_dropout_active(m) for m in model.modules())
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Every dropout of ``model`` to 0: its ``nn.Dropout`` layers and the ``attention_dropout`` floats
-    that Llama-style attention modules apply themselves in training mode (TRL's ``disable_dropout``
-    zeroes the layers only; a kept attention dropout would make D's scores random in training)."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
 
 
 def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0,

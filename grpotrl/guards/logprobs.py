@@ -21,6 +21,7 @@ import logging
 import torch
 
 from ..errors import InvariantError
+from ..models.dropout import has_dropout
 from ..ops.logprobs import completion_logits, fit_along, logit_scale, token_logprobs
 from ..ops.masking import position_ids_from_mask
 from .precision import Tolerances, gap_statistics
@@ -29,13 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 def dropout_active(model) -> bool:
-    """Whether a training forward of ``model`` samples dropout masks: an ``nn.Dropout`` with p > 0,
-    or an attention module with a float ``attention_dropout`` > 0 (TRL's ``disable_dropout``
-    zeroes the former only)."""
-    return model.training and any(
-        (isinstance(m, torch.nn.Dropout) and m.p > 0)
-        or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0)
-        for m in model.modules())
+    """Whether a training forward of ``model`` samples dropout masks (``models.dropout.has_dropout``: an
+    ``nn.Dropout`` with p > 0, or an attention module's ``attention_dropout`` > 0)."""
+    return model.training and has_dropout(model)
 
 
 def skipped_for_dropout(model, checks: str, said: set) -> bool:

@@ -50,8 +50,9 @@ import torch
 
 from ..checkpoints import D_DIR
 from ..configs import GADConfig
-from ..gad.discriminator import DiscriminatorReward, disable_dropout, load_discriminator
+from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
+from ..models.dropout import disable_dropout
 from ..preflight import check_gad
 from . import _intercept
 from .gad_engine import prepare_discriminator

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoints import D_OPTIMIZER, D_WEIGHTS, DS_TAG
 from ..errors import InputError, InvariantError
-from ..gad.discriminator import bradley_terry_loss, has_dropout, score_tolerance
+from ..gad.discriminator import bradley_terry_loss, score_tolerance
+from ..models.dropout import has_dropout
 from ..ops.masking import pad_sequences
 
 def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):

@@ -32,6 +32,7 @@ from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, 
 from ..guards import denominator, identity, precision
 from ..guards.ranks import add_rank_agreement
 from ..health import callbacks
+from ..models.dropout import disable_dropout
 from ..models.quantization import pin_quantized_kernels
 from ..ops import importance, sampling
 from ..ops.logprobs import entropy_from_logits, temperature_slope
@@ -166,6 +167,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
+        if args.disable_dropout:  # TRL zeroed the dropout layers; the attention modules' own dropout too
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    disable_dropout(m)
         # KL (KLFields): in the loss grpotrl's own term replaces TRL's (beta is kept: TRL computes the reference
         # logprobs when it is not 0); in the reward (verl: kl_ctrl.kl_coef) the column ``kl_penalty``
         self.kl_coef = args.beta

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from ..configs.checks import check_packed_attention
 from ..errors import InputError
+from ..models.dropout import attention_dropout
 from ..generation.compiled_rollout import parse_setting  # true / false / 'auto', as configs.checks took it
 from ..ops.packing import IGNORE, Packed, balance_plan, forward_plan, pack, prompt_plan, prompts_of, unpack
 from ..ops.loss_types import named
@@ -231,9 +232,9 @@ def resolve_packed_attention(args, model, ref_model, device_type: str, packed: b
             why = "the model softcaps its attention logits, which the varlen kernel does not"
         elif not _full_attention_only(m):
             why = "the model has sliding-window or chunked attention layers, which varlen would run as full attention"
-        elif (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:  # disable_dropout zeroes nn.Dropout only
-            why = (f"the model's attention_dropout is {text.attention_dropout}, and varlen runs without dropout (set "
-                   "it to 0 in the model's config)")
+        elif (p := max((attention_dropout(x) for x in m.modules()), default=0.0)) > 0:  # disable_dropout zeroes it
+            why = (f"the model's attention layers hold attention_dropout {p}, and varlen runs without dropout (set "
+                   "disable_dropout=True)")
         elif not getattr(args, "disable_dropout", False) and (dropouts := _attention_dropout_modules(m)):
             why = (f"disable_dropout is off and {type(m).__name__}'s attention layers hold dropout "
                    f"({dropouts[0]}), which varlen does not compute (set disable_dropout=True)")

@@ -114,6 +114,21 @@ def test_I5_is_not_checked_while_dropout_is_active(tiny_gpt2, grpo_args, caplog)
                for r in caplog.records) == 1
 
 
+def test_I5_disable_dropout_zeroes_the_attention_modules_own_dropout_and_the_guard_runs(tiny_llama, grpo_args):
+    """A Llama whose config sets attention_dropout 0.1: its attention modules hand that number to the attention
+    function in training mode, which TRL's disable_dropout (nn.Dropout layers only) leaves on. Under
+    disable_dropout=True grpotrl zeroes it in the policy and the reference, so the loss scores the function
+    that sampled and I5 runs; the saved config keeps the user's 0.1."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, attention_dropout=0.1)
+    trainer = grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  args=grpo_args(max_steps=1))
+    for m in (trainer.model, trainer.ref_model):
+        assert [x.attention_dropout for x in m.modules() if hasattr(x, "attention_dropout")] == [0.0, 0.0]
+    trainer.train()
+    assert logged_max(trainer) < 1e-4
+    assert trainer.model.config.attention_dropout == 0.1
+
+
 def test_default_guard_schedule_runs_first_steps_only(tiny_llama, grpo_args):
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
                                   args=grpo_args(guard_steps=1, max_steps=2), train_dataset=arithmetic_prompts())

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 import torch.nn.functional as F
 from conftest import arithmetic_prompts, length_reward
 from test_padding_free import (_assert_every_loss_type_equal, _assert_really_packed, _forward, _rel,
@@ -530,7 +531,9 @@ def test_varlen_refusals_name_the_cause_and_what_to_do(tiny_llama, tiny_gpt2):
         ({}, _tiny_model(tiny_llama, _attn_implementation="eager"), "stands in for sdpa only"),
         ({}, _tiny_model(tiny_llama, attn_logit_softcapping=50.0), "softcaps"),
         ({}, _tiny_model(tiny_llama, sliding_window=16), "sliding-window"),
-        ({}, _tiny_model(tiny_llama, attention_dropout=0.1), "attention_dropout is 0.1"),  # disable_dropout or not
+        # the attention modules' own number (set before they are built), until disable_dropout zeroes it
+        ({}, transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, attention_dropout=0.1),
+         "attention_dropout 0.1"),
     ]
     for kw, m, why in cases:
         args, packed = kw.get("args", on), kw.get("packed", True)
