@@ -3,7 +3,8 @@
 * ``check_tokenizer_files``: a local model dir holds a tokenizer vocabulary.
 * ``check_discriminator_source``: GAD's ``discriminator_model_name_or_path``.
 * ``check_model_args``: a recipe's quantization / LoRA fields (``trl.ModelConfig``; the CLI's):
-  4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist.
+  4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist; ``lora_*`` settings
+  need ``use_peft`` (TRL ignores them without it).
 
 A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``; a
 config's own value ranges are ``configs.checks``.
@@ -11,6 +12,7 @@ config's own value ranges are ``configs.checks``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
@@ -75,8 +77,23 @@ def check_model_args(model_args, model_path: str) -> None:
                 f"load_in_4bit computes in `dtype`, which is {model_args.dtype!r}. Set dtype: float32 (CPU; the "
                 "I5 guard's 1e-5 tolerance holds) or bfloat16 (GPU)."
             )
+    lora = _lora_settings(model_args)
+    if lora and not model_args.use_peft:
+        raise InputError(
+            f"{', '.join(f'{k}: {v!r}' for k, v in lora.items())} without use_peft: true: TRL builds no adapter then, so "
+            "these would be ignored and every weight of the model trained. Add `use_peft: true` to train LoRA "
+            "adapters, or drop the lora_* settings to fine-tune the whole model."
+        )
     if model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
         _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
+
+
+def _lora_settings(model_args) -> dict:
+    """The LoRA fields of ``model_args`` (``trl.ModelConfig``'s ``lora_*``, ``use_rslora``, ``use_dora``) set to
+    another value than the field's default, by name."""
+    return {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)
+            if f.name.startswith(("lora_", "use_rslora", "use_dora")) and f.default is not dataclasses.MISSING
+            and getattr(model_args, f.name) != f.default}
 
 
 def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None) -> None:

@@ -115,7 +115,7 @@ def test_bad_generation_args_stop_before_the_model_loads(tiny_llama, grpo_args, 
     def no_load(*a, **k):
         raise AssertionError("model loaded before the generation arguments were checked")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)  # TRL loads via the architecture class
     with pytest.raises(InputError, match=match):
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**bad),
                             train_dataset=arithmetic_prompts())

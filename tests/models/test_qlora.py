@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
 import grpotrl
 from grpotrl import cli
@@ -43,7 +43,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was validated")
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", refuse)  # what TRL's create_model_from_path reaches
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -195,3 +195,11 @@ def test_qlora_resume_matches_an_uninterrupted_run(smollm2_path, smollm2_tokeniz
     got = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
     assert want.keys() == got.keys()
     assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want)
+
+
+def test_lora_settings_without_use_peft_are_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load):
+    """TRL builds no adapter without use_peft and ignores lora_* without a word: the run would train every weight."""
+    with pytest.raises(InputError, match=r"lora_dropout: 0.0, lora_target_modules: 'q_proj' without use_peft: true.*Add `use_peft: "
+                                         r"true`.*drop the lora_\* settings"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--use_peft", "false", "--load_in_4bit", "false",
+                         "--lora_target_modules", "q_proj", "--output_dir", str(tmp_path)])

@@ -451,7 +451,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", refuse)  # TRL loads via the architecture class
 
 
 def test_task_missing_from_the_mapping_is_an_error_before_load(tiny_llama, grpo_args, no_model_load):

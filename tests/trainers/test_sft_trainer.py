@@ -523,10 +523,10 @@ def test_I2_grpo_from_sft_checkpoint_compares_chat_template_kwargs(tiny_llama, t
         return grpotrl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
                                   max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, **kw)
 
-    real_load = transformers.AutoModelForCausalLM.from_pretrained
+    real_load = transformers.PreTrainedModel.from_pretrained.__func__  # what TRL's create_model_from_path reaches
     loads = []
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or real_load(cls, *a, **k)))
     for kwargs in ({}, {"enable_thinking": True}, None):  # None: TRL's default, renders as thinking on
         with pytest.raises(InvariantError, match=r"(?s)\[I2\].*chat_template_kwargs.*enable_thinking"):
             grpotrl.GRPOTrainer(model=ckpt, reward_funcs=lambda completions, **k: [0.0] * len(completions),
