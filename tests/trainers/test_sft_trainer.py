@@ -554,7 +554,7 @@ def test_I2_sft_from_a_checkpoint_with_another_template_stops_before_loading(tin
     other = AutoTokenizer.from_pretrained(ckpt)
     other.chat_template = _bot_template(other)
     with monkeypatch.context() as m:
-        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+        m.setattr(transformers.PreTrainedModel, "from_pretrained",
                   lambda *a, **k: pytest.fail("the model was loaded before the template check"))
         with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another chat template"):
             grpotrl.SFTTrainer(model=ckpt, args=_sft_args(tmp_path / "2"), processing_class=other,
@@ -604,7 +604,7 @@ def test_I2_grpo_on_checkpoint_with_other_template_stops_before_loading(tiny_lla
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the template check")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)
     with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another chat template"):
         grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(),
                             train_dataset=arithmetic_prompts(), processing_class=other)
