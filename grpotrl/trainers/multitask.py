@@ -148,7 +148,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def _loss_terms(self, model, inputs: dict, coef: float):
         """(full loss, {task: its policy loss}, regulariser); ``coef``, the bonus in force, is for
-        subclasses that rebuild a term (notebook 04's seed regulariser). The full loss is
+        subclasses that rebuild a term (notebook 04's regulariser with the sign flipped). The full loss is
         ``GRPOTrainer._compute_loss`` (guards, health, metrics, the adaptive entropy controller),
         its forward run per task (``_intercept.inject_forward_per_task``). A task's term ``L_k`` is computed from that
         forward's logprobs, its own rows' piece (no new forward, no second call of TRL's loss):

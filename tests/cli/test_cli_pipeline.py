@@ -1,7 +1,7 @@
 """Recipes that run end to end through the CLI, at tiny scale (a random 2-layer policy over the
 SmolLM2 tokenizer, 1-2 steps, 6-token completions):
 
-* the seeds' pipeline: SFT (``sft_quickstart.yaml``), then multi-task GRPO on the shipped
+* the full pipeline: SFT (``sft_quickstart.yaml``), then multi-task GRPO on the shipped
   fairness + hallucination rows scored by two HTTP judges on a real ``transformers serve``
   (SmolLM2 at 127.0.0.1), CAGrad, entropy bonus, health rules
   (``grpo_multitask_judges.yaml``), through ``python -m grpotrl.cli`` and through

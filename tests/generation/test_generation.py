@@ -68,8 +68,8 @@ def test_I5_sampler_logprobs_equal_trainer_logprobs_without_processors(tiny_llam
 
 def test_I5_generation_kwargs_temperature_is_the_logprobs_temperature(tiny_llama, grpo_args):
     """TRL lets generation_kwargs override the sampling temperature and still computes the logprobs at
-    the field's (1.0 here): completions drawn at 0.7 were trained on logprobs at 1.0 (the seeds'
-    "logprobs without temperature"). It becomes the field: the sampler's logprobs, recorded as generate
+    the field's (1.0 here): completions drawn at 0.7 were trained on logprobs at 1.0 (logprobs without
+    the sampling temperature). It becomes the field: the sampler's logprobs, recorded as generate
     went, agree with the loss's."""
     trainer = _train(tiny_llama, grpo_args(temperature=1.0, generation_kwargs={"temperature": 0.7},
                                            hf_importance_sampling_correction=True))

@@ -42,14 +42,14 @@ def test_I6_a_prompt_full_of_the_is_not_penalised(smollm2_tokenizer):
                  RepetitionPenaltyProcessor(1.3, P)):
         assert torch.equal(proc(input_ids, scores), scores)
 
-    # the seed's whole-sequence count, inline: " the" x20 and <|im_end|> x2 in the prompt
+    # a whole-sequence count (prompt included), inline: " the" x20 and <|im_end|> x2 in the prompt
     whole_counts = torch.zeros(V).scatter_add_(0, input_ids[0], torch.ones(P))
     seed = scores[0] - 0.4 * whole_counts
     assert seed[the].item() == pytest.approx(3.0 - 0.4 * 20)  # -5: " the" pushed 8 logits down
     assert seed[EOS].item() == pytest.approx(1.0 - 0.4 * 2)  # eos only 0.8 down
     boost = math.exp((seed[EOS] - seed[the]).item()) / math.exp(1.0 - 3.0)
     assert boost == pytest.approx(math.exp(8.0 - 0.8), rel=1e-4)  # eos ~1340x likelier relative to " the"
-    # the same processor counting from column 0 IS the seed's behaviour
+    # the same processor counting from column 0 is that prompt-counting behaviour
     assert torch.allclose(FrequencyPenaltyProcessor(0.4, prompt_width=0)(input_ids, scores)[0], seed)
     # and transformers' repetition penalty as generate builds it (prompt_ignore_length = left padding = 0 here)
     hf = RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.tensor([0]))(input_ids, scores.clone())

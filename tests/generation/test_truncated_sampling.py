@@ -78,7 +78,7 @@ def test_I5_no_truncation_no_warning(tiny_llama, grpo_args, caplog):
 
 
 class SamplesAtOtherTemperature(Observed):
-    """The seeds' bug: the loss scores at T=0.7 what generate sampled at T=1.3."""
+    """The fault: the loss scores at T=0.7 what generate sampled at T=1.3."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

@@ -120,7 +120,7 @@ class FlippedMultiTask(FlippedLoss, grpotrl.MultiTaskGRPOTrainer):
 
 
 class FlippedRegulariser(grpotrl.MultiTaskGRPOTrainer):
-    """The seed's multi-pass path: the regulariser built with the entropy sign flipped."""
+    """A multi-pass path with the regulariser built with the entropy sign flipped."""
 
     def _loss_terms(self, model, inputs, coef):
         full, tasks, reg = super()._loss_terms(model, inputs, coef)
@@ -129,7 +129,7 @@ class FlippedRegulariser(grpotrl.MultiTaskGRPOTrainer):
 
 
 class EntropyInsideTasks(grpotrl.MultiTaskGRPOTrainer):
-    """The seed's structure: the bonus folded into each task's loss, where CAGrad rescales it."""
+    """The bonus folded into each task's loss, where CAGrad rescales it."""
 
     def _loss_terms(self, model, inputs, coef):
         full, tasks, reg = super()._loss_terms(model, inputs, coef)
