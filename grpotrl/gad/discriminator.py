@@ -35,6 +35,7 @@ its forward and backward take ~40% of the CPU time they took.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -258,15 +259,17 @@ class Discriminator(nn.Module):
 
 
 def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0,
-                       freeze_embeddings: bool = False) -> Discriminator:
-    """``AutoModelForSequenceClassification`` with one output from ``path`` (a causal LM checkpoint
-    works: the backbone is reused, the ``score`` head is new), optionally with a LoRA adapter of
-    rank ``lora_r`` on every linear layer (the head stays fully trainable). ``freeze_embeddings``
-    keeps the input token embeddings as loaded (``requires_grad=False``: no gradient, no optimizer
-    state; GADConfig.discriminator_freeze_embeddings)."""
+                       freeze_embeddings: bool = False, revision: str | None = None,
+                       trust_remote_code: bool = False) -> Discriminator:
+    """``AutoModelForSequenceClassification`` with one output from ``path`` at ``revision`` (a causal
+    LM checkpoint works: the backbone is reused, the ``score`` head is new), optionally with a LoRA
+    adapter of rank ``lora_r`` on every linear layer (the head stays fully trainable).
+    ``freeze_embeddings`` keeps the input token embeddings as loaded (``requires_grad=False``: no
+    gradient, no optimizer state; GADConfig.discriminator_freeze_embeddings)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, revision=revision,
+                                                               trust_remote_code=trust_remote_code)
     model.config.pad_token_id = pad_token_id  # only for HF's own pooling; ours reads the mask
     if freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
@@ -296,6 +299,18 @@ class DiscriminatorReward:
         self.chat_template = chat_template
         self.batch_size = batch_size
         self._end_id: int | None = None  # the template's end-of-turn id, read at first use
+        self._served: list[float] | None = None  # scores a caller already has (``serving``)
+
+    @contextlib.contextmanager
+    def serving(self, scores: torch.Tensor):
+        """Within: a call returns ``scores`` [N] (D's scores of exactly the rows it is called with, which
+        GADTrainer's D step computed) instead of scoring again, so they reach TRL's and grpotrl's reward
+        handling as any reward function's do."""
+        self._served = scores.tolist()
+        try:
+            yield
+        finally:
+            self._served = None
 
     def parts(self, prompts: list[list[dict]], texts: list[str],
               finished: list[bool] | None = None) -> list[tuple[list[int], list[int]]]:
@@ -343,7 +358,9 @@ class DiscriminatorReward:
 
     def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
         """D's scores of the generated responses: of ``completion_ids`` where given (``texts``, ``finished``),
-        else of the ``completions`` text, taken as finished."""
+        else of the ``completions`` text, taken as finished; within ``serving``, the scores served."""
+        if self._served is not None:  # TRL checks there is one per row
+            return self._served
         if completion_ids is None:
             return self.score(self.sequences(prompts, completion_texts(completions))).tolist()
         texts = self.texts(completion_ids)

@@ -362,6 +362,31 @@ def check_teacher_responses(dataset, split: str = "train") -> None:
                              "teacher and student through the chat template (I9), so prompts must be chat messages.")
 
 
+def teacher_responses_over_cap(dataset, tokenizer, max_completion_length: int | None,
+                               split: str = "train") -> str | None:
+    """A warning when teacher responses of ``dataset`` are longer than the student can ever finish: more
+    than ``max_completion_length`` tokens with the end-of-turn token that ends them (the response text
+    tokenized alone, as the student would generate it). The student is cut at the cap and never ends such a
+    response, the teacher's always ends, so D can tell them apart by length alone. None when every response
+    fits, or the dataset cannot be read by column (an IterableDataset)."""
+    if not max_completion_length or dataset is None or "teacher_response" not in (
+            getattr(dataset, "column_names", None) or []) or not hasattr(dataset, "__getitem__"):
+        return None
+    texts = list(dataset["teacher_response"])
+    lengths = [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # + end-of-turn
+    over = [i for i, n in enumerate(lengths) if n > max_completion_length]
+    if not over:
+        return None
+    longest = max(lengths)
+    return (f"{len(over)} of {len(lengths)} teacher responses in the {split!r} split ({len(over) / len(lengths):.0%}) "
+            f"are longer than max_completion_length={max_completion_length} tokens with their end-of-turn token "
+            f"(longest {longest}, e.g. row {over[0]}: {lengths[over[0]]}). The student is cut at "
+            f"{max_completion_length} tokens and never ends such a response, while the teacher's always ends, so the "
+            f"discriminator can tell them apart by length alone. Raise max_completion_length (to {longest} for "
+            f"every response), or drop those rows: dataset.filter(lambda r: len(tokenizer(r['teacher_response'], "
+            f"add_special_tokens=False)['input_ids']) < {max_completion_length}).")
+
+
 def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
     """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
     every row with the teacher's response, the discriminator's starting point."""
@@ -383,9 +408,21 @@ def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
     _check_discriminator(model, args)
 
 
+def discriminator_load_kwargs(model, args) -> dict:
+    """How D loads besides its path, as TRL loads the student and reward models: ``trust_remote_code``
+    (``model_init_kwargs``' own, else ``args.trust_remote_code``) and, where D starts from the student's
+    checkpoint by name, the student's ``model_init_kwargs["revision"]`` (a loaded student's revision is
+    unknown: its config's path at the default revision)."""
+    init = args.model_init_kwargs or {}
+    own_path = args.discriminator_model_name_or_path or not isinstance(model, str)
+    return {"revision": None if own_path else init.get("revision"),
+            "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code)}
+
+
 def _check_discriminator(model, args) -> None:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
-    student's own checkpoint, which must then be loadable by name."""
+    student's own checkpoint at the student's revision (``discriminator_load_kwargs``), which must then be
+    loadable by name."""
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
@@ -395,7 +432,8 @@ def _check_discriminator(model, args) -> None:
     if not student_source:
         raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
                          "discriminator_model_name_or_path (a local directory or a Hub id).")
-    check_model_source(student_source, what="Discriminator model (the student's own checkpoint)")
+    check_model_source(student_source, discriminator_load_kwargs(model, args)["revision"],
+                       what="Discriminator model (the student's own checkpoint)")
 
 
 # ---------------------------------------------------------------------------------------------

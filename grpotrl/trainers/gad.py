@@ -43,6 +43,7 @@ from its output (``--model_name_or_path outputs/smollm2-sft-gad-warmup``).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 
@@ -53,10 +54,12 @@ from ..configs import GADConfig
 from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
 from ..models.dropout import disable_dropout
-from ..preflight import check_gad
+from ..preflight import check_gad, discriminator_load_kwargs, split_name, teacher_responses_over_cap
 from . import _intercept
 from .gad_engine import prepare_discriminator
 from .grpo import GRPOTrainer
+
+logger = logging.getLogger(__name__)
 
 
 class GADTrainer(GRPOTrainer):
@@ -68,9 +71,10 @@ class GADTrainer(GRPOTrainer):
         after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
         ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
         to 0 for good (TRL computes no reference logprobs; the KL is grpotrl.GRPOTrainer's, ``_kl_loss``).
-      * ``_calculate_rewards``: the D step above (``gad_engine``); returns rewards gathered across
-        processes, one column per reward function: ``discriminator`` (and ``kl_penalty``, the method
-        ``kl_reward``, with ``use_kl_in_reward``).
+      * ``_calculate_rewards``: the D step above (``gad_engine``), then grpotrl.GRPOTrainer's rewards with D's
+        column served its scores, so they take TRL's and grpotrl's handling of any reward (a non-finite score,
+        NaN included, counted and made missing); one column per reward function: ``discriminator`` (and
+        ``kl_penalty``, the method ``kl_reward``, with ``use_kl_in_reward``), gathered across processes.
       * ``_generate_and_score_completions``: adds the reference logprobs for the KL loss, which
         grpotrl.GRPOTrainer's ``_compute_loss`` adds (``_kl_loss``). With ``use_bias_correction_kl`` the
         importance ratio is per token, ``exp(logp - old_logp)``, even under ``importance_sampling_level=
@@ -101,8 +105,10 @@ class GADTrainer(GRPOTrainer):
     def __init__(self, model, args: GADConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, **kwargs):
         """``grpotrl.GRPOTrainer.__init__`` with the discriminator's reward as the only reward function, after GAD's
-        own checks (``preflight.check_gad``: teacher column, discriminator source, settings); then the
-        discriminator D is built on the seeded student (``gad_engine``: torch or DeepSpeed).
+        own checks (``preflight.check_gad``: teacher column, discriminator source, settings); then a warning
+        where teacher responses are longer than the student can finish (``teacher_responses_over_cap``), and
+        the discriminator D is built on the seeded student (``gad_engine``: torch or DeepSpeed), at the
+        student's revision where it starts from the student's checkpoint (``discriminator_load_kwargs``).
 
         Raises:
             InputError: bad input, said before any weights load; FSDP (not supported).
@@ -124,6 +130,12 @@ class GADTrainer(GRPOTrainer):
         # so TRL computes no reference logprobs GAD would not use; the loss's are computed below
         self.beta = 0.0
 
+        tok = _intercept.read_tokenizer(self)
+        over_cap = teacher_responses_over_cap(train_dataset, tok, args.max_completion_length,
+                                              split_name(train_dataset, "train"))
+        if over_cap and self.accelerator.is_main_process:  # D would learn length, not the teacher
+            logger.warning(over_cap)
+
         student = self.accelerator.unwrap_model(self.model)
         student = student.get_base_model() if hasattr(student, "get_base_model") else student
         path = args.discriminator_model_name_or_path or getattr(student.config, "_name_or_path", None)
@@ -131,10 +143,9 @@ class GADTrainer(GRPOTrainer):
         # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
         # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
         d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
-        tok = _intercept.read_tokenizer(self)
-        disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype,
-                                  lora_r=args.discriminator_lora_r,
-                                  freeze_embeddings=args.discriminator_freeze_embeddings)
+        disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype, lora_r=args.discriminator_lora_r,
+                                  freeze_embeddings=args.discriminator_freeze_embeddings,
+                                  **discriminator_load_kwargs(model, args))  # the student's revision
         if args.disable_dropout:  # its layers and the attention modules' own dropout
             disable_dropout(disc)
         self._d = prepare_discriminator(self, disc, args.discriminator_learning_rate)  # DDP or DeepSpeed
@@ -148,7 +159,12 @@ class GADTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """D's score of each completion (before this batch's update, I9: read at the last real token), and in
-        training one D step on teacher against student; with ``use_kl_in_reward`` the ``kl_penalty`` column.
+        training one D step on teacher against student; then grpotrl.GRPOTrainer's rewards, D's column served
+        those scores (``DiscriminatorReward.serving``), so they take the handling of any reward function: TRL's
+        (``None`` as NaN, gathered) and grpotrl's (+-inf made missing and counted, the ``nonfinite_reward``
+        rule). D has no "no score": a NaN score is a broken D, served as +inf to be counted (its row is
+        missing either way); with the rule 'off', as it is. With ``use_kl_in_reward`` TRL calls the
+        ``kl_penalty`` column's function.
 
         Returns:
             rewards (torch.Tensor): [N_global, n_funcs], gathered over processes, as TRL's.
@@ -158,11 +174,12 @@ class GADTrainer(GRPOTrainer):
             self._d_reward, inputs, prompts, completion_ids_list, update=self.model.training,
             check_alone=self._guard_now())  # [N], read from the generated ids, without dropout
         self._record_metrics(metrics)
-        columns = [scores]
-        if self.args.use_kl_in_reward:
-            columns.append(torch.tensor(self.kl_reward(prompts, completions, completion_ids_list),
-                                        dtype=torch.float32, device=scores.device))
-        return self.accelerator.gather(torch.stack(columns, dim=1))  # [N_global, n_funcs]
+        if self._nonfinite_reward_action != "off" and torch.isnan(scores).any():
+            logger.warning("The discriminator scored %d of %d responses NaN; counted as non-finite rewards "
+                           "(nonfinite_reward, shown as inf).", int(torch.isnan(scores).sum()), scores.numel())
+            scores = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # [N]
+        with self._d_reward.serving(scores):
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     # ------------------------------------------------------------------ KL to the reference policy
 

@@ -3,7 +3,8 @@ student runs under: one object per way, the same five calls, and the D step on t
 (``_Engine.score_and_step``: score student and teacher responses, step D on the Bradley-Terry loss).
 
 * ``TorchDiscriminator``: single process and DDP. ``accelerator.prepare_model`` (DDP-wrapped when
-  there are several processes) and a plain ``torch.optim.AdamW``, not accelerate's: an
+  there are several processes) and a plain ``torch.optim.AdamW`` (weight decay ``D_WEIGHT_DECAY``
+  under every launch, not the student's ``weight_decay``), not accelerate's: an
   AcceleratedOptimizer skips ``step()`` while the student accumulates gradients, and D steps once
   per generation batch, mid-window.
 * ``DeepSpeedDiscriminator``: ``deepspeed.initialize`` with the student's DeepSpeed config (same
@@ -32,6 +33,11 @@ from ..errors import InputError, InvariantError
 from ..gad.discriminator import bradley_terry_loss, score_tolerance
 from ..models.dropout import has_dropout
 from ..ops.masking import pad_sequences
+
+# D's AdamW weight decay under every launch (torch AdamW's default; DeepSpeed's CPU Adam would default to 0). Not
+# the student's ``weight_decay``: D's optimizer is its own, as its constant ``discriminator_learning_rate`` is.
+D_WEIGHT_DECAY = 0.01
+
 
 def prepare_discriminator(trainer, disc: torch.nn.Module, lr: float):
     return (DeepSpeedDiscriminator if trainer.is_deepspeed_enabled else TorchDiscriminator)(trainer, disc, lr)
@@ -156,7 +162,7 @@ class TorchDiscriminator(_Engine):
         # Fused, like the student's default optimizer (adamw_torch_fused).
         fused = str(getattr(self.args.optim, "value", self.args.optim)).endswith("fused")
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
-                                           fused=fused)
+                                           weight_decay=D_WEIGHT_DECAY, fused=fused)
 
     def accumulate(self, last: bool):
         """DDP averages gradients on the last chunk's backward only."""
@@ -235,9 +241,9 @@ class DeepSpeedDiscriminator(_Engine):
         if offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(params, lr=lr, weight_decay=D_WEIGHT_DECAY, adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(params, lr=lr)
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=D_WEIGHT_DECAY)
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=disc, optimizer=optimizer, config=cfg)
 
     def accumulate(self, last: bool):

@@ -333,8 +333,7 @@ def test_bad_teacher_rows_stop_before_any_model_loads(bad, match, tiny_llama, ga
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the input check")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
-    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)  # every architecture class's
     rows = toy_rows(8)
     if bad.get("teacher_response", "") is None:
         rows = [{k: v for k, v in r.items() if k != "teacher_response"} for r in rows]
@@ -701,7 +700,7 @@ def test_cli_gad_on_data_without_teacher_responses_stops_before_loading(capsys, 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the input check")
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)  # every architecture class's
     with pytest.raises(SystemExit) as exit_:
         cli.main(["gad", "--config", str(RECIPE), "--dataset_name", "quickstart"])
     assert exit_.value.code == 2
