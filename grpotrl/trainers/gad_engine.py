@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
+import math
 import os
 
 import torch
@@ -33,6 +35,8 @@ from ..errors import InputError, InvariantError
 from ..gad.discriminator import bradley_terry_loss, score_tolerance
 from ..models.dropout import has_dropout
 from ..ops.masking import pad_sequences
+
+logger = logging.getLogger(__name__)
 
 # D's AdamW weight decay under every launch (torch AdamW's default; DeepSpeed's CPU Adam would default to 0). Not
 # the student's ``weight_decay``: D's optimizer is its own, as its constant ``discriminator_learning_rate`` is.
@@ -105,15 +109,15 @@ class _Engine:
             student_scores[rows] = s
             teacher_scores[needed] = read[len(rows):]
             sums += torch.stack([loss.detach() * n, (t > s).sum().float(), torch.tensor(len(rows), device=device)])
-        if update:
-            self.step()
-
         stats = torch.cat([sums, torch.stack([teacher_scores.sum(), torch.tensor(float(len(teacher_scores)),
                                                                                   device=device),
                                               student_scores.sum()])])
         total = self.accelerator.gather(stats).view(-1, 6).sum(0).tolist()
-        return student_scores, {"gad/d_loss": total[0] / total[2], "gad/d_acc": total[1] / total[2],
-                                "gad/teacher_score": total[3] / total[4], "gad/student_score": total[5] / total[2]}
+        metrics = {"gad/d_loss": total[0] / total[2], "gad/d_acc": total[1] / total[2],
+                   "gad/teacher_score": total[3] / total[4], "gad/student_score": total[5] / total[2]}
+        if update:  # every process sees the same loss sum, and (after DDP's average) the same gradients
+            metrics["gad/d_step_skipped"] = float(not self.step(finite=math.isfinite(total[0])))
+        return student_scores, metrics
 
     def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, tokenizer) -> None:
         """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
@@ -171,11 +175,23 @@ class TorchDiscriminator(_Engine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> None:
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
+    def step(self, finite: bool = True) -> bool:
+        """One optimizer step on the accumulated gradients, unless the loss (``finite``: its sum over every
+        process) or a gradient is not finite: then the gradients are dropped and D's weights stay as they
+        were (a NaN or inf in D's forward would write NaN into every weight it reaches). Returns whether
+        it stepped."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if finite and grads:
+            finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        if finite:
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.optimizer.step()
+        else:
+            logger.warning("The discriminator's loss or gradients are not finite: its step is skipped and its "
+                           "weights are kept (gad/d_step_skipped).")
         self.optimizer.zero_grad(set_to_none=True)
+        return finite
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights on CPU."""
@@ -253,8 +269,11 @@ class DeepSpeedDiscriminator(_Engine):
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss)  # gradient_accumulation_steps 1: the loss is not rescaled
 
-    def step(self) -> None:
-        self.model.step()  # clips (gradient_clipping), steps and zeroes the gradients
+    def step(self, finite: bool = True) -> bool:
+        """DeepSpeed's step (it clips with ``gradient_clipping``, steps and zeroes the gradients), whatever
+        ``finite`` says: skipping it inside a ZeRO engine is not done here."""
+        self.model.step()
+        return True
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every process calls this: under ZeRO-3 the shards are gathered (a collective)."""

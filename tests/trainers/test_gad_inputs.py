@@ -110,3 +110,28 @@ def test_teacher_responses_over_max_completion_length_are_named_before_training(
         grpotrl.GADTrainer(model=tiny_llama, args=gad_args(max_completion_length=8),
                            train_dataset=Dataset.from_list(rows))
     assert not [r for r in caplog.records if "max_completion_length" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_nonfinite_discriminator_loss_skips_its_step_and_keeps_its_weights(bad, tiny_llama, gad_args):
+    """A NaN or inf in D's forward makes its Bradley-Terry loss and gradients non-finite; stepping on them
+    wrote NaN into D's weights (and into the checkpoint a stop saves). The step is skipped, logged as
+    gad/d_step_skipped 1, and the next step trains D again."""
+    args = gad_args(max_steps=2, health_rule_actions={"nonfinite_reward": "warn"})
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(8)))
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    before = {k: v.detach().clone() for k, v in d.state_dict().items()}
+    forward, calls = d.forward, []
+
+    def first_step_bad(**batch):
+        scores = forward(**batch)  # [rows + teachers]: the first row is a student response's
+        calls.append(1)
+        return torch.cat([scores[:1] * 0 + bad, scores[1:]]) if len(calls) == 1 else scores
+
+    d.forward = first_step_bad
+    trainer.train()
+    skipped = [h["gad/d_step_skipped"] for h in trainer.state.log_history if "gad/d_step_skipped" in h]
+    assert skipped == [1.0, 0.0], skipped
+    after = d.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the second step trained D"
