@@ -182,7 +182,7 @@ class TorchDiscriminator(_Engine):
         it stepped."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if finite and grads:
-            finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+            finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
         if finite:
             if self.args.max_grad_norm and self.args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
