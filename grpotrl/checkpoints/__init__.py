@@ -30,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import time
 import zipfile
 from contextlib import contextmanager
 
@@ -228,10 +229,10 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     earlier = earlier_run_checkpoints(output_dir)
     current = [n for n in names if n not in earlier]
     if not current:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(read_run_file(output_dir)["since"]))
         raise InputError(
             f"resume_from_checkpoint is true but every checkpoint in output_dir {output_dir!r} ({earlier}) belongs "
-            "to an earlier run than the one that last trained there (started "
-            f"{read_run_file(output_dir).get('started', 'at an unrecorded time')}, with overwrite_output_dir or "
+            f"to an earlier run than the one that last trained there (started {since}, with overwrite_output_dir or "
             "without resuming), which saved no checkpoint before it ended; resuming true would continue that last "
             "run. Nothing was deleted. To continue the earlier run, name its checkpoint: --resume_from_checkpoint "
             f"{os.path.join(output_dir, earlier[-1])} (resume_from_checkpoint=... in Python); to start afresh, "

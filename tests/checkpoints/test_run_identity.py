@@ -14,6 +14,7 @@ launch takes ~30 s on 2 cores and is marked slow.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,9 @@ def test_resume_true_never_picks_a_checkpoint_of_an_overwritten_run(tiny_llama, 
                  lambda: resume_checkpoint(True, small(grpo_args, out), "grpo")):
         with pytest.raises(InputError, match=r"resume_from_checkpoint is true but every checkpoint in output_dir "
                                              r".*\(\['checkpoint-1', 'checkpoint-2', 'checkpoint-3'\]\) belongs to an "
-                                             rf"earlier run.*--resume_from_checkpoint {out / 'checkpoint-3'}"):
+                                             rf"earlier run.*--resume_from_checkpoint {out / 'checkpoint-3'}") as err:
             find()
+        assert re.search(r"\(started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d, with overwrite_output_dir", str(err.value)), err.value
     assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     # named explicitly, an earlier run's checkpoint resumes as before
     assert resume_checkpoint(str(out / "checkpoint-3"), small(grpo_args, out), "grpo") == str(out / "checkpoint-3")
