@@ -11,24 +11,26 @@ CLI and the other judges load, and building an ``HttpJudge`` is an ``InputError`
 
 Failure semantics (INVARIANTS I8). Whatever the server or the transport does -- a timeout, a
 dropped connection, an HTTP error, a corrupt or non-UTF-8 body, a body that is not a chat
-completion, a reply over ``max_reply_bytes``, a reply the server cut at ``max_tokens``, a reply
+completion, a reply over ``max_reply_bytes``, a reply that did not end as the judge's own (``finish_reason``
+other than ``stop``: cut at ``max_tokens``, withheld by a content filter, a tool call, anything else), a reply
 without a readable verdict -- that row gets ``None`` (TRL leaves it out of the group baseline),
 never 0 and never an exception out of the reward function; only cancellation and ``JudgeError``
 leave it. Each call logs, through
 TRL's ``log_metric``, ``judge/<name>/missing_share`` (rows without a score),
 ``judge/<name>/failed/<reason>`` (share of rows per reason, ``FAILURE_REASONS``),
-``judge/<name>/http_status`` (the last status; 0 when no whole reply came back) and
+``judge/<name>/http_status`` (the last status this task's requests got; 0 when no whole reply came back) and
 ``judge/<name>/cache_hit_share``, and through ``log_extra`` the end of the judge's reply or the
 failure per row. After ``max_failed_batches`` consecutive calls in which no row got a score,
-``JudgeError`` stops training, naming the judge, the last HTTP status and the last error. The calls
-are counted per task (``tasks.reward_task``): one judge shared by two tasks, of which one always
-fails, stops all the same.
+``JudgeError`` stops training, naming the judge, the last HTTP status and the last error. The calls,
+the last status and the last error are kept per task (``tasks.reward_task``): one judge shared by two
+tasks, of which one always fails, stops all the same, and neither task reports the other's status or error.
 
 The API key. Read from the variable ``api_key_env`` names at each call, sent only as the
 ``Authorization`` header. Server text is redacted (``redact``: the header value and the key,
-whole or any piece of ``PIECE`` = 8 characters or more, as sent or JSON-escaped) before it is cut
-short, so no note, log, error or completion table holds a piece of it, whatever a server echoes.
-A loopback ``base_url`` (``localhost``, 127.0.0.0/8, ``::1``) is asked directly: the environment's
+whole or any piece of ``PIECE`` = 8 characters or more, as sent, JSON-escaped, or JSON-escaped twice as a
+request body quoted in an error's JSON string is) before it is cut short, so no note, log, error or
+completion table holds a piece of it, whatever a server echoes. A loopback ``base_url`` (``localhost`` and
+``*.localhost``, RFC 6761; 127.0.0.0/8, ``::1``) is asked directly: the environment's
 proxy variables, which other hosts follow as httpx does, would hand such a proxy the key. Memory: a
 reply's body is read streamed up to ``max_reply_bytes`` (1 MiB); the cache keeps a score and
 a note of at most ``NOTE_CHARS`` per pair, never a body.
@@ -82,12 +84,24 @@ FAILURE_REASONS = (
     "no_verdict",             # a chat completion without a readable verdict on the rubric's scale
     "truncated",              # a reply the server cut at max_tokens (finish_reason "length"): never read for a
                               # verdict, since the verdict it would have ended with may be missing or cut
+    "filtered",               # finish_reason "content_filter": the server's filter withheld or cut the reply
+    "tool_call",              # finish_reason "tool_calls" / "function_call": a call, no verdict text
+    "unfinished",             # any other finish_reason than those above and _FINISHED: not read for a verdict
 )
+# A reply the judge ended itself: OpenAI's "stop", none given, and TGI's names for it before it wrote "stop".
+# Every other finish_reason gives no score: its reason, or "unfinished" for a value not named here.
+_FINISHED = {None, "stop", "eos_token", "stop_sequence"}
+_UNFINISHED = {"length": "truncated", "content_filter": "filtered", "tool_calls": "tool_call",
+               "function_call": "tool_call"}
+_FINISH_CHARS = 40  # of an unknown finish_reason shown in a note
 # Where a JSON string escape may hide a key from plain search: "\/", "\"", "\\", "\n", ... and "\uXXXX"
-# for any character, which is also the longest (ESCAPED characters for one).
+# for any character, which is also the longest (6 characters for one).
 _JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
 _JSON_SIMPLE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-ESCAPED = 6
+# How many times a key may be JSON-escaped and still be found: twice is a request body a server quotes inside
+# its own JSON error ("\\/", "\\u002f", "\u005cu002f" for "/"). A key escaped three times is not recognised.
+JSON_LEVELS = 2
+ESCAPED = 6 ** JSON_LEVELS  # the most characters one character of a key is written as (\uXXXX at each level)
 
 
 class JudgeError(RuntimeError):
@@ -106,27 +120,34 @@ class _Verdict:
 def redact(text: str, secrets) -> str:
     r"""``text`` with every secret, and every piece of one at least ``PIECE`` characters long, replaced
     by ``<api key>``: a server may echo a key whole, cut, or only its start or end, and as a JSON
-    string it may escape any of its characters (``/`` as ``\/`` or ``\u002f``). Redact BEFORE cutting
-    text short, or a key crossing the cut survives as a fragment. Secrets shorter than ``PIECE`` are
-    replaced whole (from 4 characters on).
+    string it may escape any of its characters (``/`` as ``\/`` or ``\u002f``), up to ``JSON_LEVELS`` times
+    (a request body quoted inside an error's JSON: ``\\/``, ``\\u002f``). Redact BEFORE cutting text short,
+    or a key crossing the cut survives as a fragment. Secrets shorter than ``PIECE`` are replaced whole (from
+    4 characters on).
 
     >>> redact("echo: Bearer sk-abcdefgh12345678, cut: sk-abcdefg...", ["sk-abcdefgh12345678"])
     'echo: Bearer <api key>, cut: <api key>...'
     >>> redact('{"error": "bad key sk\\u002dab\\/cd\\/efgh"}', ["sk-ab/cd/efgh"])
     '{"error": "bad key <api key>"}'
+    >>> redact('{"error": "body: {\\"key\\": \\"sk\\\\u002dab\\\\/cd\\\\/efgh\\"}"}', ["sk-ab/cd/efgh"])
+    '{"error": "body: {\\"key\\": \\"<api key>\\"}"}'
     """
     return _replaced(text, _secret_spans(text, secrets), 0, len(text))
 
 
 def _secret_spans(text: str, secrets) -> list[list[int]]:
     """The ``[start, end)`` runs of ``text`` that are a secret or a piece of one (``redact``), as they are or
-    JSON-escaped, merged, in order."""
+    JSON-escaped up to ``JSON_LEVELS`` times, merged, in order."""
     pieces = {s[i:i + PIECE] for s in secrets if len(s) >= PIECE for i in range(len(s) - PIECE + 1)}
     pieces |= {s for s in secrets if 4 <= len(s) < PIECE}
     spans = _found(text, pieces)
-    if "\\" in text:  # the same pieces in the text read as a JSON string, mapped back to where they are written
-        unescaped, at = _json_unescaped(text)
-        spans += [(at[start], at[end]) for start, end in _found(unescaped, pieces)]
+    decoded, at = text, None
+    for _ in range(JSON_LEVELS):  # the same pieces in the text read as a JSON string, mapped back to where they are
+        if "\\" not in decoded:  # written; then that read as a JSON string again
+            break
+        decoded, inner = _json_unescaped(decoded)
+        at = inner if at is None else [at[i] for i in inner]  # decoded[a] is written at text[at[a]]
+        spans += [(at[start], at[end]) for start, end in _found(decoded, pieces)]
     spans.sort()
     merged: list[list[int]] = []
     for start, end in spans:
@@ -180,22 +201,23 @@ def _excerpt(text: str, secrets, tail: bool = False) -> str:
     """At most ``NOTE_CHARS`` of server text (its start, or its end with ``tail``), redacted before it is cut.
 
     Only a window of the text is searched, never a whole (up to ``max_reply_bytes``) body: the note is taken
-    from the part of the window that no secret can cross out of, one longest secret in from the window's
-    edge, so every secret there lies wholly inside the window and is found. A secret written JSON-escaped is
-    up to ``ESCAPED`` times its length (``\\uXXXX`` per character), which is the length that counts.
+    from the part of the window that no piece of a secret can cross out of, one piece in from the window's
+    edge, so every piece there lies wholly inside the window and is found; redaction goes by pieces, so all of
+    a secret in that part is replaced, however long it is. A piece written JSON-escaped is up to ``ESCAPED``
+    times its ``PIECE`` characters (``\\uXXXX`` per character at each level), which is the length that counts.
 
     >>> _excerpt("x" * 300 + "sk-abcdefgh12345678" + "y" * 5, ["sk-abcdefgh12345678"], tail=True)[-20:]
     'xxxxxx<api key>yyyyy'
     """
-    longest = ESCAPED * max((len(s) for s in secrets), default=0)
-    width = 2 * NOTE_CHARS + longest
+    margin = ESCAPED * PIECE  # the longest a piece is written (a secret shorter than PIECE is one piece)
+    width = 2 * NOTE_CHARS + margin
     if len(text) <= width:
         return (redact(text, secrets)[-NOTE_CHARS:] if tail else redact(text, secrets)[:NOTE_CHARS])
     if tail:
         window = text[-width:]
-        return _replaced(window, _secret_spans(window, secrets), longest, width)[-NOTE_CHARS:]
+        return _replaced(window, _secret_spans(window, secrets), margin, width)[-NOTE_CHARS:]
     window = text[:width]
-    return _replaced(window, _secret_spans(window, secrets), 0, width - longest)[:NOTE_CHARS]
+    return _replaced(window, _secret_spans(window, secrets), 0, width - margin)[:NOTE_CHARS]
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -252,14 +274,14 @@ class HttpJudge:
         rubric: what to ask (``rubrics.FAIRNESS``, ``rubrics.HALLUCINATION`` or your own).
         base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``; no credentials in it
             (``user:password@``, ``?key=``): use ``api_key_env``. A loopback host (``localhost``,
-            127.0.0.0/8, ``::1``) is asked directly, never through the environment's proxy variables
+            ``*.localhost``, 127.0.0.0/8, ``::1``) is asked directly, never through the environment's proxy variables
             (``HTTP_PROXY``, ``ALL_PROXY``, ...); other hosts follow them, and ``NO_PROXY``, as httpx does.
         model: the ``model`` field of each request.
         api_key_env: NAME of the environment variable holding the API key (sent as a bearer
             token). The key is read at each call and kept nowhere: not in the object, its
             repr, its cache keys, logs or errors. Server text that echoes it (whole, or any
-            piece of 8 characters or more, as sent or JSON-escaped) is redacted before it is cut
-            short or kept.
+            piece of 8 characters or more, as sent, JSON-escaped or JSON-escaped twice) is redacted
+            before it is cut short or kept.
         name: metric and reward-column name (default: the rubric's name).
         max_concurrency: requests in flight at once.
         timeout: seconds per attempt, whole request and reply included.
@@ -268,7 +290,11 @@ class HttpJudge:
         max_tokens: the judge's reply, at most this many tokens. A reply the server cut at this
             limit (``finish_reason`` ``"length"``) gives ``None`` (reason ``truncated``), whatever
             verdict lines it holds: the verdict it was to end with may be missing or cut
-            (``VERDICT: 4`` of ``VERDICT: 4.5``, or a verdict revised further on).
+            (``VERDICT: 4`` of ``VERDICT: 4.5``, or a verdict revised further on). Only a reply the
+            judge ended itself is read: ``finish_reason`` ``"stop"`` or none (TGI's older
+            ``"eos_token"`` / ``"stop_sequence"`` too); ``"content_filter"`` gives ``None`` with
+            reason ``filtered``, ``"tool_calls"`` / ``"function_call"`` ``tool_call``, any other
+            value ``unfinished``.
         temperature: the judge's sampling temperature.
         max_failed_batches: consecutive calls without a single score before ``JudgeError``
             (0 never raises), counted per task where the judge scores several (``per_task``,
@@ -307,14 +333,35 @@ class HttpJudge:
         self._cache: OrderedDict[str, tuple[float | None, str, str | None]] = OrderedDict()  # score, note, reason
         self._settings = json.dumps({"url": self.base_url, "model": model, "rubric": rubric.to_dict(),
                                      "max_tokens": max_tokens, "temperature": temperature}, sort_keys=True)
-        self.last_status, self.last_error = None, ""
-        # Consecutive calls without a score, per task (``reward_task``; None when called outside per-task rewards).
+        # Per task (``reward_task``; None when called outside per-task rewards): consecutive calls without a score,
+        # the HTTP status of the last attempt (0: no whole reply) and what went wrong last (``_error``).
         self.failed_batches: Counter[str | None] = Counter()
+        self.last_statuses: dict[str | None, int] = {}
+        self.last_errors: dict[str | None, str] = {}
+        self._last_status, self._last_error = None, ""  # of whichever task met it last
         self.requests = 0  # HTTP attempts sent, retries included
         self.failures = Counter()  # rows without a score so far, by reason (FAILURE_REASONS)
         self._ssl = ssl  # built once: a new client is cheap with it, ~30-70 ms without
         # httpx reads the proxy variables only with trust_env (the TLS context above is built already)
         self._trust_env = not loopback
+
+    @property
+    def last_status(self) -> int | None:
+        """The HTTP status of the judge's last attempt, whichever task it was for (0: no whole reply; None: none
+        yet); a task's own is ``last_statuses[task]``."""
+        return self._last_status
+
+    @property
+    def last_error(self) -> str:
+        """What went wrong last with a row, whichever task it was for (``""``: nothing yet); a task's own is
+        ``last_errors[task]``."""
+        return self._last_error
+
+    def _record(self, task: str | None, status: int, error: str | None) -> None:
+        """An attempt for ``task``: its status, and what went wrong unless ``error`` is None."""
+        self.last_statuses[task] = self._last_status = status
+        if error is not None:
+            self.last_errors[task] = self._last_error = error
 
     def __repr__(self) -> str:
         key = f", api_key_env={self.api_key_env!r}" if self.api_key_env else ""
@@ -328,6 +375,7 @@ class HttpJudge:
     async def __call__(self, prompts, completions, log_metric: Callable | None = None,
                        log_extra: Callable | None = None, **columns) -> list[float | None]:
         n = len(completions)
+        task = reward_task.get()
         rows = _rows(columns, self.rubric, n, self.name)
         messages = [self.rubric.messages(prompt_text(p), completion_text(c), r) if _has_columns(r) else None
                     for p, c, r in zip(prompts, completions, rows, strict=True)]
@@ -342,7 +390,7 @@ class HttpJudge:
                 hits += 1
         todo = {key: m for key, m in zip(keys, messages) if key is not None and key not in verdicts}
         if todo:  # each distinct pair once, even when a group repeats a completion
-            verdicts.update(await self._ask_all(todo))
+            verdicts.update(await self._ask_all(todo, task))
 
         scores = [verdicts[k].score if k is not None else None for k in keys]
         for key, v in verdicts.items():
@@ -359,12 +407,12 @@ class HttpJudge:
             log_metric(f"judge/{self.name}/cache_hit_share", hits / max(n, 1))
             for reason in FAILURE_REASONS:  # every reason every call: TRL averages each over the steps it got
                 log_metric(f"judge/{self.name}/failed/{reason}", reasons[reason] / max(n, 1))
-            if self.last_status is not None:
-                log_metric(f"judge/{self.name}/http_status", float(self.last_status))
+            if task in self.last_statuses:
+                log_metric(f"judge/{self.name}/http_status", float(self.last_statuses[task]))
         if log_extra is not None:
             log_extra(f"judge/{self.name}", [verdicts[k].note if k is not None else "row lacks a rubric column"
                                              for k in keys])
-        self._count_failure(reward_task.get(), [verdicts[k] for k in keys if k is not None])
+        self._count_failure(task, [verdicts[k] for k in keys if k is not None])
         return [self.rubric.normalise(s) if s is not None else None for s in scores]
 
     def _count_failure(self, task: str | None, asked: list[_Verdict]) -> None:
@@ -391,9 +439,20 @@ class HttpJudge:
         if verdict.reason == "truncated":
             return (f"the reply was cut at max_tokens={self.max_tokens} (finish_reason 'length'), so it was not read "
                     f"for a verdict; raise max_tokens or ask for a shorter reply: {verdict.note!r}")
+        if verdict.reason == "filtered":
+            return ("the server's content filter withheld or cut the reply, so it was not read for a verdict; judge "
+                    "this task with a model or deployment whose filter lets its prompts and completions through, or "
+                    f"score it with another reward function: {verdict.note!r}")
+        if verdict.reason == "tool_call":
+            return ("the judge answered with a tool call, not text, so there was no verdict to read; serve the judge "
+                    "without tool calling (no tool parser or tool_choice for it), as grpotrl asks for text only: "
+                    f"{verdict.note!r}")
+        if verdict.reason == "unfinished":
+            return ("the reply ended with a finish_reason other than 'stop', so it was not read for a verdict; see "
+                    f"the server's log for why it stopped: {verdict.note!r}")
         return verdict.note or "none"
 
-    async def _ask_all(self, todo: dict[str, list[dict]]) -> dict[str, _Verdict]:
+    async def _ask_all(self, todo: dict[str, list[dict]], task: str | None) -> dict[str, _Verdict]:
         key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
         headers = {"Authorization": f"Bearer {key}"} if self.api_key_env else {}
         # Every header value sent is a secret, and so is the bare key (redacted whole should it be
@@ -412,13 +471,15 @@ class HttpJudge:
             client = httpx.AsyncClient(headers=headers, limits=limits, timeout=self.timeout, verify=self._ssl,
                                        trust_env=self._trust_env)
         except Exception as err:  # noqa: BLE001
-            self.last_status, self.last_error = 0, _excerpt(f"{type(err).__name__}: {err}", secrets)
-            return {k: _Verdict(None, f"no client: {self.last_error}", "transport") for k in keys}
+            note = f"no client: {_excerpt(f'{type(err).__name__}: {err}', secrets)}"
+            self._record(task, 0, note)
+            return {k: _Verdict(None, note, "transport") for k in keys}
         async with client:
-            results = await asyncio.gather(*(self._ask(client, slots, todo[k], secrets) for k in keys))
+            results = await asyncio.gather(*(self._ask(client, slots, todo[k], secrets, task) for k in keys))
         return dict(zip(keys, results))
 
-    async def _ask(self, client, slots: asyncio.Semaphore, messages: list[dict], secrets: tuple) -> _Verdict:
+    async def _ask(self, client, slots: asyncio.Semaphore, messages: list[dict], secrets: tuple,
+                   task: str | None) -> _Verdict:
         """One row: attempts until a usable answer, a failure not worth repeating, or no retries left."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": self.temperature}
@@ -427,9 +488,8 @@ class HttpJudge:
             async with slots:
                 self.requests += 1
                 verdict, status, retry, retry_after = await self._attempt(client, body, secrets)
-            self.last_status = verdict.status = status
-            if verdict.reason is not None:
-                self.last_error = self._error(verdict)
+            verdict.status = status
+            self._record(task, status, self._error(verdict) if verdict.reason is not None else None)
             if not retry or attempt == self.max_retries:
                 return verdict
             wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
@@ -472,15 +532,24 @@ class HttpJudge:
             return _Verdict(None, note, "undecodable"), status, False, None
         try:
             choice = json.loads(text)["choices"][0]
-            reply = choice["message"]["content"]
-            if not isinstance(reply, str):
+            finish = choice.get("finish_reason")
+            finished = finish is None or (isinstance(finish, str) and finish in _FINISHED)
+            message = choice.get("message")
+            reply = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(reply, str) and finished:  # a call or a filtered reply may have no text
                 raise TypeError(type(reply).__name__)
         except Exception:  # noqa: BLE001 - any body that is not a chat completion
             note = f"HTTP 200 with a body that is not a chat completion: {_excerpt(text, secrets)!r}"
             return _Verdict(None, note, "not_a_chat_completion"), status, False, None
+        if not finished:  # cut, withheld or a call: where the server stopped, not where the judge ended
+            reason = _UNFINISHED.get(finish, "unfinished") if isinstance(finish, str) else "unfinished"
+            tail = _excerpt(reply, secrets, tail=True) if isinstance(reply, str) and reply else "no reply text"
+            # which finish_reason, then the reply's end (for "length", _error names it)
+            note = tail if reason == "truncated" else \
+                f"finish_reason {_excerpt(json.dumps(finish), secrets)[:_FINISH_CHARS]}: {tail}"
+            # The server's own answer to this pair is cached, as a verdict is; an unknown one may be a passing fault.
+            return _Verdict(None, note, reason, cacheable=reason != "unfinished"), status, False, None
         note = _excerpt(reply, secrets, tail=True)
-        if choice.get("finish_reason") == "length":  # the reply is cut where the server stopped, not where it ended
-            return _Verdict(None, note, "truncated", cacheable=True), status, False, None
         score = parse_verdict(reply, self.rubric.low, self.rubric.high)  # a number: nothing of a key in it
         return _Verdict(score, note, "no_verdict" if score is None else None, cacheable=True), status, False, None
 
@@ -551,13 +620,17 @@ def _check_base_url(base_url: str) -> bool:
 
 
 def _is_loopback(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ``::1``, ``::ffff:127.x.y.z``); a host as
-    ``urlsplit`` gives it (lower case, no brackets).
+    """``localhost``, a name under it (``judge.localhost``: RFC 6761 reserves them all for loopback) or a loopback
+    address (127.0.0.0/8, ``::1``, ``::ffff:127.x.y.z``); a host as ``urlsplit`` gives it (no brackets), in any
+    case, with or without the root's trailing dot.
 
-    >>> [_is_loopback(h) for h in ("localhost", "127.0.0.2", "::1", "::ffff:127.0.0.1", "10.0.0.1", "judge.local")]
-    [True, True, True, True, False, False]
+    >>> [_is_loopback(h) for h in ("localhost", "Judge.LOCALHOST.", "127.0.0.2", "::1", "::ffff:127.0.0.1")]
+    [True, True, True, True, True]
+    >>> [_is_loopback(h) for h in ("10.0.0.1", "judge.local", "localhost.example.com", "notlocalhost")]
+    [False, False, False, False]
     """
-    if host.rstrip(".") == "localhost":
+    name = host.rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
         ip = ipaddress.ip_address(host)

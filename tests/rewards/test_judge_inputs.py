@@ -201,12 +201,12 @@ def test_I8_a_large_body_keeps_no_piece_of_the_key_wherever_it_sits(tail):
     """The note comes from a window of a 1 MiB body: a key at every offset across the note's 200-character
     cut and around the window's edges (whole, or cut by the body's end) leaves no 8-character piece of itself
     in the note."""
-    from grpotrl.rewards.judges import ESCAPED
+    from grpotrl.rewards.judges import ESCAPED, PIECE
 
     secrets = (f"Bearer {KEY}", KEY)
     pieces = {KEY[i:i + 8] for i in range(len(KEY) - 7)}
     body = "x" * (1 << 20)
-    edge = 2 * 200 + ESCAPED * len(secrets[0])  # the window: twice the note plus the longest secret, escaped
+    edge = 2 * 200 + ESCAPED * PIECE  # the window: twice the note plus the longest a piece is written
     for at in [*range(0, 200 + 30), *range(edge - 2 * len(KEY) - 30, edge + 30)]:
         text = (body[:len(body) - at] + KEY + "y" * max(at - len(KEY), 0))[-len(body):] if tail else \
             "z" * at + KEY + body
