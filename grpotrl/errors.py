@@ -21,11 +21,15 @@ class InvariantError(RuntimeError):
 
 
 class HealthStop(RuntimeError):
-    """A health rule stopped training; ``checkpoint`` holds the state it saved first: resumable, unless
+    """Health rules stopped training; ``checkpoint`` holds the state they saved first: resumable, unless
     ``resumable`` is False (weights only: a model sharded at load time, whose optimizer state the
-    Trainer cannot save); the message says which."""
+    Trainer cannot save); the message says which. ``rules``: the name of every rule that stopped on this
+    step, in order (``rule`` given as one name or a sequence of names); ``rule``: them joined by ", "."""
 
-    def __init__(self, rule: str, step: int, message: str, checkpoint: str | None = None, resumable: bool = True):
+    def __init__(self, rule: str | tuple[str, ...], step: int, message: str, checkpoint: str | None = None,
+                 resumable: bool = True):
+        self.rules = (rule,) if isinstance(rule, str) else tuple(rule)
+        rule = ", ".join(self.rules)
         self.rule, self.step, self.checkpoint, self.resumable = rule, step, checkpoint, resumable
         how = ("resume_from_checkpoint works" if resumable else
                "weights only, no optimizer or RNG state: it cannot resume this run, only start a new one as "

@@ -109,13 +109,23 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
 
 
 def _missing_rng_states(directory: str, rng: list[str]) -> list[str]:
-    """The RNG files ``directory`` lacks (``rng`` are those it has): each rank's ``rng_state_<rank>.pth``
-    where grpotrl recorded that several processes saved it (``run_lock.checkpoint_record``), else
-    ``rng_state.pth``. Without a record (plain TRL, or ``save_on_each_node``: each node holds its own ranks'
-    files) any one RNG file will do."""
+    """The RNG files ``directory`` lacks (``rng`` are those it has). Every process saves its own
+    ``rng_state_<rank>.pth`` (transformers' ``Trainer._save_rng_state``, not only the saving ones) into its
+    machine's ``output_dir``, and a resume loads each rank's own. So where grpotrl recorded that several
+    processes saved it (``run_lock.checkpoint_record``), each rank's file; under ``save_on_each_node`` each
+    machine's copy holds the files of the ranks on that machine, as recorded (``node_ranks``). One process:
+    ``rng_state.pth``. Without a record (plain TRL, or a ``save_on_each_node`` record without ``node_ranks``)
+    any one RNG file will do."""
     record = checkpoint_record(directory) or {}
-    processes = record.get("processes")
-    if not isinstance(processes, int) or record.get("save_on_each_node"):
+    processes, node_ranks = record.get("processes"), record.get("node_ranks")
+    if isinstance(processes, int) and processes > 1 and record.get("save_on_each_node"):
+        if not (isinstance(node_ranks, list) and node_ranks and all(isinstance(r, int) for r in node_ranks)):
+            return [] if rng else ["no rng_state.pth"]
+        ranks = ", ".join(map(str, node_ranks))
+        return [f"no {name} (save_on_each_node: this machine's copy holds the rng_state_<rank>.pth of its ranks "
+                f"{ranks}, of {processes} processes)"
+                for name in (f"rng_state_{rank}.pth" for rank in node_ranks) if name not in rng]
+    if not isinstance(processes, int):
         return [] if rng else ["no rng_state.pth"]
     if processes <= 1:
         return [] if "rng_state.pth" in rng else ["no rng_state.pth"]

@@ -27,7 +27,9 @@ true`` must not take one of them for its own.
   (``RUN_FILE``: the id and the time the run first wrote there; ``_*``, which push_to_hub leaves out). A run
   resumed from a checkpoint continues that checkpoint's run and keeps its id; any other run gets a new one.
 * Every checkpoint it saves carries the id in ``trainer_state.json`` (``stateful_callbacks``, what the
-  Trainer writes last), with the number of processes that saved it (each saves its ``rng_state_<rank>.pth``).
+  Trainer writes last), with the number of processes that saved it (each saves its ``rng_state_<rank>.pth``)
+  and, with ``save_on_each_node``, the ranks whose RNG files the directory holds: every process writes its own
+  into its machine's ``output_dir``, so each machine's copy holds the ranks that run on that machine.
 * ``checkpoint_record`` reads that record back; ``read_run_file`` the run file (``checkpoints`` decides).
 """
 
@@ -182,12 +184,14 @@ class GrpotrlRun(TrainerCallback, ExportableState):
     ``state()`` at each save), and the id in ``output_dir/RUN_FILE``. The constructor's arguments are the
     state's attributes, so that ``restore_callback_states_from_checkpoint`` can rebuild it."""
 
-    def __init__(self, run: str | None = None, processes: int | None = None, save_on_each_node: bool = False):
+    def __init__(self, run: str | None = None, processes: int | None = None, save_on_each_node: bool = False,
+                 node_ranks: list[int] | None = None):
         self.run, self.processes, self.save_on_each_node = run, processes, save_on_each_node
+        self.node_ranks = node_ranks
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"run": self.run, "processes": self.processes,
-                                           "save_on_each_node": self.save_on_each_node}}
+                                           "save_on_each_node": self.save_on_each_node, "node_ranks": self.node_ranks}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Take the id of the checkpoint this ``train()`` resumed (its state is loaded by now: ``global_step``
@@ -204,9 +208,21 @@ class GrpotrlRun(TrainerCallback, ExportableState):
                 broadcast_object_list(box, from_process=0)
                 run = box[0]
         self.run, self.processes, self.save_on_each_node = run, args.world_size, bool(args.save_on_each_node)
+        self.node_ranks = host_ranks(args.process_index) if self.save_on_each_node and args.world_size > 1 else None
         state.stateful_callbacks[type(self).__name__] = self.state()
         if args.should_save:
             _write_run_file(args.output_dir, run)
+
+
+def host_ranks(process_index: int) -> list[int]:
+    """The ranks that run on this process's machine (its host name), this one among them: the processes whose
+    ``rng_state_<rank>.pth`` land in this machine's ``output_dir`` under ``save_on_each_node``. A collective: every
+    process calls it."""
+    from accelerate.utils import gather_object
+
+    hosts = gather_object([(process_index, socket.gethostname())])  # [(rank, host)] of every process
+    here = dict(hosts)[process_index]
+    return sorted(rank for rank, host in hosts if host == here)
 
 
 def add_run_record(trainer) -> None:
@@ -226,7 +242,8 @@ def _attributes(entry) -> dict | None:
 
 def checkpoint_record(checkpoint: str) -> dict | None:
     """What the run that saved ``checkpoint`` recorded in its ``trainer_state.json``: ``run`` (its id),
-    ``processes`` (how many saved it), ``save_on_each_node``; None when there is no record (plain TRL or
+    ``processes`` (how many saved it), ``save_on_each_node`` and then ``node_ranks`` (the ranks that saved into
+    this machine's copy; absent from older records); None when there is no record (plain TRL or
     transformers, or no readable ``trainer_state.json``: a save cut short)."""
     try:
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:

@@ -6,7 +6,8 @@ Two TRL defaults change, both for the sampled-equals-scored guarantee (I5) and C
 sampled the tokens.
 
 Each config checks its own values once, at construction (``checks``: ranges, TRL's string
-choices, grpotrl's GRPO fields; ``recipe_types``: a value its field's type cannot hold). What
+choices, grpotrl's GRPO fields; ``recipe_types``: a value its field's type cannot hold), after its
+numpy scalars became the Python numbers they print as (``recipe_types.python_numbers``). What
 needs the world (model, data, launch) is the preflight's (``grpotrl.preflight``).
 ``launch.sharded_launch``: DeepSpeed or FSDP, from the config and ``accelerate launch``'s
 environment.
@@ -23,7 +24,7 @@ import trl
 from ..errors import InputError
 from .checks import (HEALTH_ACTIONS, HEALTH_RULES, check_grpotrl_fields, check_ranges, normalize_generation_kwargs,
                      normalize_kl_estimators)
-from .recipe_types import check_config_types
+from .recipe_types import check_config_types, python_numbers
 
 
 def _has_accelerator() -> bool:
@@ -382,6 +383,7 @@ class GRPOConfig(CompiledRolloutFields, KLFields, PaddingFreeFields, MultiTaskFi
     _VALID_DICT_FIELDS = trl.GRPOConfig._VALID_DICT_FIELDS + ["health_rule_actions"]
 
     def __post_init__(self):
+        python_numbers(self)  # np.float32(1e-6) -> 1e-06: checked, and saved, as the Python number
         check_ranges(self)  # before TRL's own __post_init__ divides by num_generations
         check_config_types(self)  # a field set to a value its type cannot hold (bf16=2)
         self._check_own_fields()
@@ -404,7 +406,8 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
     The user's object stays theirs (``trainer.args is args``); its TRL fields and its own fields
     keep their values, TRL's defaults included (``bf16``, ``disable_dropout=False``: I5 is then
     not checked while dropout is active). A grpotrl config was checked when it was made: a no-op.
-    A TRL config is checked here, once (``checks``), and its generation kwargs normalised."""
+    A TRL config is checked here, once (``checks``), its numpy scalars made Python numbers
+    (``recipe_types.python_numbers``) and its generation kwargs normalised."""
     if isinstance(args, config_class):
         return args
     missing = [f for f in fields(config_class) if not hasattr(args, f.name)]
@@ -420,6 +423,7 @@ def complete_grpo_config(args, config_class: type = GRPOConfig):
         args.balance_microbatches = False  # and TRL's grouping of rows into microbatches
     if isinstance(args.health_rule_actions, str):  # JSON from a command line, as TrainingArguments parses its dicts
         args.health_rule_actions = json.loads(args.health_rule_actions)
+    python_numbers(args)  # numpy scalars TRL took (its to_json_string cannot write them)
     check_ranges(args)  # TRL's fields' ranges (entropy_coef >= 0 among them), then grpotrl's own
     normalize_generation_kwargs(args)
     normalize_kl_estimators(args)
@@ -439,6 +443,7 @@ def _checkpointing_by_its_new_name(args) -> None:
 @dataclass
 class SFTConfig(SFTFields, TemplateGuardFields, OutputDirFields, trl.SFTConfig):
     def __post_init__(self):
+        python_numbers(self)
         check_ranges(self)
         check_config_types(self)
         if self.bf16 is None and not self.fp16 and not _has_accelerator():

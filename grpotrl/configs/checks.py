@@ -298,7 +298,14 @@ def normalize_generation_kwargs(args) -> None:
         args.generation_kwargs = {k: v for k, v in kwargs.items() if k not in MIN_LENGTH_KEYS}
 
 
-def _recorded_settings(args) -> dict:
+# why beam sampling cannot run where the sampler's logprobs are recorded (``generation_kwargs`` or the model's own)
+BEAMS_UNRECORDED = ("these settings record the sampler's logprob of every token (the sampler/trainer gap, "
+                    "hf_importance_sampling_correction), but beam sampling draws each token from all beams' "
+                    "accumulated scores and reorders the rows at every step, so no row has a sampler logprob of its "
+                    "own")
+
+
+def recorded_settings(args) -> dict:
     """The settings that put grpotrl's logits processors and its recorder of the sampler's logprobs into each
     transformers ``generate`` call (``generation.sampled_logprobs.generation_extras``), by name, where set."""
     return {name: value for name, value in (
@@ -322,9 +329,10 @@ def _check_generation_settings(args) -> None:
       records the sampler's logprobs: beam search samples each token from every beam's accumulated score and
       reorders its rows at each step, so no row has a sampler logprob to record (the recorder would fail
       after the first rollout, or hand a row another's numbers). Without those settings it is taken, as TRL
-      takes it."""
+      takes it. A ``num_beams`` in the model's own ``generation_config.json`` needs the model: the trainer's
+      preflight refuses it (``preflight.check_grpo``)."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-    recorded = _recorded_settings(args)
+    recorded = recorded_settings(args)
     if args.use_transformers_continuous_batching and recorded:
         raise InputError(
             f"{', '.join(f'{k}={v}' for k, v in recorded.items())} with use_transformers_continuous_batching: "
@@ -337,10 +345,8 @@ def _check_generation_settings(args) -> None:
     if not args.use_vllm and _int(beams) and beams > 1 and recorded:
         raise InputError(
             f"generation_kwargs['num_beams']={beams} with {', '.join(f'{k}={v}' for k, v in recorded.items())}: "
-            "these settings record the sampler's logprob of every token (the sampler/trainer gap, "
-            "hf_importance_sampling_correction), but beam sampling draws each token from all beams' accumulated "
-            "scores and reorders the rows at every step, so no row has a sampler logprob of its own. Drop "
-            "num_beams (GRPO samples each completion on its own), or leave these settings at their defaults.")
+            f"{BEAMS_UNRECORDED}. Drop num_beams (GRPO samples each completion on its own), or leave these settings "
+            "at their defaults.")
     if args.use_vllm and args.hf_importance_sampling_correction:
         raise InputError(
             "hf_importance_sampling_correction=True with use_vllm: it is the transformers generate path's correction. "

@@ -21,6 +21,11 @@ argparse converts neither, so ``reward_weights: [1e-1, 1]`` (YAML 1.1 reads ``1e
 takes one string (``reward_funcs: exact_answer``, argparse's ``nargs``). Any other
 class (``ParallelismConfig``) takes its instances only. An annotation pydantic cannot read passes
 (the config's own checks see it).
+
+``python_numbers`` turns a config's numpy scalars (``np.float32(1e-6)``, ``np.int64(4)``, ``np.bool_``), in
+its fields and the lists and mappings they hold, into the Python numbers they print as, before any check:
+TRL takes them at construction, but ``TrainingArguments.to_json_string`` (the config a run logs and saves)
+cannot write a ``float32``, and the range checks test for Python numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import types
 import typing
 from typing import Annotated
 
+import numpy as np
 import pydantic
 from pydantic import AfterValidator, StrictBool, StrictStr
 
@@ -103,6 +109,42 @@ def check_recipe_env(recipe: dict, path: str) -> None:
             f"HF_HUB_OFFLINE would not make the run offline). Export {'them' if len(late) > 1 else 'it'} before the "
             f"command instead (`{shown} grpotrl ...`, or in the shell or job script that launches it) and remove "
             f"{'them' if len(late) > 1 else 'it'} from env:.")
+
+
+_NUMPY_NUMBERS = (np.bool_, np.integer, np.floating)
+
+
+def _holds_numpy(value) -> bool:
+    """Whether ``value`` is a numpy scalar or holds one, at any depth of lists, tuples and mappings."""
+    if isinstance(value, dict):
+        return any(_holds_numpy(k) or _holds_numpy(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_numpy, value))
+    return isinstance(value, _NUMPY_NUMBERS)
+
+
+def _python_number(value):
+    """``value`` with every numpy scalar in it the Python number numpy prints it as (``np.float32(0.7)`` ->
+    ``0.7``, which is the same float32; ``np.int64(4)`` -> ``4``), in new lists, tuples and dicts."""
+    if isinstance(value, dict):
+        return {_python_number(k): _python_number(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (list if isinstance(value, list) else tuple)(map(_python_number, value))
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    return float(str(value)) if isinstance(value, np.floating) else value
+
+
+def python_numbers(config) -> None:
+    """Every field of ``config`` (a dataclass) that holds a numpy scalar, itself or in a list, tuple or mapping,
+    set to a copy with Python numbers (``_python_number``); the caller's lists and mappings are not changed.
+    This changes ``config``."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if _holds_numpy(value):
+            setattr(config, f.name, _python_number(value))
 
 
 def _bool_string(text: str) -> str:

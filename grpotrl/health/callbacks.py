@@ -20,7 +20,8 @@ rule's default): ``'warn'`` logs a warning (again after every further ``patience
 the condition holds); ``'stop'`` asks the Trainer to save a checkpoint of that step through its own
 ``_save_checkpoint`` and to stop, and once that checkpoint is on disk (``on_save``) raises
 ``grpotrl.HealthStop`` naming the rule, the values, the step and the checkpoint (rules that stop on the same
-step share that checkpoint and one ``HealthStop``, which names each of them with its reason). Whatever the save and
+step share that checkpoint and one ``HealthStop``, which names each of them with its reason; ``rules``: their
+names, in order). Whatever the save and
 evaluation strategies, the stop yields its checkpoint: where the Trainer skips the step's save
 (``save_strategy='best'`` saves only a new best when the step evaluates), the rule saves at the epoch's
 end, which the Trainer reaches right after the stop, before anything else is trained or logged. That save
@@ -148,7 +149,7 @@ class HealthRule(TrainerCallback):
         message = stops[0][2] if len(stops) == 1 else "\n".join(f"{name}: {text}" for name, _, text in stops)
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         resumable = not args.save_only_model or "save_only_model" in stop_save_settings(self.trainer, True)
-        raise HealthStop(", ".join(name for name, _, _ in stops), step, message,
+        raise HealthStop(tuple(name for name, _, _ in stops), step, message,
                          checkpoint if os.path.isdir(checkpoint) else None, resumable)
 
 

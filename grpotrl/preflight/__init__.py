@@ -20,7 +20,8 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    builtin without TRL's keywords); the columns every
    reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too);
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
-   by path, I6 generation settings, settings this trainer would ignore, reward columns empty
+   by path, I6 generation settings, the model's own beam search where the sampler's logprobs are recorded,
+   settings this trainer would ignore, reward columns empty
    everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
 5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, written by a
    model of this run's architecture (``config.json``; LoRA: rank, target modules, base model), the
@@ -37,6 +38,7 @@ from ..chat import templates
 from ..chat.sft_rows import data_format, first_row, tokenize_i2_row
 from ..checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
 from ..configs import GADConfig, sft_option
+from ..configs.checks import BEAMS_UNRECORDED, recorded_settings
 from ..configs.launch import sharded_launch
 from ..data import SPLIT_NAMES
 from ..data.checks import check_dataset, check_prompt_lengths
@@ -125,10 +127,8 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                                         "model_init_kwargs['quantization_config'] asks for")
         check_model_source(model, revision)
         model_id = model
-        gen_config = generation_config(model, revision)
     else:
         model_id = get_config_model_id(model.config) or None
-        gen_config = getattr(model, "generation_config", None)
         if not hasattr(model, "peft_config"):  # a PEFT model trains its adapters
             _refuse_quantized_full_finetune(quantized_bits(model), peft_config, "The model is loaded in")
         pin_quantized_kernels(model)
@@ -141,13 +141,22 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                                                          trust_remote_code=args.trust_remote_code, **sides)
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
-    stop_ids = templates.stop_token_ids(processing_class, gen_config)
+    stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args))
     if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
         check_prompt_lengths(train_dataset, split_name(train_dataset, "train"),
                              getattr(processing_class, "tokenizer", processing_class), model_id, revision,
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
+
+
+def model_generation_config(model, args):
+    """The model's own ``GenerationConfig``, where TRL's ``generate`` finds it: a directory's or Hub id's
+    ``generation_config.json`` (at ``args.model_init_kwargs``' revision), a loaded model's ``generation_config``;
+    None when it has none."""
+    if isinstance(model, str):
+        return generation_config(model, (getattr(args, "model_init_kwargs", None) or {}).get("revision"))
+    return getattr(model, "generation_config", None)
 
 
 def _config_bits(quantization_config) -> int | None:
@@ -247,6 +256,8 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
                          "in task_column), or pass one list of reward functions.")
     _check_reward_models(reward_funcs, args)
     _check_generation_args(args, kwargs)
+    if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate
+        _check_model_beams(args, model_generation_config(model, args), model if isinstance(model, str) else None)
     if not multitask and (args.cagrad != "off" or args.cagrad_c != 0.5):
         raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {trainer_name}, which trains "
                          "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
@@ -304,6 +315,28 @@ def _check_generation_args(args, kwargs: dict) -> None:
         raise InputError("hf_importance_sampling_correction folds the ratio into the advantages, which is not "
                          f"equivalent for loss_type={args.loss_type!r}, whose loss weighs each sequence by the "
                          "ratio itself. Use another loss_type or turn the correction off.")
+
+
+def _check_model_beams(args, gen_config, source: str | None) -> None:
+    """Beam search that the model's own generation config (``gen_config``, read from ``source``) asks for, refused
+    beside the settings that record the sampler's logprobs, as ``generation_kwargs``' ``num_beams`` is
+    (``configs.checks``). TRL builds its ``GenerationConfig`` from its own sampling fields (``max_new_tokens``,
+    ``do_sample``, the stop and pad ids, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``cache_implementation``) and ``generation_kwargs``; transformers' ``generate`` then
+    fills every field left None from the model's, ``num_beams`` among them. So the model's ``num_beams`` runs
+    unless ``generation_kwargs`` sets one. vLLM samples without it."""
+    recorded = recorded_settings(args)
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    beams = getattr(gen_config, "num_beams", None)
+    if args.use_vllm or not recorded or kwargs.get("num_beams") is not None or not isinstance(beams, int) \
+            or beams <= 1:
+        return
+    where = f"generation_config.json of {source}" if source else "generation_config of the model passed"
+    raise InputError(
+        f"num_beams={beams} in the {where} (transformers' generate uses it wherever generation_kwargs sets no "
+        f"num_beams) with {', '.join(f'{k}={v}' for k, v in recorded.items())}: {BEAMS_UNRECORDED}. Pass "
+        "generation_kwargs={'num_beams': 1} (the model's file stays as it is; GRPO samples each completion on its "
+        "own), or leave these settings at their defaults.")
 
 
 def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:

@@ -32,6 +32,7 @@ from ..chat import templates
 from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
+from ..configs.recipe_types import python_numbers
 from ..errors import InvariantError
 from ..guards import due
 from ..guards.ranks import add_rank_agreement
@@ -46,7 +47,8 @@ logger = logging.getLogger(__name__)
 def sft_config(args, model) -> trl.SFTConfig:
     """``args`` as TRL's SFTTrainer would take it: None -> a default config named after the model,
     plain ``TrainingArguments`` -> an SFTConfig with their values (grpotrl's, for its defaults). A TRL
-    ``SFTConfig`` is range-checked here, once (grpotrl's checked itself when it was made)."""
+    ``SFTConfig`` is range-checked here, once, its numpy scalars made Python numbers first (grpotrl's checked
+    itself when it was made)."""
     if args is None:
         name = model if isinstance(model, str) else get_config_model_id(model.config)
         return SFTConfig(f"{name.split('/')[-1]}-SFT")
@@ -55,6 +57,7 @@ def sft_config(args, model) -> trl.SFTConfig:
         values["hub_token"] = args.hub_token  # to_dict hides it
         return SFTConfig(**values)
     if not isinstance(args, SFTConfig):
+        python_numbers(args)  # numpy scalars TRL took (its to_json_string cannot write them)
         check_ranges(args)
     return args
 

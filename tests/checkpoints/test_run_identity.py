@@ -5,8 +5,9 @@
   ``resume_from_checkpoint=True`` never resumes one of them: it takes the newest checkpoint of the current
   run (a resume continues the run it resumes), or, when only an earlier run's checkpoints are there, stops
   with an error naming them. The earlier run may be plain TRL's, which records no run.
-* A checkpoint saved by several processes is complete only with every rank's ``rng_state_<rank>.pth``;
-  one written by a single process, or by plain TRL (no grpotrl record), is checked as before.
+* A checkpoint saved by several processes is complete only with every rank's ``rng_state_<rank>.pth``
+  (under ``save_on_each_node``: every rank on the machine whose copy it is); one written by a single process,
+  or by plain TRL (no grpotrl record), is checked as before.
 
 Tiny random model, 4-token completions, no guards: each run takes a second or two; the two-process
 launch takes ~30 s on 2 cores and is marked slow.
@@ -117,25 +118,31 @@ def test_an_incomplete_checkpoint_of_an_overwritten_run_does_not_block_the_resum
 # Every rank's RNG state
 # ---------------------------------------------------------------------------------------------
 
-def saved_by(checkpoint: Path, processes: int) -> None:
+def saved_by(checkpoint: Path, processes: int, **record) -> None:
     """Make a single process's checkpoint read as rank 0's part of a ``processes``-process save: its RNG file
-    as that rank names it and the record grpotrl's saving processes write into trainer_state.json."""
+    as that rank names it and the record grpotrl's saving processes write into trainer_state.json (``record``:
+    further attributes, ``save_on_each_node`` and ``node_ranks``)."""
     (checkpoint / "rng_state.pth").rename(checkpoint / "rng_state_0.pth")
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    record = state.setdefault("stateful_callbacks", {}).setdefault("GrpotrlRun", {"args": {}, "attributes": {}})
-    record["attributes"]["processes"] = processes
+    entry = state.setdefault("stateful_callbacks", {}).setdefault("GrpotrlRun", {"args": {}, "attributes": {}})
+    entry["attributes"].update(processes=processes, **record)
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+
+def one_step_checkpoint(model, grpo_args, out: Path) -> tuple[Path, tuple[str, ...]]:
+    """A one-step grpotrl run into ``out`` (one process): its ``checkpoint-1`` and the files a resume needs."""
+    args = small(grpo_args, out, max_steps=1, **EVERY_STEP)
+    trainer = trainer_for(model, args)
+    trainer.train()
+    trainer.end()
+    return out / "checkpoint-1", resume_files(args, "grpo")
 
 
 def test_a_checkpoint_needs_the_rng_state_of_every_process_that_saved_it(tiny_llama, grpo_args, tmp_path):
     """A 2-process checkpoint without rank 1's rng_state_1.pth used to pass (any one rng_state file did);
     a resume then restarts rank 1's sampling from a fresh RNG, silently."""
     out = tmp_path / "out"
-    args = small(grpo_args, out, max_steps=1, **EVERY_STEP)
-    trainer = trainer_for(tiny_llama, args)
-    trainer.train()
-    trainer.end()
-    checkpoint, required = out / "checkpoint-1", resume_files(args, "grpo")
+    checkpoint, required = one_step_checkpoint(tiny_llama, grpo_args, out)
     assert checkpoint_problems(str(checkpoint), required) == []
     saved_by(checkpoint, 2)
     assert checkpoint_problems(str(checkpoint), required) == [
@@ -144,6 +151,57 @@ def test_a_checkpoint_needs_the_rng_state_of_every_process_that_saved_it(tiny_ll
         find_last_checkpoint(str(out), required)
     (checkpoint / "rng_state_1.pth").write_bytes((checkpoint / "rng_state_0.pth").read_bytes())
     assert checkpoint_problems(str(checkpoint), required) == []
+
+
+def test_save_on_each_node_needs_the_rng_state_of_every_rank_on_that_machine(tiny_llama, grpo_args, tmp_path):
+    """transformers' Trainer._save_rng_state runs on every process, each writing rng_state_<rank>.pth into its own
+    machine's output_dir, and a resume loads each rank's own file. Under save_on_each_node any one RNG file used
+    to pass: a machine's copy without one of its own ranks' files (a save cut short) resumed that rank from a fresh
+    RNG, silently. Each copy is checked for the ranks recorded as running on its machine, and only those: the
+    second machine's copy holds no rng_state_0.pth, and needs none."""
+    out = tmp_path / "out"
+    checkpoint, required = one_step_checkpoint(tiny_llama, grpo_args, out)
+    saved_by(checkpoint, 2, save_on_each_node=True, node_ranks=[0, 1])  # one machine, two processes
+    assert checkpoint_problems(str(checkpoint), required) == [
+        "no rng_state_1.pth (save_on_each_node: this machine's copy holds the rng_state_<rank>.pth of its ranks "
+        "0, 1, of 2 processes)"]
+    with pytest.raises(InputError, match=r"checkpoint-1' is incomplete: no rng_state_1.pth \(save_on_each_node"):
+        find_last_checkpoint(str(out), required)
+    rank_0 = (checkpoint / "rng_state_0.pth").read_bytes()
+    (checkpoint / "rng_state_1.pth").write_bytes(rank_0)
+    assert checkpoint_problems(str(checkpoint), required) == []
+
+    saved_by_second = json.loads((checkpoint / "trainer_state.json").read_text())  # machine 2 of 2: ranks 2 and 3
+    saved_by_second["stateful_callbacks"]["GrpotrlRun"]["attributes"].update(processes=4, node_ranks=[2, 3])
+    (checkpoint / "trainer_state.json").write_text(json.dumps(saved_by_second))
+    (checkpoint / "rng_state_1.pth").rename(checkpoint / "rng_state_2.pth")
+    (checkpoint / "rng_state_0.pth").unlink()
+    assert checkpoint_problems(str(checkpoint), required) == [
+        "no rng_state_3.pth (save_on_each_node: this machine's copy holds the rng_state_<rank>.pth of its ranks "
+        "2, 3, of 4 processes)"]
+    (checkpoint / "rng_state_3.pth").write_bytes(rank_0)
+    assert checkpoint_problems(str(checkpoint), required) == []  # ranks 0 and 1 are on the other machine
+
+
+def test_each_machine_records_the_ranks_that_run_on_it(monkeypatch):
+    """``host_ranks``: the ranks sharing this process's host name, whatever order the launcher numbered them in
+    (contiguous per machine, or round-robin as Slurm's cyclic distribution); recorded only under
+    save_on_each_node with several processes (the collective is skipped otherwise)."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    from grpotrl.checkpoints import run_lock
+
+    world = [(0, "a"), (1, "b"), (2, "a"), (3, "b")]
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda mine: world)
+    assert run_lock.host_ranks(1) == [1, 3] and run_lock.host_ranks(2) == [0, 2]
+    for each_node, world_size, expected in ((True, 4, [1, 3]), (False, 4, None), (True, 1, None)):
+        args = SimpleNamespace(world_size=world_size, process_index=1, save_on_each_node=each_node, should_save=False,
+                               output_dir="unused")
+        state = SimpleNamespace(global_step=1, stateful_callbacks={"GrpotrlRun": {"attributes": {"run": "r1"}}})
+        run_lock.GrpotrlRun().on_train_begin(args, state, None)
+        assert state.stateful_callbacks["GrpotrlRun"]["attributes"]["node_ranks"] == expected
 
 
 def test_a_plain_trl_checkpoint_is_checked_for_rng_state_as_before(tiny_llama, tmp_path):
@@ -179,10 +237,12 @@ trainer.end()
 
 
 @pytest.mark.slow
-def test_a_two_process_checkpoint_without_rank_1s_rng_state_is_incomplete(tiny_llama, tmp_path):
-    """The same on a checkpoint two processes really saved (``accelerate launch``, DDP over gloo)."""
+@pytest.mark.parametrize("each_node", [False, True])
+def test_a_two_process_checkpoint_without_rank_1s_rng_state_is_incomplete(tiny_llama, tmp_path, each_node):
+    """The same on a checkpoint two processes really saved (``accelerate launch``, DDP over gloo), also under
+    save_on_each_node (one machine: its copy holds both ranks' files)."""
     worker, out = tmp_path / "worker.py", tmp_path / "out"
-    worker.write_text(WORKER)
+    worker.write_text(WORKER.replace("disable_tqdm=True", f"disable_tqdm=True, save_on_each_node={each_node}"))
     root = Path(__file__).resolve().parents[2]
     launch = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
@@ -195,4 +255,6 @@ def test_a_two_process_checkpoint_without_rank_1s_rng_state_is_incomplete(tiny_l
     assert checkpoint_problems(str(checkpoint), ("grpotrl_template.json",)) == []
     (checkpoint / "rng_state_1.pth").unlink()
     assert checkpoint_problems(str(checkpoint), ("grpotrl_template.json",)) == [
+        "no rng_state_1.pth (save_on_each_node: this machine's copy holds the rng_state_<rank>.pth of its ranks "
+        "0, 1, of 2 processes)" if each_node else
         "no rng_state_1.pth (2 processes saved this checkpoint, each its own rng_state_<rank>.pth)"]

@@ -203,6 +203,51 @@ def test_drop_in_fsdp_list_is_taken_and_integral_floats_name_the_integer(tmp_pat
         grpotrl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, max_length=512.0)
 
 
+@pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_print_as(tiny_llama, tmp_path, config):
+    """np.float32(1e-6) as learning_rate was refused as out of range ("it must be a finite number >= 0"); TRL takes
+    numpy scalars at construction, then fails at the first rollout (transformers: temperature np.float32(0.7) "has
+    to be a strictly positive float") or in to_json_string. Every numpy scalar, in a field or inside its list or
+    mapping, becomes the Python number numpy prints (the same float32), and the run trains and saves."""
+    import json
+
+    import numpy as np
+
+    weights, extra = [np.float32(1.0)], {"top_p": np.float32(0.9), "sequence_bias": [[[0], np.float64(5.0)]]}
+    args = config(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                  num_generations=np.int64(4), max_completion_length=6, max_steps=np.int32(1), report_to="none",
+                  save_strategy="steps", save_steps=1, learning_rate=np.float32(1e-6), beta=np.float64(0.04),
+                  temperature=np.float32(0.7), reward_weights=weights, generation_kwargs=extra,
+                  log_completions=np.bool_(False))
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(4))
+    assert (args.learning_rate, args.beta, args.temperature, args.num_generations, args.max_steps) == (1e-6, 0.04, 0.7,
+                                                                                                         4, 1)
+    assert [type(v) for v in (args.learning_rate, args.beta, args.num_generations, args.log_completions)] == \
+        [float, float, int, bool]
+    assert np.float32(args.learning_rate) == np.float32(1e-6)  # the number given, as float32
+    assert args.reward_weights == [1.0] and type(args.reward_weights[0]) is float and type(weights[0]) is np.float32
+    assert type(args.generation_kwargs["top_p"]) is float and type(extra["top_p"]) is np.float32  # the caller's
+    trainer.train()
+    assert trainer.state.global_step == 1 and (tmp_path / "checkpoint-1" / "trainer_state.json").is_file()
+    assert json.loads(args.to_json_string())["learning_rate"] == 1e-6
+
+
+def test_numpy_scalars_in_an_sft_config_are_python_numbers(tmp_path):
+    import json
+
+    import numpy as np
+
+    from grpotrl.trainers.sft import sft_config
+
+    for args in (grpotrl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, learning_rate=np.float32(2e-5),
+                                   max_length=np.int64(64)),
+                 sft_config(trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                          learning_rate=np.float32(2e-5), max_length=np.int64(64)), None)):
+        assert (type(args.learning_rate), type(args.max_length)) == (float, int)
+        assert json.loads(args.to_json_string())["learning_rate"] == 2e-5
+
+
 def test_I6_generation_kwargs_repetition_penalty_is_honoured_response_only(tiny_llama, tmp_path):
     """TRL lets generation_kwargs override repetition_penalty; grpotrl overwrote it with 1.0 on every path
     (its own response-only penalty reads the field). Now it becomes the field, and reaches the processor."""

@@ -90,7 +90,9 @@ def test_a_weights_only_stop_checkpoint_is_not_called_resumable():
     assert stop_save_settings(sharded, stopping=True) == {"save_total_limit": None}
     assert stop_save_settings(SimpleNamespace(), stopping=True) == {"save_total_limit": None, "save_only_model": False}
     assert stop_save_settings(SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[]))) == {}
-    message = str(HealthStop("flat_rewards", 2, "flat.", "/out/checkpoint-2", resumable=False))
+    stop = HealthStop("flat_rewards", 2, "flat.", "/out/checkpoint-2", resumable=False)
+    assert (stop.rules, stop.rule) == (("flat_rewards",), "flat_rewards")  # one rule: a tuple of one
+    message = str(stop)
     assert "resume_from_checkpoint works" not in message
     assert "weights only, no optimizer or RNG state: it cannot resume this run" in message
 

@@ -36,7 +36,8 @@ def test_two_rules_stopping_on_one_step_raise_one_health_stop_naming_both(tiny_l
         trainer.train()
     err = caught.value
     assert saves == [1] and trainer.state.global_step == 1
-    assert err.step == 1 and err.rule == "entropy_collapse, flat_rewards"  # the rules' order in the callbacks
+    assert err.step == 1 and err.rules == ("entropy_collapse", "flat_rewards")  # the rules' order in the callbacks
+    assert err.rule == "entropy_collapse, flat_rewards"  # one string, as before
     text = str(err)
     assert text.startswith("[health: entropy_collapse, flat_rewards] step 1: ")
     assert "entropy_collapse: mean token entropy" in text and "< health_min_entropy=1000000.0" in text

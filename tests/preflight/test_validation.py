@@ -615,3 +615,36 @@ def test_I6_penalties_in_the_multi_turn_loop_are_refused_for_tools_and_environme
                                              r"tool loop"):
             grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, processing_class=tokenizer, args=args,
                                 **kwargs)
+
+
+def test_I5_beam_search_from_the_models_generation_config_is_refused_where_the_sampler_logprobs_are_recorded(
+        tmp_path, tiny_llama, grpo_args, monkeypatch):
+    """TRL builds its GenerationConfig without num_beams, and generate fills it from the model's
+    generation_config.json: a model that asks for beam search ran it beside the recorder of the sampler's
+    logprobs, which failed after the first rollout ("recorded 8 rows, but generate returned 4"). Refused before
+    the load, from a path and from a loaded model; generation_kwargs' num_beams=1 overrides the model's and trains."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model_dir = tmp_path / "beams"
+    shutil.copytree(tiny_llama, model_dir)
+    GenerationConfig(num_beams=2, eos_token_id=2, bos_token_id=1).save_pretrained(model_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir)
+    bias = grpo_args().generation_kwargs
+    with monkeypatch.context() as m:
+        m.setattr(transformers.PreTrainedModel, "from_pretrained",
+                  lambda *a, **k: pytest.fail("the model was loaded before the input was validated"))
+        for model, where in ((str(model_dir), r"generation_config\.json of .*beams"),
+                             (loaded, r"generation_config of the model passed")):
+            with pytest.raises(InputError, match=rf"^num_beams=2 in the {where} \(.*\) with "
+                                                 r"hf_importance_sampling_correction=True: .*no row has a sampler "
+                                                 r"logprob of its own\. Pass generation_kwargs=\{'num_beams': 1\}"):
+                grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=arithmetic_prompts(4),
+                                    args=grpo_args(hf_importance_sampling_correction=True, max_steps=1))
+    trainer = grpotrl.GRPOTrainer(model=str(model_dir), reward_funcs=length_reward, train_dataset=arithmetic_prompts(4),
+                                  args=grpo_args(hf_importance_sampling_correction=True, max_steps=1,
+                                                 per_device_train_batch_size=4, max_completion_length=6,
+                                                 generation_kwargs={**bias, "num_beams": 1}))
+    trainer.train()
+    assert trainer.state.global_step == 1
