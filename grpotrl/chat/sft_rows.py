@@ -1,6 +1,6 @@
-"""SFT rows as TRL reads them: the first row, the dataset's format, the ``chat_template_kwargs`` the
-rows are rendered with, and one conversational prompt-completion row tokenized on the RL template (I2).
-Used by the SFT preflight (I2 on the first row, before any weights load) and by ``SFTTrainer``."""
+"""SFT rows as TRL reads them: the first row, the dataset's format, the ``chat_template_kwargs`` and
+``tools`` the rows are rendered with, and one conversational prompt-completion row tokenized on the RL
+template (I2). Used by the SFT preflight (I2 on the first row, before any weights load) and by ``SFTTrainer``."""
 
 from __future__ import annotations
 
@@ -38,15 +38,36 @@ def kwargs_variants(dataset, fmt: str | None, config_kwargs: dict | None) -> lis
     """Every distinct set of ``chat_template_kwargs`` the rows are rendered with (the config's,
     updated by each row's column, as TRL does); None when no template renders them or a stream's
     rows cannot be read ahead."""
+    base = dict(config_kwargs or {})
+    return _column_variants(dataset, fmt, "chat_template_kwargs", base, lambda kw: {**base, **(kw or {})})
+
+
+def tool_variants(dataset, fmt: str | None) -> list[list[dict] | None] | None:
+    """Every distinct set of tool schemas the rows are rendered with (each row's ``tools``, a list or its
+    JSON, as TRL reads it; None for a row without); None when no template renders them or a stream's rows
+    cannot be read ahead."""
+    return _column_variants(dataset, fmt, "tools", None, _row_tools, sort_keys=False)  # key order is rendered
+
+
+def _row_tools(tools):
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
+def _column_variants(dataset, fmt: str | None, column: str, absent, value, sort_keys: bool = True) -> list | None:
+    """The distinct ``value(row[column])`` over the rows (``[absent]`` without the column), for
+    conversational rows of a dataset that can be read ahead; None otherwise. ``sort_keys=False``: dicts
+    whose keys come in another order are distinct (a template's ``tojson`` writes them in their order)."""
     if fmt not in ("chat_prompt_completion", "chat"):
         return None
-    base = dict(config_kwargs or {})
-    if "chat_template_kwargs" not in get_dataset_column_names(dataset):
-        return [base]
+    if column not in get_dataset_column_names(dataset):
+        return [absent]
     if not isinstance(dataset, Dataset):
         return None
-    seen = {json.dumps({**base, **(kw or {})}, sort_keys=True) for kw in dataset["chat_template_kwargs"]}
-    return [json.loads(s) for s in sorted(seen)]
+    seen: dict[str, object] = {}
+    for v in dataset[column]:
+        v = value(v)
+        seen.setdefault(json.dumps(v, sort_keys=sort_keys), v)
+    return [seen[k] for k in sorted(seen)]
 
 
 def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: dict | None,
@@ -55,8 +76,7 @@ def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: di
     """One conversational prompt-completion row on the RL template, with what TRL renders it with:
     the row's ``tools`` (a list or its JSON) and ``chat_template_kwargs`` over the config's.
     ``end_of_turn``: the template's end-of-turn id, where the sequence ends (computed when not given)."""
-    tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) else tools
+    tools = _row_tools(row.get("tools"))
     kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
     return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
                                           training_template=training_template, tools=tools,

@@ -4,7 +4,8 @@
   ``generation_config.eos_token_id``.
 * ``template_fingerprint``: a hash of what decides prompt tokenization, stored beside every
   checkpoint (``grpotrl_template.json``, ``save_fingerprint``) and compared when RL starts from it
-  (``check_fingerprint``), together with the ``chat_template_kwargs`` the prompts were rendered with.
+  (``check_fingerprint``), together with the ``chat_template_kwargs`` and the ``tools`` the prompts were
+  rendered with (``grpo_tool_sets``: the tools TRL's GRPOTrainer renders).
 * ``tokenize_sft_example``: SFT tokenization of a conversational prompt-completion row whose prefix
   is exactly the RL prompt ids and whose loss covers the response up to its end-of-turn token,
   nothing after.
@@ -13,10 +14,15 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
+import types
+from collections.abc import Mapping
 from typing import Any
+
+from transformers.utils import get_json_schema
 
 from ..errors import InputError, InvariantError
 
@@ -205,12 +211,14 @@ def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[st
 
 
 def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None,
-                     chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True) -> None:
+                     chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True,
+                     tools: list[list[dict] | None] | None = None) -> None:
     """Write ``grpotrl_template.json``: the template's ``sha256``, ``specials`` and ``template``, plus
-    two keys older files lack, which readers then treat as "not recorded": ``chat_template_kwargs``
-    (every distinct set of kwargs the prompts were rendered with; written only when known) and
-    ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows, which no
-    template rendered)."""
+    three keys older files lack, which readers then treat as "not recorded": ``chat_template_kwargs``
+    (every distinct set of kwargs the prompts were rendered with; written only when known), ``tools``
+    (every distinct set of tool schemas the prompts were rendered with, null for none; written only
+    when known) and ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows,
+    which no template rendered)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, FINGERPRINT_FILE + ".tmp")
     record = {**template_fingerprint(tokenizer, chat_template),
@@ -218,9 +226,41 @@ def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = Non
               "trained_on_template": trained_on_template}
     if chat_template_kwargs is not None:
         record["chat_template_kwargs"] = chat_template_kwargs
+    if tools is not None:
+        record["tools"] = tools
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
     os.replace(tmp, os.path.join(output_dir, FINGERPRINT_FILE))
+
+
+def tool_schema_sets(tool_sets: list[list | None]) -> list[list[dict] | None]:
+    """The distinct sets of ``tool_sets`` as JSON schemas, the way a chat template renders them (a dict as
+    it is, a function or method by transformers' ``get_json_schema``, as ``apply_chat_template`` does;
+    None stays None): what ``save_fingerprint`` records."""
+    schemas = [None if tools is None else [t if isinstance(t, dict) else get_json_schema(t) for t in tools]
+               for tools in tool_sets]
+    return list({json.dumps(s): s for s in schemas}.values())  # key order kept: a template's tojson writes it
+
+
+def grpo_tool_sets(tools: list | None, environment_factory=None) -> list[list | None] | None:
+    """The tools ``trl.GRPOTrainer`` renders its prompts with, one list per way (None: no tools, as TRL
+    passes an empty list): ``tools``; with an ``environment_factory`` (or a dict of them), per environment,
+    ``tools`` plus the environment's public methods but ``reset`` and ``get_reward`` (TRL lists them on the
+    class of one instance it creates). Known before any environment exists only where each factory is a
+    class; None otherwise."""
+    tools = list(tools or [])
+    if environment_factory is None:
+        return [tools or None]
+    factories = environment_factory.values() if isinstance(environment_factory, Mapping) else [environment_factory]
+    sets = []
+    for cls in factories:
+        if not inspect.isclass(cls):
+            return None
+        methods = [fn if isinstance(inspect.getattr_static(cls, name), staticmethod) else types.MethodType(fn, cls)
+                   for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+                   if name not in ("reset", "get_reward") and not name.startswith("_")]  # bound: no ``self``
+        sets.append(tools + methods or None)
+    return sets
 
 
 def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> list[int] | None:
@@ -234,12 +274,16 @@ def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> lis
 
 
 def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
-                      revision: str | None = None, chat_template_kwargs: dict | None = None) -> bool:
+                      revision: str | None = None, chat_template_kwargs: dict | None = None,
+                      tool_sets: list[list | None] | None = None) -> bool:
     """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
     an error, and so are ``chat_template_kwargs`` (given: this run's; None: not compared) that render
-    prompts differently from every set the checkpoint recorded. Returns whether a fingerprint was found
-    (a base model without one passes). A checkpoint whose SFT trained on no template (plain text,
-    pre-tokenized rows) has nothing to compare: a warning says so."""
+    prompts differently from every set the checkpoint recorded, and ``tool_sets`` (given: this run's
+    tools, one list or None per way its prompts are rendered, ``grpo_tool_sets``; None: not compared) of which
+    one renders prompts (with this run's kwargs) differently from every set of tools the checkpoint
+    recorded. Returns whether a fingerprint was found (a base model without one passes). A checkpoint
+    whose SFT trained on no template (plain text, pre-tokenized rows) has nothing to compare: a warning
+    says so."""
     from ..models.sources import model_file
 
     path = model_file(model_dir, FINGERPRINT_FILE, revision)
@@ -278,4 +322,42 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
                 f"{tok.decode(mine)!r}\nSet `chat_template_kwargs` to what SFT used (e.g. Qwen3's enable_thinking), "
                 "or `check_template=False` if the change is deliberate.",
             )
+    recorded_tools = saved.get("tools")
+    if tool_sets is not None and recorded_tools:
+        _check_tools(model_dir, tokenizer, chat_template, chat_template_kwargs or {}, recorded_tools, tool_sets)
     return True
+
+
+def _check_tools(model_dir, tokenizer, chat_template, kwargs: dict, recorded: list, tool_sets: list) -> None:
+    """Each of this run's tool sets renders the probe prompt as one of the recorded sets does (I2)."""
+    theirs = [_kwargs_rendering(tokenizer, chat_template, {**kwargs, "tools": t}) for t in recorded]
+    for tools in tool_sets:
+        mine = _kwargs_rendering(tokenizer, chat_template, {**kwargs, "tools": tools or None})
+        if mine is None or mine in theirs:
+            continue
+        closest = max((t for t in theirs if t is not None), key=lambda t: _common_prefix(t, mine), default=[])
+        old, new = _differing_part(_tok(tokenizer), closest, mine)
+        raise InvariantError(
+            "I2",
+            f"The checkpoint {model_dir!r} was trained on prompts rendered with "
+            f"{' or '.join(_tool_names(t) for t in recorded)}; this run renders them with {_tool_names(tools)}, "
+            f"differently:\n  checkpoint: {old!r}\n  now:        {new!r}\nPass the tools SFT rendered its rows "
+            "with (GRPOTrainer's `tools=`, or an `environment_factory` whose methods are those tools), or "
+            "`check_template=False` if the change is deliberate.",
+        )
+
+
+def _differing_part(tok, a: list[int], b: list[int], limit: int = 300) -> tuple[str, str]:
+    """The text of ``a`` and ``b`` between their common prefix and their common suffix (each cut to ``limit``)."""
+    n = _common_prefix(a, b)
+    m = _common_prefix(a[n:][::-1], b[n:][::-1])
+    return tok.decode(a[n:len(a) - m])[:limit], tok.decode(b[n:len(b) - m])[:limit]
+
+
+def _tool_names(tools: list | None) -> str:
+    """``tools [name, ...]``: the functions in ``tools`` (schemas or callables), or ``no tools``."""
+    if not tools:
+        return "no tools"
+    names = [(t.get("function") or t).get("name", "?") if isinstance(t, dict) else getattr(t, "__name__", repr(t))
+             for t in tools]
+    return "tools [" + ", ".join(map(str, names)) + "]"

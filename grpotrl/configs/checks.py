@@ -10,7 +10,9 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
   adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, greedy decoding, which
-  samples no group, beam sampling where the sampler's logprobs are recorded, the KL's placement).
+  samples no group, beam sampling where the sampler's logprobs are recorded, ``generation_kwargs`` under which
+  ``generate`` cannot return one completion per prompt row, the KL's placement). ``UNRUNNABLE_GENERATION`` and
+  ``SAMPLING_CHANGES`` also say what the same fields do in a model's own generation_config.json (``preflight``).
 """
 
 from __future__ import annotations
@@ -305,6 +307,83 @@ BEAMS_UNRECORDED = ("these settings record the sampler's logprob of every token 
                     "own")
 
 
+_ASSISTED = ("turns on assisted decoding, which transformers runs on one row at a time, and TRL generates a batch (a "
+             "ValueError at the first rollout)")
+_FROM_HUB = ("selects a decoding mode transformers 5 runs only as remote code from the Hub, which TRL's generate call "
+             "does not allow (a ValueError at the first rollout)")
+NO_OFF = object()  # no value of the field turns it off: generate fills None from the model's file
+
+# generation_config fields under which transformers' generate, as TRL calls it, cannot return one sampled completion
+# per prompt row (transformers 5.24): field -> (test of a value that is set, what it does, the value that turns it
+# off, or NO_OFF). Refused in generation_kwargs on the transformers path (``_check_generation_settings``), and in the
+# model's own generation_config.json wherever generation_kwargs does not set the field (``preflight``).
+UNRUNNABLE_GENERATION = {
+    "num_return_sequences": (lambda v: _int(v) and v > 1, "makes generate return that many completions per prompt "
+                             "row, while TRL pairs the i-th completion with the i-th prompt (a RuntimeError at the "
+                             "first rollout)", 1),
+    "return_dict_in_generate": (lambda v: v is True, "makes generate return a GenerateDecoderOnlyOutput instead of "
+                                "the token tensor TRL slices (a TypeError at the first rollout)", False),
+    "stop_strings": (lambda v: v is not None, "needs the tokenizer passed to generate, which TRL does not pass (a "
+                     "ValueError at the first rollout); completions stop on the stop token ids", NO_OFF),
+    "token_healing": (lambda v: v is True, "needs the tokenizer passed to generate, which TRL does not pass (a "
+                      "ValueError at the first rollout)", False),
+    "prompt_lookup_num_tokens": (lambda v: v is not None, _ASSISTED, NO_OFF),
+    "assistant_early_exit": (lambda v: v is not None, _ASSISTED, NO_OFF),
+    "use_mtp": (lambda v: v is True, _ASSISTED, False),
+    "dola_layers": (lambda v: v is not None, _FROM_HUB, NO_OFF),
+    "force_words_ids": (lambda v: v is not None, _FROM_HUB, NO_OFF),
+    "constraints": (lambda v: v is not None, _FROM_HUB, NO_OFF),
+    "num_beam_groups": (lambda v: _int(v) and v > 1, _FROM_HUB, 1),
+}
+
+# generation_config fields that change what transformers' generate samples from, beyond GRPOConfig's temperature,
+# top_k, top_p, min_p and grpotrl's own processors (I6), and that TRL's generation config leaves unset, so that
+# generate takes them from the model's generation_config.json (transformers 5.24, ``_get_logits_processor``;
+# ``forced_bos_token_id``, ``remove_invalid_values`` and ``renormalize_logits`` change no sampled token there):
+# field -> (test of a value that is set, what it does, the generation_kwargs value that turns it off, or NO_OFF).
+# Taken, as TRL takes them and as grpotrl takes them in generation_kwargs, with a warning where they come from the
+# model's file (``preflight``).
+SAMPLING_CHANGES = {
+    "min_p": (lambda v: _real(v) and v > 0, "keeps only tokens with a probability of at least min_p times the top "
+              "token's (GRPOConfig's min_p is None: TRL leaves it to the model)", 0.0),
+    "top_h": (lambda v: v is not None, "keeps only the most likely tokens whose entropy reaches top_h of the full "
+              "distribution's", NO_OFF),
+    "typical_p": (lambda v: _real(v) and v < 1, "keeps only the locally typical tokens", 1.0),
+    "epsilon_cutoff": (lambda v: _real(v) and 0 < v < 1, "drops every token of a probability below it", 0.0),
+    "eta_cutoff": (lambda v: _real(v) and 0 < v < 1, "drops every token of a probability below an entropy-dependent "
+                   "cutoff", 0.0),
+    "no_repeat_ngram_size": (lambda v: _int(v) and v > 0, "bans every token that would repeat an n-gram of the "
+                             "prompt and completion", 0),
+    "encoder_no_repeat_ngram_size": (lambda v: _int(v) and v > 0, "bans every token that would repeat an n-gram of "
+                                     "the prompt", 0),
+    "encoder_repetition_penalty": (lambda v: _real(v) and v != 1, "scales the logits of every token of the prompt",
+                                   1.0),
+    "bad_words_ids": (lambda v: v is not None, "bans these token sequences", NO_OFF),
+    "suppress_tokens": (lambda v: bool(v), "never samples these token ids", []),
+    "begin_suppress_tokens": (lambda v: bool(v), "never samples these token ids first", []),
+    "sequence_bias": (lambda v: v is not None, "adds these biases to the logits of these token sequences", NO_OFF),
+    "forced_eos_token_id": (lambda v: v is not None, "forces this token at the last position max_completion_length "
+                            "allows, so no completion is ever truncated", NO_OFF),
+    "min_length": (lambda v: _int(v) and v > 0, "bans the eos ids until prompt and completion together hold that "
+                   "many tokens", 0),
+    "exponential_decay_length_penalty": (lambda v: v is not None, "raises the eos logits more at every token past "
+                                         "its start", NO_OFF),
+    "guidance_scale": (lambda v: _real(v) and v != 1, "mixes into every step the logits of a second forward on the "
+                       "last prompt token alone (classifier-free guidance)", 1.0),
+    "watermarking_config": (lambda v: v is not None, "adds a bias to a pseudo-random green list of tokens at every "
+                            "step (a watermark)", NO_OFF),
+}
+
+
+# a field refused in the model's generation_config.json only: in generation_kwargs it is the user's own time limit
+CUT_SHORT = {
+    "max_time": (lambda v: v is not None, "stops every completion after that many seconds, without a stop token, at "
+                 "a length the machine's speed decides (INVARIANT I4; past the guard steps they train as truncated); a "
+                 "max_time in generation_kwargs is taken as the user's own limit",
+                 NO_OFF),
+}
+
+
 def recorded_settings(args) -> dict:
     """The settings that put grpotrl's logits processors and its recorder of the sampler's logprobs into each
     transformers ``generate`` call (``generation.sampled_logprobs.generation_extras``), by name, where set."""
@@ -330,7 +409,11 @@ def _check_generation_settings(args) -> None:
       reorders its rows at each step, so no row has a sampler logprob to record (the recorder would fail
       after the first rollout, or hand a row another's numbers). Without those settings it is taken, as TRL
       takes it. A ``num_beams`` in the model's own ``generation_config.json`` needs the model: the trainer's
-      preflight refuses it (``preflight.check_grpo``)."""
+      preflight refuses it (``preflight.check_grpo``);
+    * on the transformers path, ``generation_kwargs`` that stop ``generate`` from returning one sampled completion
+      per prompt row (``UNRUNNABLE_GENERATION``: ``num_return_sequences`` > 1, a dict return, stop strings,
+      assisted decoding, the decoding modes transformers runs from the Hub), each of which fails at the first
+      rollout, after the model loaded."""
     kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     recorded = recorded_settings(args)
     if args.use_transformers_continuous_batching and recorded:
@@ -354,6 +437,10 @@ def _check_generation_settings(args) -> None:
             "vllm_importance_sampling_mode / _clip_min / _clip_max) corrects for the sampler's logprobs, and "
             "grpotrl's would correct the same gap a second time, in the advantages. Turn "
             "hf_importance_sampling_correction off (and vllm_importance_sampling_correction on).")
+    for name, (is_set, what, _) in UNRUNNABLE_GENERATION.items():
+        if not args.use_vllm and kwargs.get(name) is not None and is_set(kwargs[name]):
+            raise InputError(f"generation_kwargs['{name}']={kwargs[name]!r} {what}. Drop it from generation_kwargs "
+                             "(GRPO samples num_generations completions of every prompt itself).")
     if "do_sample" in kwargs and not kwargs["do_sample"]:
         raise InputError(f"generation_kwargs['do_sample']={kwargs['do_sample']!r}: greedy decoding, like temperature "
                          f"0, {GREEDY}. Drop do_sample from generation_kwargs (GRPO samples).")

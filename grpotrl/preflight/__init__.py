@@ -20,7 +20,9 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    builtin without TRL's keywords); the columns every
    reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too);
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
-   by path, I6 generation settings, the model's own beam search where the sampler's logprobs are recorded,
+   by path, I6 generation settings, the model's own generation_config.json on the transformers generate path
+   (beam search where the sampler's logprobs are recorded, fields under which generate cannot return one completion
+   per prompt; a warning for fields that change the sampled distribution),
    settings this trainer would ignore, reward columns empty
    everywhere; GAD: the discriminator's source (first); SFT: I2 on the first row;
 5. ``args.resume_from_checkpoint``, when set: complete, LoRA vs full as this run, written by a
@@ -31,6 +33,7 @@ Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -38,7 +41,8 @@ from ..chat import templates
 from ..chat.sft_rows import data_format, first_row, tokenize_i2_row
 from ..checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
 from ..configs import GADConfig, sft_option
-from ..configs.checks import BEAMS_UNRECORDED, recorded_settings
+from ..configs.checks import (BEAMS_UNRECORDED, CUT_SHORT, NO_OFF, SAMPLING_CHANGES, UNRUNNABLE_GENERATION,
+                              recorded_settings)
 from ..configs.launch import sharded_launch
 from ..data import SPLIT_NAMES
 from ..data.checks import check_dataset, check_prompt_lengths
@@ -53,6 +57,7 @@ from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_
 from ..rewards.tasks import per_task
 from .model import check_discriminator_source, check_tokenizer_files
 
+logger = logging.getLogger(__name__)
 _NOT_GIVEN = object()
 CAGRAD_DISTRIBUTED_ERROR = ("cagrad={mode!r} runs in one process or under DDP (accelerate's multi-GPU/multi-CPU); "
                             "DeepSpeed (any ZeRO stage) and FSDP own the gradients it combines and are not "
@@ -185,21 +190,23 @@ class ResumeCheck(NamedTuple):
     checkpoint: str | None
     kind: str  # "sft", "grpo" or "gad": which files a complete checkpoint holds
     chat_template_kwargs: dict | None  # compared with the checkpoint's fingerprint (None: SFT, compared on rows)
+    tool_sets: list | None = None  # the tools prompts are rendered with, compared likewise (templates.grpo_tool_sets)
 
 
 def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None,
-                 given=_NOT_GIVEN, model=None, peft_config=None) -> ResumeCheck:
+                 given=_NOT_GIVEN, model=None, peft_config=None, tool_sets: list | None = None) -> ResumeCheck:
     """Step 5: the resume checkpoint checked complete, written by a model of this run's architecture
     (``model``: its path or Hub id, or the loaded model; None: not compared) and on this run's
-    template; ``given`` defaults to ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)``
-    passes its own)."""
+    template (with ``chat_template_kwargs`` and ``tool_sets``, where given); ``given`` defaults to
+    ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
     given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
     if checkpoint and model is not None:
         _check_resume_architecture(checkpoint, model, args, peft_config)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
-        templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs)
-    return ResumeCheck(given, checkpoint, kind, chat_template_kwargs)
+        templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs,
+                                    tool_sets=tool_sets)
+    return ResumeCheck(given, checkpoint, kind, chat_template_kwargs, tool_sets)
 
 
 def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> None:
@@ -237,9 +244,16 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
     )
     template_kwargs = args.chat_template_kwargs or {}
+    # the tools TRL will render prompts with (None: a factory's, known only once TRL calls it)
+    tool_sets = templates.grpo_tool_sets(kwargs.get("tools"), kwargs.get("environment_factory"))
     if getattr(args, "check_template", True):
-        templates.check_fingerprint(model_id, processing_class, revision=(args.model_init_kwargs or {}).get("revision"),
-                                    chat_template_kwargs=template_kwargs)
+        found = templates.check_fingerprint(model_id, processing_class, chat_template_kwargs=template_kwargs,
+                                            revision=(args.model_init_kwargs or {}).get("revision"),
+                                            tool_sets=tool_sets)
+        if found and tool_sets is None:
+            logger.warning("environment_factory is not a class, so the tools its environments expose are known only "
+                           "once TRL calls it: I2 does not compare them with the tools %s's prompts were rendered "
+                           "with. Pass the environment class itself to have them compared.", model_id)
     if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
         reward_funcs = reward_funcs.resolve()
     check_reward_callables(reward_funcs, getattr(train_dataset, "column_names", None),  # callable as TRL calls them
@@ -257,7 +271,9 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     _check_reward_models(reward_funcs, args)
     _check_generation_args(args, kwargs)
     if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate
-        _check_model_beams(args, model_generation_config(model, args), model if isinstance(model, str) else None)
+        gen_config, source = model_generation_config(model, args), model if isinstance(model, str) else None
+        _check_model_beams(args, gen_config, source)
+        _check_model_generation_fields(args, gen_config, source, processing_class)
     if not multitask and (args.cagrad != "off" or args.cagrad_c != 0.5):
         raise InputError(f"cagrad={args.cagrad!r}, cagrad_c={args.cagrad_c} on {trainer_name}, which trains "
                          "one summed loss and would ignore them: CAGrad needs grpotrl.MultiTaskGRPOTrainer (rows "
@@ -268,7 +284,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     # a reward column empty everywhere (per task: on the task's own rows)
     check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
     resume = check_resume(args, resume_kind, processing_class, _uses_peft(model_in, peft_config),
-                          template_kwargs, model=model, peft_config=peft_config)
+                          template_kwargs, model=model, peft_config=peft_config, tool_sets=tool_sets)
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
         reward_funcs = per_task(reward_funcs, args.task_column)
@@ -337,6 +353,79 @@ def _check_model_beams(args, gen_config, source: str | None) -> None:
         f"num_beams) with {', '.join(f'{k}={v}' for k, v in recorded.items())}: {BEAMS_UNRECORDED}. Pass "
         "generation_kwargs={'num_beams': 1} (the model's file stays as it is; GRPO samples each completion on its "
         "own), or leave these settings at their defaults.")
+
+
+def _model_fields(table: dict, gen_config, kwargs: dict, trl_sets: set) -> dict:
+    """The fields of ``table`` (``configs.checks``' shape) that ``gen_config`` sets and ``generate`` takes from it:
+    neither ``generation_kwargs`` (``kwargs``; None there is filled from the model's too) nor TRL (``trl_sets``)
+    sets them. Name -> (the model's value, what it does, the value that turns it off)."""
+    found = {}
+    for name, (is_set, what, off) in table.items():
+        value = getattr(gen_config, name, None)
+        if value is not None and is_set(value) and kwargs.get(name) is None and name not in trl_sets:
+            found[name] = (value, what, off)
+    return found
+
+
+def _turn_off(name: str, off, source: str | None) -> str:
+    """How to sample without the model's ``name``: ``off`` in ``generation_kwargs``, or (``NO_OFF``: generate
+    fills None from the model's) the field removed from the model's generation config."""
+    if off is not NO_OFF:
+        return f"pass generation_kwargs={{'{name}': {off!r}}} (the model's file stays as it is)"
+    unset = f"set model.generation_config.{name} = None"
+    if source is None:
+        return f"{unset} before passing the model (no generation_kwargs value turns it off)"
+    return (f"remove it from generation_config.json in a copy of {source}, or load the model, {unset} and pass the "
+            "model (no generation_kwargs value turns it off)")
+
+
+def _check_model_generation_fields(args, gen_config, source: str | None, processing_class) -> None:
+    """What the model's own generation config (``gen_config``, read from ``source``) adds to TRL's sampling on the
+    transformers generate path. TRL builds its ``GenerationConfig`` from ``max_new_tokens``, ``do_sample``, the stop
+    and pad ids, ``temperature``, ``top_p``, ``top_k``, ``min_p`` (None unless set), ``repetition_penalty``,
+    ``cache_implementation`` (and a VLM's ``suppress_tokens``), then ``generation_kwargs``; transformers'
+    ``generate`` fills every field still None from the model's (``_prepare_generation_config``, 5.24). So:
+
+    * a field under which ``generate`` cannot return one sampled completion per prompt row
+      (``configs.checks.UNRUNNABLE_GENERATION``: each fails at the first rollout, after the load), or ``max_time``
+      (``CUT_SHORT``): an ``InputError`` naming the field, its value, the file, and how to turn it off;
+    * a field that changes the distribution completions are sampled from (``SAMPLING_CHANGES``): one warning naming
+      each, what it does and how to turn it off. Taken, as TRL takes it and as grpotrl takes the same field in
+      ``generation_kwargs``: a sampling choice like grpotrl's own processors (I6), whose effect the sampler/trainer
+      gap measures where the sampler's logprobs are recorded;
+    * ``min_new_tokens``: on this path grpotrl's field is the one setting (the trainer sets transformers' own to 0),
+      so the model's is not applied: warned where it differs from the field.
+
+    A field ``generation_kwargs`` sets is the user's and is not checked here. vLLM samples with the
+    ``SamplingParams`` TRL builds from its own fields and ``generation_kwargs`` (``trl.generation.vllm_generation``);
+    continuous batching with TRL's generation config as it is (``generate_batch`` fills nothing from the model's).
+    Neither is checked here."""
+    from transformers import ProcessorMixin
+
+    if gen_config is None or args.use_vllm or args.use_transformers_continuous_batching:
+        return
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    trl_sets = {"min_p"} if args.min_p is not None else set()
+    trl_sets |= {"suppress_tokens"} if isinstance(processing_class, ProcessorMixin) else set()  # the image token
+    where = f"generation_config.json of {source}" if source else "generation_config of the model passed"
+    for name, (value, what, off) in _model_fields({**UNRUNNABLE_GENERATION, **CUT_SHORT}, gen_config, kwargs,
+                                                  trl_sets).items():
+        raise InputError(f"{name}={value!r} in the {where} {what}; transformers' generate takes it from there "
+                         f"wherever generation_kwargs does not set {name}. To train, {_turn_off(name, off, source)}.")
+    changes = _model_fields(SAMPLING_CHANGES, gen_config, kwargs, trl_sets)
+    if changes:
+        logger.warning(
+            "The %s changes the distribution completions are sampled from (transformers' generate takes every field "
+            "TRL's generation config leaves unset from it; TRL samples with them too), while the loss scores them "
+            "under softmax(logits / temperature): %s. grpotrl's sampler/trainer gap measures their effect where the "
+            "sampler's logprobs are recorded (hf_importance_sampling_correction corrects the update for it).", where,
+            "; ".join(f"{name}={value!r} {what} (to sample without it, {_turn_off(name, off, source)})"
+                      for name, (value, what, off) in changes.items()))
+    model_min = getattr(gen_config, "min_new_tokens", None)
+    if isinstance(model_min, int) and model_min > 0 and model_min != args.min_new_tokens:
+        logger.warning("min_new_tokens=%d in the %s is not applied: on this path grpotrl's min_new_tokens (now %d) "
+                       "is the one setting, blocking every stop id, with its rate logged. Set min_new_tokens=%d to "
+                       "keep the model's.", model_min, where, args.min_new_tokens, model_min)
 
 
 def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:

@@ -121,7 +121,7 @@ class CheckedResume:
                 use_peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
                 resume_from_checkpoint = check_resume(
                     self.args, done.kind, _intercept.read_tokenizer(self) or self.processing_class, use_peft,
-                    done.chat_template_kwargs, given=resume_from_checkpoint).checkpoint
+                    done.chat_template_kwargs, given=resume_from_checkpoint, tool_sets=done.tool_sets).checkpoint
             else:
                 resume_from_checkpoint = None
             if not overwrite_output_dir:  # before the first checkpoint replaces its log and model

@@ -15,8 +15,8 @@ model's lifetime). The names say which kind each is:
 * ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
   ``set_metrics``, ``set_buffered_inputs``).
 * ``read_*``: returns what TRL keeps in a private field, as it is (nothing is wrapped or written):
-  ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_entropy_bonus``, ``read_metrics``,
-  ``read_buffered_inputs``.
+  ``read_tokenizer``, ``read_is_vlm``, ``read_row_tools``, ``read_tool_sets``, ``read_entropy_bonus``,
+  ``read_metrics``, ``read_buffered_inputs``.
 
 No other module of grpotrl reads or writes a private field of a TRL trainer (``self._x`` that TRL
 sets); the trainers call TRL's private *methods* only as TRL's own hooks (``super()._x``,
@@ -571,6 +571,14 @@ def read_row_tools(trainer, n: int) -> list:
     if trainer.environment_factories is not None:
         return [trainer._env_tools[name] or None for name in trainer._batch_environments]
     return [trainer.tools or None] * n
+
+
+def read_tool_sets(trainer) -> list:
+    """Every set of tools TRL renders prompts with, ``None`` for none: with ``environment_factory``, each
+    environment's own (``_env_tools``), else ``trainer.tools``."""
+    if trainer.environment_factories is not None:
+        return [tools or None for tools in trainer._env_tools.values()]
+    return [trainer.tools or None]
 
 
 EntropyBonus = namedtuple("EntropyBonus", "enabled last_world_entropy")

@@ -187,9 +187,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.generation_kwargs["eos_token_id"] = self.eos_token_ids
             # transformers' repetition penalty counts the prompt: ours (I6) replaces it; its min-new-tokens (from
             # generation_kwargs, which the config made the field) would block first and hide ours, whose rate is logged
+            # (0, not None: generate fills None from the model's generation_config.json; preflight warns of it)
             self.generation_config.repetition_penalty = 1.0
             self.generation_kwargs["repetition_penalty"] = 1.0
-            self.generation_config.min_new_tokens = None
+            self.generation_config.min_new_tokens = 0
             self.generation_kwargs.pop("min_new_tokens", None)
         if self.use_vllm:
             self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,
@@ -910,8 +911,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
                 templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
-                                           self.chat_template,
-                                           chat_template_kwargs=[self.chat_template_kwargs or {}])
+                                           self.chat_template, chat_template_kwargs=[self.chat_template_kwargs or {}],
+                                           tools=templates.tool_schema_sets(_intercept.read_tool_sets(self)))
 
 
 def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:

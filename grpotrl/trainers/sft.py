@@ -29,7 +29,7 @@ from transformers import TrainingArguments
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first
 
 from ..chat import templates
-from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row
+from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row, tool_variants
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
 from ..configs.recipe_types import python_numbers
@@ -74,7 +74,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
       * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
         (``check_sft_labels``).
       * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
-        the ``chat_template_kwargs`` the data was rendered with and whether any template rendered it.
+        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it.
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
         ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
         checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
@@ -115,6 +115,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         self.i2_tokenized = False
         self.stop_token_ids = stop_ids
         self._template_kwargs = kwargs_variants(train_dataset, fmt, sft_option(args, "chat_template_kwargs"))
+        self._template_tools = tool_variants(train_dataset, fmt)
         self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
         self._guard_setup: dict | None = None
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -191,14 +192,14 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                                     num_items_in_batch=num_items_in_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """TRL's, then the chat-template fingerprint (``grpotrl_template.json``: the template, its kwargs, whether
-        SFT trained on it) beside the weights, which GRPO checks (I2). A full disk is a ``DiskFullError``."""
+        """TRL's, then the chat-template fingerprint (``grpotrl_template.json``: the template, its kwargs and tools,
+        whether SFT trained on it) beside the weights, which GRPO checks (I2). A full disk is a ``DiskFullError``."""
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
                 templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
                                            chat_template_kwargs=self._template_kwargs,
-                                           trained_on_template=self._trained_on_template)
+                                           trained_on_template=self._trained_on_template, tools=self._template_tools)
 
 
 def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: list[list[int]] | None = None,

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import trl
-from conftest import arithmetic_prompts, length_reward
+from conftest import CounterEnvironment, arithmetic_prompts, length_reward
 from datasets import Dataset
 
 import grpotrl
@@ -503,7 +503,6 @@ def test_I2_grpo_from_sft_checkpoint_compares_chat_template_kwargs(tiny_llama, t
     """SFT recorded {"enable_thinking": false}; GRPO (Python and CLI) with kwargs that render the prompt
     otherwise stops with I2 before any weights load; with the same kwargs it builds, and its own
     checkpoint records them for the next stage."""
-    import transformers
     from transformers import AutoTokenizer
 
     from grpotrl import cli
@@ -523,10 +522,7 @@ def test_I2_grpo_from_sft_checkpoint_compares_chat_template_kwargs(tiny_llama, t
         return grpotrl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
                                   max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, **kw)
 
-    real_load = transformers.PreTrainedModel.from_pretrained.__func__  # what TRL's create_model_from_path reaches
-    loads = []
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
-                        classmethod(lambda cls, *a, **k: loads.append(a) or real_load(cls, *a, **k)))
+    loads = _count_loads(monkeypatch)
     for kwargs in ({}, {"enable_thinking": True}, None):  # None: TRL's default, renders as thinking on
         with pytest.raises(InvariantError, match=r"(?s)\[I2\].*chat_template_kwargs.*enable_thinking"):
             grpotrl.GRPOTrainer(model=ckpt, reward_funcs=lambda completions, **k: [0.0] * len(completions),
@@ -540,6 +536,109 @@ def test_I2_grpo_from_sft_checkpoint_compares_chat_template_kwargs(tiny_llama, t
     grpo.save_model()
     with open(tmp_path / "grpo" / templates.FINGERPRINT_FILE) as f:
         assert json.load(f)["chat_template_kwargs"] == [no_think]
+
+
+def _tool_sft(tiny_llama, out, tools):
+    """A tokenizer on TRL's Qwen2.5 template (it renders the tools' schemas into the system turn), and the
+    checkpoint ``out/sft`` of an SFT on rows whose ``tools`` column is ``tools(i)``."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = qwen2_5_chat_template
+    rows = [{**r, "tools": tools(i)} for i, r in enumerate(_sft_rows())]
+    sft = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(out), processing_class=tok,
+                             train_dataset=Dataset.from_list(rows))
+    sft.save_model()
+    return tok, sft, str(out / "sft")
+
+
+def _grpo_on(model, out, **kwargs):
+    args = grpotrl.GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4,
+                              max_completion_length=4, max_steps=1, report_to="none", use_cpu=True)
+    prompts = Dataset.from_list([{"prompt": r["prompt"]} for r in _sft_rows(4)])
+    return grpotrl.GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                               args=args, train_dataset=prompts, **kwargs)
+
+
+def _count_loads(monkeypatch) -> list:
+    import transformers
+
+    real_load = transformers.PreTrainedModel.from_pretrained.__func__  # what TRL's create_model_from_path reaches
+    loads = []
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or real_load(cls, *a, **k)))
+    return loads
+
+
+# a tool as GRPOTrainer(tools=...) takes it, and the method of the environment class CounterEnvironment
+MULTIPLY = CounterEnvironment().multiply
+
+
+def test_I2_grpo_without_the_sft_rows_tools_stops_before_loading(tiny_llama, tmp_path, monkeypatch, caplog):
+    """SFT on rows with a ``tools`` column records their schemas; GRPO from that checkpoint without tools
+    stops with I2 before any weights load, naming both and showing the tools block; with the same tools
+    (a callable, or an environment class whose method it is) it builds, and its own checkpoint records
+    them, which a resume compares. A factory that is not a class: a warning that its tools were not compared."""
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(MULTIPLY)
+    tok, _, ckpt = _tool_sft(tiny_llama, tmp_path, lambda i: json.dumps([schema]))
+    loads = _count_loads(monkeypatch)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*with tools \[multiply\]; this run renders them with no "
+                                             r"tools.*checkpoint: '\\n\\n# Tools.*now:        ''.*tools="):
+        _grpo_on(ckpt, tmp_path / "grpo")
+    assert loads == []  # refused before a weight was read
+    with open(os.path.join(ckpt, templates.FINGERPRINT_FILE)) as f:
+        assert json.load(f)["tools"] == [[schema]]
+    _grpo_on(ckpt, tmp_path / "grpo", tools=[MULTIPLY])
+    _grpo_on(ckpt, tmp_path / "grpo", environment_factory=CounterEnvironment).save_model()
+    with open(tmp_path / "grpo" / templates.FINGERPRINT_FILE) as f:
+        assert json.load(f)["tools"] == [[schema]]
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*this run renders them with no tools"):
+        templates.check_fingerprint(str(tmp_path / "grpo"), tok, tool_sets=[None])  # what a resume compares
+    with caplog.at_level(logging.WARNING, logger="grpotrl.preflight"):
+        _grpo_on(ckpt, tmp_path / "grpo", environment_factory=lambda: CounterEnvironment())
+    assert "environment_factory is not a class" in caplog.text
+
+
+def test_I2_grpo_with_tools_the_sft_rows_lacked_stops_before_loading(tiny_llama, tmp_path, monkeypatch):
+    """The reverse: SFT rows without tools (recorded as null), GRPO with them: I2 before any weights load.
+    SFT rows of both kinds record both, and GRPO with or without the tools passes."""
+    from transformers.utils import get_json_schema
+
+    _, sft, ckpt = _tool_sft(tiny_llama, tmp_path, lambda i: None)
+    loads = _count_loads(monkeypatch)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*with no tools; this run renders them with tools "
+                                             r"\[multiply\].*now:        '\\n\\n# Tools"):
+        _grpo_on(ckpt, tmp_path / "grpo", tools=[MULTIPLY])
+    assert loads == []
+    assert sft._template_tools == [None]
+    schema = get_json_schema(MULTIPLY)
+    tok, sft, mixed = _tool_sft(tiny_llama, tmp_path / "mixed", lambda i: json.dumps([schema]) if i % 2 else None)
+    assert sft._template_tools == [[schema], None]
+    for tools in ([None], [[MULTIPLY]]):
+        assert templates.check_fingerprint(mixed, tok, tool_sets=tools)
+
+
+def test_I2_tools_not_recorded_or_not_rendered_pass(tiny_llama, tmp_path):
+    """A fingerprint without ``tools`` (written before they were recorded) compares none, and a template
+    that does not render tools (SmolLM2's ChatML) renders the prompt alike with and without them."""
+    from transformers import AutoTokenizer
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(MULTIPLY)
+    tok, _, ckpt = _tool_sft(tiny_llama, tmp_path, lambda i: json.dumps([schema]))
+    path = os.path.join(ckpt, templates.FINGERPRINT_FILE)
+    with open(path) as f:
+        old = {k: v for k, v in json.load(f).items() if k != "tools"}
+    with open(path, "w") as f:
+        json.dump(old, f)
+    assert templates.check_fingerprint(ckpt, tok, chat_template_kwargs={}, tool_sets=[None])
+    _grpo_on(ckpt, tmp_path / "grpo")
+    chatml = AutoTokenizer.from_pretrained(tiny_llama)
+    templates.save_fingerprint(str(tmp_path / "chatml"), chatml, tools=[[schema]])
+    assert templates.check_fingerprint(str(tmp_path / "chatml"), chatml, tool_sets=[None])
 
 
 def test_I2_sft_from_a_checkpoint_with_another_template_stops_before_loading(tiny_llama, tmp_path, monkeypatch):

@@ -385,6 +385,7 @@ INTERCEPT_FIELDS = {
     "read_tokenizer": {"_tokenizer": [trl.GRPOTrainer.__init__, trl.SFTTrainer.__init__]},
     "read_is_vlm": {"_is_vlm": [trl.GRPOTrainer.__init__, trl.SFTTrainer.__init__]},
     "read_row_tools": {"_env_tools": [trl.GRPOTrainer.__init__], "_batch_environments": [trl.GRPOTrainer]},
+    "read_tool_sets": {"_env_tools": [trl.GRPOTrainer.__init__]},
     "read_entropy_bonus": {"_entropy_bonus_enabled": [trl.GRPOTrainer.__init__],
                            "_last_world_entropy": [trl.GRPOTrainer.__init__]},
     "read_metrics": {"_metrics": [trl.GRPOTrainer.__init__]},
