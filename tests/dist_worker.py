@@ -20,7 +20,8 @@ ZeRO-3 every rank must run as many forwards).
 A method that stops with ``grpotrl.InputError`` or ``InvariantError`` records the message (``"error"``);
 ``grpo_nosync`` is GRPO with the gradient all-reduce skipped (I12 must stop it); ``grpo_nan_rank1`` GRPO whose
 loss turns NaN on rank 1 only (the ``non_finite`` rule must stop both ranks; a ``HealthStop`` is recorded like an
-error, with its ``kind``). ``rank_checks``: the
+error, with its ``kind``); ``gad_nonfinite`` GAD whose discriminator goes non-finite on rank 1 only in its first two
+steps (``d_steps``: D after each step). ``rank_checks``: the
 I12 checks each rank ran.
 All trainers use the same per-device batch size and accumulation, because DeepSpeed's "auto"
 values are filled once per process.
@@ -228,6 +229,36 @@ class NanOnRank1GRPOTrainer(grpotrl.GRPOTrainer):
         return output
 
 
+class NonFiniteDGADTrainer(grpotrl.GADTrainer):
+    """GAD whose discriminator goes non-finite on rank 1 only (method ``gad_nonfinite``), in the loss's forward
+    (gradient enabled; the I9 guard is off): in D's first step the last score, a teacher's, is -inf through a
+    path without gradient (the Bradley-Terry loss is inf, its gradients finite), in its second the gradient
+    reaching every score is NaN (the loss finite). The students' scores, the rewards, stay finite. Records D
+    after each step: whether it stepped, its full-weight and this rank's optimizer checksums (``d_steps``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.d_steps = []
+        self.accelerator.unwrap_model(self._d.model).register_forward_hook(self._poison)  # DeepSpeed: .module
+        step = self._d.step
+
+        def recorded(finite: bool = True) -> bool:
+            stepped = step(finite=finite)
+            self.d_steps.append({"stepped": stepped, **discriminator_state(self)})  # every rank: ZeRO-3 gathers
+            return stepped
+
+        self._d.step = recorded
+
+    def _poison(self, module, inputs, scores):  # scores: [rows + teachers]
+        if self.accelerator.process_index != 1 or not torch.is_grad_enabled() or len(self.d_steps) > 1:
+            return scores
+        if not self.d_steps:
+            return torch.cat([scores[:-1], scores[-1:] * 0 - float("inf")])
+        scores = scores.clone()
+        scores.register_hook(lambda grad: grad * float("nan"))
+        return scores
+
+
 def rank_checks(trainer) -> list:
     """(step, parameters compared, sharded) of each I12 check ``RankAgreement`` ran on this rank."""
     from grpotrl.guards.ranks import RankAgreement
@@ -255,6 +286,11 @@ def run(method: str, model_dir: str, out: str, steps: int) -> tuple:
         cls = NoSyncGRPOTrainer if method == "grpo_nosync" else ProbedGRPOTrainer
         trainer = cls(model=model_dir, reward_funcs=length_reward, args=args,
                                       train_dataset=grpo_prompts(), callbacks=[clock])
+    elif method == "gad_nonfinite":  # D's steps 1 and 2 non-finite, its step 3 not
+        args = grpotrl.GADConfig(**{**common(os.path.join(out, method), 3), "guard_steps": 0},
+                                 discriminator_learning_rate=1e-4, **RL)
+        trainer = NonFiniteDGADTrainer(model=model_dir, args=args, train_dataset=gad_rows(), callbacks=[clock])
+        trainer.d_start = discriminator_state(trainer)
     else:
         trainer = gad_trainer(model_dir, out, steps, clock)
         trainer.d_start = discriminator_state(trainer)
@@ -283,13 +319,18 @@ def discriminator_state(trainer) -> dict:
             "optimizer": float(sum(t.double().sum() for t in tensors)), "optimizer_tensors": len(tensors)}
 
 
+def d_logs(trainer) -> list[dict]:
+    """The gad/* metrics of each logged step."""
+    return [{k: v for k, v in e.items() if k.startswith("gad/")} for e in trainer.state.log_history
+            if "gad/d_loss" in e]
+
+
 def gad_evidence(trainer, model_dir: str, out: str, steps: int) -> dict:
     end = discriminator_state(trainer)
     resumed = gad_trainer(model_dir, out + "-resumed", steps)
     resumed.train(resume_from_checkpoint=os.path.join(out, "gad", "checkpoint-1"))
     return {"d_start": trainer.d_start, "d_end": end, "d_resumed": discriminator_state(resumed),
-            "d_logs": [{k: v for k, v in e.items() if k.startswith("gad/")} for e in trainer.state.log_history
-                       if "gad/d_loss" in e],
+            "d_logs": d_logs(trainer),
             "d_checkpoint_files": sorted(os.listdir(os.path.join(out, "gad", "checkpoint-1", "discriminator")))}
 
 
@@ -344,6 +385,8 @@ def main() -> None:
             evidence["probe"] = trainer.probe
         if method == "gad":
             evidence.update(gad_evidence(trainer, start_dir, a.out, a.steps))
+        if method == "gad_nonfinite":
+            evidence.update(d_start=trainer.d_start, d_steps=trainer.d_steps, d_logs=d_logs(trainer))
         save_dir = os.path.join(a.out, method)
         trainer.save_model(save_dir)  # ZeRO-3: gathers the 16-bit weights on rank 0 (a collective)
         acc.wait_for_everyone()  # the next method loads what rank 0 wrote

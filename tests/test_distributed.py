@@ -15,6 +15,7 @@ GRPOTRL_TEST_DIST_ALL=1: its first run compiles DeepSpeed's cpu_adam op (37 s to
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -189,6 +190,30 @@ def test_gad_resume_restores_the_discriminator_and_its_optimizer(launched):
         assert ev["d_resumed"]["optimizer_tensors"] == ev["d_end"]["optimizer_tensors"] > 0, rank
         assert ev["d_resumed"]["weights"] == pytest.approx(ev["d_end"]["weights"], rel=1e-12), rank
         assert ev["d_resumed"]["optimizer"] == pytest.approx(ev["d_end"]["optimizer"], rel=1e-12), rank
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_gad_nonfinite_discriminator_step_is_skipped_on_every_rank_under_deepspeed(config, tiny_llama, tmp_path):
+    """D goes non-finite on rank 1 only (``dist_worker.NonFiniteDGADTrainer``): an inf loss with finite gradients
+    in its first step (DeepSpeed steps on it: weight decay, Adam's moments), a NaN gradient with a finite loss in
+    its second (DeepSpeed's own overflow check drops it, but nothing said so). Both are skipped on both ranks:
+    D's weights and this rank's optimizer state stay as they started, gad/d_step_skipped reads 1 and the warning
+    is logged; the third step, finite, trains D."""
+    accelerate_launch(config, tmp_path, tiny_llama, "gad_nonfinite")
+    ev = read_evidence(tmp_path, "gad_nonfinite")
+    for rank in (0, 1):
+        e = ev["gad_nonfinite", rank]
+        assert e["error"] is None, e["error"]
+        assert [s["stepped"] for s in e["d_steps"]] == [False, False, True], rank
+        assert [log["gad/d_step_skipped"] for log in e["d_logs"]] == [1.0, 1.0, 0.0], rank
+        start, (first, second, third) = e["d_start"], e["d_steps"]
+        for kept in (first, second):
+            assert (kept["weights"], kept["optimizer"], kept["optimizer_tensors"]) == \
+                (start["weights"], start["optimizer"], start["optimizer_tensors"]), rank
+        assert math.isfinite(third["weights"]) and third["weights"] != start["weights"], rank
+        assert math.isfinite(third["optimizer"]) and third["optimizer_tensors"] > start["optimizer_tensors"], rank
+    assert ev["gad_nonfinite", 0]["d_steps"][2]["weights"] == ev["gad_nonfinite", 1]["d_steps"][2]["weights"]
+    assert Path(tmp_path / "launch0.log").read_text().count("its step is skipped") == 4  # 2 steps x 2 ranks
 
 
 def test_gad_refuses_fsdp_before_loading_a_model(tmp_path, monkeypatch):

@@ -12,6 +12,9 @@ student runs under: one object per way, the same five calls, and the D step on t
   (DeepSpeed's CPU Adam when the optimizer is offloaded), ``train_micro_batch_size_per_gpu`` one
   scoring chunk, and the accumulation boundary set by the caller (the last chunk of a D step).
 
+Both skip a D step whose loss (summed over processes) or gradients are not finite, keeping D's weights
+and optimizer state, and log ``gad/d_step_skipped``.
+
 D's update is chunked: ``accumulate(last)`` around each chunk's forward and ``backward``, then
 one ``step()``. Checkpoints (``discriminator/`` in ``checkpoint-N``): the full weights
 ``model.safetensors`` (ZeRO-3 shards gathered), and the optimizer state, ``optimizer.pt`` or
@@ -214,6 +217,21 @@ class TorchDiscriminator(_Engine):
             group["lr"] = self.lr
 
 
+@contextlib.contextmanager
+def _update_held(optimizer: torch.optim.Optimizer):
+    """Inside, ``optimizer.step()`` changes nothing (no weight, no moment, no step count): DeepSpeed's step
+    around it still runs (drops its gradient buffers, copies the unchanged master weights back)."""
+    own = vars(optimizer).get("step")  # a step of the instance's own (an LR scheduler wraps it so), else the class's
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
+
+
 def deepspeed_config(student_config: dict, micro_batch: int, world_size: int, max_grad_norm: float,
                      hidden_size: int | None) -> dict:
     """D's DeepSpeed config from the student's: the same ZeRO stage, precision and offload; D's own
@@ -239,6 +257,8 @@ def deepspeed_config(student_config: dict, micro_batch: int, world_size: int, ma
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") == "auto":
             raise InputError(f"The DeepSpeed config's {key}.enabled is still 'auto' when the GAD discriminator is "
                              "set up; set it to true or false.")
+    if isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled"):
+        cfg["bf16"]["check_grad_overflow"] = True  # D's step is skipped on a non-finite gradient norm (``step``)
     return cfg
 
 
@@ -260,7 +280,10 @@ class DeepSpeedDiscriminator(_Engine):
             optimizer = DeepSpeedCPUAdam(params, lr=lr, weight_decay=D_WEIGHT_DECAY, adamw_mode=True)
         else:
             optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=D_WEIGHT_DECAY)
+        self.base_optimizer = optimizer  # the one DeepSpeed's ZeRO/bf16 wrapper steps on its master weights
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=disc, optimizer=optimizer, config=cfg)
+        # no ZeRO, no bf16/fp16: DeepSpeed steps the optimizer as it is, with no check of the gradient norm
+        self.unchecked = self.stage == 0 and not (self.model.bfloat16_enabled() or self.model.fp16_enabled())
 
     def accumulate(self, last: bool):
         self.model.set_gradient_accumulation_boundary(last)
@@ -270,10 +293,37 @@ class DeepSpeedDiscriminator(_Engine):
         self.model.backward(loss)  # gradient_accumulation_steps 1: the loss is not rescaled
 
     def step(self, finite: bool = True) -> bool:
-        """DeepSpeed's step (it clips with ``gradient_clipping``, steps and zeroes the gradients), whatever
-        ``finite`` says: skipping it inside a ZeRO engine is not done here."""
-        self.model.step()
-        return True
+        """DeepSpeed's step (it clips with ``gradient_clipping``, steps and zeroes the gradients), skipped as the
+        torch engine's is where the loss (``finite``: its sum over every process) or a gradient is not finite;
+        every process takes the same decision. A non-finite gradient: ZeRO-1/2/3 and DeepSpeed's bf16 and fp16
+        optimizers skip the step themselves from the global norm they compute anyway (``bf16.check_grad_overflow``
+        is set in D's config, ``deepspeed_config``), reported by ``was_step_applied()``; without ZeRO in fp32 no
+        wrapper checks, so the gradients are read here (whole on every process there: no extra communication).
+        A non-finite loss whose gradients are finite would still step (weight decay and Adam's moments move):
+        that step still runs ``engine.step()``, so that DeepSpeed drops the gradients it holds (partitioned,
+        offloaded) and ends its accumulation, with the wrapped optimizer's update held: D's weights and
+        optimizer state stay as they were. Returns whether it stepped."""
+        if finite and self.unchecked:
+            finite = self._gradients_finite()
+        if finite:
+            self.model.step()
+            finite = self.model.was_step_applied()
+        else:
+            with _update_held(self.base_optimizer):
+                self.model.step()
+        if not finite:
+            logger.warning("The discriminator's loss or gradients are not finite: its step is skipped and its "
+                           "weights are kept (gad/d_step_skipped).")
+        return finite
+
+    def _gradients_finite(self) -> bool:
+        """Whether D's gradients (whole on every process: no ZeRO) are finite on every process (a collective of
+        one number)."""
+        grads = [p.grad for p in self.model.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        bad = (~torch.isfinite(norm)).float().reshape(1).to(self.accelerator.device)  # [1]
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bad.item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every process calls this: under ZeRO-3 the shards are gathered (a collective)."""
