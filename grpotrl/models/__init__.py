@@ -117,6 +117,8 @@ def resolve_model_path(name_or_path: str) -> str:
             _convert_gguf(gguf, alias, tmp)
             (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+            for written in tmp.iterdir():  # and so are its files (transformers saves the weights owner-only)
+                os.chmod(written, 0o644)
             _fsync_tree(tmp)  # on disk before the rename makes it the cache: a crash leaves no truncated file
             _swap_in(tmp, where)
         finally:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,14 @@ def test_alias_resolves_to_checkpoint_inside_cache(cache_root, converted):
     names = {p.name for p in (cache_root / "models").iterdir()}
     # only the checkpoint and its lock: no temporary directory is left behind
     assert names == {ALIAS, ALIAS + ".lock"}
+
+
+def test_cache_is_readable_as_an_ordinary_directory(converted):
+    """transformers saved the weights owner-only (0600) while the directory and the other files were readable:
+    a cache shared through GRPOTRL_CACHE failed to load for every other user with a permission error."""
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(converted).iterdir()}
+    assert stat.S_IMODE(Path(converted).stat().st_mode) == 0o755
+    assert all(mode == 0o644 for mode in modes.values()), modes
 
 
 def test_second_call_reuses_cache(cache_root, converted):
