@@ -2,7 +2,8 @@
 
 ``completions`` holds what the trainer generated, without prompt text (I3): for a
 conversational dataset each completion is a list of one assistant message
-``[{"role": "assistant", "content": "12"}]``, otherwise a plain string. Dataset columns
+``[{"role": "assistant", "content": "12"}]`` (with tools, the tool loop's assistant and tool
+messages; a rule reads the assistant's text only, ``completion_text``), otherwise a plain string. Dataset columns
 other than ``prompt`` arrive as keyword lists (``answer`` for the quickstart data). A reward
 of ``None`` means "no reward for this sample" (TRL skips it), never a silent 0.
 """
@@ -16,14 +17,30 @@ _ONLY_A_NUMBER = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*$")
 
 
 def completion_text(completion) -> str:
-    """The generated text of one completion, conversational or plain.
+    r"""The generated text of one completion, conversational or plain: the content of its assistant
+    messages, one line each (a tool loop's turns); a tool's reply is not the model's text and is
+    left out, and content given as parts keeps its text parts.
 
     >>> completion_text([{"role": "assistant", "content": " 12"}]), completion_text("12")
     (' 12', '12')
+    >>> call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add"}}]}
+    >>> completion_text([call, {"role": "tool", "name": "add", "content": "12"}])  # cut after the tool's reply
+    ''
+    >>> completion_text([{"role": "assistant", "content": "It is 1"}, {"role": "tool", "content": "x"},
+    ...                  {"role": "assistant", "content": [{"type": "text", "text": "2 apples"}]}])
+    'It is 1\n2 apples'
     """
     if isinstance(completion, str):
         return completion
-    return "".join(message["content"] for message in completion)
+    turns = []
+    for message in completion:
+        if message.get("role", "assistant") != "assistant":
+            continue
+        content = message.get("content") or ""
+        if not isinstance(content, str):  # parts: [{"type": "text", "text": ...}, {"type": "image"}, ...]
+            content = "".join(part.get("text") or "" for part in content if part.get("type") == "text")
+        turns.append(content)
+    return "\n".join(turn for turn in turns if turn)
 
 
 def exact_answer_reward(completions, answer: list[str], **kwargs) -> list[float | None]:

@@ -17,7 +17,8 @@ step and round, the same on every process), not from the next batches of the epo
 that stays short after the cap trains on fewer rows; a few rows without a gradient stay when
 needed so that every process keeps as many rows and the batch splits evenly into
 ``steps_per_generation`` microbatches (they have advantage 0, but carry KL and entropy
-terms). Text-only batches (no images).
+terms), and where the rows a process holds do not split evenly, its last kept rows are
+dropped instead (TRL would leave the remainder untrained). Text-only batches (no images).
 
 Letters: B rows, G completions per prompt, N groups (N = B / G globally), P, C widths.
 """
@@ -83,21 +84,26 @@ def local_rows(keep: torch.Tensor, num_generations: int, process_index: int, loc
 
 
 def fill_rows(kept: torch.Tensor, count: int) -> torch.Tensor:
-    """Add dropped rows back (first ones first) until ``count`` rows are kept: every process
-    must train on as many rows (TRL gathers per-row metrics) and on a multiple of
-    ``steps_per_generation`` (TRL splits the batch into that many microbatches).
+    """Exactly ``count`` rows: dropped rows added back (first ones first) while fewer are kept, the
+    last kept rows dropped while more are: every process must train on as many rows (TRL gathers
+    per-row metrics) and on a multiple of ``steps_per_generation`` (TRL splits the batch into that
+    many equal microbatches and never trains the remainder).
 
     >>> fill_rows(torch.tensor([True, False, True, False, True, False]), 4)
     tensor([ True,  True,  True, False,  True, False])
+    >>> fill_rows(torch.tensor([True, False, True, False, True, False]), 2)
+    tensor([ True, False,  True, False, False, False])
     """
     kept = kept.clone()
     kept[(~kept).nonzero().flatten()[:max(count - int(kept.sum()), 0)]] = True
+    kept[kept.nonzero().flatten()[max(count, 0):]] = False
     return kept
 
 
 def common_count(counts: list[int], multiple: int) -> int:
     """The row count every process keeps: the largest kept count, rounded up to a positive
-    multiple of ``multiple`` (never more than the rows a process has: the caller caps it).
+    multiple of ``multiple`` (never more than the rows a process has: the caller caps it at the
+    largest multiple of ``multiple`` it has).
 
     >>> common_count([3, 6], 4), common_count([0, 0], 2)
     (8, 2)
@@ -188,7 +194,8 @@ def refill(output: dict, advantages: torch.Tensor, record: dict | None, *,
     rows = torch.cat([local_rows(k, G, acc.process_index, b[row_key].numel())
                       for k, b in zip(keeps, batches)])  # [B_local_all_rounds]
     counts = acc.gather(rows.sum().reshape(1).to(acc.device)).tolist()
-    rows = fill_rows(rows, min(common_count(counts, steps_per_generation), rows.numel()))
+    whole = rows.numel() // steps_per_generation * steps_per_generation  # the same on every process
+    rows = fill_rows(rows, min(common_count(counts, steps_per_generation), whole))
     merged = select_rows(concat_rows(batches, pad_token_id), rows)
     loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)  # [B, C]
     merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()

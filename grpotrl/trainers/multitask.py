@@ -335,8 +335,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         return self.accelerator.reduce(t, reduction="mean") if self.accelerator.num_processes > 1 else t
 
     def _log_cagrad(self, tasks: list[int], gram: torch.Tensor, weights: torch.Tensor) -> None:
-        """Per task: gradient norm and CAGrad coefficient; the worst pairwise cosine; and how far
-        the update is from the plain sum, |d - sum g| / |sum g|."""
+        """Per task: gradient norm and CAGrad coefficient; the worst pairwise cosine between tasks with a
+        gradient (NaN, which TRL's log leaves out of its mean, when fewer than two have one: a task without rows
+        has no direction to compare); and how far the update is from the plain sum, |d - sum g| / |sum g|."""
         metrics = {}
         gram = gram.double()
         norms = gram.diagonal().clamp(min=0).sqrt()
@@ -344,8 +345,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             metrics[f"tasks/{self.task_names[k]}/grad_norm"] = n
             metrics[f"tasks/{self.task_names[k]}/cagrad_coef"] = w
         if len(tasks) > 1:
-            cos = gram / (norms[:, None] * norms[None, :]).clamp(min=1e-30)
-            metrics["cagrad/min_cosine"] = cos[~torch.eye(len(tasks), dtype=torch.bool)].min().item()
+            live = (norms > 0).nonzero().flatten()  # [K_live]
+            cos = gram[live][:, live] / (norms[live, None] * norms[None, live])  # [K_live, K_live]
+            off = cos[~torch.eye(live.numel(), dtype=torch.bool)]
+            metrics["cagrad/min_cosine"] = off.min().item() if off.numel() else float("nan")
         ones, w = torch.ones(len(tasks), dtype=torch.float64), weights.double()
         plain = (ones @ gram @ ones).clamp(min=1e-30)
         deviation = ((w - ones) @ gram @ (w - ones)).clamp(min=0).div(plain).sqrt()

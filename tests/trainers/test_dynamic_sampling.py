@@ -33,6 +33,8 @@ def test_every_process_keeps_as_many_rows_in_whole_microbatches():
     kept = ds.fill_rows(torch.tensor([True, False, True, False, True] + [False] * 7), count)
     assert kept.tolist() == [True] * 8 + [False] * 4
     assert ds.common_count([0, 0], 1) == 1  # never an empty microbatch
+    # more kept than the count (rows that cannot fill a whole microbatch): the last kept ones go
+    assert ds.fill_rows(torch.tensor([True, False, True, True]), 2).tolist() == [True, False, True, False]
 
 
 def test_concat_then_select_pads_each_side_correctly():
@@ -94,6 +96,57 @@ def test_refill_runs_rounds_through_the_callables_it_is_given():
     # 3 groups generated, 2 kept: dropped 1 - 2/3; target 2 groups filled: 2/2
     assert logged == [{"dynamic_sampling/dropped_share": 1 - 2 / 3, "dynamic_sampling/rounds": 1,
                        "dynamic_sampling/filled_share": 1.0}]
+
+
+class TwoProcesses:
+    """Two processes of ``refill`` in two threads: ``gather`` concatenates both processes' tensors."""
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self, process_index, barrier, slots):
+        self.process_index, self.barrier, self.slots = process_index, barrier, slots
+
+    def gather(self, t):
+        self.slots[self.process_index] = t.reshape(-1)
+        self.barrier.wait()
+        out = torch.cat([self.slots[0], self.slots[1]])
+        self.barrier.wait()  # both have read before either writes the next gather
+        return out
+
+
+def test_refilled_rows_split_into_whole_microbatches_on_every_process():
+    """2 processes, G=2, steps_per_generation=4, 4 rows each. Round 0 (global advantages): process 0's two groups
+    vary, process 1's two are flat, so 2 of 4 target groups are missing; one round of 2 groups (2 rows per
+    process), both varying. Kept: 6 rows on process 0, 2 on process 1; each holds 6 rows in all. 8 (6 rounded up
+    to a multiple of 4) is more than 6, and 6 rows would split into TRL's 4 microbatches of 6 // 4 = 1 row,
+    2 rows never trained but counted in num_items_in_batch: each process keeps 4, in 4 microbatches of 1."""
+    import threading
+
+    from trl.trainer.utils import split_tensor_dict
+
+    first = torch.tensor([-1.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # [B_global = 8]
+    again = torch.tensor([-1.0, 1.0, -1.0, 1.0])  # the round's [B_global = 4]
+    barrier, slots, merged = threading.Barrier(2, timeout=60), {}, {}
+
+    def run(p):
+        batch = scored([10 + p] * 4, [3] * 4) | {"advantages": first[4 * p:4 * p + 4]}
+        merged[p], _ = ds.refill(
+            batch, first, None, score_round=lambda rows: (scored([20 + p] * 2, [2] * 2) | {
+                "advantages": again[2 * p:2 * p + 2]}, again, None),
+            log=lambda m: None, accelerator=TwoProcesses(p, barrier, slots), train_dataset=[{"prompt": "p"}] * 4,
+            seed=0, step=0, num_generations=2, max_rounds=1, steps_per_generation=4, pad_token_id=0, row_key=ROW_KEY)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert merged[0]["advantages"].tolist() == [-1.0, 1.0, -1.0, 1.0]  # its first 4 kept rows
+    assert merged[1]["advantages"].tolist() == [0.0, 0.0, -1.0, 1.0]  # 2 kept + 2 flat ones added back
+    for m in merged.values():
+        rows = {k: v for k, v in m.items() if k != "num_items_in_batch"}
+        assert sum(c[ROW_KEY].numel() for c in split_tensor_dict(rows, 4)) == m[ROW_KEY].numel() == 4
+    # the kept rows' tokens, both processes: 4 x 3 + 2 x 3 + 2 x 2
+    assert int(merged[0]["num_items_in_batch"]) == int(merged[1]["num_items_in_batch"]) == 22
 
 
 def flat_for_two(completions, prompts, **kwargs):

@@ -6,6 +6,7 @@ low-memory. The entropy tests start from a peaked model (final norm x10: next-to
 """
 
 import asyncio
+import math
 from contextlib import contextmanager
 
 import pytest
@@ -532,6 +533,22 @@ def test_low_memory_proxy_gradients_skip_the_head_weight_gradient_and_restore_it
     assert torch.equal(head.weight.grad, want_head)
     with skip_head_weight_grad(list(losses()), [head.weight]) as switched:  # the weight asked for: left alone
         assert switched == 0
+
+
+def test_min_cosine_compares_only_tasks_with_a_gradient():
+    """A task without rows in the step (or whose groups all have equal rewards) has a zero gradient and no direction:
+    ``cagrad/min_cosine`` is the worst cosine between the others (here 0.5: a and b agree), NaN when fewer than two
+    have a gradient (TRL's log leaves NaN out of its mean), never a 0 that reads as conflict or averages one away."""
+    from types import SimpleNamespace
+
+    logged = {}
+    stub = SimpleNamespace(task_names=["a", "b", "c"], _record_metrics=lambda m, mode: logged.update(m))
+    gram = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])  # task c: no rows
+    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1, 2], gram, torch.tensor([1.0, 1.0, 0.0]))
+    assert logged["cagrad/min_cosine"] == pytest.approx(0.5)
+    assert logged["tasks/c/grad_norm"] == 0.0 and logged["tasks/c/cagrad_coef"] == 0.0
+    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1], gram[1:, 1:], torch.tensor([1.0, 0.0]))
+    assert math.isnan(logged["cagrad/min_cosine"])
 
 
 def test_cagrad_with_no_trainable_parameter_is_a_named_error():
