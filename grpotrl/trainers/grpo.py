@@ -187,10 +187,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.generation_kwargs["eos_token_id"] = self.eos_token_ids
             # transformers' repetition penalty counts the prompt: ours (I6) replaces it; its min-new-tokens (from
             # generation_kwargs, which the config made the field) would block first and hide ours, whose rate is logged
-            # (0, not None: generate fills None from the model's generation_config.json; preflight warns of it)
+            # (0 where the model's generation_config.json sets one, which generate would fill None from: preflight
+            # warns of it; None elsewhere, since 0 still adds a min-length processor to every decoding step)
             self.generation_config.repetition_penalty = 1.0
             self.generation_kwargs["repetition_penalty"] = 1.0
-            self.generation_config.min_new_tokens = 0
+            model_config = getattr(self.accelerator.unwrap_model(self.model), "generation_config", None)
+            self.generation_config.min_new_tokens = 0 if getattr(model_config, "min_new_tokens", None) else None
             self.generation_kwargs.pop("min_new_tokens", None)
         if self.use_vllm:
             self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,

@@ -145,6 +145,25 @@ def test_I6_generation_kwargs_min_new_tokens_0_overrides_the_models_min_new_toke
     assert completion_lengths(trainer)[0] < 4
 
 
+def test_no_min_length_processor_runs_where_the_model_sets_no_min_new_tokens(tiny_llama, grpo_args, monkeypatch):
+    """Overriding the model's min_new_tokens must not cost the rollouts without one: transformers' min_new_tokens
+    set to 0 made generate add a MinLengthLogitsProcessor(prompt width) that never fires, run on every decoding
+    step, which also takes the sampled-logprob recorder off its raw-scores path."""
+    seen = []
+    build = transformers.GenerationMixin._get_logits_processor
+
+    def recorded(self, *args, **kwargs):
+        processors = build(self, *args, **kwargs)
+        seen.append([type(p).__name__ for p in processors])
+        return processors
+
+    monkeypatch.setattr(transformers.GenerationMixin, "_get_logits_processor", recorded)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(4),
+                                  args=grpo_args(max_steps=1))
+    trainer.train()
+    assert seen and not any({"MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"} & set(s) for s in seen), seen
+
+
 def test_the_models_generation_fields_are_not_checked_beside_a_rollout_func(tiny_llama, tmp_path, grpo_args,
                                                                            monkeypatch):
     """A rollout_func samples without generate, so the model's file does not reach its completions."""
