@@ -281,12 +281,24 @@ def min_new_tokens_fired(call: dict | None) -> int:
                  if isinstance(p, MinNewTokensProcessor)), 0)
 
 
-def vllm_penalties(args) -> dict:
-    """The I6 settings vLLM takes as sampling parameters: it counts output tokens only for presence
-    and frequency penalties, so they pass through; its repetition penalty counts the prompt, which
-    I6 rules out: said, not passed."""
+def vllm_sampling(args, stop_ids: list[int], given: dict | None = None) -> dict:
+    """vLLM's sampling keyword arguments: ``given`` (TRL's ``generation_kwargs``) with the I6 settings vLLM takes and
+    every stop id. Presence and frequency penalties count output tokens only in vLLM, so they pass through; its
+    repetition penalty counts the prompt, which I6 rules out: said, not passed. ``stop_token_ids`` adds ``stop_ids``
+    (``grpotrl.templates.stop_token_ids``: the template's end-of-turn among them) to any given: vLLM stops on the
+    tokenizer's and the model's eos ids only, and blocks only its stop ids under ``min_tokens``.
+
+    >>> args = type("Args", (), {"repetition_penalty": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.0,
+    ...                          "min_new_tokens": 3})()
+    >>> vllm_sampling(args, [2, 7], {"top_k": 5, "stop_token_ids": [9, 2]})
+    {'top_k': 5, 'stop_token_ids': [9, 2, 7], 'presence_penalty': 0.5, 'min_tokens': 3}
+    """
     if args.repetition_penalty != 1.0:
         logger.warning("vLLM's repetition_penalty counts prompt tokens too (INVARIANT I6); prefer "
                        "presence_penalty / frequency_penalty, which vLLM applies to output tokens only.")
-    return {k: v for k, v in (("presence_penalty", args.presence_penalty),
-                              ("frequency_penalty", args.frequency_penalty), ("min_tokens", args.min_new_tokens)) if v}
+    given = dict(given or {})
+    stops = list(dict.fromkeys([*(given.get("stop_token_ids") or []), *stop_ids]))
+    return {**given, "stop_token_ids": stops,
+            **{k: v for k, v in (("presence_penalty", args.presence_penalty),
+                                 ("frequency_penalty", args.frequency_penalty), ("min_tokens", args.min_new_tokens))
+               if v}}

@@ -27,7 +27,7 @@ from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
 from ..generation import compiled_rollout
 from ..generation.finished_rows import decoding_share
-from ..generation.processors import min_new_tokens_fired, vllm_penalties
+from ..generation.processors import min_new_tokens_fired, vllm_sampling
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import denominator, identity, precision
 from ..guards.ranks import add_rank_agreement
@@ -195,8 +195,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.generation_config.min_new_tokens = 0 if getattr(model_config, "min_new_tokens", None) else None
             self.generation_kwargs.pop("min_new_tokens", None)
         if self.use_vllm:
-            self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs,
-                                                      **vllm_penalties(args)}
+            self.vllm_generation.generation_kwargs = vllm_sampling(args, self.eos_token_ids,
+                                                                   self.vllm_generation.generation_kwargs)
         _intercept.inject_position_ids(self.model, self.ref_model)
         # padding_free (and with it the finished-row rollout and balance_microbatches): 'auto' is on only on a
         # kind of device where it was measured faster than TRL's padded forward (docs/cost.md)

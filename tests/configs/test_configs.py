@@ -294,9 +294,9 @@ def test_I6_generation_kwargs_min_length_reaches_vllm_as_min_tokens(tmp_path, co
     (vLLM's name is min_tokens): generation_kwargs={'min_new_tokens': 3} under use_vllm was a TypeError at the first
     rollout, after the model had loaded. transformers' GenerationConfig ignores min_tokens without a word. Either
     name becomes the field and leaves generation_kwargs; the trainer hands the field to vLLM as min_tokens
-    (vllm_penalties) and to grpotrl's processor on the transformers path."""
+    (vllm_sampling) and to grpotrl's processor on the transformers path."""
     from grpotrl.configs import complete_grpo_config
-    from grpotrl.generation.processors import vllm_penalties
+    from grpotrl.generation.processors import vllm_sampling
 
     def make(**kw):
         return complete_grpo_config(config(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw))
@@ -305,8 +305,8 @@ def test_I6_generation_kwargs_min_length_reaches_vllm_as_min_tokens(tmp_path, co
     args = make(use_vllm=True, generation_kwargs=given)
     assert args.min_new_tokens == 3 and args.generation_kwargs == {"top_k": 5}
     assert given == {key: 3, "top_k": 5}  # the caller's dict is left as it was
-    # what TRL's vLLM path updates SamplingParams' keyword arguments with (GRPOTrainer.__init__ adds vllm_penalties)
-    assert {**args.generation_kwargs, **vllm_penalties(args)} == {"top_k": 5, "min_tokens": 3}
+    # what TRL's vLLM path updates SamplingParams' keyword arguments with (GRPOTrainer.__init__ sets vllm_sampling's)
+    assert vllm_sampling(args, [2], args.generation_kwargs) == {"top_k": 5, "min_tokens": 3, "stop_token_ids": [2]}
     assert make(generation_kwargs={key: 2}).min_new_tokens == 2  # the transformers path: grpotrl's processor
     assert make(generation_kwargs={"min_new_tokens": 2, "min_tokens": 2}).generation_kwargs == {}
     with pytest.raises(grpotrl.InputError, match=r"^generation_kwargs\['min_new_tokens'\]=2 and generation_kwargs"
@@ -397,3 +397,25 @@ def test_cagrad_settings_on_a_trainer_that_ignores_them_are_refused(tiny_llama, 
 def test_gad_refuses_settings_it_would_ignore_or_misapply(tmp_path, setting, message):
     with pytest.raises(grpotrl.InputError, match=message):
         grpotrl.GADConfig(output_dir=str(tmp_path), use_cpu=True, **setting)
+
+
+def test_I4_vllm_stops_on_every_stop_id_of_the_template(tiny_multistop, tmp_path):
+    """vLLM stops on the tokenizer's and the model's eos ids only, and blocks only those under min_tokens: with a
+    template whose end-of-turn (<|im_end|>, 2) is not the eos (<|endoftext|>, 0) TRL handed vLLM no stop ids, so
+    a rollout ran past the end of the turn, and min_tokens did not hold the end-of-turn back. The trainer hands
+    vLLM every stop id the transformers path stops on, after any the user gave."""
+    from transformers import AutoTokenizer
+
+    from grpotrl.chat.templates import stop_token_ids
+    from grpotrl.configs import complete_grpo_config
+    from grpotrl.generation.processors import vllm_sampling
+
+    stops = stop_token_ids(AutoTokenizer.from_pretrained(tiny_multistop))
+    assert set(stops) >= {0, 2}
+    args = complete_grpo_config(grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                                   use_vllm=True, generation_kwargs={"stop_token_ids": [5]},
+                                                   min_new_tokens=2))
+    given = dict(args.generation_kwargs)
+    sampling = vllm_sampling(args, stops, given)
+    assert sampling["stop_token_ids"][0] == 5 and set(sampling["stop_token_ids"]) == {5, *stops}
+    assert sampling["min_tokens"] == 2 and given == {"stop_token_ids": [5]}
