@@ -50,9 +50,12 @@ def check_step0_identity(tokenizer, policy: torch.Tensor, other: torch.Tensor, m
     batch shape, ~1e-6 to 1e-5 nats; a bf16 reference is off by ~1e-2); in bf16/fp16, where a batch shape
     moves single tokens by a rounding step of a large logit, the mean gap ``<= tol.identity_mean``, the
     median ``<= tol.median_gap`` and no row's mean above ``tol.row_gap`` (a reference that is another model,
-    adapter or dtype is off by 0.1 to several nats on most tokens). Returns (mean, max) gap; raises
-    naming the worst token and the likely causes."""
+    adapter or dtype is off by 0.1 to several nats on most tokens). Returns (mean, max) gap, (nan, nan)
+    where ``mask`` holds no token (nothing compared, nothing verified); raises naming the worst token and the
+    likely causes."""
     policy, other = policy.detach(), other.detach()
+    if not bool(mask.bool().any()):
+        return math.nan, math.nan
     require_finite("I10", tokenizer, completion_ids, mask.bool(), rows, ("the loss's logprob", policy),
                     (f"the {what} logprob", other))
     mean, worst, (i, t) = masked_gap_stats(policy, other, mask)
@@ -81,7 +84,8 @@ def check_step0_logprobs(tokenizer, used: torch.Tensor, inputs: dict, loss_mask:
     """I10 on the loss's first (step-0) microbatch: the reference's (``ref_per_token_logps``) and the
     old policy's (``old_per_token_logps``) logprobs in ``inputs``, where present, equal the loss's own
     ``used`` [B, C] on ``loss_mask``. ``policy_model`` / ``ref_model``: unwrapped, for the likely causes.
-    Returns ``identity/step0_{ref,old}_logp_gap/{mean,max}``."""
+    Returns ``identity/step0_{ref,old}_logp_gap/{mean,max}``; none, with a warning, where ``loss_mask`` holds
+    no token (every row masked, e.g. truncated under ``mask_truncated_completions``): I10 was not checked."""
     sides = []
     if inputs.get("ref_per_token_logps") is not None:
         adapter = "ref" if "ref" in (getattr(policy_model, "peft_config", None) or {}) else None
@@ -92,6 +96,11 @@ def check_step0_logprobs(tokenizer, used: torch.Tensor, inputs: dict, loss_mask:
                       " Likely cause: the old logprobs were computed by another forward (other position ids, "
                       "dtype or dropout) than the loss's."))
     out = {}
+    if sides and not bool(loss_mask.bool().any()):
+        logger.warning("grpotrl guard I10: the step-0 microbatch has no loss token (every row masked), so the %s "
+                       "logprobs were not compared with the policy's and I10 was not checked.",
+                       " and ".join(what for _, what, _, _ in sides))
+        return out
     for key, what, other, causes in sides:
         mean, worst = check_step0_identity(tokenizer, used, other, loss_mask, inputs["completion_ids"], what,
                                            tol, rows, causes)

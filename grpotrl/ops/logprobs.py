@@ -100,19 +100,23 @@ def temperature_slope(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
     return _joined(out, logits)
 
 
-def fit_along(gap: torch.Tensor, direction: torch.Tensor, mask: torch.Tensor
+def fit_along(gap: torch.Tensor, direction: torch.Tensor, mask: torch.Tensor, noise: float = 0.0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Least-squares fit of ``gap ~ coef * direction`` over ``mask`` (all [B, C]). With ``gap`` the
     logprobs under test minus the reference at ``1 / T`` and ``direction`` the ``temperature_slope`` there,
     ``coef`` is how far their inverse temperature is from ``1 / T``; with ``gap = H_used - H_ref`` and
     ``direction = H_ref``, how far ``H_used`` is from a rescaled ``H_ref``. Returns ``coef``, its standard
-    error (from the residual's spread) and the residual ``gap - coef * direction`` [B, C] (0 off the
-    mask), all fp32.
+    error (from the residual's spread, at least ``noise``: the per-token noise known to be there, which a
+    fit over a few tokens, one token leaving no residual at all, cannot measure) and the residual
+    ``gap - coef * direction`` [B, C] (0 off the mask), all fp32.
 
     >>> direction = torch.tensor([[1.0, -2.0, 3.0]])
     >>> coef, se, residual = fit_along(-0.1 * direction, direction, torch.ones(1, 3))
     >>> round(coef.item(), 6), round(se.item(), 6), round(residual.abs().max().item(), 6)
     (-0.1, 0.0, 0.0)
+    >>> coef, se, _ = fit_along(torch.tensor([[0.01]]), torch.tensor([[0.001]]), torch.ones(1, 1), noise=0.02)
+    >>> round(coef.item(), 3), round(se.item(), 3)  # one token: 0.01 nats of noise is no evidence of coef 10
+    (10.0, 20.0)
     """
     on = mask.bool()  # [B, C]
     g = torch.where(on, gap.float(), 0.0)  # [B, C]
@@ -122,5 +126,5 @@ def fit_along(gap: torch.Tensor, direction: torch.Tensor, mask: torch.Tensor
     power = (f * f).sum()
     coef = (g * f).sum() / power.clamp(min=tiny)
     residual = torch.where(on, g - coef * f, 0.0)  # [B, C]
-    spread = ((residual * residual).sum() / (n - 1).clamp(min=1)).sqrt()
+    spread = ((residual * residual).sum() / (n - 1).clamp(min=1)).sqrt().clamp(min=noise)
     return coef, spread / power.sqrt().clamp(min=tiny), residual

@@ -16,17 +16,21 @@ import torch
 
 
 def first_stop_index(completion_ids: torch.Tensor, stop_ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Index of the first stop token in each row, or ``C`` when a row holds none.
+    """Index of the first stop token in each row, or ``C`` when a row holds none (every row of an empty
+    completion batch, ``C = 0``).
 
     >>> first_stop_index(torch.tensor([[5, 2, 2], [5, 6, 7]]), [2]).tolist()
     [1, 3]
+    >>> first_stop_index(torch.zeros(2, 0, dtype=torch.long), [2]).tolist()
+    [0, 0]
     """
     stop = torch.as_tensor(stop_ids, device=completion_ids.device)
     is_stop = torch.isin(completion_ids, stop)  # [B, C]
     C = completion_ids.size(1)
     idx = torch.full((completion_ids.size(0),), C, dtype=torch.long, device=completion_ids.device)  # [B]
-    has = is_stop.any(dim=1)  # [B]
-    idx[has] = is_stop.int().argmax(dim=1)[has]
+    has = is_stop.any(dim=1)  # [B]; all False for C = 0, where argmax has nothing to reduce
+    if C:
+        idx[has] = is_stop.int().argmax(dim=1)[has]
     return idx
 
 

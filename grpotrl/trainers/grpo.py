@@ -706,6 +706,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.hook_record.identity_due = False
             if self.state.global_step == 0:
                 self._check_step0_identity(model, used, inputs, loss_mask)
+                # a microbatch with no loss token compares nothing: the next one of step 0 is checked
+                self.hook_record.identity_due = self.hook_record.identity_unchecked = not bool(loss_mask.any())
+            elif self.hook_record.identity_unchecked:
+                logger.warning("grpotrl guard I10 was not checked: no microbatch of step 0 held a loss token.")
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
         if entropies is not None:

@@ -13,7 +13,7 @@ Who writes and who reads each field, in the order TRL calls the hooks:
   gradient_accumulation_steps``) leaves the training batch's record as it was;
 * ``_compute_loss`` (each microbatch) reads the record of its mode (``HookRecord.batch``) and writes ``loss``;
 * ``compute_loss`` (TRL's wrapper around ``_compute_loss``) and the multi-task trainer read ``loss`` (I7);
-* ``_compute_loss``'s first training microbatch at step 0 clears ``identity_due`` (I10 runs once);
+* ``_compute_loss``'s first training microbatch at step 0 that holds a loss token clears ``identity_due`` (I10 runs once);
 * ``_generate_and_score_completions`` writes ``last_batch``, which ``boundary_report()`` and the boundary-report
   callback read;
 * exact CAGrad (``MultiTaskGRPOTrainer``): ``compute_loss`` adds each microbatch's task gradients to
@@ -80,13 +80,15 @@ class HookRecord:
     ``_generate_and_score_completions``). ``batches``: mode (``"train"``, ``"eval"``) -> the ``BatchRecord`` of
     that mode's last generation batch, which its microbatches are checked against. ``loss``: the last
     microbatch's ``LossTerms``. ``identity_due``: I10 is still to run, on the first
-    training microbatch. ``last_batch``: the last generation batch's ids, lengths, stop counts and rewards, for
+    training microbatch of step 0 that holds a loss token (``identity_unchecked``: the ones before held none).
+    ``last_batch``: the last generation batch's ids, lengths, stop counts and rewards, for
     ``boundary_report()``."""
 
     generated: Generated | None = None
     batches: dict[str, BatchRecord] = field(default_factory=dict)
     loss: LossTerms | None = None
     identity_due: bool = False
+    identity_unchecked: bool = False
     last_batch: dict | None = None
 
     def batch(self, mode: str) -> BatchRecord:

@@ -48,3 +48,24 @@ def test_I7_a_microbatch_with_bonus_tokens_still_needs_minus_c():
         guards.check_entropy_sign(trl_bonus_loss(H, mask, coef=0.0), H, C, 1.0, "the GRPO loss")
     with pytest.raises(InvariantError, match=r"\[I7\].*coefficient in force is c = -0.1"):  # acts or not
         guards.check_entropy_sign(trl_bonus_loss(H, torch.zeros(1, 3)), H, -C, 1.0, "the GRPO loss", acts=False)
+
+
+@pytest.mark.parametrize("coef", [1e-5, 1e-3, 0.1, 2.0])
+def test_I7_a_flipped_sign_is_stopped_however_small_c(coef):
+    """A bonus that enters as ``+ c * H`` is 2c off ``-c``: relative to c, it is caught at c = 1e-5 too
+    (an absolute tolerance of 1e-4 let every flipped c <= 5e-5 through)."""
+    H = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    mask = torch.ones(1, 3)
+    assert guards.check_entropy_sign(trl_bonus_loss(H, mask, coef), H, coef, 1.0, "the loss") == pytest.approx(-coef)
+    with pytest.raises(InvariantError, match=r"\[I7\].*FLIPPED sign"):
+        guards.check_entropy_sign(trl_bonus_loss(H, mask, -coef), H, coef, 1.0, "the loss")
+
+
+def test_I7_half_precision_entropies_round_the_slope_within_the_tolerance():
+    """bf16 entropies round each token's weight c / n to 8 bits, the same way on every token: at c = 0.1 over 6
+    tokens the slope is -0.100342, 0.34% off, which is rounding, not a wrong weight."""
+    H = torch.tensor([[1.0, 2.0, 3.0, 1.5, 0.5, 2.5]], dtype=torch.bfloat16, requires_grad=True)
+    slope = guards.check_entropy_sign(trl_bonus_loss(H, torch.ones(1, 6), 0.1), H, 0.1, 1.0, "the loss")
+    assert slope == pytest.approx(-0.100342, abs=1e-6)
+    with pytest.raises(InvariantError, match=r"\[I7\].*the bonus is missing"):
+        guards.check_entropy_sign(trl_bonus_loss(H, torch.ones(1, 6), 0.0), H, 0.1, 1.0, "the loss")

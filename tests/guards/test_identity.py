@@ -56,6 +56,26 @@ def test_I10_check_fails_on_a_gap_and_on_nan_names_the_token(smollm2_tokenizer):
                                       mask, ids, "reference", BF16, [0, 1])
 
 
+
+def test_I10_an_empty_loss_mask_is_not_logged_as_a_gap_of_0(smollm2_tokenizer, caplog):
+    """A step-0 microbatch whose every row is masked compares nothing: a reference 7 nats off on every token
+    must not come back as ``identity/step0_ref_logp_gap`` 0, which reads as "verified, identical"."""
+    used = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])  # [B, C]
+    inputs = {"ref_per_token_logps": used + 7.0, "completion_ids": torch.tensor([[28, 29], [30, 31]])}
+    empty = torch.zeros(2, 2)
+    for tol in (FP32, BF16):
+        mean, worst = identity.check_step0_identity(smollm2_tokenizer, used, used + 7.0, empty,
+                                                    inputs["completion_ids"], "reference", tol, [0, 1])
+        assert math.isnan(mean) and math.isnan(worst)
+    with caplog.at_level("WARNING", logger="grpotrl.guards.identity"):
+        assert identity.check_step0_logprobs(smollm2_tokenizer, used, inputs, empty, [0, 1], FP32,
+                                             torch.nn.Linear(1, 1), None) == {}
+    assert "I10 was not checked" in caplog.text and "reference" in caplog.text
+    with pytest.raises(InvariantError, match=r"\[I10\]"):  # one loss token is enough to compare
+        identity.check_step0_logprobs(smollm2_tokenizer, used, inputs, torch.tensor([[0, 1], [0, 0]]), [0, 1],
+                                      FP32, torch.nn.Linear(1, 1), None)
+
+
 # ------------------------------------------------------------------ I10 in the trainer
 
 def test_I10_healthy_run_logs_kl_0_and_ratio_1_at_step_0(tiny_llama, grpo_args):

@@ -103,6 +103,23 @@ def test_I5_in_bf16_reads_a_wrong_temperature_through_the_noise(factor, smollm2_
     assert _fitted(err) / 0.9 == pytest.approx(factor, abs=0.005)  # the fit is first order: within 0.5%
 
 
+
+def test_I5_in_bf16_a_few_loss_tokens_are_no_evidence_of_a_temperature(smollm2_tokenizer):
+    """One loss token (a 1-token completion, one row), its likely token's slope d logprob / d (1 / T) ~1e-3: a
+    0.01-nat rounding gap fits "temperature 0.075" with no residual to say how uncertain that is. The fit's
+    noise is at least the per-token rounding (``median_gap``), so it passes; 1.1x T on 320 tokens still stops."""
+    torch.manual_seed(0)
+    logits = 10 * torch.randn(1, 1, 300)  # [B=1, C=1, V]
+    tokens = logits.argmax(-1)  # [1, 1]
+    reference, slope = token_logprobs(logits, tokens, 0.9), temperature_slope(logits, tokens, 0.9)
+    assert slope.abs().item() < 1e-2
+    metrics = _check(reference + 0.01, reference, slope, tokens, smollm2_tokenizer)
+    assert metrics["guards/logprob_median_gap"] == pytest.approx(0.0, abs=1e-6)  # the fit took the gap
+    logits, tokens, reference, slope = _logits_and_reference()
+    with pytest.raises(InvariantError, match=r"\[I5\].*follow temperature"):
+        _check(token_logprobs(logits, tokens, 1.1 * 0.9), reference, slope, tokens, smollm2_tokenizer)
+
+
 def _fitted(err) -> float:
     return float(str(err.value).split("follow temperature ")[1].split(",")[0])
 

@@ -1,5 +1,6 @@
 """I3/I4 on hand-built batches. SmolLM2's ids: <|im_end|> = 2 is eos AND pad."""
 
+import pytest
 import torch
 
 from grpotrl.ops.masking import completion_mask, extract_completions, first_stop_index, position_ids_from_mask
@@ -51,3 +52,18 @@ def test_position_ids_match_generate_convention():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
     # left-padded row: real tokens at 0,1,2,3; right-finished row: 0..4, then padding repeats 4
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 4]]
+
+
+def test_I4_an_empty_completion_batch_has_no_stop_token():
+    ids = torch.zeros(2, 0, dtype=torch.long)  # [B=2, C=0]: every completion empty (a rollout_func's, say)
+    assert first_stop_index(ids, [EOS]).tolist() == [0, 0]
+    assert completion_mask(ids, [EOS]).shape == (2, 0)
+
+
+def test_I4_guard_names_an_empty_completion_batch_instead_of_crashing(smollm2_tokenizer):
+    from grpotrl.errors import InvariantError
+    from grpotrl.guards import check_completion_mask
+
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(InvariantError, match=r"\[I4\] row 5: the completion holds no stop token in its 0 columns"):
+        check_completion_mask(smollm2_tokenizer, ids, torch.zeros(2, 0), [EOS], [5, 6], max_length=4)

@@ -4,6 +4,8 @@ TRL 1.16's in-loss k3 is unclamped: at log pi_ref - log pi = 100, exp overflows 
 and its gradient NaN. grpotrl's own term (``GRPOTrainer._kl_loss``) clamps as verl does and equals
 TRL's loss to rounding wherever the clamp is not active (the default: k3 in the loss).
 """
+import logging
+
 import pytest
 import torch
 import trl
@@ -163,3 +165,46 @@ def test_kl_in_reward_is_a_reward_column_of_grpo(tiny_llama, grpo_args):
     with pytest.raises(InputError, match="give it a weight too"):
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
                             args=grpo_args(beta=BETA, use_kl_in_reward=True, use_kl_loss=False, reward_weights=[1.0]))
+
+
+def test_I10_runs_on_the_first_step0_microbatch_that_holds_a_loss_token(tiny_llama, grpo_args, monkeypatch, caplog):
+    """I10 ran on the first training microbatch only: where every row of it was masked (truncated under
+    mask_truncated_completions, say) it compared nothing, and no later microbatch was checked. It now runs on the
+    next microbatch of step 0; where none holds a loss token, a warning says I10 was not checked."""
+    from grpotrl.guards import identity
+
+    compared, first = [], []
+    check = identity.check_step0_logprobs
+
+    def spy(tokenizer, used, inputs, loss_mask, *args, **kwargs):
+        compared.append(int(loss_mask.sum()))
+        return check(tokenizer, used, inputs, loss_mask, *args, **kwargs)
+
+    original = grpotrl.GRPOTrainer._check_loss
+
+    def first_masked(self, model, inputs, loss, used, entropies, loss_mask, guarded):
+        if not first:  # the first microbatch holds no loss token
+            first.append(True)
+            loss_mask = torch.zeros_like(loss_mask)
+        return original(self, model, inputs, loss, used, entropies, loss_mask, guarded)
+
+    monkeypatch.setattr(identity, "check_step0_logprobs", spy)
+    monkeypatch.setattr(grpotrl.GRPOTrainer, "_check_loss", first_masked)
+    args = grpo_args(beta=BETA, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts())
+    trainer.train()
+    assert len(compared) == 2 and compared[0] == 0 and compared[1] > 0, compared
+    assert [h for h in trainer.state.log_history if "identity/step0_ref_logp_gap/max" in h]
+
+    compared.clear()
+    monkeypatch.setattr(grpotrl.GRPOTrainer, "_check_loss",
+                        lambda self, model, inputs, loss, used, entropies, loss_mask, guarded: original(
+                            self, model, inputs, loss, used, entropies, torch.zeros_like(loss_mask), guarded))
+    args = grpo_args(beta=BETA, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts())
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert compared == [0, 0], compared
+    assert [r for r in caplog.records if "I10 was not checked: no microbatch of step 0" in r.getMessage()]
