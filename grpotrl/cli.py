@@ -156,6 +156,9 @@ def parse_args(command: str, argv: list[str]):
         flags = [a for a in from_argv if a.startswith("-")] or from_argv
         raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
                          f"`grpotrl {command} --help` lists every key.")
+    if dataclasses[1].output_dir == "":  # the Trainer's makedirs('') fails only after the model loaded
+        raise InputError("output_dir is empty (output_dir: '' in the recipe, or --output_dir \"$VAR\" with VAR "
+                         "unset). Set it to the directory the run writes to.")
     return tuple(dataclasses)
 
 
@@ -244,8 +247,11 @@ def run(command: str, argv: list[str]) -> None:
     ################
     # Train, save, summarize
     ################
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint,  # checked by the preflight
-                           overwrite_output_dir=True)  # the output dir was checked above
+    try:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint,  # checked by preflight
+                               overwrite_output_dir=True)  # the output dir was checked above
+    except KeyboardInterrupt:  # Ctrl-C: say where the run stands instead of a traceback from inside torch
+        raise KeyboardInterrupt(interrupted(training_args.output_dir, trainer.state.global_step)) from None
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the whole log history, beside the weights
     try:  # the run is saved: nothing below may turn it into a failure or skip trainer.end()
@@ -308,8 +314,25 @@ def _number(value) -> bool:
     return _real(value) and math.isfinite(value)
 
 
+def interrupted(output_dir: str, step: int) -> str:
+    """What a run stopped by Ctrl-C at ``step`` left in ``output_dir`` and how to go on from it: the
+    checkpoint ``resume_from_checkpoint: true`` would continue (``find_last_checkpoint``), or why none."""
+    from grpotrl.checkpoints import find_last_checkpoint
+
+    try:
+        last = find_last_checkpoint(output_dir)
+    except InputError as err:  # none saved yet, only an earlier run's, or the newest cut short (Ctrl-C while saving)
+        if os.path.isdir(output_dir) and any(n.startswith("checkpoint-") for n in os.listdir(output_dir)):
+            return f"at step {step}; {err}"  # names the checkpoint and what to do"
+        return (f"at step {step}; no checkpoint of this run to resume in {output_dir} (they are saved every "
+                "save_steps). Run again with --overwrite_output_dir true to start over, or resume a checkpoint by "
+                "its path with --resume_from_checkpoint PATH.")
+    return (f"at step {step}; the run is saved up to {last}. Resume it: the same command plus "
+            "--resume_from_checkpoint true.")
+
+
 # Exit codes of main(); a test pins each.
-EXIT_INPUT, EXIT_HEALTH_STOP, EXIT_JUDGE_STOP = 2, 3, 4
+EXIT_INPUT, EXIT_HEALTH_STOP, EXIT_JUDGE_STOP, EXIT_INTERRUPTED = 2, 3, 4, 130
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -323,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
       after saving a resumable checkpoint, which the line names (``HealthStop``);
     * exit 4, ``grpotrl CMD: stopped: judge ...``: a judge gave no score for ``max_failed_batches``
       batches in a row (``grpotrl.rewards.judges.JudgeError``); checkpoints saved before are kept;
+    * exit 130, ``grpotrl CMD: interrupted ...``: Ctrl-C (``KeyboardInterrupt``); during training the line
+      names the checkpoint ``--resume_from_checkpoint true`` continues, or says that none was saved yet;
     * anything else is a bug or a failure outside grpotrl's checks: Python's traceback, exit 1.
 
     A distributed run exits with these codes, not a collective thread's SIGABRT: the trainer's ``train()``
@@ -357,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     except JudgeError as err:  # a judge's documented stop (max_failed_batches): the message says what to check
         print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
         raise SystemExit(EXIT_JUDGE_STOP) from None
+    except KeyboardInterrupt as err:  # Ctrl-C: where the run stands, not a traceback
+        print(f"grpotrl {argv[0]}: interrupted" + (f" {err}" if str(err) else "."), file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 if __name__ == "__main__":

@@ -153,8 +153,17 @@ def write_report(output_dir: str, out_dir: str | None = None) -> dict[str, str]:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise InputError(f"--out {out_dir!r} is a file, not a directory. Point --out at a directory (it is created "
                          "if missing).")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        return _draw_all(found, output_dir, state_path, out_dir, plt)
+    except OSError as err:  # a read-only mount (someone else's run), a full disk
+        plt.close("all")
+        raise InputError(f"Cannot write the report into {out_dir!r}: {err.strerror or err}. Point --out at a "
+                         "directory you can write to.") from None
 
+
+def _draw_all(found: dict, output_dir: str, state_path: str, out_dir: str, plt) -> dict[str, str]:
+    """One PNG per panel of ``found`` and ``report.png`` with all of them, in ``out_dir``."""
     cols = min(3, len(found))
     rows = -(-len(found) // cols)
     overview, grid = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)

@@ -54,13 +54,44 @@ ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool | list[str], "padding_free": b
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
 
+class DuplicateKey(Exception):
+    """A mapping of a recipe sets a key twice: ``(key, first line, second line)``."""
+
+
+@functools.cache
+def _unique_keys_loader():
+    """``yaml.SafeLoader`` that raises ``DuplicateKey`` for a key set twice in one mapping, at any depth
+    (``yaml.safe_load`` keeps the last value). Keys that a merge (``<<: *base``) brings in may be overridden."""
+    import yaml
+
+    class UniqueKeysLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader says so
+                    continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeysLoader
+
+
 def read_recipe(path: str) -> dict:
     """The recipe at ``path`` as a mapping; a YAML syntax error or a non-mapping is an ``InputError``."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f)
+            recipe = yaml.load(f, Loader=_unique_keys_loader())  # yaml.safe_load, but a key set twice is an error
+    except DuplicateKey as err:
+        raise InputError(f"Recipe {path} sets {err.args[0]!r} twice (lines {err.args[1]} and {err.args[2]}); YAML "
+                         "would keep the second silently. Remove one of them.") from None
     except UnicodeDecodeError as err:
         raise InputError(f"Recipe {path} is not UTF-8 text (byte {err.start}: {err.reason}). Save it as UTF-8."
                          ) from None

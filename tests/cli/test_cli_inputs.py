@@ -17,6 +17,7 @@ import yaml
 from datasets import Dataset, DatasetDict
 
 from grpotrl import cli
+from grpotrl.configs import recipe_types
 from grpotrl.data import SHIPPED, load_shipped, load_splits, pick_split
 from grpotrl.errors import InputError
 from grpotrl.rewards import resolve, rules
@@ -353,8 +354,10 @@ def test_judge_columns_are_checked_against_the_dataset():
                                     "train")
 
 
-def test_help_describes_datasets_rewards_and_judges():
-    out = subprocess.run([sys.executable, "-m", "grpotrl.cli", "grpo", "--help"], capture_output=True, text=True,
+@pytest.mark.parametrize("module", ["grpotrl.cli", "grpotrl"])
+def test_help_describes_datasets_rewards_and_judges(module):
+    """``python -m grpotrl`` is the ``grpotrl`` command too (it was 'No module named grpotrl.__main__')."""
+    out = subprocess.run([sys.executable, "-m", module, "grpo", "--help"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     text = " ".join(out.stdout.split())
@@ -538,6 +541,30 @@ def test_recipe_yaml_syntax_error_is_one_line_with_the_place(text, expected, tmp
     (tmp_path / "r.yaml").write_text(text)
     line = cli_error(capsys, ["sft", "--config", str(tmp_path / "r.yaml")])
     assert re.search(expected, line), line
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("max_steps: 1\nmax_steps: 2\n", r"sets 'max_steps' twice \(lines \d+ and \d+\)"),  # YAML kept 2: two steps ran
+    ("judges:\n  j:\n    model: a\n    model: b\n", r"sets 'model' twice"),  # inside a judge's settings too
+])
+def test_recipe_key_set_twice_is_one_error_line_before_the_load(text, expected, tmp_path, tiny_llama, no_model_load,
+                                                                capsys):
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama, text)])
+    assert re.search(expected, line), line
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    (tmp_path / "r.yaml").write_text("base: &b {x: 1}\nc:\n  <<: *b\n  x: 2\n")
+    assert recipe_types.read_recipe(str(tmp_path / "r.yaml"))["c"] == {"x": 2}
+
+
+def test_an_empty_output_dir_is_one_error_line_before_the_load(tmp_path, tiny_llama, no_model_load, capsys,
+                                                                monkeypatch):
+    """``--output_dir "$OUT"`` with OUT unset: the Trainer's ``makedirs('')`` failed after the model loaded."""
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(capsys, ["grpo", "--config", recipe(tmp_path, tiny_llama), "--output_dir", ""])
+    assert "output_dir is empty" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no lock file left in the working dir
 
 
 def test_python_config_field_of_the_wrong_type_is_an_input_error(tmp_path):

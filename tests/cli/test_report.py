@@ -129,3 +129,15 @@ def test_out_pointing_at_a_file_and_bad_arguments_are_one_error_line(tmp_path, c
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert exit_.value.code == 2 and len(err) == 1 and expected in err[0], err
     assert (tmp_path / "plots").read_text() == "not a directory"
+
+
+def test_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    """A directory that cannot be created (here under a file; likewise a read-only mount) is an error naming it."""
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
+    (tmp_path / "afile").write_text("kept")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", str(tmp_path), "--out", str(tmp_path / "afile" / "plots")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert "Cannot write the report into" in err[0] and "afile/plots" in err[0], err
+    assert (tmp_path / "afile").read_text() == "kept"
