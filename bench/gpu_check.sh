@@ -6,7 +6,7 @@
 #                                   # under the compiled rollout and under the varlen kernel
 #   bash bench/gpu_check.sh all     # one command of at most 9 minutes (a lease's one long call): the bench (each
 #                                   # child at most 150 s), the guard readings' peak (bench_guard_readings.py), then
-#                                   # as many of the speed tests as the time left allows
+#                                   # as many of the speed tests as the time left allows, the varlen kernel's first
 # on a CUDA machine with grpotrl, TRL and the model installed (a bare machine: stage it, then prefix each command
 # with the stage script, as the GPU notes in docs/cost.md say). Each part runs under a timeout and leaves its output
 # in $OUT (or /tmp/grpotrl-gpu-check): a variant that fails or hangs is killed and reported, the others go on.
@@ -35,8 +35,13 @@ case "$part" in
     timeout 60 python3 bench/bench_guard_readings.py --device cuda 2>&1 | tee "$out/readings.txt"
     left=$(( 530 - (SECONDS - start) ))
     echo "bench exited $bench; $left s left for the tests" | tee -a "$out/bench.txt"
-    [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -rs tests/test_gpu.py \
-      -k "speed_settings or compiled_rollout or varlen_kernel" \
+    # the tests least covered first: those the time left cuts are the last ones
+    t=tests/test_gpu.py
+    [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -rs \
+      "$t::test_the_varlen_kernel_trains_with_every_guard_and_I5_stops_a_shifted_position" \
+      "$t::test_I5_stops_a_loss_at_1_1x_the_sampling_temperature_under_the_compiled_rollout" \
+      "$t::test_I5_passes_the_same_trainer_at_the_sampling_temperature_under_the_compiled_rollout" \
+      "$t::test_speed_settings_on_cuda_bf16_pass_every_guard" \
       2>&1 | tee "$out/tests.txt"
     exit "$bench" ;;
   *)

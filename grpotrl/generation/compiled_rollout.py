@@ -6,7 +6,7 @@ TRL builds its ``GenerationConfig`` with ``disable_compile=True``, so its rollou
 launch after another. With the compiled rollout on, each ``generate`` call of the GRPO rollout gets
 (``generate_kwargs``): ``cache_implementation="static"``, ``disable_compile=False``, a ``CompileConfig``
 (``compile_config``: CUDA graphs on CUDA, ``mode="default"`` elsewhere, shapes static) and a ``max_cache_len``
-rounded up to a bucket (``bucket_length``). transformers 5.24 then compiles the decoding forward
+of ``max_new_tokens`` plus the prompt width rounded up to a bucket (``cache_length``). transformers 5.24 then compiles the decoding forward
 (``GenerationMixin._sample``: ``get_compiled_call`` when ``_valid_auto_compile_criteria`` holds) and sizes the
 static cache as the largest of the call's ``max_length``, ``max_cache_len`` and every earlier call's size
 (``_prepare_static_cache``): the cache length, the decoding step's only varying shape at a fixed generation
@@ -33,7 +33,7 @@ from ..errors import InputError
 # device types where 'auto' is on: the GRPO step measured faster with the compiled rollout than with TRL's eager
 # one (docs/cost.md: an H100 in bf16, 0.296x; CPU was not measured faster)
 MEASURED_FASTER_ON: tuple[str, ...] = ("cuda",)
-MIN_BUCKET = 64  # the smallest static cache length
+MIN_BUCKET = 64  # the smallest prompt bucket (cache_length)
 # device types where the stop decision is read one step late (transformers' DeferredStopCheck), so that the host
 # never waits on the device inside the loop: it needs torch.Event on the device (CPU has none)
 DEFERRED_STOP_ON = ("cuda",)
@@ -57,11 +57,9 @@ def parse_setting(value) -> bool | str:
 
 
 def bucket_length(n: int, ceiling: int | None = None) -> int:
-    """The static cache length for a call that needs ``n`` positions (padded prompt width + ``max_new_tokens``):
-    the smallest of 64, 96, 128, 192, 256, 384, 512, ... (``2**k`` and ``1.5 * 2**k``, from ``MIN_BUCKET``)
-    that holds ``n``: at most 1.5x the positions a call needs (the decoding step attends over the whole static
-    cache), about two compiles per doubling of the longest call. ``ceiling`` (the model's context length) caps
-    the bucket, never below ``n``.
+    """The bucket of ``n`` (a padded prompt width, ``cache_length``): the smallest of 64, 96, 128, 192, 256, 384,
+    512, ... (``2**k`` and ``1.5 * 2**k``, from ``MIN_BUCKET``) that holds ``n``: at most 1.5x ``n``, about two
+    compiles per doubling of the widest prompt. ``ceiling`` caps the bucket, never below ``n``.
 
     >>> [bucket_length(n) for n in (1, 64, 65, 97, 129, 200, 300, 600)]
     [64, 64, 96, 128, 192, 256, 384, 768]
@@ -69,7 +67,7 @@ def bucket_length(n: int, ceiling: int | None = None) -> int:
     (600, 512)
     """
     if n < 1:
-        raise InputError(f"bucket_length: a generate call needs n >= 1 cache positions, got {n}.")
+        raise InputError(f"bucket_length: needs n >= 1 positions, got {n}.")
     k = (-(-n // MIN_BUCKET) - 1).bit_length()  # the smallest k with MIN_BUCKET * 2**k >= n
     size = MIN_BUCKET * 2 ** k
     if k and size * 3 // 4 >= n:
@@ -90,17 +88,35 @@ def compile_config(device_type: str, fullgraph: bool) -> CompileConfig:
     return config
 
 
+def cache_length(prompt_width: int, max_new_tokens: int, ceiling: int | None = None) -> int:
+    """The static cache length for a ``generate`` call of ``prompt_width`` padded prompt columns and up to
+    ``max_new_tokens`` new ones: ``max_new_tokens`` plus the prompt width rounded up to its bucket
+    (``bucket_length``). Only the prompt width varies over a run (``max_new_tokens`` is the config's), so the
+    cache takes one length per prompt bucket, and holds at most the prompt's bucket slack beyond what the call
+    needs: 256 new tokens after a 50-column prompt take 320 positions, where rounding the 306 up as a whole took
+    384 (every position is a key and a value per row and layer, which the decoding step attends over).
+    ``ceiling`` (the model's context length) caps it, never below what the call needs.
+
+    >>> cache_length(50, 256), cache_length(65, 256), cache_length(50, 256, ceiling=300)
+    (320, 352, 306)
+    """
+    n = prompt_width + max_new_tokens
+    size = max_new_tokens + bucket_length(max(prompt_width, 1))
+    return max(n, min(size, ceiling)) if ceiling is not None else size
+
+
 def generate_kwargs(config: CompileConfig, prompt_width: int, max_new_tokens: int,
                     ceiling: int | None = None) -> dict:
     """The keyword arguments that turn one ``generate`` call (``prompt_width`` padded prompt columns, up to
-    ``max_new_tokens`` new ones) into the compiled rollout: a static cache of ``bucket_length`` positions
+    ``max_new_tokens`` new ones) into the compiled rollout: a static cache of ``cache_length`` positions
     (transformers keeps the largest size any call asked for), compiled through ``config``.
 
     >>> kw = generate_kwargs(CompileConfig(), prompt_width=40, max_new_tokens=64)
     >>> kw["cache_implementation"], kw["max_cache_len"], kw["disable_compile"]
     ('static', 128, False)
     """
-    return {"cache_implementation": "static", "max_cache_len": bucket_length(prompt_width + max_new_tokens, ceiling),
+    return {"cache_implementation": "static",
+            "max_cache_len": cache_length(prompt_width, max_new_tokens, ceiling),
             "compile_config": config, "disable_compile": False}
 
 
@@ -110,7 +126,7 @@ def graphs_traced() -> int:
     dynamo's trace state, a reference cycle (measured on CPU, torch 2.13: the first call's cache alive after
     three calls, freed by ``gc.collect()``), which Python's cyclic collector frees at a time of its own: the
     trainer collects once after such a call (``trainers/grpo.py``, ``_compiled_generate``), so that the cache
-    (rows x cache length x layers x keys and values: 810 MiB for 64 rows x 384 positions of SmolLM2 under bf16
+    (rows x cache length x layers x keys and values: 675 MiB for 64 rows x 320 positions of SmolLM2 under bf16
     autocast over fp32 weights, where the keys are fp32 and the values bf16) is
     not held through the loss's forward and backward."""
     return counters["stats"]["unique_graphs"]

@@ -181,10 +181,11 @@ def test_I5_injected_draw_samples_torchs_tokens_and_still_refuses_nan(model_and_
 
 def test_the_cache_length_is_bucketed_so_several_prompt_widths_compile_once(model_and_batch):
     """Three prompt widths (padded to 5, 20 and 40 columns, 16 new tokens: 21, 36 and 56 cache positions, each
-    longer than the last) share the 64-position bucket: the decoding step compiles one graph. Without the
-    bucket, each call's static cache would have its own length and compile its own graph."""
+    longer than the last) share the 64-column prompt bucket, a cache of 16 + 64 positions: the decoding step
+    compiles one graph. Without the bucket, each call's static cache would have its own length and compile its
+    own graph."""
     model, tok, _ = model_and_batch
-    assert [compiled_rollout.bucket_length(P + MAX_NEW) for P in (5, 20, 40)] == [64, 64, 64]
+    assert [compiled_rollout.cache_length(P, MAX_NEW) for P in (5, 20, 40)] == [80, 80, 80]
     torch._dynamo.reset()
     model._previous_max_cache_length = -1  # transformers' running size (its own attribute), as a new model has
     before = dynamo_utils.counters["stats"]["unique_graphs"]
@@ -195,7 +196,7 @@ def test_the_cache_length_is_bucketed_so_several_prompt_widths_compile_once(mode
         out, _, _ = _generate(model, tok, batch, compiled=True, do_sample=False)
         sizes.append(model._previous_max_cache_length)
         assert out.size(1) > width
-    assert sizes == [64, 64, 64]
+    assert sizes == [80, 80, 80]
     assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 1
 
 
@@ -207,6 +208,22 @@ def test_bucket_lengths():
     assert compiled_rollout.bucket_length(700, ceiling=512) == 700
     with pytest.raises(InputError):
         compiled_rollout.bucket_length(0)
+
+
+def test_cache_length_rounds_the_prompt_width_only():
+    """The cache holds ``max_new_tokens`` plus the prompt's bucket: never below what a call needs, at most the
+    prompt's bucket slack above it (1.5x the prompt width, or 64 columns), capped by the model's context length
+    where that still holds the call. 256 new tokens after a 50-column prompt: 320 positions (rounding the 306 as
+    a whole gave 384)."""
+    assert compiled_rollout.cache_length(50, 256) == 320
+    assert compiled_rollout.cache_length(65, 256) == 256 + 96
+    for new in (1, 16, 256, 1000):
+        for width in range(1, 700):
+            size = compiled_rollout.cache_length(width, new)
+            assert width + new <= size <= new + max(64, 1.5 * width), (width, new, size)
+    assert compiled_rollout.cache_length(50, 256, ceiling=310) == 310
+    assert compiled_rollout.cache_length(50, 256, ceiling=300) == 306  # the call's own need beats the ceiling
+    assert len({compiled_rollout.cache_length(w, 256) for w in range(1, 513)}) == 7  # 64 ... 512: seven graphs
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
@@ -341,7 +358,7 @@ def test_compiled_rollout_trains_with_guards_on_and_the_finished_row_rollout_off
     assert len(graphs.caches) == 4 and graphs.alive == [0] * 4, graphs.alive
     history = trainer.state.log_history
     assert [h["generation/compiled_rollout"] for h in history if "generation/compiled_rollout" in h] == [1.0] * 4
-    assert all(h["generation/compiled_rollout_cache_len"] == 64 for h in history
+    assert all(h["generation/compiled_rollout_cache_len"] == 12 + 64 for h in history
                if "generation/compiled_rollout_cache_len" in h)
     assert not any("padding_free/decoding_rows" in h for h in history)
     assert any("guards/logprob_max_gap" in h for h in history)  # I5 ran (and passed: train() returned)
