@@ -30,7 +30,7 @@ from ..ops.masking import completion_mask, expected_lengths, unpad
 # the calls here: I5/I7 are re-exported.
 from .logprobs import (  # noqa: F401
     check_entropy_sign, check_entropy_values, check_logprobs, check_logprobs_in_precision, check_slope, entropy_slopes,
-    recompute_logprobs, skipped_for_dropout)
+    Recomputed, recompute_logprobs, skipped_for_dropout)
 
 logger = logging.getLogger(__name__)
 

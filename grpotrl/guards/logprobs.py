@@ -17,6 +17,7 @@ Letters: B rows, C padded completion width, V vocabulary.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +65,21 @@ def worst_token(gap: torch.Tensor) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- I5: logprobs at temperature T
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """What a guard step reads from I5's padded recompute of one microbatch, each [B, C] (the trainer reads them
+    before the loss's forward, so that the [B, C, V] logits are gone before its graph exists): ``logprobs``
+    (``log_softmax(logits / T)`` at generate's positions), ``scale`` (``max |logits / T|``), ``slope``
+    (``ops.logprobs.temperature_slope``, which ``check_logprobs_in_precision`` fits along in bf16/fp16; None in
+    fp32) and ``entropies`` (``ops.logprobs.entropy_from_logits``, for ``check_entropy_values``; None where no
+    entropy bonus is on)."""
+
+    logprobs: torch.Tensor
+    scale: torch.Tensor
+    slope: torch.Tensor | None
+    entropies: torch.Tensor | None
 
 
 @torch.no_grad()

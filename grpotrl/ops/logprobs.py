@@ -19,7 +19,7 @@ def row_chunks(logits: torch.Tensor) -> list[slice]:
     """Row slices of ``logits`` [B, C, V] with at most ``CHUNK_ELEMENTS`` elements each (one row where a
     row alone is larger). The functions below that take [B, C, V] logits work one chunk at a time, so a
     call holds a few [b, C, V] fp32 temporaries instead of several [B, C, V] ones (at 8 rows x 256
-    tokens x 49152 each is 386 MiB) next to the loss's autograd graph; rows are independent, so the
+    tokens x 49152 each is 386 MiB); rows are independent, so the
     values are those of one whole-batch call.
 
     >>> row_chunks(torch.empty(5, 1 << 11, 1 << 12, device="meta"))  # two rows of 2^23 per chunk

@@ -63,8 +63,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``_calculate_rewards``: a +-inf reward made missing and counted (``nonfinite_reward`` health rule).
       * ``_get_per_token_logps_and_entropies``: packed rows under ``padding_free``, TRL's layout back.
       * ``_prepare_inputs``: token-balanced microbatches under ``balance_microbatches``.
-      * ``_compute_loss``: grpotrl's KL in place of TRL's; I1, I3, I4, I11 on the microbatch, then
-        ``_check_loss``: I10 at step 0, the sampler gap, entropy health, I5 and I7's entropy values.
+      * ``_compute_loss``: grpotrl's KL in place of TRL's; I1, I3, I4, I11 on the microbatch; before TRL's loss
+        forward ``_recompute_reference`` (guard and logit-signal steps: I5's padded recompute, the logit
+        signals), after it ``_check_loss``: I10 at step 0, the sampler gap, entropy health, I5 and I7's entropy
+        values.
       * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated.
       * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles; under
         ``packed_attention='varlen'`` the policy switched to grpotrl's varlen attention for the whole step.
@@ -674,6 +676,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if guard is not None:  # I1, I3, I4 on the microbatch the loss uses, before any compute
             guards.check_loss_inputs(_intercept.read_tokenizer(self), guard, inputs, inputs[ROW_KEY].tolist(),
                                      self.eos_token_ids, self._completion_cap(), self.mask_truncated_completions)
+        recomputed = self._recompute_reference(model, inputs, guarded=guard is not None)
         full_kl = self._kl_in_loss and self.args.kl_estimator == "full"
         capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full_kl \
             else contextlib.nullcontext([])
@@ -691,17 +694,44 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self._kl_in_loss:
             loss = loss + self._kl_loss(model, inputs, used, loss_mask, hidden[0] if full_kl else None)
         self.hook_record.loss = LossTerms(entropies, loss_mask, bonus_mask)
-        self._check_loss(model, inputs, loss, used, entropies, loss_mask, guarded=guard is not None)
+        self._check_loss(model, inputs, loss, used, entropies, loss_mask, recomputed)
         return loss
 
+    def _recompute_reference(self, model, inputs: dict, guarded: bool) -> guards.Recomputed | None:
+        """On guard steps (``guarded``) and logit-signal steps, one independent padded no-grad forward of the
+        microbatch (``guards.recompute_logprobs``), run before the loss's forward: it logs the logit signals and,
+        on guard steps, returns what I5 and I7 compare the loss with (``guards.Recomputed``, [B, C] values), so
+        that its [B, C, V] logits are freed before the loss's autograd graph exists (read next to that graph,
+        they raised a guard step's peak memory over a later step's). None where nothing is compared: not due,
+        or dropout is active (the loss's forward then samples masks: no deterministic reference exists)."""
+        if not (guarded or self._logit_signals_due()):
+            return None
+        completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P+C]
+        attention_mask = torch.cat([inputs["prompt_mask"], cmask], dim=1)  # [B, P+C]
+        unwrapped = self.accelerator.unwrap_model(model)
+        with self._reference_attention(unwrapped):
+            reference, scale, logits = guards.recompute_logprobs(unwrapped, input_ids, attention_mask,
+                                                                 completion_ids.size(1), self.temperature,
+                                                                 return_logits=True)
+        self._log_logit_signals(logits, cmask * inputs.get("tool_mask", 1))
+        if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._warned):
+            return None
+        with torch.no_grad():
+            slope = temperature_slope(logits, completion_ids, self.temperature) \
+                if self.guard_tolerances.low_precision else None  # [B, C]
+            entropies = entropy_from_logits(logits, self.temperature) \
+                if _intercept.read_entropy_bonus(self).enabled else None  # [B, C]: the node I7's sign check uses
+        return guards.Recomputed(reference, scale, slope, entropies)
+
     def _check_loss(self, model, inputs: dict, loss: torch.Tensor, used: torch.Tensor, entropies: torch.Tensor | None,
-                    loss_mask: torch.Tensor, guarded: bool) -> None:
+                    loss_mask: torch.Tensor, recomputed: guards.Recomputed | None) -> None:
         """The checks and signals of the loss a microbatch is about to backpropagate, in order: I10 on the first
         microbatch of step 0 (the reference's and old policy's logprobs equal ``used``); the sampler/trainer gap
         where the sampler's logprobs exist; the per-sample entropy and the loss for the health rules; and, on
-        guard steps (``guarded``) or logit-signal steps, one independent padded forward (``guards.recompute_logprobs``)
-        for the logit signals, I5 (``used`` [B, C] is ``log_softmax(logits / T)`` at generate's positions, in the
-        run's precision: ``guard_tolerances``) and I7's entropy values (``entropies`` [B, C] are the policy's)."""
+        guard steps, what ``_recompute_reference`` read (``recomputed``) against the loss: I5 (``used`` [B, C] is
+        ``log_softmax(logits / T)`` at generate's positions, in the run's precision: ``guard_tolerances``) and
+        I7's entropy values (``entropies`` [B, C] are the policy's)."""
         if self.hook_record.identity_due and self.model.training:
             self.hook_record.identity_due = False
             if self.state.global_step == 0:
@@ -714,28 +744,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self._log_sampler_gap(used, inputs)
         if entropies is not None:
             self._log_loss_health(loss, entropies, loss_mask, inputs.get(TASK_KEY))
-        if not (guarded or self._logit_signals_due()):
+        if recomputed is None:
             return
-        completion_ids, cmask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P+C]
-        attention_mask = torch.cat([inputs["prompt_mask"], cmask], dim=1)  # [B, P+C]
-        unwrapped = self.accelerator.unwrap_model(model)
-        with self._reference_attention(unwrapped):
-            reference, scale, logits = guards.recompute_logprobs(unwrapped, input_ids, attention_mask,
-                                                                 completion_ids.size(1), self.temperature,
-                                                                 return_logits=True)
-        self._log_logit_signals(logits, loss_mask)
-        if not guarded or guards.skipped_for_dropout(model, "I5 (and the I7 entropy values) are", self._warned):
-            return  # under dropout the loss's forward samples masks: no deterministic reference exists
-        tol = self.guard_tolerances
-        slope = temperature_slope(logits, completion_ids, self.temperature) if tol.low_precision else None  # [B, C]
-        metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, reference, slope, scale,
-                                                     cmask, completion_ids, self.temperature, tol,
+        completion_ids = inputs["completion_ids"]  # [B, C]
+        metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, recomputed.logprobs,
+                                                     recomputed.slope, recomputed.scale, inputs["completion_mask"],
+                                                     completion_ids, self.temperature, self.guard_tolerances,
                                                      inputs[ROW_KEY].tolist(),
                                                      packed=self.padding_free and self.packed_attention)
-        if entropies is not None and _intercept.read_entropy_bonus(self).enabled:  # the node I7's sign check uses
-            guards.check_entropy_values(entropies, entropy_from_logits(logits, self.temperature), loss_mask, tol)
-        del logits
+        if entropies is not None and recomputed.entropies is not None:
+            guards.check_entropy_values(entropies, recomputed.entropies, loss_mask, self.guard_tolerances)
         self._record_metrics(metrics, "train")
 
     def _reference_attention(self, model) -> contextlib.AbstractContextManager:

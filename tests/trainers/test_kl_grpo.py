@@ -182,11 +182,11 @@ def test_I10_runs_on_the_first_step0_microbatch_that_holds_a_loss_token(tiny_lla
 
     original = grpotrl.GRPOTrainer._check_loss
 
-    def first_masked(self, model, inputs, loss, used, entropies, loss_mask, guarded):
+    def first_masked(self, model, inputs, loss, used, entropies, loss_mask, recomputed):
         if not first:  # the first microbatch holds no loss token
             first.append(True)
             loss_mask = torch.zeros_like(loss_mask)
-        return original(self, model, inputs, loss, used, entropies, loss_mask, guarded)
+        return original(self, model, inputs, loss, used, entropies, loss_mask, recomputed)
 
     monkeypatch.setattr(identity, "check_step0_logprobs", spy)
     monkeypatch.setattr(grpotrl.GRPOTrainer, "_check_loss", first_masked)
@@ -199,8 +199,8 @@ def test_I10_runs_on_the_first_step0_microbatch_that_holds_a_loss_token(tiny_lla
 
     compared.clear()
     monkeypatch.setattr(grpotrl.GRPOTrainer, "_check_loss",
-                        lambda self, model, inputs, loss, used, entropies, loss_mask, guarded: original(
-                            self, model, inputs, loss, used, entropies, torch.zeros_like(loss_mask), guarded))
+                        lambda self, model, inputs, loss, used, entropies, loss_mask, recomputed: original(
+                            self, model, inputs, loss, used, entropies, torch.zeros_like(loss_mask), recomputed))
     args = grpo_args(beta=BETA, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
                                   train_dataset=arithmetic_prompts())
