@@ -12,8 +12,9 @@ the compiled rollout forced on: a static KV cache and the decoding step compiled
 ``varlen`` (``padding_free=true`` with ``packed_attention=varlen``: on CUDA in bf16 torch's varlen kernel, I5's
 guard-step recompute through the same kernel; elsewhere one sdpa per sequence or prompt tree; the finished-row
 rollout on, as ``padding_free`` turns it on);
-``fastest`` (the speed settings measured on a GPU forced on: ``padding_free=true``, ``compiled_rollout=true``,
-``packed_attention`` left at 'auto'). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
+``fastest`` (every speed setting forced on: ``padding_free=true``, ``compiled_rollout=true``,
+``packed_attention=varlen``: on CUDA in bf16 the kernel, whose I5 recompute runs through it; with the mask there,
+I5's bf16 median bound stopped the run at step 1 on an H100, 2026-11-27). ``--variants`` defaults to ``trl,padded,packed`` on CPU and ``trl,default,fastest``
 on CUDA; ``--rounds`` to 2 on CPU and 1 on CUDA, so that on a GPU the three variants' 4 steps at 8 x 8 x 256,
 each child's setup and compilation included, run in one command of a few minutes. CUDA runs bf16 (autocast
 over the fp32 weights).
@@ -131,9 +132,9 @@ def child(variant: str, steps: int, shape: tuple[int, int, int]) -> None:
     elif variant == "varlen":
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=True,
                                                                       packed_attention="varlen")
-    elif variant == "fastest":  # the speed settings measured on a GPU (not CUDA's varlen kernel: no figure yet)
+    elif variant == "fastest":
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(
-            **common, padding_free=True, compiled_rollout="true")
+            **common, padding_free=True, compiled_rollout="true", packed_attention="varlen")
     else:
         trainer_class, args = grpotrl.GRPOTrainer, grpotrl.GRPOConfig(**common, padding_free=variant == "packed")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed settings' GPU check, in commands that each end inside a lent machine's 10-minute limit:
 #   bash bench/gpu_check.sh bench   # about 5 minutes at 8 x 8 x 256: plain TRL, grpotrl's defaults (the compiled
-#                                   # rollout on CUDA) and the compiled rollout with padding_free too (fastest)
+#                                   # rollout on CUDA) and the compiled rollout with padding_free's varlen kernel (fastest)
 #   bash bench/gpu_check.sh tests   # about 4-5 minutes: tests/test_gpu.py's speed settings with every guard on, I5
 #                                   # under the compiled rollout and under the varlen kernel
 #   bash bench/gpu_check.sh all     # one command of at most 9 minutes (a lease's one long call): the bench (each

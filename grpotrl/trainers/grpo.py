@@ -226,6 +226,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         # what the numeric guards (I5, I7, I10, I11) allow between two correct forwards in this run's precision
         self.guard_tolerances = precision.tolerances(precision.compute_dtype(self.model, args.bf16, args.fp16),
                                                      args.guard_logprob_atol)
+        unsafe = padding_free.guard_warning(device, self.padding_free, self.packed_attention,
+                                            self.guard_tolerances.low_precision, args.guard_steps != 0)
+        if unsafe is not None:
+            logger.warning(unsafe)
         self.hook_record = HookRecord()  # what one hook hands the next (trainers/records.py)
         self._warned: set[str] = set()  # warnings given once: a check skipped under dropout, the sampler gap
         self.hook_record.identity_due = bool(args.check_step0_identity) and args.guard_steps != 0  # I10 once

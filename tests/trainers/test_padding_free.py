@@ -676,6 +676,34 @@ def test_startup_line_says_what_was_chosen_and_why(tiny_llama, grpo_args, caplog
                                   why_no_rollout="compiled rollout on: its static KV cache keeps every row")
 
 
+def test_a_padding_free_run_measured_to_stop_at_I5_by_rounding_is_warned_at_init(tiny_llama, grpo_args, caplog,
+                                                                                   monkeypatch):
+    """padding_free with the mask on CUDA in bf16 stopped at I5 on an H100 by rounding alone (median 0.022 nats
+    at 8 x 8 x 256, bound 0.02): such a run is told so at init, before any compute; fp32, guards off, another
+    device or the varlen kernel (whose recompute runs through that kernel) are not. A CPU run (the trainer here)
+    logs no such warning."""
+    warn = padding_free.guard_warning
+    said = warn("cuda", True, "mask", True, True)
+    assert "0.022 nats" in said and "padding_free='auto' (off on cuda)" in said and "docs/cost.md" in said
+    assert warn("cuda", False, "mask", True, True) is None  # padding_free off
+    assert warn("cuda", True, "mask", False, True) is None  # fp32: I5 compares token by token
+    assert warn("cuda", True, "mask", True, False) is None  # guard_steps 0
+    assert warn("cuda", True, "varlen", True, True) is None
+    assert warn("cpu", True, "mask", True, True) is None
+    with caplog.at_level(logging.WARNING, logger="grpotrl.trainers.grpo"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                            args=grpo_args(padding_free=True, packed_attention="mask", bf16=True))
+    assert not [r for r in caplog.records if "may stop this run" in r.getMessage()]
+    # the trainer's wiring, with such a measurement recorded for this CPU's mask path
+    monkeypatch.setitem(padding_free.I5_OVER_BOUND, ("cpu", "mask"), "a planted measurement")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpotrl.trainers.grpo"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                            args=grpo_args(padding_free=True, packed_attention="mask", bf16=True))
+    said = [r.getMessage() for r in caplog.records if "may stop this run" in r.getMessage()]
+    assert len(said) == 1 and "a planted measurement" in said[0], said
+
+
 # ---------------------------------------------------------------- I5 catches attention that ignores packing
 
 def _ignores_packing(path, dropped="position_ids"):
