@@ -128,9 +128,16 @@ def parse_args(command: str, argv: list[str]):
         raise InputError("--config is given more than once: pass one recipe, and override its keys with --key value.")
     if "--config" in argv:
         i = argv.index("--config")
-        if i + 1 >= len(argv) or not os.path.isfile(argv[i + 1]):
-            given = argv[i + 1] if i + 1 < len(argv) else "nothing"
-            raise InputError(f"--config needs a recipe YAML file, got {given}. See recipes/smollm2/ for examples.")
+        if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+            raise InputError("--config needs a recipe YAML file after it, got nothing. See recipes/smollm2/ for "
+                             "examples.")
+        given = argv[i + 1]
+        if not os.path.exists(given):
+            raise InputError(f"--config {given}: no such file (looked in {os.path.abspath(given)}). Check the path; "
+                             "see recipes/smollm2/ for examples.")
+        if not os.path.isfile(given):
+            raise InputError(f"--config {given}: not a file (a directory?). Give the recipe YAML file itself, e.g. "
+                             "recipes/smollm2/grpo_quickstart.yaml.")
     parser = make_parser(command)
     parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
     if "--config" in argv:  # YAML syntax, env: variables read at import, each value against its field's type
@@ -156,13 +163,11 @@ def parse_args(command: str, argv: list[str]):
         flags = [a for a in from_argv if a.startswith("-")] or from_argv
         raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
                          f"`grpotrl {command} --help` lists every key.")
-    if dataclasses[1].output_dir == "":  # the Trainer's makedirs('') fails only after the model loaded
-        raise InputError("output_dir is empty (output_dir: '' in the recipe, or --output_dir \"$VAR\" with VAR "
-                         "unset). Set it to the directory the run writes to.")
     return tuple(dataclasses)
 
 
 def _argparse_error(message: str):
+    message = message.rstrip().rstrip(".")  # argparse's own messages end in a period or not
     raise InputError(f"{message[:1].upper()}{message[1:]}. `--help` describes every key.")
 
 
@@ -283,6 +288,8 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
     'reward: 0.500 (first 1 steps) -> 0.500 (last 1 steps); 1 logged value not finite (inf), left out'
     >>> summary("grpo", [{"reward": float("inf")}, {"reward": float("-inf")}])
     'reward: not finite at any of the 2 logged steps (inf, -inf): nothing to average'
+    >>> summary("sft", [{"train_runtime": 3.1, "train_loss": 2.5}])  # max_steps < logging_steps
+    'no metric logged at a logging step (the run ended before its first logging_steps); train_loss over the run: 2.500'
     """
     keys = {"sft": ["loss"], "gad": ["gad/d_acc", "gad/student_score", "gad/teacher_score", "completions/mean_length"]
             }.get(command, ["reward", "rewards/exact_answer_reward/mean", "completions/mean_length"])
@@ -301,7 +308,11 @@ def summary(command: str, log_history: list[dict], window: int = 5) -> str:
                             if odd else ""))
         elif odd:
             lines.append(f"{key}: not finite at any of the {len(odd)} logged steps ({kinds}): nothing to average")
-    return "\n".join(lines) or "nothing logged"
+    if lines:
+        return "\n".join(lines)
+    final = [e["train_loss"] for e in log_history if isinstance(e, dict) and _number(e.get("train_loss"))]
+    return ("no metric logged at a logging step (the run ended before its first logging_steps)"
+            + (f"; train_loss over the run: {final[-1]:.3f}" if final else ""))
 
 
 def _real(value) -> bool:
@@ -355,8 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*COMMANDS, "report"):
+        asked_help = argv[:1] in (["-h"], ["--help"])
+        if argv and not asked_help:
+            print(f"grpotrl: error: unknown command {argv[0]!r}; the commands are {', '.join((*COMMANDS, 'report'))}.",
+                  file=sys.stderr)
         print(USAGE, file=sys.stderr)
-        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+        raise SystemExit(0 if asked_help else EXIT_INPUT)
     # grpotrl's own INFO lines (what the trainer chose at init and why: padding_free on this device, ...) on
     # stderr, beside TRL's; its warnings as before
     package = logging.getLogger("grpotrl")

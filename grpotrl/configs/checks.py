@@ -155,7 +155,11 @@ def check_ranges(args) -> None:
     """Raise ``InputError`` for the first numeric setting of ``args`` (any TRL or grpotrl config) that is
     set to something its field cannot mean (a wrong sign, a zero, a NaN, a list), or the first string-choice
     field set to a value TRL 1.16 does not take (``choices_of``), with the closest value it takes. Runs on
-    the config, before any weights load, and before TRL's own __post_init__ divides by any of them."""
+    the config, before any weights load, and before TRL's own __post_init__ divides by any of them. An empty
+    ``output_dir`` too: the Trainer's ``makedirs('')`` fails only after the model loaded."""
+    if getattr(args, "output_dir", None) == "":
+        raise InputError("output_dir is empty ('' in the config or recipe, or --output_dir \"$VAR\" with VAR unset). "
+                         "Set it to the directory the run writes to.")
     for name, (ok, what) in RANGES.items():
         value = getattr(args, name, None)
         if value is not None and not ok(value):

@@ -23,7 +23,7 @@ import torch
 
 from ..chat.boundary import boundary_snippet, starts_with_header
 from ..errors import InvariantError
-from .tool_loop import check_loss_mask, check_tool_loop
+from .tool_loop import check_loss_mask, check_tool_loop, require_rows
 from ..ops.masking import completion_mask, expected_lengths, unpad
 
 # The trainers (multitask.py too) call every check as ``guards.<name>``, and tests/dist_worker.py counts
@@ -50,6 +50,7 @@ def due(guard_steps: int, global_step: int) -> bool:
 
 def check_prompts_templated(tokenizer, prompt_ids: list[list[int]], expected: list[list[int]]) -> None:
     """I1: the ids generation saw are the chat template with the generation prompt, no doubled BOS."""
+    require_rows("I1", "the prompts generation saw and their chat templates", used=prompt_ids, template=expected)
     bos = tokenizer.bos_token_id
     for i, (got, want) in enumerate(zip(prompt_ids, expected)):
         got, want = list(got), list(want)
@@ -74,6 +75,8 @@ def check_prompts_templated(tokenizer, prompt_ids: list[list[int]], expected: li
 
 def check_same_prompt(tokenizer, generation_prompts: list[list[int]], loss_prompts: list[list[int]], rows) -> None:
     """I1: the prompt ids the loss/KL forward uses are, bit for bit, those generation saw."""
+    require_rows("I1", "the prompts of generation and of the loss", rows=list(rows), generation=generation_prompts,
+                 loss=loss_prompts)
     for r, gen, used in zip(rows, generation_prompts, loss_prompts):
         if list(gen) != list(used):
             raise InvariantError(

@@ -33,6 +33,24 @@ def _turn_error(tokenizer, row: int, turn: int, got: list[int], want: list[int] 
     )
 
 
+def require_rows(invariant: str, what: str, **lists) -> None:
+    """An ``InvariantError`` of ``invariant`` unless every list in ``lists`` (name -> rows) has as many rows:
+    a check that pairs rows by position would otherwise compare the shorter list's rows and pass the rest.
+
+    >>> require_rows("I1", "the prompts", used=[[1]], template=[[1]])
+    >>> require_rows("I1", "the prompts", used=[[1], [2]], template=[[1]])
+    Traceback (most recent call last):
+    ...
+    grpotrl.errors.InvariantError: [I1] the prompts: 2 rows of used against 1 of template: rows cannot be paired, so none is checked.
+    """
+    counts = {name: len(rows) for name, rows in lists.items()}
+    if len(set(counts.values())) > 1:
+        (a, n), *rest = counts.items()
+        others = ", ".join(f"{m} of {b}" for b, m in rest)
+        raise InvariantError(invariant, f"{what}: {n} rows of {a} against {others}: rows cannot be paired, so none "
+                             "is checked.")
+
+
 def check_tool_loop(tokenizer, calls: list[dict], prompt_ids: list[list[int]], completion_ids: list[list[int]],
                     tool_mask: list[list[int]], stop_ids: list[int], generation_prompt: list[int],
                     max_completion_length: int) -> list[list[int]]:
@@ -87,6 +105,7 @@ def check_tool_loop(tokenizer, calls: list[dict], prompt_ids: list[list[int]], c
             turns[i] += 1
             rows.append(i)
         active = rows
+    require_rows("I3", "the tool loop's rows", prompts=prompt_ids, completions=completion_ids, tool_mask=tool_mask)
     for i, (prompt, got, tools) in enumerate(zip(prompt_ids, completion_ids, tool_mask)):
         want = seq[i][len(prompt):]
         if turns[i] > 1:  # TRL cuts the last turn to the completion budget
@@ -117,6 +136,8 @@ def check_loss_mask(tokenizer, completion_ids: torch.Tensor, loss_mask: torch.Te
     """I4 on the loss's microbatch of a tool loop: ``completion_mask * tool_mask`` is 1 exactly on
     the tokens the model generated (``expected``, from ``check_tool_loop``), 0 on tool results and
     padding; with ``mask_truncated_completions`` a row that did not end on a stop token is all 0."""
+    require_rows("I4", "the loss microbatch of a tool loop", rows=list(rows), expected_masks=expected,
+                 completions=completion_ids, loss_mask=loss_mask)
     for j, (r, want) in enumerate(zip(rows, expected)):
         ids = completion_ids[j].tolist()
         full = list(want) + [0] * (len(ids) - len(want))

@@ -553,6 +553,42 @@ def test_recipe_key_set_twice_is_one_error_line_before_the_load(text, expected, 
     assert re.search(expected, line), line
 
 
+def test_a_config_path_that_is_missing_or_a_folder_says_which(tmp_path, capsys):
+    """``--config`` naming no file said "needs a recipe YAML file" whether the path was mistyped, a folder, or
+    missing after the flag; each now says which, and a missing file where it was looked for."""
+    line = cli_error(capsys, ["grpo", "--config", str(tmp_path / "nonexist.yaml")])
+    assert f"--config {tmp_path / 'nonexist.yaml'}: no such file" in line, line
+    line = cli_error(capsys, ["grpo", "--config", str(tmp_path)])
+    assert "not a file (a directory?)" in line, line
+    for argv in (["grpo", "--config"], ["grpo", "--config", "--max_steps", "1"]):
+        line = cli_error(capsys, argv)
+        assert "--config needs a recipe YAML file after it, got nothing" in line, line
+
+
+def test_an_argparse_error_ends_in_one_period(tmp_path, capsys):
+    """argparse's own messages end in a period or not: the line had two where they did."""
+    for message in ("expected one argument", "ambiguous option: --x could match --xa, --xb."):
+        with pytest.raises(InputError) as err:
+            cli._argparse_error(message)
+        assert str(err.value).endswith(". `--help` describes every key.") and ".." not in str(err.value), err.value
+    line = cli_error(capsys, ["grpo", "--output_dir", str(tmp_path), "--learning_rate"])
+    assert "Argument --learning_rate/--learning-rate: expected one argument. `--help`" in line, line
+
+
+def test_an_unknown_command_is_named(capsys):
+    """``grpotrl grop`` printed the usage alone; it now names the command it did not know, exit 2; ``--help``
+    prints the usage, exit 0."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["grop", "--config", "x.yaml"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "grpotrl: error: unknown command 'grop'; the commands are sft, grpo, gad, " \
+        "report." in err, err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 0 and "unknown command" not in err and err.strip(), err
+
+
 def test_a_merge_key_may_be_overridden(tmp_path):
     (tmp_path / "r.yaml").write_text("base: &b {x: 1}\nc:\n  <<: *b\n  x: 2\n")
     assert recipe_types.read_recipe(str(tmp_path / "r.yaml"))["c"] == {"x": 2}
@@ -746,7 +782,8 @@ def test_end_of_run_summary_never_fails_a_saved_run(tmp_path, smollm2_path, monk
     monkeypatch.setattr(grpotrl, "GRPOTrainer", FakeTrainer)
     cli.main(["grpo", "--config", recipe(tmp_path, smollm2_path, max_steps=2)])  # returns: exit status 0
     out = capsys.readouterr().out
-    assert calls == ["save_state", "end"] and "nothing logged" in out and "grpotrl grpo: 2 steps, stop ids" in out
+    assert calls == ["save_state", "end"] and "no metric logged at a logging step" in out
+    assert "grpotrl grpo: 2 steps, stop ids" in out
 
 
 @pytest.mark.parametrize("command, fields, expected", [

@@ -13,6 +13,7 @@ import trl
 from conftest import arithmetic_prompts, length_reward
 
 import grpotrl
+from grpotrl.errors import InputError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(grpotrl.__file__)))
 
@@ -419,3 +420,12 @@ def test_I4_vllm_stops_on_every_stop_id_of_the_template(tiny_multistop, tmp_path
     sampling = vllm_sampling(args, stops, given)
     assert sampling["stop_token_ids"][0] == 5 and set(sampling["stop_token_ids"]) == {5, *stops}
     assert sampling["min_tokens"] == 2 and given == {"stop_token_ids": [5]}
+
+
+@pytest.mark.parametrize("config", ["GRPOConfig", "SFTConfig", "GADConfig"])
+def test_an_empty_output_dir_is_refused_when_the_config_is_made(config, tmp_path):
+    """``GRPOConfig(output_dir="")`` in Python was taken, and the Trainer's ``makedirs('')`` failed only after
+    the model loaded; the command line refused it already. transformers' default (None) is still taken."""
+    with pytest.raises(InputError, match=r"output_dir is empty"):
+        getattr(grpotrl, config)(output_dir="", use_cpu=True, report_to="none")
+    assert getattr(grpotrl, config)(use_cpu=True, report_to="none").output_dir == "trainer_output"

@@ -173,3 +173,24 @@ def test_I4_loss_mask_of_a_tool_loop():
         guards.check_loss_mask(_Tok(), ids, torch.tensor([[1, 1, 1, 1, 1, 1, 0]]), [[1, 1, 0, 0, 1, 1]], [2], [0])
     cut = torch.tensor([[7, 2, 8, 9, 4, 4, 0]])  # the last turn cut to the budget, no stop: masked out entirely
     guards.check_loss_mask(_Tok(), cut, torch.zeros(1, 7), [[1, 1, 0, 0, 1, 1]], [2], [0], truncated_masked=True)
+
+
+def test_I1_I3_I4_checks_that_pair_rows_refuse_lists_of_other_lengths():
+    """The row-pairing checks zipped their lists: a list one row short compared the rows both had and passed the
+    rest unchecked. Each now names the counts (I1: the templated prompts, generation's and the loss's prompts;
+    I3: the tool loop's completions; I4: the tool loop's loss masks)."""
+    tok = _Tok()
+    tok.bos_token_id = None
+    with pytest.raises(InvariantError, match=r"I1.*2 rows of used against 1 of template"):
+        guards.check_prompts_templated(tok, [[5, 6], [5, 7]], [[5, 6]])
+    with pytest.raises(InvariantError, match=r"I1.*2 rows of rows against 2 of generation, 1 of loss"):
+        guards.check_same_prompt(tok, [[5, 6], [5, 7]], [[5, 6]], [0, 1])
+    with pytest.raises(InvariantError, match=r"I3.*2 rows of prompts against 1 of completions"):
+        guards.check_tool_loop(tok, [_call([[5, 6], [5, 6, 6]], [[4, 2, 2], [4, 2, 2]])], [[5, 6], [5, 6, 6]],
+                               [[4, 2]], [[1, 1], [1, 1]], stop_ids=[2], generation_prompt=[1, 3],
+                               max_completion_length=64)
+    ids = torch.tensor([[7, 2, 8, 9, 4, 2, 0], [4, 2, 0, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])
+    with pytest.raises(InvariantError, match=r"I4.*2 rows of rows against 1 of expected_masks"):
+        guards.check_loss_mask(tok, ids, mask, [[1, 1, 0, 0, 1, 1]], [2], rows=[0, 1])
+    guards.check_prompts_templated(tok, [[5, 6]], [[5, 6]])  # equal counts, equal rows: passes
