@@ -94,6 +94,10 @@ def _restricted(func: Callable, task: str, column: str) -> Callable:
         return rows, n, rows_of(rows, n, prompts=prompts, completions=completions, **kwargs)
 
     def spread(rows, n, values):
+        if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"reward {name} returned {str(values)[:40]!r} ({type(values).__name__}) for "
+                             f"{len(rows)} rows of task {task!r}: a reward function returns a list with one float "
+                             "(or None: no score) per completion it was given.")
         values = list(values)
         if len(values) != len(rows):
             raise ValueError(f"reward {name} returned {len(values)} rewards for {len(rows)} rows of task {task!r}.")
