@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 from datasets import Dataset
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
 
+from ..errors import InputError
 from . import templates
 
 
@@ -81,3 +83,43 @@ def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: di
     return templates.tokenize_sft_example(tokenizer, row["prompt"], row["completion"], stop_ids,
                                           training_template=training_template, tools=tools,
                                           assistant_masks=assistant_masks, end_of_turn=end_of_turn, **kw)
+
+
+def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None = None,
+                            config_kwargs: dict | None = None) -> str | None:
+    """The template ``trl.SFTTrainer`` renders rows with under ``assistant_only_loss`` (None: the tokenizer's own,
+    which has ``{% generation %}`` markers; else TRL's patched training template), found before any weights load.
+    ``i2_row``: the first conversational prompt-completion row trained on its completion, tokenized as
+    ``tokenize_i2_row`` will (its RL prompt ids a prefix), whose loss (completion and assistant mask) must end
+    with a stop token where the template writes one after an assistant turn (I2).
+
+    Raises:
+        InputError: TRL cannot make the template mark assistant turns, or the row's loss leaves out the end-of-turn.
+        InvariantError: the row does not start with the RL prompt ids (I2).
+    """
+    tok = templates._tok(tokenizer)
+    name = getattr(tok, "name_or_path", type(tok).__name__)
+    try:  # what trl.SFTTrainer.__init__ does, on the processing class (a VLM processor's own template)
+        training = (None if has_generation_markers(templates.chat_template_of(tokenizer))
+                    else get_training_chat_template(tokenizer))
+    except ValueError as e:
+        raise InputError(
+            f"assistant_only_loss=True needs a chat template that marks each assistant turn with `{{% generation %}}` "
+            f"... `{{% endgeneration %}}`; the template of {name!r} has no markers and TRL cannot add them ({e}). "
+            "Put the markers around each assistant message and its end-of-turn token (a tokenizer whose template "
+            "has them, or `chat_template_path`), or drop assistant_only_loss: on prompt/completion rows "
+            "completion_only_loss already trains on the response and its end-of-turn token only."
+        ) from e
+    if i2_row is None:
+        return training
+    row = tokenize_i2_row(i2_row, tok, stop_ids, config_kwargs, training, assistant_masks=True)
+    in_loss = [t for t, c, a in zip(row["input_ids"], row["completion_mask"], row["assistant_masks"]) if c and a]
+    if in_loss and in_loss[-1] not in stop_ids and templates.writes_stop_after_turn(tok, stop_ids, training):
+        raise InputError(
+            f"assistant_only_loss=True on the chat template of {name!r}: its `{{% generation %}}` block ends before "
+            f"the end-of-turn token, so the first row's loss ends with {tok.decode(in_loss[-1:])!r}, not a stop "
+            f"token {stop_ids}, and SFT would never teach the model to stop (I2). Move `{{% endgeneration %}}` "
+            "after the end-of-turn token, or drop assistant_only_loss: on prompt/completion rows "
+            "completion_only_loss already trains on the response and its end-of-turn token only."
+        )
+    return training

@@ -10,6 +10,8 @@
   started in ``output_dir``: ``earlier_run_checkpoints``, ``run_lock.GrpotrlRun``) checked to hold
   everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
   when the step falls inside one of TRL's generation batches (no exact resume then).
+* ``rotate_run_checkpoints``: ``save_total_limit`` over the current run's checkpoints only, never the one
+  just saved.
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
   ``check_finished_run`` (the Python API: only a finished run is refused); a resume counts only from a
   checkpoint inside ``output_dir`` (``resumes_inside``); both name every way to set
@@ -33,6 +35,8 @@ import shutil
 import time
 import zipfile
 from contextlib import contextmanager
+
+from transformers.trainer_utils import sort_checkpoints
 
 from ..chat import templates
 from ..configs.launch import sharded_launch
@@ -61,7 +65,7 @@ def _file_problem(directory: str, name: str) -> str | None:
         return f"no {name}"
     if name.endswith(".safetensors"):
         return safetensors_problem(path)
-    if name.endswith((".pt", ".pth")):
+    if name.endswith((".pt", ".pth", ".bin")):
         return _torch_file_problem(path)
     if name.endswith(".json"):
         try:
@@ -92,7 +96,12 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
             problems.append(f"'latest' names DeepSpeed state {tag!r}, which is not there")
     else:
         is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
-        if weights := weights_problem(directory, "adapter" if is_adapter else "model"):
+        # the files a resume reads beside trainer_state.json, where present (a crash can leave one empty)
+        read = [p for name in READ_ON_RESUME if os.path.isfile(os.path.join(directory, name))
+                and (p := _file_problem(directory, name))]
+        problems += read
+        index_readable = not any(".index.json" in p for p in read)  # weights_problem reads the index
+        if index_readable and (weights := weights_problem(directory, "adapter" if is_adapter else "model")):
             problems.append(weights)
         fsdp_optimizer = any(os.path.isdir(os.path.join(directory, n)) and "optimizer" in n
                              for n in os.listdir(directory))
@@ -132,6 +141,12 @@ def _missing_rng_states(directory: str, rng: list[str]) -> list[str]:
     return [f"no {name} ({processes} processes saved this checkpoint, each its own rng_state_<rank>.pth)"
             for name in (f"rng_state_{rank}.pth" for rank in range(processes)) if name not in rng]
 
+
+# read by a resume when present: the model's config (transformers compares it), the adapter's (PEFT builds
+# the adapter from it), a sharded save's index, and weights in torch.save's format
+READ_ON_RESUME = ("config.json", "adapter_config.json",
+                  *(name + ".index.json" for names in WEIGHT_FILES.values() for name in names),
+                  *(bin_name for _, bin_name in WEIGHT_FILES.values()))
 
 WEIGHTS_ONLY = ("trainer_state.json without optimizer or RNG state is what save_only_model=True writes: it cannot "
                 "resume a run, only start a new one with model_name_or_path")
@@ -256,6 +271,34 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     last = os.path.join(output_dir, current[-1])
     check_resume_checkpoint(last, required)
     return last
+
+
+def rotate_run_checkpoints(run_dir: str, saved: str, limit: int | None, best: str | None = None) -> list[str]:
+    """``save_total_limit`` applied to the ``checkpoint-N`` dirs of the run that last started in ``run_dir``,
+    after it saved ``saved``: the oldest (by time written, as transformers sorts them) are deleted until
+    ``limit`` are left; returns the deleted paths. Never deleted: ``saved`` (the state to resume from; where
+    the file system's mtimes are not reliable transformers sorts by step, and an older run's higher step
+    would take its place), ``best`` (``load_best_model_at_end``), and an earlier run's checkpoints
+    (``earlier_run_checkpoints``: a run started afresh leaves them where they are). When ``run_dir``'s run
+    file cannot be read, nothing is deleted (a warning says so)."""
+    if limit is None or limit <= 0:
+        return []
+    try:
+        earlier = set(earlier_run_checkpoints(run_dir))
+    except InputError as err:
+        logger.warning("save_total_limit %d: no checkpoint deleted, since it is unclear which run each belongs to: "
+                       "%s", limit, err)
+        return []
+    own = [c for c in sort_checkpoints(run_dir, use_mtime=True) if os.path.basename(c) not in earlier]
+    protected = {os.path.abspath(p) for p in (saved, best) if p}
+    deleted = []
+    for checkpoint in own:
+        if len(own) - len(deleted) <= max(limit, len(protected)):
+            break
+        if os.path.abspath(checkpoint) not in protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            deleted.append(checkpoint)
+    return deleted
 
 
 OVERWRITE_HOW = ("overwrite_output_dir: true in the recipe, --overwrite_output_dir true on the command line, "
@@ -386,10 +429,10 @@ def resume_requested(checkpoint) -> bool:
 
 
 def resume_checkpoint(checkpoint, args, kind: str, use_peft: bool | None = None) -> str | None:
-    """``resume_from_checkpoint`` as a checked path: True (or "true"/"last") is the newest
-    ``checkpoint-N`` in ``output_dir``; None/False is no resume. An incomplete checkpoint is an
-    ``InputError`` naming it and the newest complete one; nothing is deleted. With ``use_peft``
-    given, a LoRA checkpoint needs a LoRA run and a full one a full run."""
+    """``resume_from_checkpoint`` as a checked path (``~`` expanded, as transformers expands ``output_dir``):
+    True (or "true"/"last") is the newest ``checkpoint-N`` in ``output_dir``; None/False is no resume. An
+    incomplete checkpoint is an ``InputError`` naming it and the newest complete one; nothing is deleted. With
+    ``use_peft`` given, a LoRA checkpoint needs a LoRA run and a full one a full run."""
     if not resume_requested(checkpoint):
         return None
     required = resume_files(args, kind)
@@ -397,6 +440,7 @@ def resume_checkpoint(checkpoint, args, kind: str, use_peft: bool | None = None)
         checkpoint = find_last_checkpoint(args.output_dir, required)
     else:
         check_resume_checkpoint(checkpoint, required)
+        checkpoint = os.path.expanduser(checkpoint)  # as checked; the Trainer would look for a dir named "~"
     adapter = os.path.isfile(os.path.join(checkpoint, "adapter_config.json"))
     if use_peft is not None and adapter != use_peft:
         raise InputError(

@@ -31,6 +31,8 @@ true`` must not take one of them for its own.
   and, with ``save_on_each_node``, the ranks whose RNG files the directory holds: every process writes its own
   into its machine's ``output_dir``, so each machine's copy holds the ranks that run on that machine.
 * ``checkpoint_record`` reads that record back; ``read_run_file`` the run file (``checkpoints`` decides).
+* A full disk while the lock file or the run file is written: the lock is given back (a refusal naming the lock
+  file) and no temporary file is left behind.
 """
 
 from __future__ import annotations
@@ -138,8 +140,17 @@ def _take(path: str, directory: str) -> str | None:
             continue
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                  "command": _command(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+        except OSError as err:  # a full disk, a quota: give the lock back, or this process would refuse itself
+            try:
+                os.unlink(lock_file)  # ours: locked, and checked to be the file at this path
+            except OSError:
+                pass
+            os.close(fd)
+            return (f"output_dir {path!r}: cannot write the run lock {lock_file}: {err}. Nothing else was written; "
+                    "free space (or fix the quota) there, or choose another output_dir.")
         _held[directory] = fd
         return None
     return _refusal(path, lock_file)
@@ -277,7 +288,8 @@ def read_run_file(output_dir: str) -> dict | None:
 
 def _write_run_file(output_dir: str, run: str) -> None:
     """Write ``RUN_FILE`` naming ``run``: its ``since`` kept when the file names that run already (a resume),
-    else now. Written whole or not at all (a temporary file, then renamed)."""
+    else now. Written whole or not at all (a temporary file, then renamed); a failed write (a full disk) removes
+    the temporary file and raises an ``OSError`` naming ``RUN_FILE``."""
     directory = os.path.realpath(os.path.expanduser(output_dir))
     try:
         since = read_run_file(directory)
@@ -286,7 +298,14 @@ def _write_run_file(output_dir: str, run: str) -> None:
     since = since["since"] if since and since["run"] == run else time.time()
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f"{RUN_FILE}.{os.getpid()}")
-    with open(temporary, "w") as f:
-        json.dump({"run": run, "since": since, "started": time.strftime("%Y-%m-%d %H:%M:%S %z",
-                                                                        time.localtime(since))}, f)
-    os.replace(temporary, os.path.join(directory, RUN_FILE))
+    try:
+        with open(temporary, "w") as f:
+            json.dump({"run": run, "since": since, "started": time.strftime("%Y-%m-%d %H:%M:%S %z",
+                                                                            time.localtime(since))}, f)
+        os.replace(temporary, os.path.join(directory, RUN_FILE))
+    except OSError as err:  # a full disk: no half-written file left behind (the CLI would count it as the user's)
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        raise OSError(err.errno, err.strerror, os.path.join(directory, RUN_FILE)) from err

@@ -26,7 +26,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import (check_finished_run, check_resume_architecture, disk_full_named, resume_files,
-                           resume_requested)
+                           resume_requested, rotate_run_checkpoints)
 from ..errors import InputError
 from ..health.callbacks import stop_save_settings
 from ..preflight import check_resume
@@ -164,14 +164,22 @@ class CheckedResume:
         run resumed from an earlier checkpoint reaches step N again) first loses what marks it complete
         (``_unmark_complete``), so that a save cut short leaves it incomplete, never the new weights beside
         the old optimizer and RNG state. While a health rule stops the run, the save uses
-        ``health.callbacks.stop_save_settings``: it deletes no earlier checkpoint and is a full one."""
+        ``health.callbacks.stop_save_settings``: it deletes no earlier checkpoint and is a full one.
+        ``save_total_limit`` deletes only this run's older checkpoints, never the one just saved nor an earlier
+        run's (``checkpoints.rotate_run_checkpoints``), where transformers' rotation deletes every older
+        ``checkpoint-N`` in ``output_dir``."""
         step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         directory = os.path.join(self.args.output_dir, step)
         with self.disk_full_named(directory, f"the checkpoint of step {self.state.global_step}"), \
                 _fields_set(self.args, stop_save_settings(self)):
             if self.args.should_save:
                 _unmark_complete(directory, weights_only=self.args.save_only_model)
-            super()._save_checkpoint(model, trial)
+            limit = self.args.save_total_limit
+            with _fields_set(self.args, {"save_total_limit": None}):  # rotated below, this run's checkpoints only
+                super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                run_dir = self._get_output_dir(trial)
+                rotate_run_checkpoints(run_dir, os.path.join(run_dir, step), limit, self.state.best_model_checkpoint)
 
     def disk_full_named(self, directory: str, what: str, in_checkpoint: bool = False):
         """``checkpoints.disk_full_named`` for a write of this trainer into ``directory``; nothing when

@@ -29,11 +29,12 @@ from transformers import TrainingArguments
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first
 
 from ..chat import templates
-from ..chat.sft_rows import data_format, kwargs_variants, tokenize_i2_row, tool_variants
+from ..chat.sft_rows import (assistant_only_template, data_format, first_row, kwargs_variants, tokenize_i2_row,
+                              tool_variants)
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
 from ..configs.recipe_types import python_numbers
-from ..errors import InvariantError
+from ..errors import InputError, InvariantError
 from ..guards import due
 from ..guards.ranks import add_rank_agreement
 from ..preflight import check_sft
@@ -66,15 +67,19 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     """``trl.SFTTrainer`` plus the SFT half of INVARIANT I2 (module docstring).
 
     Overrides (everything else is TRL's):
-      * ``__init__``: checks model path, tokenizer and datasets before TRL loads anything (what TRL
-        accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
-        tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``).
+      * ``__init__``: checks model path, tokenizer, ``eos_token`` and datasets before TRL loads anything (what
+        TRL accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
+        tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``); under
+        ``assistant_only_loss``, that TRL can mark assistant turns and that the first I2 row's loss keeps its
+        end-of-turn token (``chat.sft_rows.assistant_only_template``).
       * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
-        (labels, truncation, packing), which takes them as pre-tokenized.
+        (labels, truncation, packing), which takes them as pre-tokenized; the rows TRL drops because truncation
+        left them no loss token are counted (a warning; all of them, an ``InputError``).
       * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
         (``check_sft_labels``).
       * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
-        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it.
+        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it;
+        ``_push_from_checkpoint``: writes it into ``output_dir`` too, which a push during training uploads.
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
         ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
         checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
@@ -103,6 +108,19 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
         model, processing_class, stop_ids, fmt, self._checked_resume = check_sft(
             model, processing_class, args, train_dataset, eval_dataset, kwargs)
+        tok = getattr(processing_class, "tokenizer", processing_class)
+        if args.eos_token is not None and args.eos_token not in tok.get_vocab():  # TRL says so once the model loaded
+            raise InputError(
+                f"eos_token={args.eos_token!r} is not a token of the tokenizer {tok.name_or_path!r}, so it cannot end "
+                f"sequences (its eos is {tok.eos_token!r}). Name one of its tokens (its chat template's end-of-turn "
+                "token, e.g. '<|im_end|>'), or leave eos_token unset."
+            )
+        if args.assistant_only_loss and fmt in ("chat", "chat_prompt_completion") and args.chat_template_path is None:
+            # the template TRL will mark assistant turns with, and I2 on the first row under it (before any load)
+            skip = (args.dataset_kwargs or {}).get("skip_prepare_dataset")
+            i2_row = first_row(train_dataset) if (fmt == "chat_prompt_completion" and not skip
+                                                  and args.completion_only_loss is not False) else None
+            assistant_only_template(processing_class, stop_ids, i2_row, sft_option(args, "chat_template_kwargs"))
         if fmt == "chat_prompt_completion" and args.completion_only_loss is False:
             logger.warning("completion_only_loss=False trains on the prompt tokens too: I2 (SFT loss = response + "
                            "end-of-turn) is not what this run trains, and grpotrl does not check it.")
@@ -132,6 +150,9 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
 
         Returns:
             dataset (Dataset): the tokenized dataset, as TRL's.
+
+        Raises:
+            InputError: truncation to ``max_length`` left no row of a map-style dataset a token in the loss.
         """
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
         fmt = None if formatting_func is not None or custom or _intercept.read_is_vlm(self) else data_format(dataset)
@@ -159,7 +180,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
 
             with global_then_local_main_first():
                 dataset = dataset.map(with_kwargs)
-        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        prepared = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        if isinstance(dataset, Dataset) and isinstance(prepared, Dataset) and args.max_length is not None:
+            _report_dropped_rows(len(dataset), len(prepared), dataset_name, args, packing)
+        return prepared
 
     # --- guard --------------------------------------------------------------------------------
 
@@ -197,9 +221,37 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
-                templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
-                                           chat_template_kwargs=self._template_kwargs,
-                                           trained_on_template=self._trained_on_template, tools=self._template_tools)
+                self._save_fingerprint(output_dir or self.args.output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Transformers': copies a checkpoint's weights, config and tokenizer to ``output_dir`` and uploads that
+        folder to the Hub (``push_to_hub`` with ``hub_strategy`` other than "end"); the template fingerprint is
+        written there first, or the Hub repo (and ``output_dir``) would hold the weights without it and GRPO from
+        them could not check I2."""
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            self._save_fingerprint(self.args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_fingerprint(self, output_dir: str) -> None:
+        templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self),
+                                   chat_template_kwargs=self._template_kwargs,
+                                   trained_on_template=self._trained_on_template, tools=self._template_tools)
+
+
+def _report_dropped_rows(n_in: int, n_out: int, dataset_name: str, args, packing: bool) -> None:
+    """TRL drops, unsaid, each row that truncation to ``max_length`` leaves without a loss token (a prompt that
+    alone fills it): all of them is an ``InputError`` here (TRL fails at ``train()`` on ``num_samples=0``); some,
+    a warning with the count (not countable once rows are packed)."""
+    if n_in and not n_out:
+        raise InputError(
+            f"Every row of the {dataset_name!r} dataset ({n_in}) was dropped: truncated to max_length="
+            f"{args.max_length} (truncation_mode={args.truncation_mode!r}), none keeps a token in the loss (its "
+            "prompt alone fills max_length). Raise `max_length`, or shorten the prompts."
+        )
+    if not packing and n_out < n_in:
+        logger.warning("%d of the %d rows of the %r dataset were dropped: truncated to max_length=%d (truncation_mode="
+                       "%r), they keep no token in the loss (the prompt alone fills max_length). Raise `max_length` "
+                       "to train on them.", n_in - n_out, n_in, dataset_name, args.max_length, args.truncation_mode)
 
 
 def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: list[list[int]] | None = None,

@@ -1,5 +1,6 @@
 """An ``output_dir`` belongs to one run at a time (``grpotrl/run_lock.py``), and a finished run in
-it is replaced only when the user says so, in any of the ways a user can.
+it is replaced only when the user says so, in any of the ways a user can. A full disk as train() writes the
+lock or the run file is a clear error that leaves nothing behind (simulated: the write raises ENOSPC).
 
 The CLI cases are real ``python -m grpotrl.cli grpo`` subprocesses on a tiny random model. The
 first run goes through a wrapper (``PAUSED``) whose first training step waits for a file, so the
@@ -176,6 +177,59 @@ def test_python_train_into_a_locked_output_dir_is_refused_and_a_killed_runs_lock
     trainer.save_model()
     trainer.end()
     assert not held_elsewhere(out)
+
+
+def test_a_full_disk_when_train_takes_the_lock_is_a_clear_refusal_and_the_retry_is_not_refused(
+        tmp_path, tiny_llama, grpo_args, monkeypatch):
+    """The disk is full when train() writes its name into the lock file. That was a bare "[Errno 28] No space left
+    on device" (no path; under accelerate launch rank 0 raised before telling the other ranks, which waited for
+    it), and the lock stayed held by the failed call: once space was freed, train() in the same process (a
+    notebook) was refused as "in use by another run"."""
+    import grpotrl
+    from conftest import arithmetic_prompts, length_reward
+
+    out = tmp_path / "out"
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  args=grpo_args(output_dir=str(out), max_steps=1, guard_steps=0))
+
+    def full_disk(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(InputError, match=rf"^output_dir '{out}': cannot write the run lock {out / LOCK_FILE}: "
+                                         r"\[Errno 28\] No space left on device\. Nothing else was written; "
+                                         "free space"):
+        trainer.train()
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == []  # not even the lock file
+    trainer.train()  # space freed: the same process trains
+    assert trainer.state.global_step == 1
+    trainer.end()
+    assert not held_elsewhere(out)
+
+
+def test_a_full_disk_when_train_records_its_run_leaves_no_file_behind(tmp_path, tiny_llama, grpo_args, monkeypatch):
+    """The disk fills up as train() writes the run file (``_grpotrl_run.json``, on_train_begin). Its temporary file
+    stayed, and the CLI's next run into that output_dir was refused for holding "files grpotrl did not write"."""
+    import grpotrl
+    from conftest import arithmetic_prompts, length_reward
+
+    out = tmp_path / "out"
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  args=grpo_args(output_dir=str(out), max_steps=1, guard_steps=0))
+    dump = json.dump
+
+    def full_disk(obj, f, **kwargs):
+        if "_grpotrl_run.json" in getattr(f, "name", ""):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return dump(obj, f, **kwargs)
+
+    monkeypatch.setattr(json, "dump", full_disk)
+    with pytest.raises(OSError, match=rf"No space left on device: '{out / '_grpotrl_run.json'}'"):
+        trainer.train()
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == []  # the lock given back, no temporary file
+    checkpoints.check_output_dir(str(out))  # so the CLI's next run is not refused
 
 
 # ---------------------------------------------------------------------------------------------

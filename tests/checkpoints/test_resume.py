@@ -192,6 +192,10 @@ DAMAGE = {  # what a SIGKILL at some point of the save leaves behind, newest fil
     "optimizer.pt cut short": lambda d: truncate(d / "optimizer.pt"),
     "model.safetensors cut short": lambda d: truncate(d / "model.safetensors"),
     "grpotrl_template.json missing": lambda d: (d / "grpotrl_template.json").unlink(),
+    # a crash before the file system wrote a file's data leaves it empty; a resume reads these three
+    "config.json empty": lambda d: (d / "config.json").write_text(""),
+    "weights index empty": lambda d: (d / "model.safetensors.index.json").write_text(""),
+    "pytorch_model.bin empty": lambda d: ((d / "model.safetensors").unlink(), (d / "pytorch_model.bin").touch()),
 }
 EXPECTED = {
     "entropy_ctrl_state.json missing": "no entropy_ctrl_state.json",
@@ -203,6 +207,9 @@ EXPECTED = {
     "optimizer.pt cut short": "optimizer.pt is .* not a complete torch.save file",
     "model.safetensors cut short": "model.safetensors is .* bytes",
     "grpotrl_template.json missing": "no grpotrl_template.json",
+    "config.json empty": "config.json is not valid JSON",
+    "weights index empty": "model.safetensors.index.json is not valid JSON",
+    "pytorch_model.bin empty": "pytorch_model.bin is 0 bytes and not a complete torch.save file",
 }
 
 

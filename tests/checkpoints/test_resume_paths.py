@@ -10,6 +10,7 @@
   ``checkpoint-N``; cut short there, that checkpoint must read incomplete, never the new weights beside
   the old optimizer and RNG state.
 * ``train()`` that raises releases the ``output_dir`` lock: the resume may come from another process.
+* A resume path written with ``~`` resumes the checkpoint that was checked.
 
 Tiny random model, 4-token completions, no guards: each run takes a second or two.
 """
@@ -135,3 +136,19 @@ def test_an_interrupted_save_into_an_existing_checkpoint_leaves_it_incomplete(ti
     trainer.end()
     assert WEIGHTS_ONLY in checkpoint_problems(checkpoint_2, required)
     assert not {"optimizer.pt", "scheduler.pt", "rng_state.pth"} & set(os.listdir(checkpoint_2))
+
+
+def test_a_resume_path_under_home_written_with_a_tilde_resumes(tiny_llama, grpo_args, tmp_path, monkeypatch):
+    """``resume_from_checkpoint: ~/runs/a/checkpoint-1`` (a recipe: no shell expands it). grpotrl checked the
+    expanded path and found it complete, then handed the Trainer "~/..." as written: "Can't find a valid checkpoint
+    at ~/runs/a/checkpoint-1", after the model had loaded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = tmp_path / "runs" / "a"
+    trainer = trainer_for(tiny_llama, small(grpo_args, out, max_steps=1, save_strategy="steps", save_steps=1))
+    trainer.train()
+    trainer.end()
+    trainer = trainer_for(tiny_llama, small(grpo_args, "~/runs/a", max_steps=2))
+    assert trainer.args.output_dir == str(out)  # transformers expands output_dir
+    trainer.train(resume_from_checkpoint="~/runs/a/checkpoint-1")
+    assert trainer.state.global_step == 2
+    trainer.end()

@@ -4,7 +4,8 @@
   that holds checkpoints only) leaves the earlier run's ``checkpoint-N`` dirs where they are, and
   ``resume_from_checkpoint=True`` never resumes one of them: it takes the newest checkpoint of the current
   run (a resume continues the run it resumes), or, when only an earlier run's checkpoints are there, stops
-  with an error naming them. The earlier run may be plain TRL's, which records no run.
+  with an error naming them. The earlier run may be plain TRL's, which records no run. ``save_total_limit``
+  deletes only the current run's older checkpoints, never the one just saved.
 * A checkpoint saved by several processes is complete only with every rank's ``rng_state_<rank>.pth``
   (under ``save_on_each_node``: every rank on the machine whose copy it is); one written by a single process,
   or by plain TRL (no grpotrl record), is checked as before.
@@ -112,6 +113,43 @@ def test_an_incomplete_checkpoint_of_an_overwritten_run_does_not_block_the_resum
         find_last_checkpoint(str(out), required)
     interrupted(tiny_llama, small(grpo_args, out, max_steps=3, overwrite_output_dir=True, **EVERY_STEP), step=2)
     assert find_last_checkpoint(str(out), required) == str(out / "checkpoint-1")
+
+
+def test_save_total_limit_deletes_only_the_current_runs_older_checkpoints(tiny_llama, grpo_args, tmp_path):
+    """Run A is stopped after saving checkpoint-1 and -2; run B starts afresh into the same dir (the Python API
+    allows a checkpoint-only dir) with save_total_limit=1. transformers' rotation deleted A's checkpoints along
+    with B's older ones (the docs say an earlier run's are left where they are); only B's checkpoint-4 goes."""
+    out = tmp_path / "out"
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=6, **EVERY_STEP), step=3)
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2"]
+    run_b = trainer_for(tiny_llama, small(grpo_args, out, max_steps=8, save_strategy="steps", save_steps=4,
+                                          save_total_limit=1))
+    run_b.train()
+    run_b.end()
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-8"]  # B's -4 rotated
+    required = resume_files(small(grpo_args, out), "grpo")
+    assert all(not checkpoint_problems(str(out / c), required) for c in checkpoints._checkpoints(str(out)))
+
+
+def test_save_total_limit_keeps_the_checkpoint_just_saved_where_mtimes_are_not_reliable(
+        tiny_llama, grpo_args, tmp_path, monkeypatch):
+    """A run saved checkpoint-1..3, the last cut short (no trainer_state.json); it is resumed from checkpoint-1
+    with save_total_limit=1 and stopped after saving checkpoint-2. On a file system whose mtimes are all alike
+    (cloud FUSE mounts) transformers sorts by step and keeps the highest, the cut-short checkpoint-3: it deleted
+    checkpoint-1 and the checkpoint-2 just saved, leaving no checkpoint to resume from."""
+    out = tmp_path / "out"
+    run = trainer_for(tiny_llama, small(grpo_args, out, max_steps=3, **EVERY_STEP))
+    run.train()
+    run.end()
+    (out / "checkpoint-3" / "trainer_state.json").unlink()
+    monkeypatch.setattr(os.path, "getmtime", lambda path: 1_000_000.0)  # every file written at the same moment
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=3, save_total_limit=1, **EVERY_STEP), step=3,
+                resume=str(out / "checkpoint-1"))
+    monkeypatch.undo()
+    required = resume_files(small(grpo_args, out), "grpo")
+    assert "checkpoint-1" not in checkpoints._checkpoints(str(out))  # rotated, as save_total_limit asks
+    assert (out / "checkpoint-2").is_dir()
+    assert checkpoint_problems(str(out / "checkpoint-2"), required) == []  # the state to resume from, kept
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,6 +293,37 @@ def test_I2_sft_run_guards_labels_and_saves_fingerprint(tiny_llama, tmp_path):
     assert saved["trained_on_template"] is True and saved["chat_template_kwargs"] == [{}]
 
 
+def test_I2_a_push_to_hub_during_training_uploads_the_fingerprint_with_the_weights(tiny_llama, tmp_path, monkeypatch):
+    """push_to_hub with checkpoints: each save copies the checkpoint's weights, config and tokenizer to output_dir
+    and uploads that folder; the fingerprint must go with them, or GRPO from the Hub repo finds none and checks
+    nothing (a base model without one passes). The Hub API is replaced by one that lists what each upload holds."""
+    import concurrent.futures
+    import types
+
+    import transformers.trainer
+
+    uploads = []
+
+    class Hub:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, folder_path, **kwargs):
+            uploads.append(sorted(os.listdir(folder_path)))
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", Hub)
+    args = _sft_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1, push_to_hub=True,
+                     hub_model_id="me/sft")
+    grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_sft_rows())).train()
+    assert len(uploads) == 1 and "model.safetensors" in uploads[0]
+    assert templates.FINGERPRINT_FILE in uploads[0]
+    with open(tmp_path / "sft" / templates.FINGERPRINT_FILE) as f:
+        assert json.load(f)["chat_template_kwargs"] == [{}]
+
+
 def test_I2_drift_in_the_data_stops_before_the_model_loads(tiny_llama, tmp_path, monkeypatch):
     import transformers
     from transformers import AutoTokenizer
@@ -304,6 +335,46 @@ def test_I2_drift_in_the_data_stops_before_the_model_loads(tiny_llama, tmp_path,
     with pytest.raises(InvariantError, match=r"(?s)\[I2\].*does not start with the RL prompt ids"):
         grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path), processing_class=tok,
                            train_dataset=Dataset.from_list(_sft_rows()))
+
+
+# TOY_TEMPLATE with `{% endgeneration %}` before <|im_end|>: the assistant mask leaves the end-of-turn out
+EOT_OUTSIDE_GENERATION = TOY_TEMPLATE.replace("{{ '<|im_end|>' }}{% endgeneration %}",
+                                              "{% endgeneration %}{{ '<|im_end|>' }}")
+
+
+@pytest.mark.parametrize("rows, template, match", [
+    (_sft_rows, None, r"has no markers and TRL cannot add them"),  # SmolLM2's: TRL raises after the load
+    (lambda: [{"messages": r["prompt"] + r["completion"]} for r in _sft_rows()], None,
+     r"has no markers and TRL cannot add them"),
+    (_sft_rows, EOT_OUTSIDE_GENERATION, r"(?s)loss ends with '1', not a stop token.*never teach the model to stop"),
+])
+def test_I2_assistant_only_loss_on_a_template_that_cannot_mask_stops_before_the_model_loads(
+        rows, template, match, tiny_llama, tmp_path, monkeypatch):
+    """assistant_only_loss=True: a template TRL cannot mark assistant turns in (it raises once the model is
+    loaded), and on prompt/completion rows a `{% generation %}` block that leaves the end-of-turn out of the
+    loss (the label guard stopped it only at the first step, blaming a collator), are refused before any load."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = template or tok.chat_template
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the template was checked"))
+    with pytest.raises(grpotrl.InputError, match=match):
+        grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, assistant_only_loss=True), processing_class=tok,
+                           train_dataset=Dataset.from_list(rows()))
+
+
+@pytest.mark.parametrize("config", [grpotrl.SFTConfig, trl.SFTConfig])
+def test_eos_token_outside_the_vocabulary_stops_before_the_model_loads(config, tiny_llama, tmp_path, monkeypatch):
+    """TRL checks SFTConfig.eos_token against the vocabulary only once the model is loaded."""
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before eos_token was checked"))
+    args = config(output_dir=str(tmp_path / "sft"), eos_token="<|eot_id|>", **_settings())
+    with pytest.raises(grpotrl.InputError, match=r"eos_token='<\|eot_id\|>' is not a token of the tokenizer"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_sft_rows()))
 
 
 def test_I2_guard_catches_a_collator_that_drops_the_stop_token(tiny_llama, tmp_path):
@@ -361,6 +432,21 @@ def test_I2_packed_chat_rows_train(tiny_llama, tmp_path):
     packed = trainer.train_dataset[0]
     assert NL not in [t for t in packed["labels"] if t != -100]  # the I2 rows were packed, trailer-free
     trainer.train()
+
+
+def test_rows_truncation_leaves_without_loss_are_counted_and_none_left_is_an_error(tiny_llama, tmp_path, caplog):
+    """TRL drops each row whose prompt alone fills max_length (no loss token left), unsaid, and with none left
+    fails at train() on `num_samples=0`. Prompts of 38 tokens (+ "2<|im_end|>") and of 69."""
+    long = [{"prompt": [{"role": "user", "content": f"What is {i} + 1? " + "Think hard. " * 10}],
+             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(3)]
+    args = _sft_args(tmp_path, max_length=48)
+    with caplog.at_level(logging.WARNING, logger="grpotrl.trainers.sft"):
+        trainer = grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(long + _sft_rows(5)))
+    assert len(trainer.train_dataset) == 5
+    assert "3 of the 8 rows of the 'train' dataset were dropped: truncated to max_length=48" in caplog.text
+    with pytest.raises(grpotrl.InputError, match=r"Every row of the 'train' dataset \(3\) was dropped: truncated "
+                                                 r"to max_length=48 \(truncation_mode='keep_start'\)"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(long))
 
 
 def test_I2_sequence_ends_at_the_end_of_turn_not_at_the_eos_the_template_writes_after_it(tiny_multistop, tmp_path):

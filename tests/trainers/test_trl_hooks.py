@@ -50,6 +50,7 @@ SFT_HOOKS = {
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
     "_save_checkpoint": ["self", "model", "trial"],  # _common.CheckedResume: a full disk named
+    "_push_from_checkpoint": ["self", "checkpoint_folder"],  # the template fingerprint uploaded with the weights
 }
 
 
@@ -600,3 +601,18 @@ def test_trl_bonus_mask_and_advantages_grpotrl_reads_are_as_pinned():
                    'elif self.multi_objective_aggregation == "normalize_then_sum":',
                    "advantages = advantages[process_slice]", '"advantages": advantages,'):
         assert needle in scored, f"trl.GRPOTrainer._generate_and_score_completions no longer has {needle!r}"
+
+
+def test_transformers_checkpoint_rotation_grpotrl_replaces():
+    """``_common.CheckedResume._save_checkpoint`` runs transformers' save with ``save_total_limit`` None, so that
+    its rotation (every ``checkpoint-N`` in the run dir) deletes nothing, then rotates this run's own checkpoints
+    (``checkpoints.rotate_run_checkpoints``, with transformers' ``sort_checkpoints`` and ``_get_output_dir``)."""
+    import transformers
+    from transformers import trainer_utils
+
+    source = inspect.getsource(transformers.Trainer._save_checkpoint)
+    assert "save_total_limit=self.args.save_total_limit" in source and "rotate_checkpoints(" in source
+    assert "run_dir = self._get_output_dir(trial=trial)" in source
+    assert list(inspect.signature(transformers.Trainer._get_output_dir).parameters) == ["self", "trial"]
+    assert list(inspect.signature(trainer_utils.sort_checkpoints).parameters) == [
+        "output_dir", "checkpoint_prefix", "use_mtime", "best_model_checkpoint"]
