@@ -89,8 +89,9 @@ class CheckedResume:
     another process); a checkpoint of another architecture is refused before its weights load; a full disk
     while a checkpoint is written is a ``DiskFullError`` naming the file and the last complete checkpoint;
     a save into an existing ``checkpoint-N`` that is cut short leaves it incomplete; a health stop's
-    checkpoint is a full one and deletes no earlier checkpoint. Overrides ``train``, ``end``,
-    ``_load_from_checkpoint`` and ``_save_checkpoint``."""
+    checkpoint is a full one and deletes no earlier checkpoint; a push to the Hub during training uploads the
+    template fingerprint with the weights. Overrides ``train``, ``end``, ``_load_from_checkpoint``,
+    ``_save_checkpoint`` and ``_push_from_checkpoint``; each trainer gives ``_save_fingerprint``."""
 
     _resume_kind = "grpo"
 
@@ -180,6 +181,20 @@ class CheckedResume:
             if self.args.should_save:
                 run_dir = self._get_output_dir(trial)
                 rotate_run_checkpoints(run_dir, os.path.join(run_dir, step), limit, self.state.best_model_checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Transformers': copies a checkpoint's weights, config and tokenizer to ``output_dir`` and uploads that
+        folder to the Hub (``push_to_hub`` with ``hub_strategy`` other than "end"); the template fingerprint is
+        written there first (``_save_fingerprint``), or the Hub repo (and ``output_dir``) would hold the weights
+        without it and a run trained from them could not check I2."""
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            self._save_fingerprint(self.args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_fingerprint(self, output_dir: str) -> None:
+        """The chat-template fingerprint (``grpotrl_template.json``) of this run's tokenizer into ``output_dir``:
+        each trainer's own (what its data was rendered with)."""
+        raise NotImplementedError
 
     def disk_full_named(self, directory: str, what: str, in_checkpoint: bool = False):
         """``checkpoints.disk_full_named`` for a write of this trainer into ``directory``; nothing when

@@ -70,8 +70,9 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated.
       * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles; under
         ``packed_attention='varlen'`` the policy switched to grpotrl's varlen attention for the whole step.
-      * ``save_model``: the chat-template fingerprint beside the weights (I2).
-      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+      * ``save_model``: the chat-template fingerprint beside the weights (I2; ``_save_fingerprint``).
+      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` / ``_push_from_checkpoint``
+        (``_common.CheckedResume``):
         ``output_dir`` locked against a second run; a resume checkpoint checked before anything loads; a full
         disk named. The KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
 
@@ -938,9 +939,14 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         with self.disk_full_named(output_dir or self.args.output_dir, "the model", _internal_call):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
-                templates.save_fingerprint(output_dir or self.args.output_dir, _intercept.read_tokenizer(self),
-                                           self.chat_template, chat_template_kwargs=[self.chat_template_kwargs or {}],
-                                           tools=templates.tool_schema_sets(_intercept.read_tool_sets(self)))
+                self._save_fingerprint(output_dir or self.args.output_dir)
+
+    def _save_fingerprint(self, output_dir: str) -> None:
+        """The fingerprint of the template this run rendered its prompts with, its ``chat_template_kwargs`` and
+        tool sets (``_common.CheckedResume._push_from_checkpoint`` calls it too)."""
+        templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self), self.chat_template,
+                                   chat_template_kwargs=[self.chat_template_kwargs or {}],
+                                   tools=templates.tool_schema_sets(_intercept.read_tool_sets(self)))
 
 
 def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:

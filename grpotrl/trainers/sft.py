@@ -78,9 +78,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
       * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
         (``check_sft_labels``).
       * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
-        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it;
-        ``_push_from_checkpoint``: writes it into ``output_dir`` too, which a push during training uploads.
-      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` (``_common.CheckedResume``):
+        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it
+        (``_save_fingerprint``, which ``_common.CheckedResume._push_from_checkpoint`` calls too).
+      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` / ``_push_from_checkpoint``
+        (``_common.CheckedResume``):
         ``output_dir`` locked against a second run from ``train()`` to ``end()``; a resume checkpoint is
         checked complete and of this model's architecture before anything loads; a resumed QLoRA adapter
         keeps its dtype; a full disk while saving is a ``DiskFullError`` naming the file.
@@ -223,16 +224,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
             if self.args.should_save:
                 self._save_fingerprint(output_dir or self.args.output_dir)
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Transformers': copies a checkpoint's weights, config and tokenizer to ``output_dir`` and uploads that
-        folder to the Hub (``push_to_hub`` with ``hub_strategy`` other than "end"); the template fingerprint is
-        written there first, or the Hub repo (and ``output_dir``) would hold the weights without it and GRPO from
-        them could not check I2."""
-        if self.is_world_process_zero() and self.args.hub_strategy != "end":
-            self._save_fingerprint(self.args.output_dir)
-        super()._push_from_checkpoint(checkpoint_folder)
-
     def _save_fingerprint(self, output_dir: str) -> None:
+        """The fingerprint with the ``chat_template_kwargs`` and ``tools`` SFT's data was rendered with."""
         templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self),
                                    chat_template_kwargs=self._template_kwargs,
                                    trained_on_template=self._trained_on_template, tools=self._template_tools)

@@ -34,6 +34,7 @@ GRPO_HOOKS = {
     "prediction_step": ["self", "model", "inputs", "prediction_loss_only", "ignore_keys"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_save_checkpoint": ["self", "model", "trial"],
+    "_push_from_checkpoint": ["self", "checkpoint_folder"],  # _common.CheckedResume: the fingerprint uploaded
     "save_model": ["self", "output_dir", "_internal_call"],
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
