@@ -233,3 +233,28 @@ class CounterEnvironment:
         """
         self.count = a * b
         return self.count
+
+
+@pytest.fixture
+def hub_uploads(monkeypatch) -> list[list[str]]:
+    """transformers' Hub API replaced by one that records, per ``upload_folder``, the sorted names the uploaded
+    folder holds (before transformers' ``ignore_patterns``: ``_*`` and ``checkpoint-*`` are left out there)."""
+    import concurrent.futures
+    import types
+
+    import transformers.trainer
+
+    uploads: list[list[str]] = []
+
+    class Hub:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, folder_path, **kwargs):
+            uploads.append(sorted(os.listdir(folder_path)))
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", Hub)
+    return uploads

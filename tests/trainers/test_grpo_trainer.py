@@ -273,34 +273,14 @@ def test_I1_I11_an_evaluation_between_two_steps_on_one_generation_batch_leaves_i
 
 
 def test_I2_a_push_to_hub_during_grpo_training_uploads_the_fingerprint_with_the_weights(tiny_llama, grpo_args,
-                                                                                      monkeypatch):
+                                                                                      hub_uploads):
     """push_to_hub with checkpoints: each save copies the checkpoint's weights, config and tokenizer to output_dir
     and uploads that folder; GRPO's fingerprint (the template its prompts were rendered with) must go with them,
-    as SFT's does, or a run trained from the Hub repo finds none. The Hub API is replaced by one that lists what
-    each upload holds."""
-    import concurrent.futures
-    import os
-    import types
-
-    import transformers.trainer
-
+    as SFT's does, or a run trained from the Hub repo finds none."""
     from grpotrl.chat import templates
 
-    uploads = []
-
-    class Hub:
-        def create_repo(self, repo_id, **kwargs):
-            return types.SimpleNamespace(repo_id=repo_id)
-
-        def upload_folder(self, folder_path, **kwargs):
-            uploads.append(sorted(os.listdir(folder_path)))
-            done = concurrent.futures.Future()
-            done.set_result(None)
-            return done
-
-    monkeypatch.setattr(transformers.trainer, "hf_api", Hub)
     args = grpo_args(max_steps=1, save_strategy="steps", save_steps=1, push_to_hub=True, hub_model_id="me/grpo")
     grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
                         train_dataset=arithmetic_prompts()).train()
-    assert len(uploads) == 1 and "model.safetensors" in uploads[0], uploads
-    assert templates.FINGERPRINT_FILE in uploads[0], uploads
+    assert len(hub_uploads) == 1 and "model.safetensors" in hub_uploads[0], hub_uploads
+    assert templates.FINGERPRINT_FILE in hub_uploads[0], hub_uploads

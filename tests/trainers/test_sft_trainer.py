@@ -293,33 +293,16 @@ def test_I2_sft_run_guards_labels_and_saves_fingerprint(tiny_llama, tmp_path):
     assert saved["trained_on_template"] is True and saved["chat_template_kwargs"] == [{}]
 
 
-def test_I2_a_push_to_hub_during_training_uploads_the_fingerprint_with_the_weights(tiny_llama, tmp_path, monkeypatch):
+def test_I2_a_push_to_hub_during_training_uploads_the_fingerprint_with_the_weights(tiny_llama, tmp_path,
+                                                                                   hub_uploads):
     """push_to_hub with checkpoints: each save copies the checkpoint's weights, config and tokenizer to output_dir
     and uploads that folder; the fingerprint must go with them, or GRPO from the Hub repo finds none and checks
-    nothing (a base model without one passes). The Hub API is replaced by one that lists what each upload holds."""
-    import concurrent.futures
-    import types
-
-    import transformers.trainer
-
-    uploads = []
-
-    class Hub:
-        def create_repo(self, repo_id, **kwargs):
-            return types.SimpleNamespace(repo_id=repo_id)
-
-        def upload_folder(self, folder_path, **kwargs):
-            uploads.append(sorted(os.listdir(folder_path)))
-            done = concurrent.futures.Future()
-            done.set_result(None)
-            return done
-
-    monkeypatch.setattr(transformers.trainer, "hf_api", Hub)
+    nothing (a base model without one passes)."""
     args = _sft_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1, push_to_hub=True,
                      hub_model_id="me/sft")
     grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_sft_rows())).train()
-    assert len(uploads) == 1 and "model.safetensors" in uploads[0]
-    assert templates.FINGERPRINT_FILE in uploads[0]
+    assert len(hub_uploads) == 1 and "model.safetensors" in hub_uploads[0]
+    assert templates.FINGERPRINT_FILE in hub_uploads[0]
     with open(tmp_path / "sft" / templates.FINGERPRINT_FILE) as f:
         assert json.load(f)["chat_template_kwargs"] == [{}]
 
