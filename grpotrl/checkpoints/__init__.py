@@ -97,10 +97,10 @@ def checkpoint_problems(path: str, required: tuple[str, ...] = ()) -> list[str]:
     else:
         is_adapter = os.path.isfile(os.path.join(directory, "adapter_config.json"))
         # the files a resume reads beside trainer_state.json, where present (a crash can leave one empty)
-        read = [p for name in READ_ON_RESUME if os.path.isfile(os.path.join(directory, name))
-                and (p := _file_problem(directory, name))]
-        problems += read
-        index_readable = not any(".index.json" in p for p in read)  # weights_problem reads the index
+        unreadable = {name: p for name in READ_ON_RESUME if os.path.isfile(os.path.join(directory, name))
+                      and (p := _file_problem(directory, name))}
+        problems += unreadable.values()
+        index_readable = not any(name.endswith(".index.json") for name in unreadable)  # weights_problem reads it
         if index_readable and (weights := weights_problem(directory, "adapter" if is_adapter else "model")):
             problems.append(weights)
         fsdp_optimizer = any(os.path.isdir(os.path.join(directory, n)) and "optimizer" in n
