@@ -202,19 +202,52 @@ def writes_stop_after_turn(tokenizer, stop_ids: list[int], chat_template: str | 
 
 
 def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[str, Any]:
-    """What decides how prompts are tokenized, hashed. Equal fingerprints mean equal RL prompts."""
+    """What decides how prompts are tokenized, hashed: ``sha256`` of the template and the special tokens (what
+    renders the prompt text), and ``vocab_sha256`` / ``vocab_size`` of the vocabulary, added tokens included,
+    with ``added_tokens`` to name a difference (what turns that text into ids: one template over a vocabulary
+    with other or fewer tokens renders the same text into other ids). Equal fingerprints mean equal RL prompts."""
     tok = _tok(tokenizer)
     template = chat_template or tok.chat_template or ""
     specials = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token")}
     blob = json.dumps({"template": template, "specials": specials}, sort_keys=True)
-    return {"sha256": hashlib.sha256(blob.encode()).hexdigest(), "specials": specials}
+    vocab = tok.get_vocab()
+    return {"sha256": hashlib.sha256(blob.encode()).hexdigest(), "specials": specials,
+            "vocab_sha256": _vocab_sha256(vocab), "vocab_size": len(vocab), "added_tokens": _added_tokens(tok)}
+
+
+def _vocab_sha256(vocab: dict[str, int]) -> str:
+    """The vocabulary's (token, id) pairs, by id, hashed."""
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _added_tokens(tok) -> dict[str, str]:
+    """The tokenizer's added tokens, ``{id: content}`` (ids as JSON keys)."""
+    return {str(i): t.content for i, t in sorted(tok.added_tokens_decoder.items())}
+
+
+def _vocab_difference(saved: dict, tok) -> str:
+    """What the checkpoint's recorded vocabulary and ``tok``'s differ in, as far as the record tells: the sizes
+    and the added tokens either side lacks (the usual cause: tokens added in SFT, then the base tokenizer loaded)."""
+    said = f"the checkpoint's tokenizer has {saved.get('vocab_size', '?')} tokens, this run's {len(tok.get_vocab())}"
+    theirs, mine = saved.get("added_tokens"), _added_tokens(tok)
+    if not isinstance(theirs, dict):
+        return said
+
+    for whose, these, others in (("the checkpoint's", theirs, mine), ("this run's", mine, theirs)):
+        only = sorted((i for i, t in these.items() if others.get(i) != t), key=int)
+        if only:
+            said += (f"; added tokens only {whose} has: " + ", ".join(f"{i} {these[i]!r}" for i in only[:5])
+                     + (f" and {len(only) - 5} more" if len(only) > 5 else ""))
+    return said
 
 
 def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None,
                      chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True,
                      tools: list[list[dict] | None] | None = None) -> None:
     """Write ``grpotrl_template.json``: the template's ``sha256``, ``specials`` and ``template``, plus
-    three keys older files lack, which readers then treat as "not recorded": ``chat_template_kwargs``
+    keys older files lack, which readers then treat as "not recorded": ``vocab_sha256``, ``vocab_size`` and
+    ``added_tokens`` (the vocabulary, ``template_fingerprint``), ``chat_template_kwargs``
     (every distinct set of kwargs the prompts were rendered with; written only when known), ``tools``
     (every distinct set of tool schemas the prompts were rendered with, null for none; written only
     when known) and ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows,
@@ -281,9 +314,14 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     prompts differently from every set the checkpoint recorded, and ``tool_sets`` (given: this run's
     tools, one list or None per way its prompts are rendered, ``grpo_tool_sets``; None: not compared) of which
     one renders prompts (with this run's kwargs) differently from every set of tools the checkpoint
-    recorded. Returns whether a fingerprint was found (a base model without one passes). A checkpoint
-    whose SFT trained on no template (plain text, pre-tokenized rows) has nothing to compare: a warning
-    says so."""
+    recorded. A tokenizer whose vocabulary differs from the checkpoint's (where it recorded one) is an error
+    too, whatever SFT trained on. Returns whether a fingerprint was found (a base model without one passes). A
+    checkpoint whose SFT trained on no template (plain text, pre-tokenized rows) has no template to compare: a
+    warning says so.
+
+    Raises:
+        InvariantError: another template, vocabulary, kwargs rendering or tools rendering than the checkpoint's (I2).
+    """
     from ..models.sources import model_file
 
     path = model_file(model_dir, FINGERPRINT_FILE, revision)
@@ -291,11 +329,19 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         return False
     with open(path) as f:
         saved = json.load(f)
+    now = template_fingerprint(tokenizer, chat_template)
+    if saved.get("vocab_sha256") is not None and saved["vocab_sha256"] != now["vocab_sha256"]:  # older files: none
+        raise InvariantError(
+            "I2",
+            f"The checkpoint {model_dir!r} was trained with another vocabulary than this run's tokenizer "
+            f"({_vocab_difference(saved, _tok(tokenizer))}): the same chat template would tokenize the prompts into "
+            "ids the model never saw in SFT. Load the tokenizer saved with the checkpoint (the same path as the "
+            "model), or set `check_template=False` if the change is deliberate.",
+        )
     if saved.get("trained_on_template") is False:
         logger.warning("%s was fine-tuned on plain text or pre-tokenized rows, not on a chat template: I2 cannot "
                        "tell whether this run's chat template is the one the model learned.", model_dir)
         return True
-    now = template_fingerprint(tokenizer, chat_template)
     if saved.get("sha256") != now["sha256"]:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
         n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))

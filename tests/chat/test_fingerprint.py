@@ -1,0 +1,92 @@
+"""I2's template fingerprint covers the vocabulary: a checkpoint whose tokenizer gained tokens in SFT, started from
+with the base tokenizer, renders the same prompt text into other ids, and is refused before the model loads; the
+same tokenizer saved and loaded again, and fingerprints written before the vocabulary was recorded, pass."""
+
+import json
+import os
+
+import pytest
+import transformers
+from conftest import arithmetic_prompts, length_reward
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpotrl
+from grpotrl import InvariantError
+from grpotrl.chat import templates
+
+
+def _rows(n=4):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
+
+
+def _with_tool_token(path):
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    return tok
+
+
+def test_I2_fingerprint_records_the_vocabulary_and_its_added_tokens(smollm2_path, tmp_path):
+    base, grown = AutoTokenizer.from_pretrained(smollm2_path), _with_tool_token(smollm2_path)
+    a, b = templates.template_fingerprint(base), templates.template_fingerprint(grown)
+    assert a["sha256"] == b["sha256"]  # one template, one set of bos/eos/pad: the text of every prompt is the same
+    assert a["vocab_sha256"] != b["vocab_sha256"] and b["vocab_size"] == a["vocab_size"] + 1
+    assert b["added_tokens"][str(len(base))] == "<tool_call>" and str(len(base)) not in a["added_tokens"]
+    # the same tokenizer saved and loaded again: the same fingerprint (no false alarm on a reload)
+    grown.save_pretrained(tmp_path / "tok")
+    assert templates.template_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok")) == b
+
+
+def test_I2_a_tokenizer_without_the_checkpoints_added_token_is_refused(smollm2_path, tmp_path):
+    base, grown = AutoTokenizer.from_pretrained(smollm2_path), _with_tool_token(smollm2_path)
+    templates.save_fingerprint(str(tmp_path), grown)
+    n = len(base)
+    with pytest.raises(InvariantError, match=rf"(?s)\[I2\].*another vocabulary.*has {n + 1} tokens, this run's {n}; "
+                                             rf"added tokens only the checkpoint's has: {n} '<tool_call>'"):
+        templates.check_fingerprint(str(tmp_path), base)
+    assert templates.check_fingerprint(str(tmp_path), grown) is True
+
+
+def test_I2_the_vocabulary_is_compared_after_sft_on_plain_text_too(smollm2_path, tmp_path):
+    """No template to compare after SFT on plain text (a warning), but other ids for the same text still are."""
+    templates.save_fingerprint(str(tmp_path), _with_tool_token(smollm2_path), trained_on_template=False)
+    with pytest.raises(InvariantError, match="another vocabulary"):
+        templates.check_fingerprint(str(tmp_path), AutoTokenizer.from_pretrained(smollm2_path))
+
+
+def test_I2_a_fingerprint_written_before_the_vocabulary_was_recorded_still_passes(smollm2_path, tmp_path):
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    templates.save_fingerprint(str(tmp_path), tok)
+    path = tmp_path / templates.FINGERPRINT_FILE
+    old = {k: v for k, v in json.loads(path.read_text()).items()
+           if k not in ("vocab_sha256", "vocab_size", "added_tokens")}
+    path.write_text(json.dumps(old))
+    assert templates.check_fingerprint(str(tmp_path), _with_tool_token(smollm2_path)) is True
+
+
+def test_I2_grpo_from_an_sft_checkpoint_with_added_tokens_and_the_base_tokenizer_stops_before_loading(
+        tiny_llama, grpo_args, tmp_path, monkeypatch):
+    """SFT on a tokenizer that gained a token (embeddings resized, as a user does), then GRPO from the SFT
+    checkpoint handed the base model's tokenizer: refused before the model loads; the checkpoint's own passes."""
+    tok = _with_tool_token(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    model.resize_token_embeddings(len(tok))
+    sft = grpotrl.SFTTrainer(
+        model=model, processing_class=tok, train_dataset=Dataset.from_list(_rows()),
+        args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=4,
+                               report_to="none", use_cpu=True, save_strategy="no", bf16=False))
+    sft.train()
+    sft.save_model()
+    ckpt = str(tmp_path / "sft")
+    assert json.load(open(os.path.join(ckpt, templates.FINGERPRINT_FILE)))["vocab_size"] == len(tok)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the vocabulary was checked")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another vocabulary.*'<tool_call>'"):
+        grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(), processing_class=AutoTokenizer.from_pretrained(tiny_llama))
+    monkeypatch.undo()
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=arithmetic_prompts())
