@@ -215,9 +215,11 @@ def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[st
             "vocab_sha256": _vocab_sha256(vocab), "vocab_size": len(vocab), "added_tokens": _added_tokens(tok)}
 
 
-def _vocab_sha256(vocab: dict[str, int]) -> str:
-    """The vocabulary's (token, id) pairs, by id, hashed."""
-    blob = json.dumps(sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), ensure_ascii=False)
+def _vocab_sha256(vocab: dict[str, int], below: int | None = None) -> str:
+    """The vocabulary's (token, id) pairs, by id, hashed; those with an id below ``below`` only, when given (a
+    vocabulary grown by tokens appended after ``below`` ids hashes as it did before it grew)."""
+    pairs = [kv for kv in vocab.items() if below is None or kv[1] < below]
+    blob = json.dumps(sorted(pairs, key=lambda kv: (kv[1], kv[0])), ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -308,14 +310,15 @@ def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> lis
 
 def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
                       revision: str | None = None, chat_template_kwargs: dict | None = None,
-                      tool_sets: list[list | None] | None = None) -> bool:
+                      tool_sets: list[list | None] | None = None, vocabulary_may_grow: bool = False) -> bool:
     """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
     an error, and so are ``chat_template_kwargs`` (given: this run's; None: not compared) that render
     prompts differently from every set the checkpoint recorded, and ``tool_sets`` (given: this run's
     tools, one list or None per way its prompts are rendered, ``grpo_tool_sets``; None: not compared) of which
     one renders prompts (with this run's kwargs) differently from every set of tools the checkpoint
     recorded. A tokenizer whose vocabulary differs from the checkpoint's (where it recorded one) is an error
-    too, whatever SFT trained on. Returns whether a fingerprint was found (a base model without one passes). A
+    too, whatever SFT trained on; with ``vocabulary_may_grow`` (SFT, which trains the tokens it adds) one that
+    keeps every token of the checkpoint's at its id and appends others passes. Returns whether a fingerprint was found (a base model without one passes). A
     checkpoint whose SFT trained on no template (plain text, pre-tokenized rows) has no template to compare: a
     warning says so.
 
@@ -330,7 +333,10 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     with open(path) as f:
         saved = json.load(f)
     now = template_fingerprint(tokenizer, chat_template)
-    if saved.get("vocab_sha256") is not None and saved["vocab_sha256"] != now["vocab_sha256"]:  # older files: none
+    size = saved.get("vocab_size")
+    grown = (vocabulary_may_grow and isinstance(size, int) and now["vocab_size"] > size
+             and _vocab_sha256(_tok(tokenizer).get_vocab(), below=size) == saved.get("vocab_sha256"))
+    if saved.get("vocab_sha256") not in (None, now["vocab_sha256"]) and not grown:  # older files record none
         raise InvariantError(
             "I2",
             f"The checkpoint {model_dir!r} was trained with another vocabulary than this run's tokenizer "

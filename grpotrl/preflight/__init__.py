@@ -580,8 +580,9 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later
         templates.require_chat_template(processing_class)
         if model_id and sft_option(args, "check_template"):
-            templates.check_fingerprint(model_id, processing_class,
-                                        revision=(args.model_init_kwargs or {}).get("revision"))
+            templates.check_fingerprint(model_id, processing_class,  # SFT trains the tokens it adds
+                                        revision=(args.model_init_kwargs or {}).get("revision"),
+                                        vocabulary_may_grow=True)
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
     resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")),

@@ -88,5 +88,32 @@ def test_I2_grpo_from_an_sft_checkpoint_with_added_tokens_and_the_base_tokenizer
     with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another vocabulary.*'<tool_call>'"):
         grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(),
                             train_dataset=arithmetic_prompts(), processing_class=AutoTokenizer.from_pretrained(tiny_llama))
+    sft_args = grpotrl.SFTConfig(output_dir=str(tmp_path / "sft2"), report_to="none", use_cpu=True, bf16=False)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*another vocabulary.*'<tool_call>'"):  # a token lost
+        grpotrl.SFTTrainer(model=ckpt, args=sft_args, train_dataset=Dataset.from_list(_rows()),
+                           processing_class=AutoTokenizer.from_pretrained(tiny_llama))
     monkeypatch.undo()
     grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=arithmetic_prompts())
+    more = AutoTokenizer.from_pretrained(ckpt)
+    more.add_tokens(["<answer>"])  # a second SFT adds a token: it trains it
+    grpotrl.SFTTrainer(model=ckpt, args=sft_args, train_dataset=Dataset.from_list(_rows()), processing_class=more)
+
+
+def test_I2_sft_from_a_checkpoint_may_add_tokens_but_not_lose_or_move_them(smollm2_path, tmp_path):
+    """SFT trains the tokens it adds (``vocabulary_may_grow``): the checkpoint's tokens at their ids plus
+    appended ones pass there, and only there; a tokenizer that lacks one of the checkpoint's tokens fails in both."""
+    base, grown = AutoTokenizer.from_pretrained(smollm2_path), _with_tool_token(smollm2_path)
+    templates.save_fingerprint(str(tmp_path / "base"), base)
+    assert templates.check_fingerprint(str(tmp_path / "base"), grown, vocabulary_may_grow=True) is True
+    with pytest.raises(InvariantError, match=r"another vocabulary.*only this run's has: \d+ '<tool_call>'"):
+        templates.check_fingerprint(str(tmp_path / "base"), grown)  # GRPO: ids the model never saw in SFT
+    templates.save_fingerprint(str(tmp_path / "grown"), grown)
+    with pytest.raises(InvariantError, match="another vocabulary"):
+        templates.check_fingerprint(str(tmp_path / "grown"), base, vocabulary_may_grow=True)
+    other = _with_tool_token(smollm2_path)
+    other.add_special_tokens({"additional_special_tokens": ["<a>"]})  # <tool_call> kept, <a> appended: growth
+    assert templates.check_fingerprint(str(tmp_path / "grown"), other, vocabulary_may_grow=True) is True
+    moved = AutoTokenizer.from_pretrained(smollm2_path)
+    moved.add_special_tokens({"additional_special_tokens": ["<a>", "<tool_call>"]})  # <tool_call> at another id
+    with pytest.raises(InvariantError, match=r"only the checkpoint's has: (\d+) '<tool_call>'"):
+        templates.check_fingerprint(str(tmp_path / "grown"), moved, vocabulary_may_grow=True)
