@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from transformers.utils import get_json_schema
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
 from ..errors import InputError, InvariantError
 
@@ -298,6 +299,81 @@ def grpo_tool_sets(tools: list | None, environment_factory=None) -> list[list | 
     return sets
 
 
+def grpo_prompt_template(processing_class, tool_sets: list[list | None] | None) -> str | None:
+    """The template ``trl.GRPOTrainer`` renders prompts with, as its ``__init__`` decides: TRL's prefix-preserving
+    training template where tools are given and the processing class's own template is not prefix-preserving
+    (``trl.chat_template_utils``); None, its own template, otherwise. ``tool_sets``: ``grpo_tool_sets`` (None:
+    known only once TRL builds the environments; None is returned).
+
+    Raises:
+        InputError: tools are given and TRL has no prefix-preserving variant of the template (it raises once the
+            model is loaded).
+    """
+    if not tool_sets or not any(tool_sets) or chat_template_of(processing_class) is None:
+        return None
+    if is_chat_template_prefix_preserving(processing_class):
+        return None
+    try:
+        return get_training_chat_template(processing_class)
+    except ValueError as e:
+        raise InputError(
+            f"Tools are given and the chat template of {getattr(_tok(processing_class), 'name_or_path', '?')!r} "
+            f"does not render earlier turns alike whatever follows (not prefix-preserving), which the tool loop "
+            f"needs; TRL has no prefix-preserving variant of it ({e}). Give a prefix-preserving template "
+            "(`tokenizer.chat_template = ...`, the same for SFT and GRPO), or train without tools."
+        ) from e
+
+
+PROMPTS_RENDERED = 4096  # the prompts check_prompts_render_alike renders (a warning names those past it)
+
+
+def check_prompts_render_alike(tokenizer, rl_template: str, dataset, tool_sets: list[list | None],
+                               kwargs: dict, model_dir: str | None = None) -> None:
+    """I2 where TRL renders GRPO's prompts with another template than the one SFT trained on (``rl_template``,
+    ``grpo_prompt_template``): every conversational prompt of ``dataset`` (its ``prompt`` column, the first
+    ``PROMPTS_RENDERED`` rows; a stream's: none, a warning says so), with each tool set and ``kwargs``, must render
+    to the same text under both (TRL's variants differ in earlier turns: Qwen3's keeps an earlier assistant turn's
+    reasoning, which the original drops).
+
+    Raises:
+        InvariantError: a prompt SFT saw otherwise (I2).
+    """
+    tok = _tok(tokenizer)
+    if not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None) or []):
+        logger.warning("TRL renders this run's prompts with its prefix-preserving training template, not the one "
+                       "the model was fine-tuned on; the prompts cannot be read ahead, so I2 does not compare how "
+                       "the two render them.")
+        return
+    if len(dataset) > PROMPTS_RENDERED:
+        logger.warning("TRL renders this run's prompts with its prefix-preserving training template, not the one the "
+                       "model was fine-tuned on: I2 compares how the two render the first %d prompts of %d only.",
+                       PROMPTS_RENDERED, len(dataset))
+    for i, prompt in enumerate(dataset[:PROMPTS_RENDERED]["prompt"]):
+        if not isinstance(prompt, list):
+            continue
+        for tools in tool_sets:
+            kw = {**kwargs, "tools": tools or None}
+            sft = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kw)
+            rl = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                         chat_template=rl_template, **kw)
+            if sft == rl:
+                continue
+            n = _common_prefix(list(sft), list(rl))
+            m = _common_prefix(list(sft[n:])[::-1], list(rl[n:])[::-1])
+            raise InvariantError(
+                "I2",
+                f"trl.GRPOTrainer renders prompts with its prefix-preserving training template (tools are given and "
+                f"the chat template of {getattr(tok, 'name_or_path', '?')!r} is not prefix-preserving), and it renders "
+                f"prompt {i} otherwise than the template {model_dir or 'the model'!r} was fine-tuned on:\n"
+                f"  SFT's template:  ...{sft[max(0, n - 40):len(sft) - m][:300]!r}\n"
+                f"  GRPO's template: ...{rl[max(0, n - 40):len(rl) - m][:300]!r}\n"
+                "RL would train on a context SFT never showed the model. Fine-tune on the template GRPO renders with "
+                "(`tokenizer.chat_template = trl.chat_template_utils.get_training_chat_template(tokenizer)` before "
+                "SFT; GRPO then takes the tokenizer with its original template, which TRL swaps for that one), or set "
+                "`check_template=False` if the difference is deliberate.",
+            )
+
+
 def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> list[int] | None:
     """The probe prompt's ids under ``kwargs``, or None when the template accepts no probe."""
     for probe in _KWARGS_PROBES:
@@ -310,7 +386,8 @@ def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> lis
 
 def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
                       revision: str | None = None, chat_template_kwargs: dict | None = None,
-                      tool_sets: list[list | None] | None = None, vocabulary_may_grow: bool = False) -> bool:
+                      tool_sets: list[list | None] | None = None, vocabulary_may_grow: bool = False,
+                      rl_template: str | None = None, prompts=None) -> bool:
     """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
     an error, and so are ``chat_template_kwargs`` (given: this run's; None: not compared) that render
     prompts differently from every set the checkpoint recorded, and ``tool_sets`` (given: this run's
@@ -318,9 +395,12 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     one renders prompts (with this run's kwargs) differently from every set of tools the checkpoint
     recorded. A tokenizer whose vocabulary differs from the checkpoint's (where it recorded one) is an error
     too, whatever SFT trained on; with ``vocabulary_may_grow`` (SFT, which trains the tokens it adds) one that
-    keeps every token of the checkpoint's at its id and appends others passes. Returns whether a fingerprint was found (a base model without one passes). A
-    checkpoint whose SFT trained on no template (plain text, pre-tokenized rows) has no template to compare: a
-    warning says so.
+    keeps every token of the checkpoint's at its id and appends others passes. Where GRPO renders its prompts
+    with another template than the tokenizer's (``rl_template``, ``grpo_prompt_template``), SFT on that template
+    passes, and SFT on the tokenizer's own where each prompt of the dataset ``prompts`` renders alike under both
+    (``check_prompts_render_alike``). Returns whether a
+    fingerprint was found (a base model without one passes). A checkpoint whose SFT trained on no template (plain
+    text, pre-tokenized rows) has no template to compare: a warning says so.
 
     Raises:
         InvariantError: another template, vocabulary, kwargs rendering or tools rendering than the checkpoint's (I2).
@@ -348,7 +428,11 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         logger.warning("%s was fine-tuned on plain text or pre-tokenized rows, not on a chat template: I2 cannot "
                        "tell whether this run's chat template is the one the model learned.", model_dir)
         return True
-    if saved.get("sha256") != now["sha256"]:
+    # TRL renders GRPO's prompts with its training variant (rl_template): SFT on that variant is SFT on RL's template;
+    # SFT on the tokenizer's own is so where the two render this run's prompts alike (checked below)
+    on_rl_template = rl_template is not None and saved.get("sha256") == template_fingerprint(tokenizer, rl_template)[
+        "sha256"]
+    if saved.get("sha256") != now["sha256"] and not on_rl_template:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
         n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
         where = (f"templates differ from character {n}: checkpoint {old[max(0, n - 20):n + 40]!r} vs now "
@@ -377,6 +461,8 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     recorded_tools = saved.get("tools")
     if tool_sets is not None and recorded_tools:
         _check_tools(model_dir, tokenizer, chat_template, chat_template_kwargs or {}, recorded_tools, tool_sets)
+    if rl_template is not None and not on_rl_template and tool_sets is not None:
+        check_prompts_render_alike(tokenizer, rl_template, prompts, tool_sets, chat_template_kwargs or {}, model_dir)
     return True
 
 

@@ -249,7 +249,9 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     if getattr(args, "check_template", True):
         found = templates.check_fingerprint(model_id, processing_class, chat_template_kwargs=template_kwargs,
                                             revision=(args.model_init_kwargs or {}).get("revision"),
-                                            tool_sets=tool_sets)
+                                            tool_sets=tool_sets,
+                                            rl_template=templates.grpo_prompt_template(processing_class, tool_sets),
+                                            prompts=train_dataset)
         if found and tool_sets is None:
             logger.warning("environment_factory is not a class, so the tools its environments expose are known only "
                            "once TRL calls it: I2 does not compare them with the tools %s's prompts were rendered "

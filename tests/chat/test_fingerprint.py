@@ -10,6 +10,7 @@ import transformers
 from conftest import arithmetic_prompts, length_reward
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import get_json_schema
 
 import grpotrl
 from grpotrl import InvariantError
@@ -117,3 +118,69 @@ def test_I2_sft_from_a_checkpoint_may_add_tokens_but_not_lose_or_move_them(smoll
     moved.add_special_tokens({"additional_special_tokens": ["<a>", "<tool_call>"]})  # <tool_call> at another id
     with pytest.raises(InvariantError, match=r"only the checkpoint's has: (\d+) '<tool_call>'"):
         templates.check_fingerprint(str(tmp_path / "grown"), moved, vocabulary_may_grow=True)
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+MULTI_TURN = [{"role": "user", "content": "What is 2 + 3?"},
+              {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n5"},
+              {"role": "user", "content": "And 4 + 4?"}]
+
+
+def _qwen3_sft(tiny_llama, tmp_path, template):
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = qwen3_chat_template
+    if template == "training":
+        from trl.chat_template_utils import get_training_chat_template
+        tok.chat_template = get_training_chat_template(tok)
+    rows = [{**row, "tools": [get_json_schema(add)]} for row in _rows()]  # SFT rendered its rows with the tool
+    sft = grpotrl.SFTTrainer(
+        model=tiny_llama, processing_class=tok, train_dataset=Dataset.from_list(rows),
+        args=grpotrl.SFTConfig(output_dir=str(tmp_path / template), max_steps=1, per_device_train_batch_size=4,
+                               report_to="none", use_cpu=True, save_strategy="no", bf16=False))
+    sft.train()
+    sft.save_model()
+    return str(tmp_path / template)
+
+
+def test_I2_grpo_with_tools_on_trls_training_template_must_render_the_prompts_sft_saw(tiny_llama, grpo_args, tmp_path,
+                                                                                     monkeypatch):
+    """Qwen3's template is not prefix-preserving, so trl.GRPOTrainer with tools renders prompts with its training
+    variant, which keeps an earlier assistant turn's reasoning that the original (what SFT trained on) drops: a
+    multi-turn prompt SFT saw otherwise stops before the model loads; single-turn prompts render alike and pass,
+    and so does SFT on the training variant itself."""
+    ckpt = _qwen3_sft(tiny_llama, tmp_path, "original")
+    multi = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}, {"prompt": MULTI_TURN}])
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the prompts' rendering was compared")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*prefix-preserving training template.*renders prompt 1 "
+                                             r"otherwise.*GRPO's template: .*add them.*get_training_chat_template"):
+        grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi,
+                            tools=[add])
+    monkeypatch.undo()
+    single = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(4)])
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=single, tools=[add])
+    with pytest.raises(InvariantError, match="rendered with tools \\[add\\]; this run renders them with no tools"):
+        grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi)
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(check_template=False),
+                        train_dataset=multi, tools=[add])
+    # SFT on TRL's training variant, then GRPO with the original template, which TRL swaps for that variant
+    on_variant = _qwen3_sft(tiny_llama, tmp_path, "training")
+    grpotrl.GRPOTrainer(model=on_variant, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi,
+                        tools=[add], processing_class=AutoTokenizer.from_pretrained(ckpt))
+    with pytest.raises(InvariantError, match="another chat template"):  # without tools TRL renders the original
+        grpotrl.GRPOTrainer(model=on_variant, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi,
+                            processing_class=AutoTokenizer.from_pretrained(ckpt))
