@@ -11,7 +11,8 @@
   everything this trainer saves, or an ``InputError`` naming the newest complete one; a warning
   when the step falls inside one of TRL's generation batches (no exact resume then).
 * ``rotate_run_checkpoints``: ``save_total_limit`` over the current run's checkpoints only, never the one
-  just saved.
+  just saved; ``current_run_checkpoints``: which of a list of checkpoints a deletion may take (the trainers
+  restrict transformers' end-of-training cleanup to them).
 * ``check_output_dir`` (the CLI: a non-empty dir needs overwrite or a resume) and
   ``check_finished_run`` (the Python API: only a finished run is refused); a resume counts only from a
   checkpoint inside ``output_dir`` (``resumes_inside``); both name every way to set
@@ -273,23 +274,31 @@ def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str
     return last
 
 
-def rotate_run_checkpoints(run_dir: str, saved: str, limit: int | None, best: str | None = None) -> list[str]:
-    """``save_total_limit`` applied to the ``checkpoint-N`` dirs of the run that last started in ``run_dir``,
-    after it saved ``saved``: the oldest (by time written, as transformers sorts them) are deleted until
-    ``limit`` are left; returns the deleted paths. Never deleted: ``saved`` (the state to resume from; where
-    the file system's mtimes are not reliable transformers sorts by step, and an older run's higher step
-    would take its place), ``best`` (``load_best_model_at_end``), and an earlier run's checkpoints
-    (``earlier_run_checkpoints``: a run started afresh leaves them where they are). When ``run_dir``'s run
-    file cannot be read, nothing is deleted (a warning says so)."""
-    if limit is None or limit <= 0:
-        return []
+def current_run_checkpoints(run_dir: str, paths: list[str], what: str) -> list[str]:
+    """Those of ``paths`` (``checkpoint-N`` dirs in ``run_dir``, as transformers' ``sort_checkpoints`` lists them),
+    in their order, that the run that last started in ``run_dir`` saved or continues: the ones a deletion of
+    ``what`` (named in the warning) may take. Never an earlier run's (``earlier_run_checkpoints``: a run started
+    afresh leaves them where they are), nor a directory that only looks like one (``sort_checkpoints`` lists
+    ``checkpoint-3-old`` too). Empty when ``run_dir``'s run file cannot be read (a warning says so)."""
     try:
         earlier = set(earlier_run_checkpoints(run_dir))
     except InputError as err:
-        logger.warning("save_total_limit %d: no checkpoint deleted, since it is unclear which run each belongs to: "
-                       "%s", limit, err)
+        logger.warning("%s: no checkpoint deleted, since it is unclear which run each belongs to: %s", what, err)
         return []
-    own = [c for c in sort_checkpoints(run_dir, use_mtime=True) if os.path.basename(c) not in earlier]
+    own = {os.path.join(os.path.abspath(run_dir), n) for n in _checkpoints(run_dir) if n not in earlier}
+    return [p for p in paths if os.path.abspath(p) in own]
+
+
+def rotate_run_checkpoints(run_dir: str, saved: str, limit: int | None, best: str | None = None) -> list[str]:
+    """``save_total_limit`` applied to the ``checkpoint-N`` dirs of the run that last started in ``run_dir``
+    (``current_run_checkpoints``), after it saved ``saved``: the oldest (by time written, as transformers sorts
+    them) are deleted until ``limit`` are left; returns the deleted paths. Never deleted: ``saved`` (the state to
+    resume from; where the file system's mtimes are not reliable transformers sorts by step, and an older run's
+    higher step would take its place), ``best`` (``load_best_model_at_end``), and an earlier run's checkpoints.
+    When ``run_dir``'s run file cannot be read, nothing is deleted (a warning says so)."""
+    if limit is None or limit <= 0:
+        return []
+    own = current_run_checkpoints(run_dir, sort_checkpoints(run_dir, use_mtime=True), f"save_total_limit {limit}")
     protected = {os.path.abspath(p) for p in (saved, best) if p}
     deleted = []
     for checkpoint in own:

@@ -7,7 +7,8 @@
   ``output_dir`` is locked against a second run from ``train()`` to ``end()`` or until ``train()`` raises
   (``run_lock``); a full disk while saving is one clear error (``checkpoints.disk_full_named``); a save into
   an existing ``checkpoint-N`` cut short leaves it incomplete, never mixed; a health stop's checkpoint is
-  full and deletes no earlier one (``health.callbacks.stop_save_settings``).
+  full and deletes no earlier one (``health.callbacks.stop_save_settings``); ``save_total_limit``, during
+  training and in transformers' end-of-training cleanup, deletes only this run's checkpoints.
 * ``settle_collectives_at_exit``: a distributed process that trained lets torch's collective threads free
   their last work before the interpreter shuts down, however it exits (else a finished run can exit with
   SIGABRT).
@@ -25,8 +26,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoints import (check_finished_run, check_resume_architecture, disk_full_named, resume_files,
-                           resume_requested, rotate_run_checkpoints)
+from ..checkpoints import (check_finished_run, check_resume_architecture, current_run_checkpoints, disk_full_named,
+                           resume_files, resume_requested, rotate_run_checkpoints)
 from ..errors import InputError
 from ..health.callbacks import stop_save_settings
 from ..preflight import check_resume
@@ -89,9 +90,14 @@ class CheckedResume:
     another process); a checkpoint of another architecture is refused before its weights load; a full disk
     while a checkpoint is written is a ``DiskFullError`` naming the file and the last complete checkpoint;
     a save into an existing ``checkpoint-N`` that is cut short leaves it incomplete; a health stop's
-    checkpoint is a full one and deletes no earlier checkpoint; a push to the Hub during training uploads the
-    template fingerprint with the weights. Overrides ``train``, ``end``, ``_load_from_checkpoint``,
-    ``_save_checkpoint`` and ``_push_from_checkpoint``; each trainer gives ``_save_fingerprint``."""
+    checkpoint is a full one and deletes no earlier checkpoint; ``save_total_limit`` deletes only this run's
+    checkpoints, when a checkpoint is saved and at the end of training (never an earlier run's in the same
+    ``output_dir``); a push to the Hub during training uploads the template fingerprint with the weights.
+    Overrides ``train``, ``end``, ``_load_from_checkpoint``, ``_save_checkpoint``, ``_finalize_training`` and
+    ``_push_from_checkpoint``; each trainer gives ``_save_fingerprint``. Sets ``args.save_total_limit`` to None
+    within transformers' ``_save_checkpoint`` (its rotation deletes nothing; this run's checkpoints are rotated
+    after it) and shadows ``transformers.trainer.sort_checkpoints`` within ``_finalize_training``
+    (``_intercept.inject_end_checkpoints``: its cleanup lists this run's checkpoints only)."""
 
     _resume_kind = "grpo"
 
@@ -181,6 +187,21 @@ class CheckedResume:
             if self.args.should_save:
                 run_dir = self._get_output_dir(trial)
                 rotate_run_checkpoints(run_dir, os.path.join(run_dir, step), limit, self.state.best_model_checkpoint)
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        """Transformers' (metrics logged, the best model loaded, ``on_train_end``), with its end-of-training
+        cleanup restricted to this run's checkpoints. Under ``save_total_limit: 1`` with a best checkpoint tracked
+        (``metric_for_best_model``, which ``load_best_model_at_end`` sets by default) transformers deletes every
+        ``checkpoint-N`` in ``output_dir`` but the best, an earlier run's included; here it deletes this run's
+        other than the best (those it saved and those it resumed: ``checkpoints.current_run_checkpoints``), and
+        an earlier run's stay where they are. The list it deletes from is chosen
+        (``_intercept.inject_end_checkpoints``); ``args.save_total_limit`` keeps the user's value throughout, for
+        the callbacks that read it."""
+        def this_runs(output_dir, listed):
+            return current_run_checkpoints(output_dir, listed, "the end of training's checkpoint cleanup")
+
+        with _intercept.inject_end_checkpoints(this_runs):
+            return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Transformers': copies a checkpoint's weights, config and tokenizer to ``output_dir`` and uploads that

@@ -9,7 +9,8 @@ model's lifetime). The names say which kind each is:
 
 * ``record_*``: the wrapped call runs unchanged; its arguments or results are kept for a check.
 * ``inject_*``: the call runs with something added or replaced (keyword arguments, a reordered
-  processor list, position ids, a method shadowed for the block: ``inject_attr``).
+  processor list, position ids, a method shadowed for the block: ``inject_attr``; the checkpoints
+  transformers' end of training may delete: ``inject_end_checkpoints``).
 * ``skip_*``: the call does less than it would, with the same result: ``skip_head_weight_grad``,
   ``skip_stacked_input_grad_hooks``, ``skip_input_grad_hooks``.
 * ``set_*``: writes TRL's private fields the way TRL itself would have (``set_microstep_done``,
@@ -44,6 +45,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import transformers.trainer as transformers_trainer
 import trl.kernels.chunked_logprob as trl_chunked
 import trl.trainer.utils as trl_utils
 from transformers import GenerationMixin, PreTrainedModel
@@ -406,6 +408,27 @@ def inject_head_tiles(device: torch.device) -> Iterator[None]:
     with inject_attr(trl_chunked, "TOKEN_CHUNK_SIZE", min(CPU_HEAD_TOKENS, trl_chunked.TOKEN_CHUNK_SIZE)), \
             inject_attr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE",
                         min(CPU_HEAD_COLUMNS, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)):
+        yield
+
+
+@contextmanager
+def inject_end_checkpoints(keep: Callable[[str, list[str]], list[str]]) -> Iterator[None]:
+    """Inject: transformers' ``Trainer._finalize_training`` lists the checkpoints its end-of-training cleanup deletes
+    (under ``save_total_limit == 1`` with a best checkpoint tracked: every one but the best) with
+    ``sort_checkpoints(output_dir=..., best_model_checkpoint=...)``, a name of the ``transformers.trainer`` module
+    that nothing else there calls. In the block that name is shadowed (process-wide, as ``inject_draw_one``
+    shadows ``torch.multinomial``) by one whose calls from this thread return ``keep(output_dir, listed)``, a
+    selection of what transformers listed, in its order; a call from another thread is transformers'.
+    ``trainer.args`` is not touched: a callback reading ``save_total_limit`` meanwhile sees the user's value
+    (tests/trainers/test_trl_hooks.py pins the call)."""
+    original = transformers_trainer.sort_checkpoints
+    thread = threading.get_ident()
+
+    def sort_checkpoints(output_dir, *args, **kwargs):
+        listed = original(output_dir, *args, **kwargs)
+        return listed if threading.get_ident() != thread else keep(output_dir, listed)
+
+    with inject_attr(transformers_trainer, "sort_checkpoints", sort_checkpoints):
         yield
 
 

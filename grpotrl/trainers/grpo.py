@@ -71,10 +71,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles; under
         ``packed_attention='varlen'`` the policy switched to grpotrl's varlen attention for the whole step.
       * ``save_model``: the chat-template fingerprint beside the weights (I2; ``_save_fingerprint``).
-      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` / ``_push_from_checkpoint``
-        (``_common.CheckedResume``):
+      * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` / ``_finalize_training`` /
+        ``_push_from_checkpoint`` (``_common.CheckedResume``):
         ``output_dir`` locked against a second run; a resume checkpoint checked before anything loads; a full
-        disk named. The KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
+        disk named; ``save_total_limit`` deletes this run's checkpoints only, at each save and at the end. The KL methods live in ``reference_kl.ReferenceKL``, a mixin that overrides nothing of TRL's.
 
     Wraps at run time (``trainers/_intercept.py``; each method restored when the hook returns):
       * ``self._calculate_rewards`` in ``_generate_and_score_completions`` (``record_rewards``): records
@@ -121,6 +121,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
       * ``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`` and ``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`` in
         ``training_step`` and ``prediction_step`` on CPU (``inject_head_tiles``): 512 and 4096, for the step's
         forwards and backward.
+      * ``transformers.trainer.sort_checkpoints`` in ``_finalize_training`` (``inject_end_checkpoints``, from
+        ``_common.CheckedResume``): the end-of-training cleanup lists this run's checkpoints only.
       * with ``kl_estimator='full'``, a forward hook on the policy's backbone in ``_compute_loss``
         (``record_backbone_output``): its last hidden states, which the LM head turns into the loss forward's logits.
       * a forward pre-hook on the policy and reference models, for their lifetime (``inject_position_ids``):

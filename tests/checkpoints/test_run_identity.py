@@ -5,7 +5,8 @@
   ``resume_from_checkpoint=True`` never resumes one of them: it takes the newest checkpoint of the current
   run (a resume continues the run it resumes), or, when only an earlier run's checkpoints are there, stops
   with an error naming them. The earlier run may be plain TRL's, which records no run. ``save_total_limit``
-  deletes only the current run's older checkpoints, never the one just saved.
+  deletes only the current run's older checkpoints, never the one just saved; at the end of training, under
+  ``save_total_limit=1`` with a best checkpoint, the current run's other than the best.
 * A checkpoint saved by several processes is complete only with every rank's ``rng_state_<rank>.pth``
   (under ``save_on_each_node``: every rank on the machine whose copy it is); one written by a single process,
   or by plain TRL (no grpotrl record), is checked as before.
@@ -17,6 +18,7 @@ launch takes ~30 s on 2 cores and is marked slow.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 import trl
 from conftest import arithmetic_prompts, free_port, length_reward
 from test_resume_paths import CtrlC, small, trainer_for
+from transformers import TrainerCallback
 
 from grpotrl import checkpoints
 from grpotrl.checkpoints import checkpoint_problems, find_last_checkpoint, resume_checkpoint, resume_files
@@ -150,6 +153,59 @@ def test_save_total_limit_keeps_the_checkpoint_just_saved_where_mtimes_are_not_r
     assert "checkpoint-1" not in checkpoints._checkpoints(str(out))  # rotated, as save_total_limit asks
     assert (out / "checkpoint-2").is_dir()
     assert checkpoint_problems(str(out / "checkpoint-2"), required) == []  # the state to resume from, kept
+
+
+class PlantedBest(TrainerCallback):
+    """Adds ``eval_planted`` to each evaluation's metrics, highest at step ``best``: with
+    ``metric_for_best_model="planted"`` the best checkpoint is ``checkpoint-<best>``, whatever the loss."""
+
+    def __init__(self, best: int):
+        self.best = best
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_planted"] = -abs(state.global_step - self.best)
+
+
+def best_tracked(grpo_args, out: Path):
+    """Evaluated and saved every 3 steps, the best model loaded at the end, ``save_total_limit=1``: where
+    transformers' end of training deletes every checkpoint in ``output_dir`` but the best."""
+    return small(grpo_args, out, max_steps=6, save_strategy="steps", save_steps=3, eval_strategy="steps",
+                 eval_steps=3, per_device_eval_batch_size=8, load_best_model_at_end=True,
+                 metric_for_best_model="planted", greater_is_better=True, save_total_limit=1)
+
+
+def best_tracked_trainer(model, args, best: int, extra=()):
+    return trainer_for(model, args, eval_dataset=arithmetic_prompts(2), callbacks=[PlantedBest(best), *extra])
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resuming-its-own-checkpoint"])
+def test_the_end_of_training_keeps_an_earlier_runs_checkpoints_under_save_total_limit_1(
+        tiny_llama, grpo_args, tmp_path, resumed):
+    """Run A is stopped after saving checkpoint-1 and -2; run B starts afresh into the same dir, evaluated and
+    saved at steps 3 and 6, ``load_best_model_at_end`` and ``save_total_limit=1``. At the end of training
+    transformers deletes every checkpoint in output_dir but the best, A's included; only B's other checkpoint
+    goes. Fresh, B's best is its checkpoint-3 (its checkpoint-6 goes); resuming, B was stopped after saving
+    checkpoint-3 and resumed from it, its best is checkpoint-6 and the checkpoint it resumed from goes. A copy of
+    a checkpoint under another name (``checkpoint-2-kept``) is no run's checkpoint and stays too."""
+    out = tmp_path / "out"
+    interrupted(tiny_llama, small(grpo_args, out, max_steps=6, **EVERY_STEP), step=3)
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2"]
+    shutil.copytree(out / "checkpoint-2", out / "checkpoint-2-kept")  # a user's copy: transformers lists it too
+    best = 6 if resumed else 3
+    args = best_tracked(grpo_args, out)
+    if resumed:  # B stopped at step 5, after saving checkpoint-3
+        with pytest.raises(KeyboardInterrupt):
+            best_tracked_trainer(tiny_llama, args, best, extra=[CtrlC(5)]).train()
+        assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    run_b = best_tracked_trainer(tiny_llama, args, best)
+    run_b.train(resume_from_checkpoint=True if resumed else None)
+    run_b.end()
+    assert run_b.state.best_model_checkpoint == str(out / f"checkpoint-{best}")
+    assert checkpoints._checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", f"checkpoint-{best}"]
+    assert (out / "checkpoint-2-kept").is_dir()
+    assert run_b.args.save_total_limit == 1
+    required = resume_files(args, "grpo")
+    assert all(not checkpoint_problems(str(out / c), required) for c in checkpoints._checkpoints(str(out)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ GRPO_HOOKS = {
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "_save_checkpoint": ["self", "model", "trial"],
     "_push_from_checkpoint": ["self", "checkpoint_folder"],  # _common.CheckedResume: the fingerprint uploaded
+    "_finalize_training": ["self", "trial", "num_train_samples", "start_time"],  # the end cleanup, this run's only
     "save_model": ["self", "output_dir", "_internal_call"],
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
@@ -52,6 +53,7 @@ SFT_HOOKS = {
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
     "_save_checkpoint": ["self", "model", "trial"],  # _common.CheckedResume: a full disk named
     "_push_from_checkpoint": ["self", "checkpoint_folder"],  # the template fingerprint uploaded with the weights
+    "_finalize_training": ["self", "trial", "num_train_samples", "start_time"],  # the end cleanup, this run's only
 }
 
 
@@ -116,7 +118,7 @@ def test_our_overrides_keep_the_signatures():
         assert _params(grpotrl.GADTrainer, name) == GRPO_HOOKS[name], f"GADTrainer.{name}"
     for name in ("compute_loss", "_prepare_dataset", "save_model"):
         assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name]
-    for name in ("_save_checkpoint", "_load_from_checkpoint"):  # _common.CheckedResume
+    for name in ("_save_checkpoint", "_load_from_checkpoint", "_finalize_training"):  # _common.CheckedResume
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name], f"GRPOTrainer.{name}"
         assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name], f"SFTTrainer.{name}"
 
@@ -617,3 +619,42 @@ def test_transformers_checkpoint_rotation_grpotrl_replaces():
     assert list(inspect.signature(transformers.Trainer._get_output_dir).parameters) == ["self", "trial"]
     assert list(inspect.signature(trainer_utils.sort_checkpoints).parameters) == [
         "output_dir", "checkpoint_prefix", "use_mtime", "best_model_checkpoint"]
+
+
+def test_transformers_end_of_training_cleanup_grpotrl_restricts_to_this_run(tmp_path):
+    """``_common.CheckedResume._finalize_training`` runs transformers' with ``_intercept.inject_end_checkpoints``:
+    its cleanup under ``save_total_limit == 1`` with a best checkpoint deletes every checkpoint that
+    ``transformers.trainer.sort_checkpoints`` lists but the best, and that call in ``_finalize_training`` is the
+    only one of that name in ``transformers.trainer`` (the shadow changes nothing else). TRL's trainers inherit
+    it; the training loop ends in it."""
+    import threading
+
+    import transformers
+    import transformers.trainer as transformers_trainer
+    from transformers import trainer_utils
+
+    finalize = inspect.getsource(transformers.Trainer._finalize_training)
+    for needle in ("checkpoints_sorted = sort_checkpoints(",
+                   "output_dir=self._get_output_dir(trial), best_model_checkpoint=self.state.best_model_checkpoint",
+                   "self.state.best_model_checkpoint is not None and self.args.save_total_limit == 1",
+                   "for checkpoint in checkpoints_sorted:", "shutil.rmtree(checkpoint, ignore_errors=True)"):
+        assert needle in finalize, f"transformers.Trainer._finalize_training no longer has {needle!r}"
+    assert inspect.getsource(transformers_trainer).count("sort_checkpoints(") == 1
+    assert transformers_trainer.sort_checkpoints is trainer_utils.sort_checkpoints
+    assert "return self._finalize_training(trial, num_train_samples, start_time)" in inspect.getsource(
+        transformers.Trainer._inner_training_loop)
+    for cls in (trl.GRPOTrainer, trl.SFTTrainer):
+        assert cls._finalize_training is transformers.Trainer._finalize_training, f"{cls.__name__} overrides it"
+    assert '"sort_checkpoints"' in inspect.getsource(_intercept.inject_end_checkpoints)
+
+    for n in (1, 2):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+    listed, elsewhere = [], []
+    with _intercept.inject_end_checkpoints(lambda output_dir, found: listed.append((output_dir, found)) or found[1:]):
+        assert transformers_trainer.sort_checkpoints(output_dir=str(tmp_path)) == [str(tmp_path / "checkpoint-2")]
+        other = threading.Thread(target=lambda: elsewhere.append(transformers_trainer.sort_checkpoints(str(tmp_path))))
+        other.start()
+        other.join()
+    both = [str(tmp_path / "checkpoint-1"), str(tmp_path / "checkpoint-2")]
+    assert listed == [(str(tmp_path), both)] and elsewhere == [both]
+    assert transformers_trainer.sort_checkpoints is trainer_utils.sort_checkpoints
