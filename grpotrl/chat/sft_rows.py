@@ -1,17 +1,25 @@
 """SFT rows as TRL reads them: the first row, the dataset's format, the ``chat_template_kwargs`` and
-``tools`` the rows are rendered with, and one conversational prompt-completion row tokenized on the RL
-template (I2). Used by the SFT preflight (I2 on the first row, before any weights load) and by ``SFTTrainer``."""
+``tools`` the rows are rendered with, one conversational prompt-completion row tokenized on the RL
+template (I2), and the check of a row's loss spans (``loss_spans``, ``span_problems``,
+``assistant_mask_problems``: each span right after the generation prompt, ending with a stop token).
+Used by the SFT preflight (I2 on the first row, before any weights load) and by ``SFTTrainer``
+(``check_sft_labels``, on the collated labels of the guard steps)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 
 from datasets import Dataset
 from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-from trl.data_utils import get_dataset_column_names, is_conversational, is_conversational_from_value
+from trl.data_utils import (get_dataset_column_names, is_conversational, is_conversational_from_value,
+                            maybe_convert_to_chatml)
 
-from ..errors import InputError
+from ..errors import InputError, InvariantError
 from . import templates
+
+logger = logging.getLogger(__name__)
 
 
 def first_row(dataset) -> dict | None:
@@ -86,16 +94,21 @@ def tokenize_i2_row(row: dict, tokenizer, stop_ids: list[int], config_kwargs: di
 
 
 def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None = None,
-                            config_kwargs: dict | None = None) -> str | None:
+                            config_kwargs: dict | None = None, messages_row: dict | None = None) -> str | None:
     """The template ``trl.SFTTrainer`` renders rows with under ``assistant_only_loss`` (None: the tokenizer's own,
     which has ``{% generation %}`` markers; else TRL's patched training template), found before any weights load.
     ``i2_row``: the first conversational prompt-completion row trained on its completion, tokenized as
     ``tokenize_i2_row`` will (its RL prompt ids a prefix), whose loss (completion and assistant mask) must end
-    with a stop token where the template writes one after an assistant turn (I2).
+    with a stop token where the template writes one after an assistant turn (I2). ``messages_row``: the first
+    ``messages`` (or ``conversations``) row, tokenized as TRL will (the same template, ``tools`` and
+    ``chat_template_kwargs`` over ``config_kwargs``, no truncation), whose assistant mask must pass
+    ``assistant_mask_problems`` (I2); not checked on a multimodal processor (TRL renders through it).
 
     Raises:
-        InputError: TRL cannot make the template mark assistant turns, or the row's loss leaves out the end-of-turn.
-        InvariantError: the row does not start with the RL prompt ids (I2).
+        InputError: TRL cannot make the template mark assistant turns, or the I2 row's loss leaves out the
+            end-of-turn.
+        InvariantError: the I2 row does not start with the RL prompt ids, or the messages row's assistant mask
+            covers more than the assistant replies and their end-of-turn tokens (I2).
     """
     tok = templates._tok(tokenizer)
     name = getattr(tok, "name_or_path", type(tok).__name__)
@@ -110,6 +123,8 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
             "has them, or `chat_template_path`), or drop assistant_only_loss: on prompt/completion rows "
             "completion_only_loss already trains on the response and its end-of-turn token only."
         ) from e
+    if messages_row is not None and tok is tokenizer:
+        _check_messages_row(tok, name, stop_ids, messages_row, config_kwargs, training)
     if i2_row is None:
         return training
     row = tokenize_i2_row(i2_row, tok, stop_ids, config_kwargs, training, assistant_masks=True)
@@ -123,3 +138,174 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
             "completion_only_loss already trains on the response and its end-of-turn token only."
         )
     return training
+
+
+def warn_whitespace_in_loss(notes: list[str]) -> None:
+    """The one warning for assistant masks that also cover whitespace around the turn (``span_problems``)."""
+    logger.warning(
+        "assistant_only_loss=True on `messages` rows: the chat template's `{%% generation %%}` blocks also mark "
+        "whitespace the template writes around the assistant turn, which SFT then trains and RL never generates "
+        "(TRL's Qwen2.5 and Qwen3 training templates close the block after the newline that follows the "
+        "end-of-turn token): %s. No response token is affected; to train the responses and their end-of-turn "
+        "tokens only, as I2 asks, pass prompt/completion rows (grpotrl ends each sequence at the end-of-turn token).",
+        "; ".join(dict.fromkeys(notes)))
+
+
+# what a template's `{% generation %}` block must hold, said by every error about it
+MARKERS_RULE = ("Under assistant_only_loss TRL trains on what the chat template's `{% generation %}` ... "
+                "`{% endgeneration %}` blocks mark: each must open right after the generation prompt (the text "
+                "add_generation_prompt writes, where RL's prompt ends) and close right after the assistant's "
+                "end-of-turn token, and only assistant messages may be marked.")
+
+
+def _check_messages_row(tok, name: str, stop_ids: list[int], row: dict, config_kwargs: dict | None,
+                        training: str | None) -> None:
+    """The first ``messages`` row's assistant mask, as TRL will tokenize it (``assistant_only_template``)."""
+    row = maybe_convert_to_chatml(copy.deepcopy(dict(row)))  # TRL's conversion of `conversations` rows
+    messages = row["messages"]
+    kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                  chat_template=training, tools=_row_tools(row.get("tools")), **kw)
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    gen = templates.generation_prompt_ids(tok, **kw)  # RL's: the tokenizer's own template, this row's kwargs
+    notes: list[str] = []
+    problems = assistant_mask_problems(tok, ids, mask, stop_ids, [gen],
+                                       templates.writes_stop_after_turn(tok, stop_ids, training), messages,
+                                       whitespace=notes)
+    if notes and not problems:
+        warn_whitespace_in_loss(notes)
+    if problems:
+        which = (f"TRL's training template for {name!r} (trl.chat_template_utils.get_training_chat_template)"
+                 if training is not None else f"the chat template of {name!r}")
+        raise InvariantError(
+            "I2",
+            f"assistant_only_loss=True on `messages` rows: {which} marks the first row's tokens wrongly: "
+            + "; ".join(problems) + ".\n"
+            f"    in the loss: {_clip(_decode(tok, [t for t, m in zip(ids, mask) if m]))!r}\n"
+            f"    stop ids {stop_ids}\n"
+            f"{MARKERS_RULE} Fix the template's markers (`chat_template_path`, or `tokenizer.chat_template`), or "
+            "pass prompt/completion rows (grpotrl tokenizes those for I2 itself); `guard_steps=0` turns this check "
+            "off (and trains what TRL would)."
+        )
+
+
+def loss_spans(mask) -> list[tuple[int, int]]:
+    """The maximal runs of true entries of ``mask``, as ``(start, end)`` pairs, ``end`` exclusive.
+
+    >>> loss_spans([0, 1, 1, 0, 1])
+    [(1, 3), (4, 5)]
+    """
+    spans, start = [], None
+    for i, m in enumerate(mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans + ([(start, len(mask))] if start is not None else [])
+
+
+def span_problems(tokenizer, ids: list[int], spans: list[tuple[int, int]], stop_ids: list[int],
+                  gen_prompts: list[list[int]] | None = None, ends_with_stop: bool = True,
+                  start_cut: bool = False, end_cut: bool = False, whitespace: list[str] | None = None) -> list[str]:
+    """What is wrong with the loss spans ``spans`` (``(start, end)`` in ``ids``, a row's real tokens), claiming
+    only what holds: each starts right after one of ``gen_prompts`` (the template's generation prompt, one per set
+    of chat_template_kwargs, as ids or, where tokens merged across the turn boundary, as text; None, or a set
+    whose template writes none: not checked), and ends with a stop token when ``ends_with_stop`` (the template
+    writes one after an assistant turn). ``start_cut``: truncation removed the row's beginning, so a span whose
+    generation prompt would reach before ``ids`` is not checked there; ``end_cut``: it removed the row's end, so
+    a span reaching the end of ``ids`` is not checked there. ``whitespace`` (a list, given where TRL's own
+    tokenization is checked): a span that also covers whitespace the template writes around the turn -- the
+    newline after the stop token, the last newline of the generation prompt, as TRL's Qwen2.5 and Qwen3 training
+    templates mark -- is no problem but a sentence appended there (text RL never generates, no response token).
+    Returns one sentence per problem, naming the span by its decoded text where there are several."""
+    problems = []
+    check_start = bool(gen_prompts) and all(gen_prompts)  # a template may write none (Mistral's)
+    longest = max((len(g) for g in gen_prompts), default=0) if check_start else 0
+    gen_texts = [_decode(tokenizer, g) for g in gen_prompts] if check_start else []
+    stops = set(stop_ids)
+    for k, (s, e) in enumerate(spans):
+        what = ("the loss" if len(spans) == 1 else
+                f"loss span {k + 1} of {len(spans)} ({_clip(_decode(tokenizer, ids[s:e]))!r})")
+        if check_start and not (start_cut and s < longest) and not _after_generation_prompt(
+                tokenizer, ids, s, gen_prompts, gen_texts):
+            inside = _inside_generation_prompt(tokenizer, ids, s, gen_prompts) if whitespace is not None else None
+            before = _decode(tokenizer, ids[max(0, s - len(gen_prompts[0])):s])
+            if inside is not None:
+                whitespace.append(f"spans start with {inside!r}, the end of the generation prompt")
+            else:
+                problems.append(f"{what} starts after {before!r}, not after the generation prompt "
+                                f"{_decode(tokenizer, gen_prompts[0])!r}")
+        if ends_with_stop and not (end_cut and e == len(ids)) and ids[e - 1] not in stops:
+            after = next((j for j in range(e - 1, s - 1, -1) if ids[j] in stops), None)
+            trailer = None if after is None else _decode(tokenizer, ids[after + 1:e])
+            if whitespace is not None and trailer is not None and not trailer.strip():
+                whitespace.append(f"spans end with {trailer!r} after the stop token "
+                                  f"{_decode(tokenizer, ids[after:after + 1])!r}")
+            else:
+                problems.append(
+                    f"{what} ends with {_decode(tokenizer, ids[e - 1:e])!r}, not a stop token" + (
+                        "" if after is None else f" ({trailer!r} after the stop token "
+                        f"{_decode(tokenizer, ids[after:after + 1])!r}: what the template writes after the turn, "
+                        "which RL never generates)"))
+    return problems
+
+
+def _after_generation_prompt(tokenizer, ids: list[int], s: int, gen_prompts: list[list[int]],
+                             gen_texts: list[str]) -> bool:
+    """Whether position ``s`` of ``ids`` follows one of ``gen_prompts``: its ids, or its text where the
+    tokenizer merged the prompt's first token with the end of the turn before it (a template whose delimiters
+    are not special tokens of this tokenizer)."""
+    if any(ids[max(0, s - len(g)):s] == g for g in gen_prompts):
+        return True
+    return any(_decode(tokenizer, ids[max(0, s - len(g) - 2):s]).endswith(t) for g, t in zip(gen_prompts, gen_texts))
+
+
+def _inside_generation_prompt(tokenizer, ids: list[int], s: int, gen_prompts: list[list[int]]) -> str | None:
+    """The text of the generation prompt's last tokens where position ``s`` of ``ids`` lies inside one of
+    ``gen_prompts`` and only whitespace of it follows ``s``; None otherwise."""
+    for g in gen_prompts:
+        for k in range(1, len(g)):
+            rest = _decode(tokenizer, g[k:])
+            if ids[max(0, s - k):s] == g[:k] and ids[s:s + len(g) - k] == g[k:] and not rest.strip():
+                return rest
+    return None
+
+
+def assistant_mask_problems(tokenizer, ids: list[int], mask: list[int], stop_ids: list[int],
+                            gen_prompts: list[list[int]] | None = None, ends_with_stop: bool = True,
+                            messages: list[dict] | None = None, start_cut: bool = False,
+                            end_cut: bool = False, whitespace: list[str] | None = None) -> list[str]:
+    """I2 on one tokenized row's assistant mask (``ids`` its real tokens, ``mask`` 1 where TRL trains): every
+    maximal masked span passes ``span_problems`` (right after a generation prompt, ending with a stop token,
+    where verifiable). Given the row's ``messages`` (untruncated: ``start_cut`` and ``end_cut`` False), also: no
+    more spans than assistant messages, and where there are as many, span k's text holds the last line of the
+    k-th assistant message's content, whitespace aside (a message without text content, such as a tool call,
+    is not compared; a template may trim content or drop a reasoning block before it, never its last line).
+    ``whitespace``: as ``span_problems``'s. Returns one sentence per problem (none: the mask is what I2 asks)."""
+    spans = loss_spans(mask)
+    problems = span_problems(tokenizer, ids, spans, stop_ids, gen_prompts, ends_with_stop, start_cut, end_cut,
+                             whitespace)
+    if messages is None:
+        return problems
+    replies = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+    if len(spans) > len(replies):
+        problems.append(f"the assistant mask has {len(spans)} spans and the row {len(replies)} assistant "
+                        f"message{'s' * (len(replies) != 1)}")
+    elif len(spans) == len(replies) and not (start_cut or end_cut):
+        for k, ((s, e), reply) in enumerate(zip(spans, replies)):
+            content = reply.get("content")
+            lines = [ln for ln in content.splitlines() if ln.strip()] if isinstance(content, str) else []
+            text = _decode(tokenizer, ids[s:e])
+            if lines and " ".join(lines[-1].split()) not in " ".join(text.split()):
+                problems.append(f"loss span {k + 1} ({_clip(text)!r}) does not hold assistant message {k + 1}'s "
+                                f"content {_clip(lines[-1])!r}")
+    return problems
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return templates._tok(tokenizer).decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n] + "..."

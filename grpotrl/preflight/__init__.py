@@ -566,15 +566,24 @@ def _check_discriminator(model, args) -> None:
 
 def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs: dict):
     """Every check of ``SFTTrainer.__init__`` before TRL loads anything: the datasets as TRL takes
-    them, model and tokenizer, and on chat data a template, the checkpoint's fingerprint and I2 on
-    the first prompt-completion row. Returns ``(model, processing_class, stop_token_ids, data
-    format, ResumeCheck)``."""
+    them, ``padding_free`` without packing under ``max_length``, model and tokenizer, and on chat data a
+    template, the checkpoint's fingerprint and I2 on the first prompt-completion row. Returns ``(model,
+    processing_class, stop_token_ids, data format, ResumeCheck)``."""
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind="sft", text_field=args.dataset_text_field,
                       formatting_func=formatting_func, skip_prepare=skip_prepare)
+    row = first_row(train_dataset) or {}
+    if args.padding_free and not args.packing and args.max_length is not None \
+            and "image" not in row and "images" not in row:  # TRL's condition; vision rows it refuses otherwise
+        raise InputError(
+            f"padding_free=True without packing, and max_length={args.max_length} (SFTConfig's default is 1024): "
+            "TRL does not enforce max_length on padding-free rows that are not packed, and refuses it once the "
+            "model has loaded. Set `max_length: null` (rows then keep their length: truncate them beforehand), or "
+            "`packing: true` (e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
+        )
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
         model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"))
     fmt = None if formatting_func is not None else data_format(train_dataset)

@@ -10,9 +10,18 @@ the RL prompt ids must be a prefix of the sequence (an ``InvariantError``; TRL w
 the other rendering) and the sequence ends at its last end-of-turn token (TRL also trains on what the
 template writes after it, e.g. ChatML's newline after ``<|im_end|>`` or Phi-3's eos after ``<|end|>\n``,
 which RL never generates).
-Everything else -- plain text, ``messages``, plain prompt-completion, pre-tokenized rows,
-``formatting_func``, ``skip_prepare_dataset``, vision data -- reaches TRL unchanged and trains exactly
-as with ``trl.SFTTrainer``. A plain ``trl.SFTConfig`` (or a subclass) works: grpotrl's fields then
+``messages`` rows under ``assistant_only_loss`` are tokenized and labelled by TRL, unchanged; grpotrl checks
+their assistant masks, which TRL turns into the labels: every masked span must start right after the
+template's generation prompt (where RL's prompt ends) and end with a stop token (where the template writes one
+after an assistant turn), on the first row before any weights load (with no more spans than assistant
+messages, each holding its message's text: ``chat.sft_rows.assistant_mask_problems``) and on the collated
+labels of the guard steps (``check_sft_labels``); a template whose ``{% generation %}`` markers wrap anything
+else (a user or system turn, the header before the generation prompt) is an ``InvariantError`` (I2), which
+``guard_steps=0`` turns off; markers that also take whitespace around the turn (the newline after the
+end-of-turn, as TRL's Qwen training templates do) train as TRL trains them, with one warning before the load.
+Everything else -- plain text, ``messages`` without ``assistant_only_loss``, plain prompt-completion,
+pre-tokenized rows, ``formatting_func``, ``skip_prepare_dataset``, vision data -- reaches TRL unchanged and
+trains exactly as with ``trl.SFTTrainer``. A plain ``trl.SFTConfig`` (or a subclass) works: grpotrl's fields then
 take their defaults.
 
 The class docstring lists the hooks it overrides and what it wraps at run time.
@@ -29,8 +38,8 @@ from transformers import TrainingArguments
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first
 
 from ..chat import templates
-from ..chat.sft_rows import (assistant_only_template, data_format, first_row, kwargs_variants, tokenize_i2_row,
-                              tool_variants)
+from ..chat.sft_rows import (MARKERS_RULE, assistant_only_template, data_format, first_row, kwargs_variants,
+                              loss_spans, span_problems, tokenize_i2_row, tool_variants)
 from ..configs import SFTConfig, sft_option
 from ..configs.checks import check_ranges
 from ..configs.recipe_types import python_numbers
@@ -70,13 +79,14 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
       * ``__init__``: checks model path, tokenizer, ``eos_token`` and datasets before TRL loads anything (what
         TRL accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
         tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``); under
-        ``assistant_only_loss``, that TRL can mark assistant turns and that the first I2 row's loss keeps its
-        end-of-turn token (``chat.sft_rows.assistant_only_template``).
+        ``assistant_only_loss``, that TRL can mark assistant turns, that the first I2 row's loss keeps its
+        end-of-turn token and that the first ``messages`` row's assistant mask covers only the assistant replies
+        and their end-of-turn tokens (``chat.sft_rows.assistant_only_template``; not with ``guard_steps=0``).
       * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
         (labels, truncation, packing), which takes them as pre-tokenized; the rows TRL drops because truncation
         left them no loss token are counted (a warning; all of them, an ``InputError``).
-      * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows
-        (``check_sft_labels``).
+      * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows and of
+        ``messages`` rows under ``assistant_only_loss`` (``check_sft_labels``; not under packing or padding-free).
       * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
         the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it
         (``_save_fingerprint``, which ``_common.CheckedResume._push_from_checkpoint`` calls too).
@@ -121,7 +131,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
             skip = (args.dataset_kwargs or {}).get("skip_prepare_dataset")
             i2_row = first_row(train_dataset) if (fmt == "chat_prompt_completion" and not skip
                                                   and args.completion_only_loss is not False) else None
-            assistant_only_template(processing_class, stop_ids, i2_row, sft_option(args, "chat_template_kwargs"))
+            messages_row = first_row(train_dataset) if (fmt == "chat" and not skip
+                                                        and sft_option(args, "guard_steps") != 0) else None
+            assistant_only_template(processing_class, stop_ids, i2_row, sft_option(args, "chat_template_kwargs"),
+                                    messages_row=messages_row)
         if fmt == "chat_prompt_completion" and args.completion_only_loss is False:
             logger.warning("completion_only_loss=False trains on the prompt tokens too: I2 (SFT loss = response + "
                            "end-of-turn) is not what this run trains, and grpotrl does not check it.")
@@ -132,6 +145,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         # what _prepare_dataset hands compute_loss: the train rows were tokenized on the RL template (I2), so their
         # collated labels can be checked
         self.i2_tokenized = False
+        # and whether the train rows are `messages` rows whose labels TRL builds from the template's assistant masks
+        self.messages_masked = False
         self.stop_token_ids = stop_ids
         self._template_kwargs = kwargs_variants(train_dataset, fmt, sft_option(args, "chat_template_kwargs"))
         self._template_tools = tool_variants(train_dataset, fmt)
@@ -147,7 +162,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL's, except for conversational prompt-completion rows with ``completion_only_loss``: those are
         tokenized on the chat template SFT really uses (``chat.sft_rows.tokenize_i2_row``), so that the RL prompt
-        ids are a prefix of each row and the loss covers the response and its end-of-turn token only (I2).
+        ids are a prefix of each row and the loss covers the response and its end-of-turn token only (I2). Train
+        rows in ``messages`` under ``assistant_only_loss`` stay TRL's; ``compute_loss`` checks their labels.
 
         Returns:
             dataset (Dataset): the tokenized dataset, as TRL's.
@@ -158,6 +174,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         custom = isinstance(dataset, Dataset) and dataset.format["type"] == "custom"  # TRL refuses it
         fmt = None if formatting_func is not None or custom or _intercept.read_is_vlm(self) else data_format(dataset)
         config_kwargs = sft_option(args, "chat_template_kwargs")
+        if fmt == "chat" and args.assistant_only_loss and dataset_name == "train":  # TRL masks them, guard steps check
+            tok = _intercept.read_tokenizer(self)
+            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *templates.stop_token_ids(tok)]))
+            self.messages_masked = True
         if fmt == "chat_prompt_completion" and self.completion_only_loss:
             # the template is final here (chat_template_path applied), and so are the stop tokens
             tok = _intercept.read_tokenizer(self)
@@ -192,26 +212,30 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         return due(sft_option(self.args, "guard_steps"), self.state.global_step)
 
     def _label_claims(self) -> dict:
-        """What ``check_sft_labels`` can verify on this run's I2 rows (computed once)."""
+        """What ``check_sft_labels`` can verify on this run's I2 rows, or its ``messages`` rows under
+        ``assistant_only_loss`` (computed once)."""
         if self._guard_setup is None:
             tok = _intercept.read_tokenizer(self)
             gen = (None if self._template_kwargs is None else
                    [templates.generation_prompt_ids(tok, **kw) for kw in self._template_kwargs])
             self._guard_setup = dict(
-                gen_prompts=gen, ends_with_stop=templates.writes_stop_after_turn(tok, self.stop_token_ids),
+                gen_prompts=gen,
+                ends_with_stop=templates.writes_stop_after_turn(tok, self.stop_token_ids, self.chat_template),
                 max_length=self.args.max_length, keep_end=self.args.truncation_mode == "keep_end",
-                holes=self.args.assistant_only_loss)
+                holes=self.args.assistant_only_loss, messages=self.messages_masked and not self.i2_tokenized)
         return self._guard_setup
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's; on guard steps, for rows tokenized for I2 and no packing, the collated labels are checked first
-        (``check_sft_labels``: the loss covers the response and its end-of-turn token, nothing of the prompt).
+        """TRL's; on guard steps, for rows tokenized for I2 (or ``messages`` rows TRL labelled from the template's
+        assistant masks) and neither packing nor padding-free, the collated labels are checked first
+        (``check_sft_labels``: the loss covers the responses and their end-of-turn tokens, nothing of the prompt).
 
         Raises:
             InvariantError: the labels train on other tokens (I2).
         """
-        if (self.i2_tokenized and self._guard_now() and self.model.training and not self.args.packing
-                and not self.padding_free):
+        if ((self.i2_tokenized or self.messages_masked) and self._guard_now() and self.model.training
+                and not self.args.packing and not self.padding_free):
+            # whitespace around the turns that the template marks: warned about on the first row, before the load
             check_sft_labels(_intercept.read_tokenizer(self), inputs, self.stop_token_ids, **self._label_claims())
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
@@ -249,42 +273,50 @@ def _report_dropped_rows(n_in: int, n_out: int, dataset_name: str, args, packing
 
 def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: list[list[int]] | None = None,
                      ends_with_stop: bool = True, max_length: int | None = None, keep_end: bool = False,
-                     holes: bool = False) -> None:
-    """I2 on a collated batch of rows tokenized on the RL template, claiming only what holds for them:
-    the loss starts right after one of ``gen_prompts`` (the template's generation prompt, per set of
-    chat_template_kwargs; None, or a set whose template writes none: not checked), is one contiguous span (unless ``holes``: assistant-only
-    loss masks the non-assistant turns of a completion) that ends at the row's last real token, and
-    its last token is a stop token (when the template writes one after an assistant turn). A row cut
-    by ``max_length`` is checked only on the side truncation left intact."""
+                     holes: bool = False, messages: bool = False) -> list[str]:
+    """I2 on a collated batch, claiming only what holds for its rows (``chat.sft_rows.span_problems``, the one
+    span check): the loss starts right after one of ``gen_prompts`` (the template's generation prompt, per set of
+    chat_template_kwargs; None, or a set whose template writes none: not checked) and its last token is a stop
+    token (when the template writes one after an assistant turn). Rows tokenized on the RL template: the loss is
+    one contiguous span that ends at the row's last real token, unless ``holes`` (assistant-only loss masks the
+    non-assistant turns of a completion: the loss from its first token to its last is checked as above).
+    ``messages``: ``messages`` rows whose labels TRL built from the template's assistant masks: each maximal span
+    of the loss is checked as above, and whitespace the template writes around the turn (marked by TRL's Qwen
+    training templates) is no problem: each such span is described in the list returned (empty otherwise). A row
+    cut by ``max_length`` is checked only on the side truncation left intact. Labels are -100 outside the loss;
+    the attention mask (when given) says which tokens are real."""
+    notes: list[str] = []
     labels, attn, ids = inputs["labels"], inputs.get("attention_mask"), inputs["input_ids"]  # [B, L] each
-    stop = torch.as_tensor(stop_ids, device=ids.device)
+    holes = holes or messages
     for i in range(labels.size(0)):
         on = (labels[i] != -100).nonzero().flatten()  # positions in the loss
         if on.numel() == 0:
             continue
         real = attn[i].nonzero().flatten() if attn is not None else torch.arange(ids.size(1))
         cut = max_length is not None and real.numel() >= max_length
-        start, problems = int(on[0]), []
-        if gen_prompts and all(gen_prompts) and not (cut and keep_end):  # a template may write none (Mistral's)
-            if not any(g and ids[i, max(0, start - len(g)):start].tolist() == g for g in gen_prompts):
-                before = ids[i, max(0, start - len(gen_prompts[0])):start].tolist()
-                problems.append(
-                    f"the loss starts after {tokenizer.decode(before, skip_special_tokens=False)!r}, not after the "
-                    f"generation prompt {tokenizer.decode(gen_prompts[0], skip_special_tokens=False)!r}")
+        first, last = int(real[0]), int(real[-1]) + 1  # the row's real tokens: [first, last)
+        row, in_loss = ids[i, first:last].tolist(), (labels[i, first:last] != -100).tolist()
+        spans = loss_spans(in_loss) if messages else [(int(on[0]) - first, int(on[-1]) + 1 - first)]
+        problems = []
         if not holes and on[-1] - on[0] + 1 != on.numel():
             problems.append("the loss span has holes")
-        if not (cut and not keep_end):  # the end survived truncation
-            if not holes and int(on[-1]) != int(real[-1]):
-                problems.append("tokens after the loss span are not padding")
-            if ends_with_stop and not bool(torch.isin(ids[i, on[-1]], stop)):
-                problems.append(f"the loss ends with {tokenizer.decode([int(ids[i, on[-1]])])!r}, not a stop token")
+        if not holes and not (cut and not keep_end) and int(on[-1]) + 1 != last:  # the end survived truncation
+            problems.append("tokens after the loss span are not padding")
+        problems += span_problems(tokenizer, row, spans, stop_ids, gen_prompts, ends_with_stop,
+                                  start_cut=cut and keep_end, end_cut=cut and not keep_end,
+                                  whitespace=notes if messages else None)
         if problems:
+            why = (f"These are `messages` rows: TRL built their labels from the chat template's assistant masks. "
+                   f"{MARKERS_RULE} Fix the template's markers (for every row: its tools and chat_template_kwargs "
+                   "too), or pass prompt/completion rows (grpotrl tokenizes those for I2 itself). "
+                   if messages else
+                   "The SFT loss must cover only the assistant response up to its end-of-turn token, right after "
+                   "the RL prompt. grpotrl.SFTTrainer tokenized these rows that way, so something after it changed "
+                   "the labels (a custom data_collator?). ")
             raise InvariantError(
                 "I2",
                 f"SFT row {i}: " + "; ".join(problems) + ".\n"
                 f"    in the loss: {tokenizer.decode(ids[i, on][:60].tolist(), skip_special_tokens=False)!r}\n"
-                f"    stop ids {stop_ids}\n"
-                "The SFT loss must cover only the assistant response up to its end-of-turn token, right after "
-                "the RL prompt. grpotrl.SFTTrainer tokenized these rows that way, so something after it changed "
-                "the labels (a custom data_collator?). `guard_steps=0` turns this check off.",
+                f"    stop ids {stop_ids}\n" + why + "`guard_steps=0` turns this check off.",
             )
+    return notes

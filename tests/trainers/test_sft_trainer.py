@@ -348,6 +348,167 @@ def test_I2_assistant_only_loss_on_a_template_that_cannot_mask_stops_before_the_
                            train_dataset=Dataset.from_list(rows()))
 
 
+# TOY_TEMPLATE whose `{% generation %}` marks more than the assistant replies: the user turns (every one, or every
+# one but "What is 0 + 1?", the first row's), or the assistant header before the generation prompt
+_USER_TURN = "{%- else -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif -%}"
+USER_MARKED = TOY_TEMPLATE.replace(_USER_TURN, "{%- else -%}{{ '<|im_start|>' + m.role + '\n' }}{% generation %}"
+                                   "{{ m.content + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{%- endif -%}")
+LATER_USERS_MARKED = TOY_TEMPLATE.replace(_USER_TURN, (
+    "{%- elif m.content == 'What is 0 + 1?' -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\n' }}{% generation %}{{ m.content + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}{%- endif -%}"))
+HEADER_MARKED = TOY_TEMPLATE.replace("{{ '<|im_start|>assistant\n' + think }}{% generation %}",
+                                     "{% generation %}{{ '<|im_start|>assistant\n' + think }}")
+# Mistral-like, no generation prompt: the mask's start cannot be checked, the assistant's text can
+NO_GEN_PROMPT_USER_MARKED = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{% generation %}{{ '[INST] ' + m.content + "
+    "' [/INST]' + eos_token }}{% endgeneration %}{% else %}{{ m.content + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, match", [
+    (USER_MARKED, r"loss span 1 of 2 \('What is 0 \+ 1\?<\|im_end\|>'\) starts after '<\|im_start\|>user\\n', not "
+                  r"after the generation prompt '<\|im_start\|>assistant\\n'.*2 spans and the row 1 assistant message"),
+    (HEADER_MARKED, r"the loss starts after .*, not after the generation prompt '<\|im_start\|>assistant\\n'"),
+    (NO_GEN_PROMPT_USER_MARKED, r"loss span 1 \('\[INST\] What is 0 \+ 1\? \[/INST\]<\|im_end\|>'\) does not hold "
+                                r"assistant message 1's content 'It is 1.'"),
+], ids=["user_turn", "header_before_the_generation_prompt", "no_generation_prompt"])
+def test_I2_messages_template_marking_other_tokens_stops_before_the_model_loads(template, match, tiny_llama,
+                                                                               tmp_path, monkeypatch):
+    """assistant_only_loss=True on `messages` rows: TRL trains on whatever the `{% generation %}` blocks mark. A
+    template marking a user turn, or the header before the generation prompt, is refused on the first row before
+    any weights load (TRL trains on it without a word), naming the span; guard_steps=0 turns the check off."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = template
+    rows = [{"messages": [*r["messages"][:1], {"role": "assistant", "content": f"It is {i + 1}."}]}
+            for i, r in enumerate(_messages_rows())]
+    with monkeypatch.context() as m:
+        m.setattr(transformers.PreTrainedModel, "from_pretrained",
+                  lambda *a, **k: pytest.fail("the model was loaded before the assistant masks were checked"))
+        with pytest.raises(InvariantError, match=r"(?s)\[I2\] assistant_only_loss=True on `messages` rows: the chat "
+                                                 r"template of .* marks the first row's tokens wrongly: .*" + match
+                                                 + r".*`guard_steps=0` turns this check off"):
+            grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, assistant_only_loss=True),
+                               processing_class=tok, train_dataset=Dataset.from_list(rows))
+    off = grpotrl.SFTConfig(output_dir=str(tmp_path / "off"), guard_steps=0, assistant_only_loss=True, **_settings())
+    grpotrl.SFTTrainer(model=tiny_llama, args=off, processing_class=tok, train_dataset=Dataset.from_list(rows)).train()
+
+
+def test_I2_guard_stops_messages_rows_whose_template_marks_a_later_row_wrongly(tiny_llama, tmp_path):
+    """The first row's mask is right (it passes before the load), the others mark their user turn too: the label
+    guard stops the first step, naming the span."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = LATER_USERS_MARKED
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, assistant_only_loss=True),
+                                 processing_class=tok, train_dataset=Dataset.from_list(_messages_rows()))
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\] SFT row \d: loss span 1 of 2 \('What is [1-7] \+ 1\?"
+                                             r"<\|im_end\|>'\) starts after '<\|im_start\|>user\\n', not after the "
+                                             r"generation prompt.*These are `messages` rows.*`guard_steps=0` turns "
+                                             r"this check off"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_I2_messages_rows_with_a_correct_template_train_like_trl_and_are_guarded(tiny_llama, tmp_path, monkeypatch):
+    """Tool calls (an assistant message without content) and two assistant turns per row, assistant_only_loss:
+    the same ids and labels as trl.SFTTrainer, and the label guard runs on each step and stays silent."""
+    calls = []
+    real = grpotrl.trainers.sft.check_sft_labels
+    monkeypatch.setattr(grpotrl.trainers.sft, "check_sft_labels",
+                        lambda *a, **k: calls.append(k["messages"]) or real(*a, **k))
+    theirs, ours = _side_by_side(tiny_llama, _tool_call_rows(), tmp_path, tokenizer=TOY_TEMPLATE,
+                                 assistant_only_loss=True, max_steps=2)
+    assert _rows_of(ours) == _rows_of(theirs)
+    assert _loss_text(ours.processing_class, ours.train_dataset[0]) == \
+        "<tool_call>add</tool_call><|im_end|>It is 1.<|im_end|>"
+    ours.train()
+    assert calls == [True, True]
+
+
+def test_I2_assistant_mask_problems_names_each_broken_claim(smollm2_tokenizer):
+    from grpotrl.chat.sft_rows import assistant_mask_problems
+
+    tok = smollm2_tokenizer
+    # <|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n
+    ids = [1, 4093, 198, 49, 2, 198, 1, 520, 9531, 198, 50, 2, 198]
+    assert tok.decode(ids) == "<|im_start|>user\nA<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n"
+    gen = [[1, 520, 9531, 198]]  # <|im_start|>assistant\n
+    messages = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+
+    def problems(mask, **kw):
+        return "; ".join(assistant_mask_problems(tok, ids, mask, [2], gen, messages=messages, **kw))
+
+    good = [0] * 10 + [1, 1, 0]  # "B<|im_end|>"
+    assert problems(good) == ""
+    assert problems([0] * 3 + [1, 1] + [0] * 5 + [1, 1, 0]) == (  # the user turn's "A<|im_end|>" too
+        "loss span 1 of 2 ('A<|im_end|>') starts after '<|im_start|>user\\n', not after the generation prompt "
+        "'<|im_start|>assistant\\n'; the assistant mask has 2 spans and the row 1 assistant message")
+    assert problems([0] * 6 + [1] * 6 + [0]) == (  # from the header on
+        "the loss starts after '\\nA<|im_end|>\\n', not after the generation prompt '<|im_start|>assistant\\n'")
+    assert problems([0] * 10 + [1, 0, 0]) == "the loss ends with 'B', not a stop token"  # <|im_end|> left out
+    assert problems([0] * 10 + [1, 1, 1]) == (  # ChatML's newline after <|im_end|> in the loss
+        "the loss ends with '\\n', not a stop token ('\\n' after the stop token '<|im_end|>': what the template "
+        "writes after the turn, which RL never generates)")
+    # where TRL's tokenization is checked, whitespace around the turn (TRL's Qwen training templates mark the
+    # generation prompt's last newline and the one after <|im_end|>) is noted, not a problem; text never is
+    notes = []
+    assert problems([0] * 9 + [1, 1, 1, 1], whitespace=notes) == ""
+    assert notes == ["spans start with '\\n', the end of the generation prompt",
+                     "spans end with '\\n' after the stop token '<|im_end|>'"]
+    assert problems([0] * 8 + [1] * 5, whitespace=[]).startswith("the loss starts after")  # "assistant" is text
+    messages[1]["content"] = "C"
+    assert problems(good) == "loss span 1 ('B<|im_end|>') does not hold assistant message 1's content 'C'"
+    messages[1] = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}
+    assert problems(good) == ""  # no text to compare
+    # a template that writes no generation prompt (Mistral's) or no stop token: not claimed
+    assert assistant_mask_problems(tok, ids, [0] * 6 + [1] * 5 + [0] * 2, [2], [[]], ends_with_stop=False) == []
+    # truncation: keep_start cut the row inside the span (its end is unknown), keep_end cut the header off
+    assert assistant_mask_problems(tok, ids[:11], good[:11], [2], gen, end_cut=True) == []
+    assert assistant_mask_problems(tok, ids[9:], good[9:], [2], gen, start_cut=True) == []
+    assert "not a stop token" in "".join(assistant_mask_problems(tok, ids[:11], good[:11], [2], gen))
+
+
+@pytest.mark.parametrize("template", ["qwen3_chat_template", "qwen2_5_chat_template"])
+def test_I2_messages_rows_on_trls_qwen_training_templates_train_like_trl_with_a_warning(template, tiny_llama,
+                                                                                       tmp_path, caplog):
+    """TRL swaps its Qwen training templates in under assistant_only_loss (the originals have no markers); their
+    blocks also mark the newline after <|im_end|> (Qwen2.5's the generation prompt's last newline too): trained as
+    TRL trains them, guarded every step, with one warning before the load that names the whitespace."""
+    import trl.chat_template_utils as ctu
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                          {"role": "assistant", "content": f"It is {i + 1}."},
+                          {"role": "user", "content": "And plus 2?"},
+                          {"role": "assistant", "content": f"It is {i + 3}."}]} for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="grpotrl.chat.sft_rows"):
+        theirs, ours = _side_by_side(tiny_llama, rows, tmp_path, tokenizer=getattr(ctu, template),
+                                     assistant_only_loss=True, max_steps=2)
+    assert _rows_of(ours) == _rows_of(theirs)
+    assert "<|im_end|>\n" in _loss_text(ours.processing_class, ours.train_dataset[0])  # TRL's mask, unchanged
+    assert caplog.text.count("also mark whitespace") == 1
+    assert "spans end with '\\n' after the stop token '<|im_end|>'" in caplog.text
+    ours.train()
+
+
+@pytest.mark.parametrize("config", [grpotrl.SFTConfig, trl.SFTConfig])
+def test_padding_free_without_packing_under_max_length_stops_before_the_model_loads(config, tiny_llama, tmp_path,
+                                                                                   monkeypatch):
+    """TRL refuses padding_free=True without packing while max_length is set (it would not enforce it), once the
+    model has loaded; max_length=None or packing is taken (TRL_INPUTS' "padding_free" and "packing")."""
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before padding_free was checked"))
+    args = config(output_dir=str(tmp_path / "sft"), padding_free=True, max_length=64, **_settings())
+    with pytest.raises(grpotrl.InputError, match=r"padding_free=True without packing, and max_length=64.*"
+                                                 r"`max_length: null`.*`packing: true`"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_text_rows()))
+
+
 @pytest.mark.parametrize("config", [grpotrl.SFTConfig, trl.SFTConfig])
 def test_eos_token_outside_the_vocabulary_stops_before_the_model_loads(config, tiny_llama, tmp_path, monkeypatch):
     """TRL checks SFTConfig.eos_token against the vocabulary only once the model is loaded."""
