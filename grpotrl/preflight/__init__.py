@@ -430,9 +430,17 @@ def _check_model_generation_fields(args, gen_config, source: str | None, process
                        "keep the model's.", model_min, where, args.min_new_tokens, model_min)
 
 
+CAGRAD_REENTRANT_ERROR = (
+    "cagrad={mode!r} takes each task's gradient with torch.autograd.grad, which reentrant activation checkpointing "
+    "(activation_checkpointing_kwargs={kwargs!r}) does not support: its layers run their forward without a graph "
+    "to their parameters, so no task gradient reaches them. Set activation_checkpointing_kwargs: "
+    "{{use_reentrant: false}} (transformers' default), turn activation_checkpointing off, or use cagrad: off.")
+
+
 def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
     """``MultiTaskGRPOTrainer``'s checks, within GRPO's once the rewards are known: every row labelled
-    in ``task_column``, every label with reward functions, what CAGrad needs. GRPO's then check each
+    in ``task_column``, every label with reward functions, what CAGrad needs (no ``cagrad_c`` without it, no
+    reentrant activation checkpointing, under which its per-task ``autograd.grad`` reaches no parameter). GRPO's then check each
     task's reward columns on its own rows and turn the mapping into TRL's flat list
     (``rewards.tasks.per_task``)."""
     column = args.task_column
@@ -448,7 +456,14 @@ def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
     if args.scale_rewards == "batch":
         raise InputError("scale_rewards='batch' divides every advantage by one std over the whole batch, which "
                          "mixes tasks; use scale_rewards: group (the default) or none.")
+    if args.cagrad == "off" and args.cagrad_c != 0.5:
+        raise InputError(f"cagrad_c={args.cagrad_c} with cagrad='off': the plain summed loss would ignore it. Set "
+                         "cagrad: exact (or low_memory) to combine the task gradients with CAGrad, or drop cagrad_c.")
     if args.cagrad != "off":
+        checkpointing = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
+        if ((args.activation_checkpointing or args.gradient_checkpointing) and isinstance(checkpointing, dict)
+                and checkpointing.get("use_reentrant")):  # autograd.grad finds no graph to the parameters
+            raise InputError(CAGRAD_REENTRANT_ERROR.format(mode=args.cagrad, kwargs=checkpointing))
         if len(labels) < 2:
             raise InputError(f"cagrad={args.cagrad!r} combines per-task gradients, but the data has one task "
                              f"({labels}); use cagrad: off.")

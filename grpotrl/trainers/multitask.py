@@ -16,6 +16,7 @@ the Liger loss (it bypasses TRL's ``_compute_loss``, whose forward the task term
 
 from __future__ import annotations
 
+import math
 import re
 from collections import namedtuple
 
@@ -40,8 +41,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     Overrides (everything else is ``grpotrl.GRPOTrainer``'s, hence TRL's):
       * ``__init__``: ``reward_funcs`` may map each task label to its reward functions
         (``grpotrl.rewards.tasks``); a task of the data missing from the mapping, a missing
-        column, ``scale_rewards='batch'`` (a std over every task) and CAGrad under DeepSpeed/FSDP
-        are errors before the model loads. Groups never mix tasks (checked on every batch by
+        column, ``scale_rewards='batch'`` (a std over every task), CAGrad under DeepSpeed/FSDP and CAGrad
+        with reentrant activation checkpointing, and ``cagrad_c`` without CAGrad (``preflight.check_tasks``) are
+        errors before the model loads. Groups never mix tasks (checked on every batch by
         ``grpotrl.GRPOTrainer``), and metrics come per task.
       * ``compute_loss`` (CAGrad on, training): the loss split into terms, CAGrad's loss (below).
       * ``training_step``: in exact mode, after the window's last backward, adds the CAGrad
@@ -96,6 +98,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
         ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_record_metrics``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
+        A task present in the microbatch whose loss reaches none of the parameters its gradient is taken on
+        (``_check_reached``) stops training: its weight would silently be 0.
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
     """
@@ -234,6 +238,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             if k == window.carrier or k not in present:  # an absent task's gradient is 0
                 continue
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            _check_reached(grads, self.task_names[k], "every trainable parameter")
             for b, g in zip(window.sums[k], grads):
                 if g is not None:
                     b.add_(g)
@@ -309,6 +314,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             for k in tasks:
                 grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
                          if k in present else [None] * len(self._proxy))
+                if k in present:
+                    _check_reached(grads, self.task_names[k], "the last block's trainable parameters")
                 flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
                                                      for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
@@ -364,7 +371,8 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
     terms = torch.stack([loss.detach().double() for loss in task_losses.values()])  # [K]
     total, whole = float(terms.sum()), float(policy.detach())
     tolerance = 1e-6 + 1e-5 * float(terms.abs().sum())  # fp32 sums in another order
-    if not abs(total - whole) <= tolerance:  # NaN fails too
+    finite = math.isfinite(total) and math.isfinite(whole)  # an inf term would make the tolerance inf
+    if not (finite and abs(total - whole) <= tolerance):
         listed = ", ".join(f"{names[k]}: {float(v):+.6g}" for k, v in zip(task_losses, terms))
         raise InvariantError("I7", f"the CAGrad task terms add up to {total:+.8g} ({listed}), but the policy loss of "
                              f"the whole microbatch is {whole:+.8g} (tolerance {tolerance:.2g}). The regulariser "
@@ -374,6 +382,18 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
 
 
 TRLLossFields = namedtuple("TRLLossFields", "settings reduction per_token regulariser")
+
+def _check_reached(grads, task: str, where: str) -> None:
+    """A task with rows in the microbatch whose loss reaches none of the parameters its gradient is taken on
+    (``autograd.grad`` gives None for every one; a zero gradient, from zero advantages, is a tensor) would get
+    CAGrad weight 0 and silently leave the update: an error naming the task and the likely causes."""
+    if grads and all(g is None for g in grads):
+        raise InvariantError("multi-task", f"the policy loss of task {task!r} has no gradient path to {where} "
+                             f"({len(grads)} tensors): CAGrad would read its gradient as 0 and drop the task from "
+                             "the update. Causes: reentrant activation checkpointing (use_reentrant=True: the "
+                             "layers' forward keeps no graph to their parameters; set use_reentrant: false), or, "
+                             "for cagrad='low_memory', a highest-numbered block the loss does not pass through (a "
+                             "vision tower's): use cagrad='exact'.")
 
 
 def _task_rows(inputs: dict, num_tasks: int) -> dict:

@@ -485,6 +485,41 @@ def test_missing_task_column_and_single_task_cagrad(tiny_llama, grpo_args, no_mo
                                      train_dataset=one)
 
 
+def test_cagrad_c_without_cagrad_is_refused_before_load(tiny_llama, grpo_args, no_model_load):
+    """A recipe with per-task rewards and cagrad_c: 0.3 but no cagrad: the multi-task trainer trained the plain
+    summed loss and ignored it (GRPOTrainer and GAD refuse the same setting); refused before the model loads."""
+    with pytest.raises(InputError, match=r"cagrad_c=0.3 with cagrad='off'.*Set cagrad: exact"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                     args=grpo_args(cagrad_c=0.3), train_dataset=two_tasks())
+
+
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_cagrad_with_reentrant_checkpointing_is_refused_before_load(mode, tiny_llama, grpo_args, no_model_load):
+    """Reentrant activation checkpointing keeps no graph from a layer's output to its parameters, so CAGrad's
+    per-task autograd.grad cannot reach them: exact stopped mid-step on torch's RuntimeError, low_memory trained on
+    KL + entropy alone. Refused before the model loads; the non-reentrant default is accepted."""
+    args = grpo_args(cagrad=mode, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(InputError, match=rf"cagrad='{mode}'.*reentrant activation checkpointing.*use_reentrant: false"):
+        grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                     args=args, train_dataset=two_tasks())
+
+
+def test_low_memory_task_loss_that_reaches_no_proxy_parameter_is_stopped(tiny_llama, grpo_args):
+    """Reentrant checkpointing switched on after init, past the refusal (as a model's own checkpointing would be):
+    each task's autograd.grad to the last block returns None for every parameter. Read as a zero gradient, every
+    task's CAGrad weight was 0 and the step applied KL + entropy only (grad_norm ~1e-4 against ~1 here), silently;
+    it must stop on the first microbatch, naming the task."""
+    args = mode_args(grpo_args, "low_memory", entropy_coef=0.01, beta=0.02, max_steps=1)
+    trainer = make_trainer("low_memory", tiny_llama, args, {"fairness": longer, "hallucination": shorter})
+    reentrant = {"use_reentrant": True}
+    trainer.args.gradient_checkpointing_kwargs = trainer.args.activation_checkpointing_kwargs = reentrant  # TRL's
+    trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)  # re-enable reads it
+    with pytest.raises(InvariantError, match=r"\[multi-task\] the policy loss of task '\w+' has no gradient path "
+                                             r"to the last block's trainable parameters"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_config_rejects_negative_entropy_coef_and_unknown_mode(tmp_path):
     with pytest.raises(InputError, match="c >= 0"):
         grpotrl.GRPOConfig(output_dir=str(tmp_path), entropy_coef=-0.1, use_cpu=True)
@@ -549,6 +584,20 @@ def test_min_cosine_compares_only_tasks_with_a_gradient():
     assert logged["tasks/c/grad_norm"] == 0.0 and logged["tasks/c/cagrad_coef"] == 0.0
     grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1], gram[1:, 1:], torch.tensor([1.0, 0.0]))
     assert math.isnan(logged["cagrad/min_cosine"])
+
+
+def test_I7_terms_add_up_check_fails_on_a_non_finite_term():
+    """The guard's tolerance grows with the terms: 1e-6 + 1e-5 * sum |L_k|. A term of +inf (a restatement that
+    overflows where TRL's loss is finite, 5 here) made it inf, and |inf - 5| = inf <= inf passed; a NaN or inf on
+    either side cannot be compared and must fail."""
+    from grpotrl.trainers.multitask import _check_terms_add_up
+
+    names, t = ["a", "b"], torch.tensor
+    _check_terms_add_up({0: t(2.0), 1: t(3.0)}, t(5.0), names)  # 2 + 3 = 5: passes
+    for terms, whole in [({0: t(math.inf), 1: t(3.0)}, t(5.0)), ({0: t(math.nan), 1: t(3.0)}, t(5.0)),
+                         ({0: t(2.0), 1: t(3.0)}, t(math.inf)), ({0: t(math.inf), 1: t(3.0)}, t(math.inf))]:
+        with pytest.raises(InvariantError, match=r"\[I7\] the CAGrad task terms add up to .* NaN/inf"):
+            _check_terms_add_up(terms, whole, names)
 
 
 def test_cagrad_with_no_trainable_parameter_is_a_named_error():
