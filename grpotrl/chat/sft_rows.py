@@ -107,8 +107,8 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
     Raises:
         InputError: TRL cannot make the template mark assistant turns, or the I2 row's loss leaves out the
             end-of-turn.
-        InvariantError: the I2 row does not start with the RL prompt ids, or the messages row's assistant mask
-            covers more than the assistant replies and their end-of-turn tokens (I2).
+        InvariantError: the I2 row does not start with the RL prompt ids, or the I2 row's or the messages row's
+            assistant mask covers more than the assistant replies and their end-of-turn tokens (I2).
     """
     tok = templates._tok(tokenizer)
     name = getattr(tok, "name_or_path", type(tok).__name__)
@@ -128,8 +128,10 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
     if i2_row is None:
         return training
     row = tokenize_i2_row(i2_row, tok, stop_ids, config_kwargs, training, assistant_masks=True)
-    in_loss = [t for t, c, a in zip(row["input_ids"], row["completion_mask"], row["assistant_masks"]) if c and a]
-    if in_loss and in_loss[-1] not in stop_ids and templates.writes_stop_after_turn(tok, stop_ids, training):
+    mask = [int(c and a) for c, a in zip(row["completion_mask"], row["assistant_masks"])]
+    in_loss = [t for t, m in zip(row["input_ids"], mask) if m]
+    ends_with_stop = templates.writes_stop_after_turn(tok, stop_ids, training)
+    if in_loss and in_loss[-1] not in stop_ids and ends_with_stop:
         raise InputError(
             f"assistant_only_loss=True on the chat template of {name!r}: its `{{% generation %}}` block ends before "
             f"the end-of-turn token, so the first row's loss ends with {tok.decode(in_loss[-1:])!r}, not a stop "
@@ -137,18 +139,33 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
             "after the end-of-turn token, or drop assistant_only_loss: on prompt/completion rows "
             "completion_only_loss already trains on the response and its end-of-turn token only."
         )
+    kw = {**(config_kwargs or {}), **(i2_row.get("chat_template_kwargs") or {})}
+    notes: list[str] = []  # each turn of the completion the markers mark, as on `messages` rows
+    gen = templates.generation_prompt_ids(tok, **kw)  # RL's: the tokenizer's own template
+    problems = assistant_mask_problems(tok, row["input_ids"], mask, stop_ids, [gen], ends_with_stop,
+                                       i2_row["completion"], whitespace=notes)
+    if problems:
+        raise InvariantError(
+            "I2",
+            f"assistant_only_loss=True on prompt/completion rows: the chat template of {name!r} marks the first "
+            "row's completion wrongly: " + "; ".join(problems) + ".\n"
+            f"    in the loss: {_clip(_decode(tok, in_loss))!r}\n"
+            f"{MARKERS_RULE} Fix the template's markers (`chat_template_path`, or `tokenizer.chat_template`), or drop "
+            "assistant_only_loss: completion_only_loss then trains the whole completion."
+        )
+    if notes:
+        warn_whitespace_in_loss(notes)
     return training
 
 
 def warn_whitespace_in_loss(notes: list[str]) -> None:
     """The one warning for assistant masks that also cover whitespace around the turn (``span_problems``)."""
     logger.warning(
-        "assistant_only_loss=True on `messages` rows: the chat template's `{%% generation %%}` blocks also mark "
-        "whitespace the template writes around the assistant turn, which SFT then trains and RL never generates "
-        "(TRL's Qwen2.5 and Qwen3 training templates close the block after the newline that follows the "
-        "end-of-turn token): %s. No response token is affected; to train the responses and their end-of-turn "
-        "tokens only, as I2 asks, pass prompt/completion rows (grpotrl ends each sequence at the end-of-turn token).",
-        "; ".join(dict.fromkeys(notes)))
+        "assistant_only_loss=True: the chat template's `{%% generation %%}` blocks also mark whitespace the template "
+        "writes around the assistant turn, which SFT then trains and RL never generates (TRL's Qwen2.5 and Qwen3 "
+        "training templates close the block after the newline that follows the end-of-turn token): %s. No response "
+        "token is affected; a template whose blocks close right after the end-of-turn token trains the responses "
+        "and their end-of-turn tokens only, as I2 asks.", "; ".join(dict.fromkeys(notes)))
 
 
 # what a template's `{% generation %}` block must hold, said by every error about it

@@ -19,6 +19,8 @@ labels of the guard steps (``check_sft_labels``); a template whose ``{% generati
 else (a user or system turn, the header before the generation prompt) is an ``InvariantError`` (I2), which
 ``guard_steps=0`` turns off; markers that also take whitespace around the turn (the newline after the
 end-of-turn, as TRL's Qwen training templates do) train as TRL trains them, with one warning before the load.
+Prompt-completion rows under ``assistant_only_loss`` have each marked turn of their completion checked the same
+way (a tool's reply inside the completion marked for the loss stops).
 Everything else -- plain text, ``messages`` without ``assistant_only_loss``, plain prompt-completion,
 pre-tokenized rows, ``formatting_func``, ``skip_prepare_dataset``, vision data -- reaches TRL unchanged and
 trains exactly as with ``trl.SFTTrainer``. A plain ``trl.SFTConfig`` (or a subclass) works: grpotrl's fields then
@@ -279,10 +281,10 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
     chat_template_kwargs; None, or a set whose template writes none: not checked) and its last token is a stop
     token (when the template writes one after an assistant turn). Rows tokenized on the RL template: the loss is
     one contiguous span that ends at the row's last real token, unless ``holes`` (assistant-only loss masks the
-    non-assistant turns of a completion: the loss from its first token to its last is checked as above).
-    ``messages``: ``messages`` rows whose labels TRL built from the template's assistant masks: each maximal span
-    of the loss is checked as above, and whitespace the template writes around the turn (marked by TRL's Qwen
-    training templates) is no problem: each such span is described in the list returned (empty otherwise). A row
+    non-assistant turns of a completion: each maximal span of the loss is checked as above). ``messages``:
+    ``messages`` rows whose labels TRL built from the template's assistant masks, each maximal span checked as
+    above. Under ``holes`` or ``messages``, whitespace the template writes around a turn (marked by TRL's Qwen
+    training templates) is no problem: it is described in the list returned (empty otherwise). A row
     cut by ``max_length`` is checked only on the side truncation left intact. Labels are -100 outside the loss;
     the attention mask (when given) says which tokens are real."""
     notes: list[str] = []
@@ -296,7 +298,7 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
         cut = max_length is not None and real.numel() >= max_length
         first, last = int(real[0]), int(real[-1]) + 1  # the row's real tokens: [first, last)
         row, in_loss = ids[i, first:last].tolist(), (labels[i, first:last] != -100).tolist()
-        spans = loss_spans(in_loss) if messages else [(int(on[0]) - first, int(on[-1]) + 1 - first)]
+        spans = loss_spans(in_loss) if holes else [(int(on[0]) - first, int(on[-1]) + 1 - first)]
         problems = []
         if not holes and on[-1] - on[0] + 1 != on.numel():
             problems.append("the loss span has holes")
@@ -304,12 +306,18 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
             problems.append("tokens after the loss span are not padding")
         problems += span_problems(tokenizer, row, spans, stop_ids, gen_prompts, ends_with_stop,
                                   start_cut=cut and keep_end, end_cut=cut and not keep_end,
-                                  whitespace=notes if messages else None)
+                                  whitespace=notes if holes else None)
         if problems:
             why = (f"These are `messages` rows: TRL built their labels from the chat template's assistant masks. "
                    f"{MARKERS_RULE} Fix the template's markers (for every row: its tools and chat_template_kwargs "
                    "too), or pass prompt/completion rows (grpotrl tokenizes those for I2 itself). "
                    if messages else
+                   "grpotrl.SFTTrainer tokenized these rows on the RL template, their loss the completion's turns "
+                   f"that the chat template's `{{% generation %}}` markers mark (assistant_only_loss). {MARKERS_RULE} "
+                   "Fix the template's markers, or drop assistant_only_loss (completion_only_loss then trains the "
+                   "whole completion); else something after the tokenization changed the labels (a custom "
+                   "data_collator?). "
+                   if holes else
                    "The SFT loss must cover only the assistant response up to its end-of-turn token, right after "
                    "the RL prompt. grpotrl.SFTTrainer tokenized these rows that way, so something after it changed "
                    "the labels (a custom data_collator?). ")

@@ -494,6 +494,51 @@ def test_I2_messages_rows_on_trls_qwen_training_templates_train_like_trl_with_a_
     ours.train()
 
 
+# TOY_TEMPLATE whose `{% generation %}` markers also wrap a tool's reply
+TOOL_TURN_MARKED = TOY_TEMPLATE.replace(
+    "{%- else -%}{{ '<|im_start|>' + m.role",
+    "{%- elif m.role == 'tool' -%}{% generation %}{{ '<|im_start|>tool\n' + m.content + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}{%- else -%}{{ '<|im_start|>' + m.role")
+
+
+def _tool_turn_completion(i):
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": i, "b": 1}}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": str(i + 1)},
+            {"role": "assistant", "content": f"It is {i + 1}."}]
+
+
+def test_I2_prompt_completion_turns_marked_beyond_the_replies_stop(tiny_llama, tmp_path, monkeypatch):
+    """assistant_only_loss on prompt/completion rows whose completion holds a tool's reply between two assistant
+    turns: markers that wrap the tool's reply stop before the model loads (first row), or at the first step's guard
+    when only a later row has such a turn; the same rows on TOY_TEMPLATE train."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    assert TOOL_TURN_MARKED != TOY_TEMPLATE
+    rows = [{"prompt": [{"role": "user", "content": f"Add {i} and 1"}], "completion": _tool_turn_completion(i)}
+            for i in range(8)]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = TOOL_TURN_MARKED
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the markers were checked"))
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\] assistant_only_loss=True on prompt/completion rows: the chat "
+                                             r"template .* marks the first row's completion wrongly: loss span 2 of 3 "
+                                             r"\('<\|im_start\|>tool\\n1<\|im_end\|>'\) starts after"):
+        grpotrl.SFTTrainer(model=tiny_llama, args=_sft_args(tmp_path, assistant_only_loss=True), processing_class=tok,
+                           train_dataset=Dataset.from_list(rows))
+    monkeypatch.undo()
+    later = [{"prompt": r["prompt"], "completion": r["completion"][-1:]} for r in rows[:4]] + rows[4:]
+    trainer = grpotrl.SFTTrainer(model=tiny_llama, processing_class=tok, train_dataset=Dataset.from_list(later),
+                                 args=_sft_args(tmp_path, assistant_only_loss=True, per_device_train_batch_size=8,
+                                                max_steps=1))
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\] SFT row \d+: loss span 2 of 3 .*starts after.*markers"):
+        trainer.train()
+    good = AutoTokenizer.from_pretrained(tiny_llama)
+    good.chat_template = TOY_TEMPLATE
+    grpotrl.SFTTrainer(model=tiny_llama, processing_class=good, train_dataset=Dataset.from_list(rows),
+                       args=_sft_args(tmp_path / "good", assistant_only_loss=True, max_steps=1)).train()
+
+
 @pytest.mark.parametrize("config", [grpotrl.SFTConfig, trl.SFTConfig])
 def test_padding_free_without_packing_under_max_length_stops_before_the_model_loads(config, tiny_llama, tmp_path,
                                                                                    monkeypatch):
@@ -553,7 +598,9 @@ def test_I2_check_sft_labels_names_each_broken_claim(smollm2_tokenizer):
     holes[0, (good[0] != -100).nonzero()[1]] = -100
     with pytest.raises(InvariantError, match="the loss span has holes"):
         check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": holes}, [2], gen)
-    check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": holes}, [2], gen, holes=True)
+    # assistant-only loss masks turns, never a token inside a reply: each span is a reply ending with its stop
+    with pytest.raises(InvariantError, match=r"loss span 1 of 2 \('5'\) ends with '5', not a stop token"):
+        check_sft_labels(smollm2_tokenizer, {"input_ids": ids, "labels": holes}, [2], gen, holes=True)
     # cut by max_length (keep_start): the end is not the response's end, nothing is claimed about it
     cut = {"input_ids": ids[:, :-1], "labels": good[:, :-1]}
     with pytest.raises(InvariantError, match="not a stop token"):
