@@ -315,7 +315,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         (``_check_generation``).
 
         Args:
-            prompts: this process's prompts (chat messages or text), ``num_generations`` times each.
+            prompts: this process's prompts (chat messages or text), ``num_generations`` times each
+                (``num_generations_eval`` in evaluation).
 
         Returns:
             output (TRLGenerate): TRL's ``(prompt_ids, completion_ids, tool_mask, completions, num_items_in_batch, logprobs, extra)``
@@ -507,6 +508,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             self.step_findings.nonfinite_rewards.extend(found)
         return rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan"))  # [B_global, K]
 
+    def _group_size(self) -> int:
+        """The completions per prompt TRL groups the current mode's batch by (its advantages' mean and std):
+        ``num_generations`` in training, ``num_generations_eval`` (``num_generations`` where unset) in evaluation."""
+        return self.num_generations if self.model.training else self.num_generations_eval
+
     def _score_round(self, inputs) -> tuple[dict, Generated]:
         """TRL's generate-and-score, rows tagged, health logged (from the rewards TRL scored); also returns what
         the round's ``_generate`` saw."""
@@ -517,7 +523,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self.task_names and isinstance(inputs[0], dict):
             output[TASK_KEY] = torch.tensor([self.task_names.index(str(x[self.args.task_column])) for x in inputs],
                                             device=output["prompt_ids"].device)  # [B]
-            _check_groups_single_task(self.accelerator.gather(output[TASK_KEY]), self.num_generations,
+            _check_groups_single_task(self.accelerator.gather(output[TASK_KEY]), self._group_size(),
                                       self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
         self._log_batch_health(inputs, output, rewards, generated)
@@ -761,7 +767,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                                      packed=self.padding_free and self.packed_attention)
         if entropies is not None and recomputed.entropies is not None:
             guards.check_entropy_values(entropies, recomputed.entropies, loss_mask, self.guard_tolerances)
-        self._record_metrics(metrics, "train")
+        self._record_metrics(metrics)  # an evaluation's I5 with the evaluation's metrics
 
     def _reference_attention(self, model) -> contextlib.AbstractContextManager:
         """The attention of I5's padded recompute of ``model``: its own (sdpa), or where torch's varlen kernel runs
@@ -951,16 +957,24 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                    tools=templates.tool_schema_sets(_intercept.read_tool_sets(self)))
 
 
-def _check_groups_single_task(task: torch.Tensor, num_generations: int, names: list[str]) -> None:
+def _check_groups_single_task(task: torch.Tensor, group_size: int, names: list[str]) -> None:
     """Group normalisation (mean and std over each prompt's G completions) must never mix tasks:
-    every group of G consecutive gathered rows carries one task label."""
-    groups = task.view(-1, num_generations)  # [B_global / G, G]
+    every group of G consecutive gathered rows carries one task label. ``group_size``: the G TRL groups this
+    batch by (``num_generations`` in training, ``num_generations_eval`` in evaluation)."""
+    if task.numel() % group_size:
+        raise InvariantError("multi-task", f"the generation batch has {task.numel()} rows over every process, not "
+                             f"a whole number of groups of {group_size} completions per prompt, so its groups cannot "
+                             "be checked for one task each. Make the global batch size (per_device_train_batch_size, "
+                             "or per_device_eval_batch_size in evaluation, x processes) a multiple of num_generations "
+                             "(num_generations_eval in evaluation).")
+    groups = task.view(-1, group_size)  # [B_global / G, G]
     mixed = (groups != groups[:, :1]).any(-1)  # [B_global / G]
     if mixed.any():
         g = int(mixed.nonzero()[0])
         raise InvariantError("multi-task", f"generation group {g} mixes tasks {[names[i] for i in groups[g].tolist()]}"
-                             ": its advantages would normalise one task's rewards by another's. Each prompt's "
-                             "num_generations completions must come from one row (TRL's RepeatSampler does this).")
+                             f" (groups of {group_size} completions): its advantages would normalise one task's "
+                             "rewards by another's. Each prompt's completions must come from one row (TRL's "
+                             "RepeatSampler does this).")
 
 
 def _fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:
