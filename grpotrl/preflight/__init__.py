@@ -594,10 +594,10 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     if args.padding_free and not args.packing and args.max_length is not None \
             and "image" not in row and "images" not in row:  # TRL's condition; vision rows it refuses otherwise
         raise InputError(
-            f"padding_free=True without packing, and max_length={args.max_length} (SFTConfig's default is 1024): "
-            "TRL does not enforce max_length on padding-free rows that are not packed, and refuses it once the "
-            "model has loaded. Set `max_length: null` (rows then keep their length: truncate them beforehand), or "
-            "`packing: true` (e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
+            f"When `padding_free=True` without packing, `max_length` is not enforced, and max_length="
+            f"{args.max_length} is set (SFTConfig's default is 1024; TRL refuses this once the model has loaded). "
+            "Set `max_length: null` (rows then keep their length: truncate them beforehand), or `packing: true` "
+            "(e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
         )
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
         model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"))

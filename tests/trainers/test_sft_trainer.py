@@ -549,8 +549,8 @@ def test_padding_free_without_packing_under_max_length_stops_before_the_model_lo
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
                         lambda *a, **k: pytest.fail("the model was loaded before padding_free was checked"))
     args = config(output_dir=str(tmp_path / "sft"), padding_free=True, max_length=64, **_settings())
-    with pytest.raises(grpotrl.InputError, match=r"padding_free=True without packing, and max_length=64.*"
-                                                 r"`max_length: null`.*`packing: true`"):
+    with pytest.raises(grpotrl.InputError, match=r"`padding_free=True` without packing, `max_length` is not "
+                                                 r"enforced, and max_length=64.*`max_length: null`.*`packing: true`"):
         grpotrl.SFTTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(_text_rows()))
 
 
