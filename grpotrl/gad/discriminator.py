@@ -54,19 +54,28 @@ def pool_last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return hidden[torch.arange(hidden.size(0), device=hidden.device), index]
 
 
-def score_tolerance(score: float, dtype: torch.dtype) -> float:
-    """Largest ``|D(x alone) - D(x in its batch)|`` that I9 takes for batch-shape rounding: in fp32
-    ``2e-5 x max(1, |score|)`` (measured on CPU), in bf16/fp16 four machine epsilons of that dtype
-    ``x max(1, |score|)`` (bf16: 0.031). The two forwards differ only in batch shape, so their
-    kernels round differently; on an H100 in bf16 SmolLM2's scores differed by 0.0078, one bf16
-    epsilon. A score read at the wrong token differs by the whole signal, not by a rounding step.
+def score_tolerance(score: float, dtype: torch.dtype, scale: float = 0.0) -> float:
+    """Largest ``|D(x alone) - D(x in its batch)|`` that I9 takes for batch-shape rounding, for a score read
+    from the head's dot product ``sum_i w_i h_i`` whose terms sum to ``scale = sum_i |w_i h_i|`` in size
+    (``Discriminator.reading_scale``; 0: unknown). With ``size = max(1, |score|, scale / 4)``: in fp32 ``2e-5 x
+    size`` (measured on CPU), in bf16/fp16 four machine epsilons of that dtype ``x size`` (bf16: 0.031 each),
+    so at least one epsilon per unit of ``scale``. The two forwards differ only in batch shape, so their kernels
+    round the hidden state differently, and the score carries that rounding at the size of its terms, not of
+    their sum: SmolLM2 with a fresh head scores within [-0.4, 2] from terms of size 9-14, and on CPU in bf16
+    (400 sequences, packed and padded batches of 8 responses + 2 teachers) a score moved by up to 0.52 eps x
+    scale (median 0.08), past four epsilons of the score alone (0.031). On an H100 in bf16 SmolLM2's scores
+    differed by 0.0078, one bf16 epsilon. A score read at the wrong token differs by the whole signal, not by
+    a rounding step: read one token early, SmolLM2's fresh D moved by 0.14-0.46 (tolerance there 0.11).
 
     >>> score_tolerance(0.5, torch.float32), score_tolerance(3.0, torch.bfloat16)
     (2e-05, 0.09375)
+    >>> score_tolerance(0.4, torch.bfloat16, scale=12.0)  # 4 x 2^-7 x 12 / 4
+    0.09375
     """
+    size = max(1.0, abs(score), scale / 4)
     if dtype in (torch.bfloat16, torch.float16):
-        return 4 * torch.finfo(dtype).eps * max(1.0, abs(score))
-    return 2e-5 * max(1.0, abs(score))
+        return 4 * torch.finfo(dtype).eps * size
+    return 2e-5 * size
 
 
 def bradley_terry_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -239,6 +248,26 @@ class Discriminator(nn.Module):
                                use_cache=False)  # a 4D mask goes to the attention as it is
         hidden = out.last_hidden_state.flatten(0, 1)[score_index]  # [N, H]
         return inner.score(hidden).squeeze(-1).float()  # [N]
+
+    @contextlib.contextmanager
+    def reading_scale(self):
+        """Within: each forward appends to the yielded list ``sum_i |w_i h_i|`` (+ ``|bias|``) of each row's score
+        [N] (fp32), read inside the head's own forward from its input ``h`` and weights ``w`` (so under DeepSpeed
+        ZeRO-3 its gathered weights, under PEFT the copy that runs): the size of the terms the score head sums,
+        which its rounding in low precision follows (``score_tolerance``)."""
+        seen: list[torch.Tensor] = []
+
+        def read(module, args, output):
+            terms = (args[0].detach().float().abs() * module.weight.detach().float().abs()[0]).sum(-1)  # [N]
+            seen.append(terms + (module.bias.detach().float().abs()[0] if module.bias is not None else 0.0))
+
+        handles = [m.register_forward_hook(read, prepend=True) for m in self.hf_model.score.modules()
+                   if isinstance(m, nn.Linear)]
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
 
     def can_pack(self) -> bool:
         """Whether a packed batch (``scoring_batch``) scores as the whole sequences do: an attention

@@ -53,6 +53,7 @@ from ..checkpoints import D_DIR
 from ..configs import GADConfig
 from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
+from ..guards import due
 from ..models.dropout import disable_dropout
 from ..preflight import check_gad, discriminator_load_kwargs, split_name, teacher_responses_over_cap
 from . import _intercept
@@ -85,6 +86,10 @@ class GADTrainer(GRPOTrainer):
         bookkeeping (``_intercept.set_microstep_done``: ``_step``, ``_current_train_step_time``, ``step_time``)
         only; the student gets no grad.
       * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
+      * ``_guard_now`` / ``_check_loss`` (grpotrl.GRPOTrainer's): the guards' ``guard_steps`` count twice, from
+        the run's first step (generation, D's I9) and from the student's (the loss-side guards I1/I3/I4, I5, I7,
+        I11, which warmup never reaches), and I10 runs on the student's first step (its step 0; warmup left it,
+        its reference and its old policy one model).
       * ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``:
         checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
         state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
@@ -213,6 +218,25 @@ class GADTrainer(GRPOTrainer):
             self._prepare_inputs(inputs)
         _intercept.set_microstep_done(self, time.perf_counter() - start)  # TRL's generation schedule counts microsteps
         return torch.zeros((), device=self.args.device)
+
+    def _guard_now(self) -> bool:
+        """Guards due on the first ``guard_steps`` steps of the run and on the first ``guard_steps`` of the student's
+        own, from step ``discriminator_warmup_steps`` on: the loss, and with it every loss-side guard, exists only
+        then (with the default 2 guarded steps and a warmup of 2 or more, none of them would ever run)."""
+        step, warmup = self.state.global_step, self.args.discriminator_warmup_steps
+        return due(self.args.guard_steps, step) or (step >= warmup and due(self.args.guard_steps, step - warmup))
+
+    def _check_loss(self, model, inputs: dict, loss, used, entropies, loss_mask, recomputed) -> None:
+        """grpotrl.GRPOTrainer's, with I10 (which it runs at global step 0) on the student's first step,
+        ``discriminator_warmup_steps``: warmup changed no student weight, so there its reference and old policy
+        still are the policy. A microbatch without a loss token leaves I10 to the next, as GRPOTrainer's does."""
+        record, warmup = self.hook_record, self.args.discriminator_warmup_steps
+        if not (warmup and record.identity_due and self.model.training and self.state.global_step == warmup):
+            return super()._check_loss(model, inputs, loss, used, entropies, loss_mask, recomputed)
+        self._check_step0_identity(model, used, inputs, loss_mask)
+        record.identity_due = False  # checked here: GRPOTrainer's step-0 branch is not for this step
+        super()._check_loss(model, inputs, loss, used, entropies, loss_mask, recomputed)
+        record.identity_due = record.identity_unchecked = not bool(loss_mask.any())
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """The student's LR schedule starts with the student: it spans the steps after discriminator

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoints import D_OPTIMIZER, D_WEIGHTS, DS_TAG
 from ..errors import InputError, InvariantError
-from ..gad.discriminator import bradley_terry_loss, score_tolerance
+from ..gad.discriminator import Discriminator, bradley_terry_loss, score_tolerance
 from ..models.dropout import has_dropout
 from ..ops.masking import pad_sequences
 
@@ -125,16 +125,21 @@ class _Engine:
     def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, tokenizer) -> None:
         """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
         from its prompt when the batch is packed, ``scoring_batch``), score the same alone, in eval
-        mode (``batched`` holds D's scores without dropout)."""
+        mode (``batched`` holds D's scores without dropout), within ``score_tolerance`` of the score
+        and of the size of its head's terms (``Discriminator.reading_scale``; a custom discriminator: the score's)."""
         shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
         last = len(seqs) - 1 if len(seqs) - 1 != shortest else 0
         training = self.model.training
         self.model.eval()
+        d = self.model.module if isinstance(getattr(self.model, "module", None), Discriminator) else self.model
         for k in (shortest, last):  # always two forwards (ZeRO-3: every process must run as many)
-            with torch.no_grad(), self.accelerator.autocast():
-                alone = self.model(*pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device))[0]
+            ids, mask = pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device)
+            reading = d.reading_scale() if isinstance(d, Discriminator) else contextlib.nullcontext([])
+            with torch.no_grad(), self.accelerator.autocast(), reading as scales:
+                alone = self.model(ids, mask)[0]
+            scale = scales[-1][0].item() if scales else 0.0
             gap = (alone - batched[k]).abs().item()
-            tol = score_tolerance(alone.item(), self._compute_dtype())
+            tol = score_tolerance(alone.item(), self._compute_dtype(), scale)
             if gap > tol:
                 raise InvariantError(
                     "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
