@@ -135,14 +135,21 @@ def check_ranks_agree(names: list[str], gathered: torch.Tensor, step: int, shard
         "(a parameter kept outside the engine, or changed in place outside a gather).")
 
 
-def checksum_due(guard_steps: int, global_step: int) -> bool:
+def checksum_due(guard_steps: int, global_step: int, first_update: int = 0) -> bool:
     """After the first optimizer step, and after every guard step (``guards.due`` of the step just
-    finished); never with ``guard_steps == 0``.
+    finished); never with ``guard_steps == 0``. ``first_update``: the step at which the trained model's
+    own updates begin (GAD's discriminator warmup changes none of the student's weights): its guard
+    steps are checked too.
 
     >>> [checksum_due(2, s) for s in (1, 2, 3)], checksum_due(-1, 50), checksum_due(0, 1)
     ([True, True, False], True, False)
+    >>> [s for s in range(1, 9) if checksum_due(2, s, first_update=5)]
+    [1, 2, 6, 7]
     """
-    return guard_steps != 0 and (global_step == 1 or guard_steps < 0 or global_step - 1 < guard_steps)
+    if guard_steps == 0:
+        return False
+    return any(global_step == start + 1 or guard_steps < 0 or 0 <= global_step - 1 - start < guard_steps
+               for start in {0, first_update})
 
 
 class RankAgreement(TrainerCallback):
@@ -150,12 +157,12 @@ class RankAgreement(TrainerCallback):
     (ZeRO-3) ``zero3_checksums`` of ``model``'s trainable parameters and runs ``check_ranks_agree``.
     ``compared`` keeps (step, N, sharded) of each check. Added only when there is more than one rank."""
 
-    def __init__(self, trainer, guard_steps: int):
-        self.trainer, self.guard_steps = trainer, guard_steps
+    def __init__(self, trainer, guard_steps: int, first_update: int = 0):
+        self.trainer, self.guard_steps, self.first_update = trainer, guard_steps, first_update
         self.compared: list[tuple[int, int, bool]] = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not checksum_due(self.guard_steps, state.global_step):
+        if not checksum_due(self.guard_steps, state.global_step, self.first_update):
             return
         model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
         params = trainable(model)
@@ -167,10 +174,10 @@ class RankAgreement(TrainerCallback):
         self.compared.append((state.global_step, len(params), sharded))
 
 
-def add_rank_agreement(trainer, guard_steps: int) -> None:
+def add_rank_agreement(trainer, guard_steps: int, first_update: int = 0) -> None:
     """Adds ``RankAgreement`` to ``trainer`` when it runs on several ranks outside FSDP; a
-    single-process run compares nothing and pays nothing."""
+    single-process run compares nothing and pays nothing. ``first_update``: ``checksum_due``'s."""
     acc = trainer.accelerator
     if acc.num_processes > 1 and guard_steps != 0 and not getattr(trainer, "is_fsdp_enabled", False) \
             and torch.distributed.is_initialized():
-        trainer.add_callback(RankAgreement(trainer, guard_steps))
+        trainer.add_callback(RankAgreement(trainer, guard_steps, first_update))

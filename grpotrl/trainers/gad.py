@@ -86,7 +86,7 @@ class GADTrainer(GRPOTrainer):
         bookkeeping (``_intercept.set_microstep_done``: ``_step``, ``_current_train_step_time``, ``step_time``)
         only; the student gets no grad.
       * ``create_scheduler``: the student's LR schedule starts after discriminator warmup.
-      * ``_guard_now`` / ``_check_loss`` (grpotrl.GRPOTrainer's): the guards' ``guard_steps`` count twice, from
+      * ``_guard_now`` / ``_identity_step`` (grpotrl.GRPOTrainer's): the guards' ``guard_steps`` count twice, from
         the run's first step (generation, D's I9) and from the student's (the loss-side guards I1/I3/I4, I5, I7,
         I11, which warmup never reaches), and I10 runs on the student's first step (its step 0; warmup left it,
         its reference and its old policy one model).
@@ -226,17 +226,10 @@ class GADTrainer(GRPOTrainer):
         step, warmup = self.state.global_step, self.args.discriminator_warmup_steps
         return due(self.args.guard_steps, step) or (step >= warmup and due(self.args.guard_steps, step - warmup))
 
-    def _check_loss(self, model, inputs: dict, loss, used, entropies, loss_mask, recomputed) -> None:
-        """grpotrl.GRPOTrainer's, with I10 (which it runs at global step 0) on the student's first step,
-        ``discriminator_warmup_steps``: warmup changed no student weight, so there its reference and old policy
-        still are the policy. A microbatch without a loss token leaves I10 to the next, as GRPOTrainer's does."""
-        record, warmup = self.hook_record, self.args.discriminator_warmup_steps
-        if not (warmup and record.identity_due and self.model.training and self.state.global_step == warmup):
-            return super()._check_loss(model, inputs, loss, used, entropies, loss_mask, recomputed)
-        self._check_step0_identity(model, used, inputs, loss_mask)
-        record.identity_due = False  # checked here: GRPOTrainer's step-0 branch is not for this step
-        super()._check_loss(model, inputs, loss, used, entropies, loss_mask, recomputed)
-        record.identity_due = record.identity_unchecked = not bool(loss_mask.any())
+    def _identity_step(self) -> int:
+        """I10 on the student's first step, ``discriminator_warmup_steps``: warmup changed no student weight, so
+        there its reference and old policy still are the policy (GRPOTrainer's step 0 has no student loss)."""
+        return self.args.discriminator_warmup_steps
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """The student's LR schedule starts with the student: it spans the steps after discriminator

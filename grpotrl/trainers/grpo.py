@@ -242,7 +242,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         self._reward_headers = boundary.reward_headers(tok, self._template, **self.chat_template_kwargs)
         self._nonfinite_reward_action = callbacks.rule_action(args, callbacks.NonFiniteRewardRule)
         self.step_findings = callbacks.add_health_callbacks(self, args)  # what each step found, for the rules
-        add_rank_agreement(self, args.guard_steps)  # I12: ranks hold one model (several ranks only)
+        # I12: ranks hold one model (several ranks only), from the first step and from the policy's first update
+        add_rank_agreement(self, args.guard_steps, self._identity_step())
         self.task_names = task_labels(args.task_column, train_dataset, eval_dataset)  # sorted, [] if no column
 
     def _guard_now(self) -> bool:
@@ -737,22 +738,28 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 if _intercept.read_entropy_bonus(self).enabled else None  # [B, C]: the node I7's sign check uses
         return guards.Recomputed(reference, scale, slope, entropies)
 
+    def _identity_step(self) -> int:
+        """The step whose first microbatch with a loss token I10 checks: the policy's first update, step 0, where
+        the reference and the old policy are still the policy."""
+        return 0
+
     def _check_loss(self, model, inputs: dict, loss: torch.Tensor, used: torch.Tensor, entropies: torch.Tensor | None,
                     loss_mask: torch.Tensor, recomputed: guards.Recomputed | None) -> None:
         """The checks and signals of the loss a microbatch is about to backpropagate, in order: I10 on the first
-        microbatch of step 0 (the reference's and old policy's logprobs equal ``used``); the sampler/trainer gap
+        microbatch of step 0 (``_identity_step``: the reference's and old policy's logprobs equal ``used``); the sampler/trainer gap
         where the sampler's logprobs exist; the per-sample entropy and the loss for the health rules; and, on
         guard steps, what ``_recompute_reference`` read (``recomputed``) against the loss: I5 (``used`` [B, C] is
         ``log_softmax(logits / T)`` at generate's positions, in the run's precision: ``guard_tolerances``) and
         I7's entropy values (``entropies`` [B, C] are the policy's)."""
         if self.hook_record.identity_due and self.model.training:
             self.hook_record.identity_due = False
-            if self.state.global_step == 0:
+            if self.state.global_step == self._identity_step():
                 self._check_step0_identity(model, used, inputs, loss_mask)
-                # a microbatch with no loss token compares nothing: the next one of step 0 is checked
+                # a microbatch with no loss token compares nothing: the next one of that step is checked
                 self.hook_record.identity_due = self.hook_record.identity_unchecked = not bool(loss_mask.any())
             elif self.hook_record.identity_unchecked:
-                logger.warning("grpotrl guard I10 was not checked: no microbatch of step 0 held a loss token.")
+                logger.warning("grpotrl guard I10 was not checked: no microbatch of step %d held a loss token.",
+                               self._identity_step())
         if "sampling_per_token_logps" in inputs:
             self._log_sampler_gap(used, inputs)
         if entropies is not None:
