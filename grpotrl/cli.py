@@ -40,6 +40,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -163,7 +164,29 @@ def parse_args(command: str, argv: list[str]):
         flags = [a for a in from_argv if a.startswith("-")] or from_argv
         raise InputError(f"Unknown command-line argument(s): {_with_hints(flags, known)}. "
                          f"`grpotrl {command} --help` lists every key.")
+    for args in dataclasses:
+        _single_module_names_listed(args)
     return tuple(dataclasses)
+
+
+# ModelConfig's list fields that PEFT matches module or parameter names against
+_PEFT_NAME_LISTS = ("lora_target_modules", "lora_modules_to_save", "lora_target_parameters")
+
+
+def _single_module_names_listed(args) -> None:
+    """A single module name in a PEFT list field made a list again: ``lora_target_modules: q_proj``,
+    ``[q_proj]`` or ``--lora_target_modules q_proj`` reach ``ModelConfig`` as the string 'q_proj' (a recipe's
+    string is not split by argparse; ModelConfig turns a one-item list into its item), which PEFT takes as a
+    regex that must match a module's whole dotted name, so 'q_proj' matched nothing and the run failed after
+    the model loaded (NoMatchingPeftModuleError). A name (letters, digits, ``_ - .``) is a list of that name,
+    matched as two names are; 'all-linear' and regular expressions stay strings, as PEFT reads them. Only with
+    ``use_peft``: without it no adapter is built and the preflight refuses the lora_* settings as written."""
+    if not getattr(args, "use_peft", False):  # no adapter is built: the lora_* settings are refused as given
+        return
+    for name in _PEFT_NAME_LISTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and re.fullmatch(r"[\w.-]+", value) and value.lower() != "all-linear":
+            setattr(args, name, [value])
 
 
 def _argparse_error(message: str):
@@ -177,7 +200,7 @@ def _with_hints(keys: list[str], known: set[str]) -> str:
     for key in keys:
         name = key.lstrip("-").split("=")[0]
         close = difflib.get_close_matches(name, sorted(known), n=3)
-        out.append(f"{name!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+        out.append(f"{name!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(name))  # no value
     return ", ".join(out)
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import re
 import types
 import typing
 from typing import Annotated
@@ -52,6 +53,16 @@ _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a re
 ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool | list[str], "padding_free": bool,  # true/false/"auto"
               "balance_microbatches": bool, "compiled_rollout": bool}
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
+
+
+class Yaml11Number(str):
+    """A plain (unquoted) YAML scalar that YAML 1.1, and so ``yaml.safe_load``, reads as a string although it is
+    written as a number: an exponent without a dot or without a sign (``1e-6``, ``5e3``, ``1.0e6``). Only
+    ``read_recipe``'s loader makes these, so the checks can tell them from a string the recipe quoted."""
+
+
+# What YAML 1.1 leaves a string and Python's float() reads as a number: an exponent, with no dot or no sign
+_YAML11_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
 class DuplicateKey(Exception):
@@ -79,6 +90,11 @@ def _unique_keys_loader():
                     continue
             return super().construct_mapping(node, deep=deep)
 
+        def construct_yaml_str(self, node):
+            value = super().construct_yaml_str(node)
+            return Yaml11Number(value) if node.style is None and _YAML11_NUMBER.fullmatch(value) else value
+
+    UniqueKeysLoader.add_constructor("tag:yaml.org,2002:str", UniqueKeysLoader.construct_yaml_str)
     return UniqueKeysLoader
 
 
@@ -291,7 +307,8 @@ def _type_name(tp) -> str:
 
 def _kind(value) -> str:
     """``value``'s kind with its article: ``an int``, ``a str``, ``a NaN``."""
-    kind = "NaN" if isinstance(value, float) and math.isnan(value) else type(value).__name__
+    kind = "NaN" if isinstance(value, float) and math.isnan(value) else (
+        "str" if isinstance(value, str) else type(value).__name__)  # a Yaml11Number is a str
     return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
 
@@ -332,6 +349,25 @@ def _wrong_item(name: str, value, err: pydantic.ValidationError, recipe: bool = 
     return found
 
 
+# Fields and mapping keys whose values are credentials: an error shows ``<hidden>`` in their place, as
+# transformers' TrainingArguments.__str__ hides every ``*_token`` field. (pad_token, eos_token are no secrets.)
+_SECRET_NAME = re.compile(r"(^|_)(hub_token|token|access_token|auth_token|api_key|apikey|secret|password)$",
+                          re.IGNORECASE)
+
+
+def _secret(name) -> bool:
+    return isinstance(name, str) and bool(_SECRET_NAME.search(name))
+
+
+def _redacted(value):
+    """``value`` with the value of every secret-named key (``_secret``) of its mappings, at any depth, hidden."""
+    if isinstance(value, dict):
+        return {k: "<hidden>" if _secret(k) else _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (list if isinstance(value, list) else tuple)(map(_redacted, value))
+    return value
+
+
 def _problem(name: str, value, tp, recipe: bool = True) -> str | None:
     """What is wrong with ``value`` for the field ``name`` annotated ``tp``, e.g. ``bf16: 2 is an int, but
     bf16 takes true or false``, with the wrong item of a list or mapping; None where the field holds it.
@@ -344,9 +380,12 @@ def _problem(name: str, value, tp, recipe: bool = True) -> str | None:
         hint = f" (write {int(value)})"
     elif str in typing.get_args(tp) or tp is str:
         hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
-    if item := _wrong_item(name, value, err, recipe):
+    if _secret(name):  # a credential: its value is never shown, only what it is and what the field takes
+        return f"{name}: <hidden> is {_kind(value)}, but {name} takes {_type_name(tp)}"
+    shown = _redacted(value)
+    if item := _wrong_item(name, shown, err, recipe):
         hint += f" ({item})"
-    return f"{name}: {_shown(value, 80)} is {_kind(value)}, but {name} takes {_type_name(tp)}{hint}"
+    return f"{name}: {_shown(shown, 80)} is {_kind(value)}, but {name} takes {_type_name(tp)}{hint}"
 
 
 def _fields(dataclass_types) -> dict:
@@ -366,11 +405,30 @@ def _annotation(name: str, hints: dict):
     return tp | ALSO_TAKES[name] if name in ALSO_TAKES and tp is not typing.Any else tp
 
 
+def _strings_read_from_numbers(where: str, value) -> list[str]:
+    """``lr_scheduler_kwargs['min_lr'] is '1e-7'`` for each ``Yaml11Number`` inside ``value`` (a mapping, and the
+    mappings and lists it holds). argparse converts no item of a mapping, and a field typed ``dict`` takes any
+    item: ``lr_scheduler_kwargs: {min_lr: 1e-7}`` reached the scheduler as the string '1e-7' after the model
+    loaded (a TypeError), ``generation_kwargs: {top_p: 9e-1}`` the sampler."""
+    if isinstance(value, Yaml11Number):
+        return [(f"{where} is {value!r}, a string: YAML 1.1 reads a number as one unless its exponent has a dot "
+                 f"and a sign{_as_yaml_number(value)} (or quote it if a string is meant)")]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _strings_read_from_numbers(f"{where}[{k!r}]", v)]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _strings_read_from_numbers(f"{where}[{i}]", v)]
+    return []
+
+
 def check_recipe_types(recipe: dict, dataclass_types, path: str) -> None:
     """Raise ``InputError`` listing every value of ``recipe`` whose field (in ``dataclass_types``)
-    cannot hold it. Keys no dataclass knows are left to the parser (it names them with hints)."""
+    cannot hold it, and every number inside a mapping that YAML 1.1 read as a string (a plain scalar such as
+    ``1e-7``; a quoted one is a string on purpose and passes). Keys no dataclass knows are left to the parser
+    (it names them with hints)."""
     fields = _fields(dataclass_types)
     bad = [problem for k, v in recipe.items() if k in fields and (problem := _problem(k, v, fields[k]))]
+    bad += [problem for k, v in recipe.items() if k in fields and isinstance(v, dict) and not _secret(k)
+            and _refusal(v, fields[k]) is None for problem in _strings_read_from_numbers(k, v)]
     if bad:
         raise InputError(f"Recipe {path}: " + "; ".join(bad) + ". Fix the value(s); `--help` describes every key.")
 
