@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import re
 
 from ..errors import InputError
 from ..models import resolve_model_path
@@ -98,8 +99,9 @@ def _lora_settings(model_args) -> dict:
 
 def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None) -> None:
     """Every name in ``lora_target_modules`` must name modules of the model (PEFT ignores a
-    misspelled one as long as another matches). Builds the model on the meta device: no weights."""
-    if isinstance(targets, str) or targets == ["all-linear"]:  # a regex, or PEFT's keyword
+    misspelled one as long as another matches); a string (PEFT's regex, full-matched against each module's
+    dotted name) must match one. Builds the model on the meta device: no weights."""
+    if targets in ("all-linear", ["all-linear"]):  # PEFT's keyword
         return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,6 +115,20 @@ def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str
     leaves = {name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()
               if isinstance(module, torch.nn.Linear)}
     names = {name for name, _ in skeleton.named_modules()}
+    if isinstance(targets, str):
+        try:
+            matched = any(re.fullmatch(targets, n) for n in names)
+        except re.error as e:
+            raise InputError(f"lora_target_modules={targets!r} is read by PEFT as a regular expression, and it is "
+                             f"not one ({e}). Give a list of module names, e.g. {sorted(leaves)[:3]}.") from e
+        if not matched:
+            raise InputError(
+                f"lora_target_modules={targets!r} is read by PEFT as a regular expression that must match a "
+                f"module's whole dotted name (e.g. {max(names, key=len)!r}), and it matches no module of "
+                f"{config.model_type} ({model_path}). Give a list of names (e.g. [{', '.join(sorted(leaves)[:2])}]), "
+                "or a pattern such as '.*\\.(q_proj|v_proj)', or 'all-linear'."
+            )
+        return
     missing = [t for t in targets if t not in leaves and not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         hints = [f"{t!r} (did you mean {difflib.get_close_matches(t, sorted(leaves), n=1)[0]!r}?)"

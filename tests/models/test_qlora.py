@@ -70,6 +70,22 @@ def test_misspelled_lora_target_module_is_named_with_a_hint(tmp_path, smollm2_pa
                          "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("pattern, match", [
+    (r".*\.(q_prj|v_proj)x", r"regular expression that must match a module's whole dotted name .* matches no module"),
+    (r"(q_proj", r"read by PEFT as a regular expression, and it is not one"),
+])
+def test_a_lora_target_regex_that_matches_no_module_is_refused_before_the_load(tmp_path, smollm2_path, no_model_load,
+                                                                              pattern, match):
+    """PEFT full-matches a string lora_target_modules against every module's dotted name, and fails after the load
+    when none matches; grpotrl matches it on the meta-device skeleton first. A pattern that matches gets past the
+    check, to the load."""
+    with pytest.raises(InputError, match=match):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--lora_target_modules", pattern, "--output_dir", str(tmp_path)])
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, "--lora_target_modules", r".*\.(q_proj|v_proj)",
+                         "--output_dir", str(tmp_path / "ok")])
+
+
 def test_trainer_refuses_a_quantized_model_without_peft_config(tiny_llama, smollm2_tokenizer, grpo_args):
     from grpotrl.preflight import prepare_model_and_tokenizer
 
