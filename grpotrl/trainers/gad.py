@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from ..checkpoints import D_DIR
+from ..checkpoints import D_DIR, D_WEIGHTS
 from ..configs import GADConfig
 from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
@@ -94,6 +94,9 @@ class GADTrainer(GRPOTrainer):
         checkpoints hold D's full weights (``discriminator/model.safetensors``) and its optimizer
         state (``discriminator/optimizer.pt``, or DeepSpeed's sharded ``discriminator/ds/``); resume
         restores both.
+      * ``_load_best_model`` (``load_best_model_at_end``): transformers' restores the best checkpoint's student;
+        D's weights then come from the same checkpoint, so the model saved after training and its D trained
+        together.
 
     Wraps at run time (``trainers/_intercept.py``): grpotrl.GRPOTrainer's, and in warmup, around
     ``_prepare_inputs``, its CPU head tiles (``inject_head_tiles``).
@@ -266,6 +269,18 @@ class GADTrainer(GRPOTrainer):
             return
         # CheckedResume.train has checked D's files (gad_engine.checkpoint_files) before anything loaded
         self._d.load(os.path.join(checkpoint, D_DIR))
+
+    def _load_best_model(self) -> None:
+        """Transformers' (the student's weights from ``state.best_model_checkpoint``), then D's weights from the
+        same checkpoint (``discriminator/model.safetensors``, every process: under ZeRO-3 a collective), not D's
+        last state, which never trained beside that student. Weights only: training is over, and a
+        ``save_only_model`` checkpoint holds no D optimizer. Where the file is missing (a multi-node run without
+        ``save_on_each_node``, as for transformers' own best model), D keeps its last weights, with a warning."""
+        super()._load_best_model()
+        if not self._d.load_weights(os.path.join(self.state.best_model_checkpoint, D_DIR)):
+            logger.warning("No discriminator weights in the best checkpoint %s (%s): the discriminator keeps its last "
+                           "weights, which did not train beside the best model. On several machines, set "
+                           "save_on_each_node.", self.state.best_model_checkpoint, os.path.join(D_DIR, D_WEIGHTS))
 
 
 def _after(delay: int, lr_lambda, step: int) -> float:

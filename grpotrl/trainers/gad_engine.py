@@ -1,5 +1,5 @@
 """How GADTrainer's discriminator D is prepared, stepped and checkpointed under the launch the
-student runs under: one object per way, the same five calls, and the D step on them
+student runs under: one object per way, the same calls, and the D step on them
 (``_Engine.score_and_step``: score student and teacher responses, step D on the Bradley-Terry loss).
 
 * ``TorchDiscriminator``: single process and DDP. ``accelerator.prepare_model`` (DDP-wrapped when
@@ -18,7 +18,8 @@ and optimizer state, and log ``gad/d_step_skipped``.
 D's update is chunked: ``accumulate(last)`` around each chunk's forward and ``backward``, then
 one ``step()``. Checkpoints (``discriminator/`` in ``checkpoint-N``): the full weights
 ``model.safetensors`` (ZeRO-3 shards gathered), and the optimizer state, ``optimizer.pt`` or
-DeepSpeed's own sharded checkpoint (``latest`` + ``ds/``), restored on resume.
+DeepSpeed's own sharded checkpoint (``latest`` + ``ds/``), restored on resume; ``load_weights`` reads the
+weights alone (``model.safetensors``, in every checkpoint, ``save_only_model`` ones included).
 """
 
 from __future__ import annotations
@@ -211,11 +212,20 @@ class TorchDiscriminator(_Engine):
             os.makedirs(directory, exist_ok=True)
             torch.save(self.optimizer.state_dict(), os.path.join(directory, D_OPTIMIZER))
 
-    def load(self, directory: str) -> None:
+    def load_weights(self, directory: str) -> bool:
+        """D's weights from ``directory/model.safetensors`` on this process, the optimizer state left as it is;
+        returns False, loading nothing, where the file is not there."""
+        path = os.path.join(directory, D_WEIGHTS)
+        if not os.path.isfile(path):
+            return False
         # read to CPU, copied to D's device by load_state_dict (under multi-CPU DDP the device
         # is "cpu:0", which safetensors refuses)
-        d = self.accelerator.unwrap_model(self.model)
-        d.load_state_dict(load_file(os.path.join(directory, D_WEIGHTS), device="cpu"))
+        self.accelerator.unwrap_model(self.model).load_state_dict(load_file(path, device="cpu"))
+        return True
+
+    def load(self, directory: str) -> None:
+        """D's weights and optimizer state (both checked there before anything loaded, ``CheckedResume.train``)."""
+        self.load_weights(directory)
         self.optimizer.load_state_dict(torch.load(os.path.join(directory, D_OPTIMIZER), map_location="cpu",
                                                   weights_only=True))
         for group in self.optimizer.param_groups:  # the recipe's lr holds, as for the student
@@ -343,6 +353,33 @@ class DeepSpeedDiscriminator(_Engine):
     def save_optimizer(self, directory: str) -> None:
         """DeepSpeed's checkpoint (every process writes its shard): ``latest`` and ``ds/``."""
         self.model.save_checkpoint(directory, tag=DS_TAG)
+
+    def load_weights(self, directory: str) -> bool:
+        """D's weights from ``directory/model.safetensors`` (every process calls this: under ZeRO-3 a collective),
+        the full weights every checkpoint holds, read one way at every stage; not DeepSpeed's
+        ``load_checkpoint(load_module_only=True)``, which under ZeRO-3 rebuilds them from every rank's optimizer
+        shards and, its docstring says, cannot load into an engine that has saved (its module is partitioned).
+        The optimizer's fp32 master weights are set from them (``refresh_fp32_params``), its moments left as they
+        are. Under ZeRO-3 rank 0 reads the file and its copy is partitioned to every rank (rank 0 tells the
+        others whether it found one); otherwise each process reads its own. Returns False, loading nothing,
+        where the file is not there."""
+        import deepspeed
+
+        path, module = os.path.join(directory, D_WEIGHTS), self.model.module
+        found = os.path.isfile(path)
+        if self.stage == 3:
+            flag = torch.tensor([float(found)], device=self.accelerator.device)  # [1]
+            torch.distributed.broadcast(flag, src=0)
+            found = bool(flag.item())
+            if found:
+                with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                    if torch.distributed.get_rank() == 0:
+                        module.load_state_dict(load_file(path, device="cpu"))
+        elif found:
+            module.load_state_dict(load_file(path, device="cpu"))
+        if found and hasattr(self.optimizer, "refresh_fp32_params"):  # ZeRO, bf16/fp16: their own fp32 master weights
+            self.optimizer.refresh_fp32_params()
+        return found
 
     def load(self, directory: str) -> None:
         path, _ = self.model.load_checkpoint(directory, tag=DS_TAG, load_optimizer_states=True,

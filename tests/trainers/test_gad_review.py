@@ -1,8 +1,11 @@
 """GADTrainer: what a review of the trainer found and pinned (on the real SmolLM2 tokenizer, pad == eos)."""
 
+import json
+
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 import grpotrl
 from grpotrl import guards
@@ -106,3 +109,114 @@ def test_I9_guard_in_bf16_still_stops_a_score_read_one_token_early(smollm2_path,
         except InvariantError:
             caught += 1
     assert caught == 6
+
+
+class PlantedBest(TrainerCallback):
+    """Adds ``eval_planted`` to each evaluation's metrics, highest at step ``best``: with
+    ``metric_for_best_model="planted"`` the best checkpoint is ``checkpoint-<best>``, whatever D scores."""
+
+    def __init__(self, best: int):
+        self.best = best
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_planted"] = -abs(state.global_step - self.best)
+
+
+def _d_weights(trainer) -> dict[str, torch.Tensor]:
+    d = trainer.accelerator.unwrap_model(trainer.discriminator)
+    return {k: v.detach().cpu() for k, v in d.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("save_only_model", [False, True], ids=["full-checkpoints", "save_only_model"])
+def test_best_model_at_end_restores_the_discriminator_of_the_same_checkpoint(tiny_llama, gad_args, tmp_path,
+                                                                             save_only_model):
+    """Evaluated and saved at steps 2 and 4, the planted metric best at step 2: ``load_best_model_at_end`` puts
+    checkpoint-2's student back, and D must come from checkpoint-2 too. D kept its step-4 weights, so
+    ``save_model()`` wrote checkpoint-2's student beside step 4's D, a pair that never trained together.
+    A ``save_only_model`` checkpoint holds D's weights and no D optimizer: the weights are all it takes."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = gad_args(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                    per_device_eval_batch_size=8, load_best_model_at_end=True, metric_for_best_model="planted",
+                    greater_is_better=True, save_only_model=save_only_model, discriminator_learning_rate=1e-3,
+                    guard_steps=0, output_dir=str(out))
+    trainer = grpotrl.GADTrainer(model=tiny_llama, args=args, train_dataset=Dataset.from_list(toy_rows(32)),
+                                 eval_dataset=Dataset.from_list(toy_rows(4)), callbacks=[PlantedBest(2)])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+    best, last = (load_file(out / f"checkpoint-{n}" / "discriminator" / "model.safetensors") for n in (2, 4))
+    assert (out / "checkpoint-2" / "discriminator" / "optimizer.pt").is_file() != save_only_model
+    assert not _same(best, last)  # D trained between the two checkpoints
+    student_best = load_file(out / "checkpoint-2" / "model.safetensors")
+    student = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(student[k], v) for k, v in student_best.items())  # transformers' own part
+    assert _same(_d_weights(trainer), best)
+    trainer.save_model()
+    assert _same(load_file(out / "discriminator" / "model.safetensors"), best)
+
+
+# The same run under DeepSpeed, one CPU process launched by ``accelerate launch`` with the repo's ZeRO recipe; it
+# writes what it saw to OUT/result.json.
+BEST_UNDER_DEEPSPEED = """
+import grpotrl  # first: sets OMP_WAIT_POLICY before torch is imported
+import json, sys
+from pathlib import Path
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from test_gad_review import PlantedBest, toy_rows
+
+model, out = sys.argv[1], Path(sys.argv[2])
+args = grpotrl.GADConfig(
+    output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=12, max_steps=4,
+    logging_steps=1, report_to="none", use_cpu=True, bf16=False, guard_steps=0, seed=0, temperature=0.7, beta=0.0,
+    disable_tqdm=True, generation_kwargs={"sequence_bias": [[[0], 5.0], [[2], 5.0]]}, save_strategy="steps",
+    save_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8, load_best_model_at_end=True,
+    metric_for_best_model="planted", greater_is_better=True, discriminator_learning_rate=1e-3)
+trainer = grpotrl.GADTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_rows(32)),
+                             eval_dataset=Dataset.from_list(toy_rows(4)), callbacks=[PlantedBest(2)])
+trainer.train()
+same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+best, last = (load_file(out / f"checkpoint-{n}" / "discriminator" / "model.safetensors") for n in (2, 4))
+d = trainer._d.full_state_dict()  # ZeRO-3: gathered
+trainer.save_model()
+json.dump({"stage": trainer._d.stage, "best_checkpoint": trainer.state.best_model_checkpoint,
+           "checkpoints_differ": not same(best, last), "d_is_best": same(d, best),
+           "saved_is_best": same(load_file(out / "discriminator" / "model.safetensors"), best)},
+          open(out / "result.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_best_model_at_end_restores_the_discriminator_under_deepspeed(config, tiny_llama, tmp_path):
+    """As above, D in DeepSpeed's engine at the student's ZeRO stage: its weights from the best checkpoint's
+    ``model.safetensors`` (under ZeRO-3 rank 0's copy partitioned) after transformers loaded the student's
+    DeepSpeed checkpoint, and so the D ``save_model()`` writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "best.py"
+    script.write_text(BEST_UNDER_DEEPSPEED)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(root / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+           f"recipes/accelerate/{config}.yaml", "--num_processes", "1", "--main_process_port", str(free_port()),
+           str(script), str(tiny_llama), str(out)]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    seen = json.loads((out / "result.json").read_text())
+    assert seen["stage"] == int(config[-1]) and seen["best_checkpoint"] == str(out / "checkpoint-2"), seen
+    assert seen["checkpoints_differ"] and seen["d_is_best"] and seen["saved_is_best"], seen

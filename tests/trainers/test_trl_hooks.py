@@ -40,10 +40,11 @@ GRPO_HOOKS = {
     "train": ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
     "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
     "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
-    # GADTrainer's (create_scheduler and the optimizer save/load are transformers.Trainer's)
+    # GADTrainer's (create_scheduler, the optimizer save/load and the best model's load are transformers.Trainer's)
     "_prepare_inputs": ["self", "generation_batch"],
     "create_scheduler": ["self", "num_training_steps", "optimizer"],
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
+    "_load_best_model": ["self"],  # load_best_model_at_end: D from the best checkpoint too
 }
 SFT_HOOKS = {
     "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
@@ -114,7 +115,8 @@ def test_our_overrides_keep_the_signatures():
                  "training_step", "prediction_step"):  # the head's CPU tiles
         assert _params(grpotrl.GRPOTrainer, name) == GRPO_HOOKS[name]
     for name in ("_calculate_rewards", "_generate_and_score_completions", "_compute_loss", "training_step",
-                 "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):
+                 "create_scheduler", "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                 "_load_best_model"):
         assert _params(grpotrl.GADTrainer, name) == GRPO_HOOKS[name], f"GADTrainer.{name}"
     for name in ("compute_loss", "_prepare_dataset", "save_model"):
         assert _params(grpotrl.SFTTrainer, name) == SFT_HOOKS[name]
