@@ -718,6 +718,7 @@ GAD_HOOKS = {
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "create_scheduler": ["self", "num_training_steps", "optimizer"],
+    "_load_best_model": ["self"],
 }
 
 
