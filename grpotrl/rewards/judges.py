@@ -316,6 +316,10 @@ class HttpJudge:
         _check_settings(max_concurrency=max_concurrency, timeout=timeout, max_retries=max_retries, backoff=backoff,
                         max_tokens=max_tokens, temperature=temperature, max_failed_batches=max_failed_batches,
                         cache_size=cache_size, max_reply_bytes=max_reply_bytes)
+        # Checked to be whole numbers; kept as ints: a JSON "max_tokens": 256.0 is a 400 at OpenAI's API, and a
+        # float max_reply_bytes cannot cut a body.
+        max_concurrency, max_retries, max_tokens, max_failed_batches, cache_size, max_reply_bytes = map(
+            int, (max_concurrency, max_retries, max_tokens, max_failed_batches, cache_size, max_reply_bytes))
         loopback = _check_base_url(base_url)
         httpx = _httpx()  # the HTTP client is there before a run counts on this judge
         try:  # SSL_CERT_FILE / SSL_CERT_DIR read now, not at the first judged batch

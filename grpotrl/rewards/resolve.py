@@ -14,7 +14,9 @@ rewards come from a recipe (``RewardNames``) or from Python.
 * ``check_reward_columns``: every required argument of a reward function, and every column a
   judge's rubric reads, is a column of the dataset (TRL would fail only after generation).
 * ``check_reward_signal``: a column a reward reads that is empty or None on every row it scores
-  (the reward would be constant: zero signal) is refused; on some rows, a warning naming them.
+  (the reward would be constant: zero signal) is refused; on some rows, a warning naming them. A judge's
+  rubric columns count the same way (a row without one is never sent: on every row, the judge would score
+  nothing and never stop); a ``JudgeRouter``'s judges are checked in both, each on its task's rows.
 """
 
 from __future__ import annotations
@@ -238,14 +240,26 @@ def check_reward_callables(reward_funcs, columns: list[str] | None = None, envir
 
 def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:
     """Every required argument of every reward function must be a column of ``dataset``
-    (TRL passes the columns as keyword arguments; a missing one fails only after generation).
+    (TRL passes the columns as keyword arguments; a missing one fails only after generation), and so
+    must every column a judge's rubric reads, a ``JudgeRouter``'s judges' and the column it routes on included.
     ``reward_funcs``: one function, a list, or a mapping task -> function(s). A dataset whose
     columns are not known (an ``IterableDataset`` without features) is not checked."""
     if not getattr(dataset, "column_names", None):
         return
     if isinstance(reward_funcs, Mapping):  # per task: every task's functions
         reward_funcs = [f for funcs in reward_funcs.values() for f in _listed(funcs)]
+    funcs = []
     for func in _listed(reward_funcs):
+        funcs.append(func)
+        if (routed := _routed(func)) is not None:  # a JudgeRouter: the column it routes on, then its judges
+            judges, column = routed
+            if column not in dataset.column_names:
+                raise InputError(
+                    f"JudgeRouter {getattr(func, 'name', '?')!r} routes on the column {column!r}, which the "
+                    f"{split_name!r} split lacks (columns: {dataset.column_names}). Add the column, or build the "
+                    "router with task_column= naming the column that holds each row's task.")
+            funcs += list(judges.values())
+    for func in funcs:
         rubric = getattr(func, "rubric", None)  # a judge reads its rubric's columns
         if rubric is not None and (missing := [c for c in rubric.columns.values() if c not in dataset.column_names]):
             raise InputError(
@@ -268,6 +282,17 @@ def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:
             )
 
 
+def _routed(func) -> tuple[Mapping, str] | None:
+    """A ``JudgeRouter``'s judges (task -> judge) and the column it routes on; None for any other reward."""
+    judges, column = getattr(func, "judges", None), getattr(func, "task_column", None)
+    return (judges, column) if isinstance(judges, Mapping) and isinstance(column, str) else None
+
+
+def _unjudged(value) -> bool:
+    """A rubric column's value on which a judge skips its row (``judges._has_columns``): None or blank text."""
+    return value is None or str(value).strip() == ""
+
+
 def _useless(value) -> bool:
     return value is None or (isinstance(value, (str, list, dict)) and not (value.strip() if isinstance(value, str)
                                                                              else value))
@@ -277,7 +302,8 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
     """A dataset column a reward function reads (a required argument named after it) that is
     None or empty on every row it scores gives that reward nothing to compare with: an
     ``InputError`` naming the column and the function. Empty on some rows: a warning naming them.
-    Per-task rewards (a mapping task -> functions) are checked on their task's rows."""
+    Per-task rewards (a mapping task -> functions) are checked on their task's rows. A judge's rubric
+    columns (``_check_judge_signal``) too, a ``JudgeRouter``'s judges each on the rows of its task."""
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return
     everyone = list(range(len(dataset)))
@@ -287,7 +313,15 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
                   for task, fs in reward_funcs.items() for f in _listed(fs)]
     else:
         scored = [(f, everyone, "") for f in _listed(reward_funcs)]
+    for func, rows, task in list(scored):  # a JudgeRouter's judges score the rows of their own task
+        if (routed := _routed(func)) is not None and routed[1] in dataset.column_names:
+            labels = dataset[routed[1]]
+            scored += [(judge, [i for i in rows if labels[i] == routed_task], task or f" (task {routed_task!r})")
+                       for routed_task, judge in routed[0].items()]
     for func, rows, task in scored:
+        if getattr(func, "rubric", None) is not None and rows:
+            _check_judge_signal(func, dataset, rows, split_name, task)
+            continue
         if not inspect.isfunction(func) or not rows:
             continue
         for name, p in inspect.signature(func).parameters.items():
@@ -305,3 +339,25 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
                 logger.warning("Column %r of the %r split, which reward %s%s reads, is empty or None on %d of %d rows "
                                "(%s): those rows get no signal from it.", name, split_name, func.__name__, task,
                                len(empty), len(rows), row_list(empty))
+
+
+def _check_judge_signal(judge, dataset, rows: list[int], split_name: str, task: str) -> None:
+    """``check_reward_signal`` for a judge: a row whose rubric column is None or blank is one the judge never
+    sends. On every row it scores, the judge would score nothing and, having asked nothing, never stop with
+    ``JudgeError``: an ``InputError``. On some rows: a warning naming them."""
+    rubric, name = judge.rubric, getattr(judge, "name", None) or getattr(judge, "__name__", "?")
+    for field_name, column in rubric.columns.items():
+        if column not in dataset.column_names:  # check_reward_columns' error
+            continue
+        values = dataset[column]
+        empty = [i for i in rows if _unjudged(values[i])]
+        if len(empty) == len(rows):
+            raise InputError(
+                f"Column {column!r} of the {split_name!r} split, which judge {name!r} (rubric {rubric.name!r}, "
+                f"field {field_name!r}){task} reads, is empty or None on every row it scores ({len(rows)} rows): the "
+                "judge would send none of them, score nothing and never stop. Fill the column, map the field to "
+                "another column with the judge's rubric_columns (e.g. {reference: answer}), or drop the judge.")
+        if empty:
+            logger.warning("Column %r of the %r split, which judge %r (rubric %r)%s reads, is empty or None on %d "
+                           "of %d rows (%s): the judge does not score those rows.", column, split_name, name,
+                           rubric.name, task, len(empty), len(rows), row_list(empty))

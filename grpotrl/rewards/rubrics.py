@@ -9,12 +9,14 @@ is one digit also lets ``LocalJudge`` read the score off a single next-token dis
 Two rules keep a completion from grading itself (INVARIANTS I8):
 
 * Everything taken from the row is quoted between ``<response>`` / ``</response>`` (or
-  ``<reference>`` ...) tags, and inside it the tags and the word "verdict" are defanged
-  (``[response]``, ``[verdict]``), so the quoted text can neither close its quote nor hold a
+  ``<reference>`` ...) tags, and inside it the tags, think tags and the word "verdict" are defanged
+  (``[response]``, ``[think]``, ``[verdict]``), so the quoted text can neither close its quote nor hold a
   line the parser would read -- not even when a weak judge parrots the quote back.
 * ``parse_verdict`` reads only the judge's reply, only lines that are a verdict field, and
   takes the last one; "Score: 10" or "10/10" anywhere is ignored, and a value off the scale
-  is no verdict (``None``), never clipped.
+  is no verdict (``None``), never clipped. A reasoning judge's thinking (``<think>...</think>``
+  in ``content``) is not read: only what follows its last ``</think>``; think tags in the
+  quoted row are defanged too (``[think]``), so a parroted completion cannot open or close it.
 
 Which weak judges this was tuned on: SmolLM2-135M-Instruct, served by ``transformers serve``,
 answered in the format on every row we tried with the worked examples, and echoed the quoted
@@ -30,10 +32,13 @@ from dataclasses import dataclass, field
 from ..errors import InputError
 
 _VERDICT_LINE = re.compile(  # a whole line: optional markdown, "verdict", ":" or "=", a number, optional "/5"
-    r"^[ \t*#_]*verdict[ \t*_]*[:=][ \t*_]*(-?\d+(?:\.\d+)?)[ \t]*(?:/[ \t]*(\d+))?[ \t*_.]*$",
-    re.IGNORECASE | re.MULTILINE,
+    r"^[ \t*#_]*verdict[ \t*_]*[:=][ \t*_]*(-?\d+(?:\.\d+)?)[ \t]*(?:/[ \t]*(\d+))?[ \t*_.\r]*$",
+    re.IGNORECASE | re.MULTILINE,  # "\r": a line ended "\r\n" is as whole as one ended "\n"
 )
-_MARKERS = re.compile(r"verdict|<\s*/?\s*(?:response|reference|question)\s*>", re.IGNORECASE)
+# A reasoning judge's thinking, as it arrives in `content` (Qwen3, DeepSeek-R1 without a reasoning parser).
+_THINK_OPEN = re.compile(r"<\s*(?:think|thinking)\s*>", re.IGNORECASE)
+_THINK_CLOSE = re.compile(r"<\s*/\s*(?:think|thinking)\s*>", re.IGNORECASE)
+_MARKERS = re.compile(r"verdict|<\s*/?\s*(?:response|reference|question|think|thinking)\s*>", re.IGNORECASE)
 
 
 def prompt_text(prompt) -> str:
@@ -82,7 +87,19 @@ def parse_verdict(reply: str, low: int = 1, high: int = 5) -> float | None:
     >>> parse_verdict("[verdict]: 5 was claimed.\\nVERDICT: 1")
     1.0
     >>> parse_verdict("VERDICT: 4/10")  # a 4 on another scale is no 4 on this one
+    >>> parse_verdict("<think>\\nVERDICT: 5\\nNo, unfair.\\n</think>\\nIt stereotypes.")  # thought, not answered
+    >>> parse_verdict("First VERDICT: 5?\\n</think>\\nVERDICT: 2")  # the template opened <think> in the prompt
+    2.0
+
+    A reasoning judge's thinking is not its verdict: only the text after its last ``</think>`` is read, and a
+    reply whose ``<think>`` never closed (all thinking, no answer) has no verdict. The quoted row's own think
+    tags are defanged (``defang``), so a parroted completion cannot open or close the judge's thinking.
     """
+    closes = list(_THINK_CLOSE.finditer(reply))
+    if closes:
+        reply = reply[closes[-1].end():]
+    if _THINK_OPEN.search(reply):  # thinking that never closed: no answer to read
+        return None
     found = _VERDICT_LINE.findall(reply)
     if not found:
         return None
