@@ -197,6 +197,23 @@ def _replaced(text: str, spans: list[list[int]], lo: int, hi: int) -> str:
     return "".join(out) + text[done:hi]
 
 
+def _reply_text(content):
+    """A chat completion's ``message.content`` as text: a string as it is; a list of content parts (as some
+    servers send a reasoning model's reply) as its ``text`` parts joined, the others (reasoning, refusals, images)
+    left out; None, or a list without a text part, as None (no reply text).
+
+    >>> _reply_text([{"type": "reasoning", "text": "VERDICT: 1"}, {"type": "text", "text": "VERDICT: 4"}])
+    'VERDICT: 4'
+    >>> _reply_text([{"type": "image_url"}]) is None, _reply_text("VERDICT: 2")
+    (True, 'VERDICT: 2')
+    """
+    if not isinstance(content, list):
+        return content
+    texts = [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text" and isinstance(
+        p.get("text"), str)]
+    return "".join(texts) if texts else None
+
+
 def _excerpt(text: str, secrets, tail: bool = False) -> str:
     """At most ``NOTE_CHARS`` of server text (its start, or its end with ``tail``), redacted before it is cut.
 
@@ -539,7 +556,7 @@ class HttpJudge:
             finish = choice.get("finish_reason")
             finished = finish is None or (isinstance(finish, str) and finish in _FINISHED)
             message = choice.get("message")
-            reply = message.get("content") if isinstance(message, dict) else None
+            reply = _reply_text(message.get("content")) if isinstance(message, dict) else None
             if not isinstance(reply, str) and finished:  # a call or a filtered reply may have no text
                 raise TypeError(type(reply).__name__)
         except Exception:  # noqa: BLE001 - any body that is not a chat completion

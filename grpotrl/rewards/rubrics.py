@@ -53,14 +53,16 @@ def prompt_text(prompt) -> str:
     'Describe nurses.'
     >>> prompt_text("What is 2+3?")
     'What is 2+3?'
+    >>> prompt_text([{"role": "user", "content": None}])
+    ''
     """
     if isinstance(prompt, str):
         return prompt
     users = [m for m in prompt if m.get("role") == "user"] or list(prompt)
-    content = users[-1]["content"] if users else ""
+    content = users[-1].get("content") if users else ""
     if isinstance(content, list):
-        return " ".join(part["text"] for part in content if part.get("type") == "text")
-    return content
+        return " ".join(part.get("text") or "" for part in content if part.get("type") == "text")
+    return content or ""  # a message without text (None): nothing to quote
 
 
 def defang(text: str) -> str:

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import re
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_ONLY_A_NUMBER = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*$")
+# a number, its thousands grouped by commas or not ("1,234.5", "1234.5"); "1,2" is two numbers
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?")
+_ONLY_A_NUMBER = re.compile(r"^\s*(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)\s*$")
+
+
+def _value(number: str) -> float:
+    return float(number.replace(",", ""))
 
 
 def completion_text(completion) -> str:
@@ -47,7 +52,7 @@ def exact_answer_reward(completions, answer: list[str], **kwargs) -> list[float 
     r"""1.0 when the completion gives the answer, else 0.0; ``None`` where the answer is missing.
 
     A numeric answer is compared with the LAST number in the completion (``"7 + 5 = 12"``
-    gives 12), as numbers (``"12.0"`` equals ``"12"``). Any other answer is compared with the
+    gives 12), as numbers (``"12.0"`` equals ``"12"``, ``"1,234"`` equals ``"1234"``). Any other answer is compared with the
     whole completion text, stripped, case-sensitive.
 
     >>> completions = [
@@ -60,6 +65,12 @@ def exact_answer_reward(completions, answer: list[str], **kwargs) -> list[float 
     [1.0, 1.0, 0.0, 0.0]
     >>> exact_answer_reward([" Paris ", "Lyon", "3"], answer=["Paris", "Paris", None])
     [1.0, 0.0, None]
+
+    Thousands may be grouped by commas, in the completion and in the answer (``"$1,234"`` is 1234, not 234);
+    ``"1,2"`` is two numbers.
+
+    >>> exact_answer_reward(["It costs $1,234.", "1,234", "1,2", "-12,000.5"], answer=["1234", "1234", "2", "-12000.5"])
+    [1.0, 1.0, 1.0, 1.0]
     """
     rewards: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
@@ -68,7 +79,7 @@ def exact_answer_reward(completions, answer: list[str], **kwargs) -> list[float 
             rewards.append(None)
         elif _ONLY_A_NUMBER.match(str(gold)):
             numbers = _NUMBER.findall(text)
-            rewards.append(1.0 if numbers and float(numbers[-1]) == float(gold) else 0.0)
+            rewards.append(1.0 if numbers and _value(numbers[-1]) == _value(str(gold)) else 0.0)
         else:
             rewards.append(1.0 if text.strip() == str(gold).strip() else 0.0)
     return rewards

@@ -135,3 +135,35 @@ def test_integer_settings_given_as_floats_are_used_as_integers():
     assert scores == [None] and metrics["judge/fairness/failed/too_large"] == 1.0  # not "transport"
     assert all(isinstance(getattr(judge, k), int) for k in ("max_tokens", "max_reply_bytes", "max_concurrency",
                                                             "max_retries", "max_failed_batches", "cache_size"))
+
+
+# ---------------------------------------------------------------------------- replies as content parts, rules
+
+def test_I8_a_reply_sent_as_content_parts_is_read_from_its_text_parts():
+    """Some servers send a reasoning model's reply as a list of content parts: the text parts are the reply (the
+    reasoning part's verdict is not), a list without one is no reply text, never a crash or a made-up score."""
+    parts = {"a": [{"type": "reasoning", "text": "VERDICT: 5"}, {"type": "text", "text": "Fair.\nVERDICT: 4"}],
+             "b": [{"type": "reasoning", "text": "VERDICT: 5"}]}
+
+    def answer(request):
+        graded = json.loads(request["body"])["messages"][-1]["content"]
+        body = json.loads(completion("x", "stop"))
+        body["choices"][0]["message"]["content"] = parts["a" if "<response>\na\n" in graded else "b"]
+        return 200, json.dumps(body).encode()
+
+    with ScriptedJudge(answer) as server:
+        judge = HttpJudge(FAIRNESS, base_url=server.url, model="m", max_failed_batches=0)
+        scores, metrics, _ = judge_call(judge, ["q", "q"], ["a", "b"])
+    assert scores == [0.75, None]  # (4 - 1) / (5 - 1); no text part
+    assert metrics["judge/fairness/failed/not_a_chat_completion"] == 0.5
+
+
+def test_rules_read_grouped_thousands_and_a_prompt_without_text():
+    from grpotrl.rewards.rubrics import prompt_text
+    from grpotrl.rewards.rules import exact_answer_reward
+
+    completions = [[{"role": "assistant", "content": "The total is $1,234."}],
+                   [{"role": "assistant", "content": "Pick 1,2 or 3"}]]
+    assert exact_answer_reward(completions, answer=["1234", "3"]) == [1.0, 1.0]  # not 234; "1,2" is 1 and 2
+    assert exact_answer_reward(completions, answer=["1,234", "2"]) == [1.0, 0.0]
+    assert prompt_text([{"role": "user", "content": None}]) == ""
