@@ -258,6 +258,25 @@ def group_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torc
     return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))  # [B]
 
 
+def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
+    """Share of groups (``group_size`` consecutive completions of one prompt, as TRL groups them) that carry no
+    policy gradient: every scored reward of the group equal (``torch.isclose``, as TRL's ``frac_reward_zero_std``),
+    or at most one scored (NaN: no score). Unlike TRL's ``frac_reward_zero_std``, which under
+    ``scale_rewards='batch'`` is the whole batch's std being 0, this is per group whatever the scaling: TRL's
+    advantage is the reward minus its group's mean under every ``scale_rewards`` of ``sum_then_normalize``.
+
+    >>> r = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, float("nan"), 2.0])  # [B=8], G=2
+    >>> flat_group_share(r, 2)  # flat, flat, not flat, one scored: 3 of 4 groups
+    0.75
+    """
+    grouped = rewards.view(-1, group_size)  # [B/G, G]
+    scored = ~torch.isnan(grouped)  # [B/G, G]
+    high = grouped.masked_fill(~scored, -math.inf).amax(1)  # [B/G]
+    low = grouped.masked_fill(~scored, math.inf).amin(1)  # [B/G]
+    flat = (scored.sum(1) <= 1) | torch.isclose(high, low)  # [B/G]
+    return flat.sum().item() / flat.numel()
+
+
 def nonfinite_rewards(rewards_per_func: torch.Tensor, names: list[str]) -> tuple[dict[str, float], list[str]]:
     """The +-inf rewards of a scored batch [B, K] (K reward functions, in TRL's ``reward_func_names``
     order): the share of rows each function scored +-inf, keyed ``rewards/<name>/nonfinite_share``,

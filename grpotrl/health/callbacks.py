@@ -212,10 +212,25 @@ class EntropyRule(HealthRule):
         super().__init__(trainer, patience)
         self.min_entropy = min_entropy
 
+    def measured(self) -> list[float]:
+        """TRL's ``entropy`` of each of the step's microbatches that held a loss token. TRL logs 0.0 for a
+        microbatch without one (its token mean's count is clamped to 1): every row truncated under
+        ``mask_truncated_completions``, an all-zero tool mask. That 0.0 is no entropy at all, and a healthy run
+        whose completions all hit the cap read as collapsed. grpotrl's ``entropy/sample_mean`` of the same
+        microbatch is NaN exactly there (no row has a token), which tells the two apart; a NaN entropy (NaN
+        logits) stays, and counts as broken."""
+        entropy, samples = self.step_values("entropy"), self.step_values("entropy/sample_mean")
+        if len(samples) != len(entropy):  # not logged side by side: TRL's values as they are
+            return entropy
+        return [h for h, s in zip(entropy, samples) if not (h == 0 and math.isnan(s))]
+
     def check(self):
-        entropy = self.step_mean("entropy")
-        if entropy is None or self.min_entropy <= 0:
+        measured = self.measured()
+        if not measured or self.min_entropy <= 0:
             return None
+        entropy = sum(measured) / len(measured)
+        if math.isnan(entropy):
+            return True, entropy, "mean token entropy is NaN (the policy's logits are not finite)"
         return entropy < self.min_entropy, entropy, (f"mean token entropy {entropy:.4g} < health_min_entropy="
                                                      f"{self.min_entropy}")
 
@@ -227,7 +242,13 @@ class FlatRewardRule(HealthRule):
               "raise num_generations, or turn on dynamic_sampling.")
 
     def check(self):
-        share = self.step_mean("frac_reward_zero_std")
+        """Reads grpotrl's ``rewards/flat_group_share`` (``health.flat_group_share``: per group whatever
+        ``scale_rewards``) where the step logged it, else TRL's ``frac_reward_zero_std``, which under
+        ``scale_rewards='batch'`` is 1 only when the whole batch is flat: groups each flat at different values
+        (easy prompts all solved, hard ones all failed) train nothing and read 0 there."""
+        share = self.step_mean("rewards/flat_group_share")
+        if share is None:
+            share = self.step_mean("frac_reward_zero_std")
         if share is None:
             return None
         zero = self.step_mean("rewards/zero_share")
@@ -243,7 +264,10 @@ class NonFiniteRule(HealthRule):
     backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
     (a warning the first time), and a step with one of them is judged on that one alone. On several
     processes the verdict is one for all (``agreed``): each judges its own loss, and a process that
-    stopped alone would leave the others waiting in their next collective."""
+    stopped alone would leave the others waiting in their next collective. Under fp16's loss scaler
+    (``fp16=True``) a non-finite gradient with a finite loss at a loss scale >= 1 is the scaler's overflow,
+    which a healthy run meets whenever its scale has grown too large: the scaler skips that update and halves
+    the scale, and the rule lets it. At a scale < 1 the unscaled gradient overflows as well: broken."""
 
     name = "non_finite"
     default_action = "stop"
@@ -259,8 +283,14 @@ class NonFiniteRule(HealthRule):
         loss = torch.stack([x.float() for x in losses]).sum().item() if losses else None
         grads = [p.grad.detach() for p in self.trainer.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads).item() if grads else None
+        scale = loss_scale(self.trainer.accelerator)
+        # fp16's loss scaler: a gradient that overflowed at a scale >= 1 (the loss finite) is the scaler's to
+        # handle, it skips that update and halves its scale; at a scale < 1 the unscaled gradient overflows too
+        scaler_skips = scale is not None and scale >= 1 and norm is not None and not math.isfinite(norm) \
+            and (loss is None or math.isfinite(loss))
         broken, observed, elsewhere = agreed(self.trainer.accelerator,
-                                             any(v is not None and not math.isfinite(v) for v in (loss, norm)),
+                                             not scaler_skips and any(v is not None and not math.isfinite(v)
+                                                                      for v in (loss, norm)),
                                              loss is not None or norm is not None)
         if not observed:
             self._seen = None
@@ -274,6 +304,8 @@ class NonFiniteRule(HealthRule):
                 f"gradient norm {norm:.4g}" if norm is not None else "gradient norm not in .grad"]
         if elsewhere:
             seen.append("NaN/inf on another process")
+        if scale is not None:
+            seen.append(f"fp16 loss scale {scale:g}" + (": the scaler skips this update" if scaler_skips else ""))
         where = "after clipping, before the optimizer step"
         value = next((v for v in (norm, loss) if v is not None), math.nan)  # nan: observed on another process only
         self._seen = (broken, value, f"{', '.join(seen)} ({where})")
@@ -283,6 +315,13 @@ class NonFiniteRule(HealthRule):
     def check(self):
         seen, self._seen = self._seen, None
         return seen
+
+
+def loss_scale(accelerator) -> float | None:
+    """The scale of fp16's loss scaler (accelerate's ``GradScaler``) this step's backward ran at; None without
+    one (bf16, fp32, DeepSpeed, which scales its own loss)."""
+    scaler = getattr(accelerator, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
 
 def agreed(accelerator, broken: bool, observed: bool) -> tuple[bool, bool, bool]:

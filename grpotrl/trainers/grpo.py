@@ -532,12 +532,15 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor, generated: Generated) -> None:
         """Stop tokens in prompts and completions, chat-header starts, zero rewards (``health.stop_rows``,
-        ``health.batch_metrics``), per-task lengths and rewards when rows have a ``task``; keeps the
-        batch for ``boundary_report()``."""
+        ``health.batch_metrics``), the share of groups whose rewards are all equal (``health.flat_group_share``),
+        per-task lengths and rewards when rows have a ``task``; keeps the batch for ``boundary_report()``."""
         lengths = generated.completion_lengths  # [B]
         per_row, stop_mask, stops = health.stop_rows(_intercept.read_tokenizer(self), output, lengths,
                                                      generated.generated_stops, self.eos_token_ids, self._chat_headers)
         metrics = health.batch_metrics(self.accelerator.gather(per_row), rewards)
+        # groups with no policy gradient, whatever scale_rewards (flat_rewards reads it; TRL's frac_reward_zero_std
+        # is the whole batch's under scale_rewards='batch')
+        metrics["rewards/flat_group_share"] = health.flat_group_share(rewards, self._group_size())
         column = self.args.task_column
         if isinstance(inputs[0], dict) and column in inputs[0]:
             tasks = gather_object([str(x[column]) for x in inputs])
