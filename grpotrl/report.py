@@ -14,8 +14,11 @@ untruncated, beside TRL's truncated mean), one panel per per-task metric (``task
 task) and the GAD discriminator (``gad/d_acc``, ``gad/d_loss``; teacher and student scores).
 Eval values, when logged, are dashed.
 
-``trainer_state.json`` is what ``grpotrl grpo|sft`` saves beside the weights; a run stopped by
-a health rule has one in its last ``checkpoint-N/``, which is read when the top level has none.
+``trainer_state.json`` is what ``grpotrl grpo|sft`` saves beside the weights at the end, and every
+``checkpoint-N/`` holds one of its step. The newest of them by ``global_step`` is read (the top level's where
+steps tie), and the printed line names it: a run stopped by a health rule or interrupted has its newest state
+only in its last checkpoint, and one that finished, was resumed and then stopped keeps the finished run's older
+file at the top level.
 Needs matplotlib (``pip install grpotrl[report]``); drawn with the Agg backend, no display.
 """
 
@@ -52,19 +55,39 @@ PANELS = {
     "discriminator_scores": ("GAD discriminator scores", "D score", ["gad/teacher_score", "gad/student_score"]),
 }
 TASK_KEY = re.compile(r"tasks/(?P<task>[^/]+)/(?P<metric>.+)")
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # a checkpoint directory's name; N is its global_step
 
 
 def find_state(output_dir: str) -> str:
-    """``OUTPUT_DIR/trainer_state.json``, else the one in the newest ``checkpoint-N/``."""
-    path = os.path.join(output_dir, "trainer_state.json")
-    if os.path.isfile(path):
-        return path
-    found = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
-    found = [p for p in found if re.search(r"checkpoint-(\d+)", p)]
-    if found:
-        return max(found, key=lambda p: int(re.search(r"checkpoint-(\d+)", p).group(1)))
-    raise InputError(f"No trainer_state.json in {output_dir!r} nor in a checkpoint-N/ below it. Point "
-                     "`grpotrl report` at a run's output_dir (grpotrl grpo|sft save it there at the end).")
+    """The newest ``trainer_state.json`` of the run in ``output_dir`` by its ``global_step``: the top level's
+    (``save_state`` at the end) or a ``checkpoint-N/``'s. Where steps tie, the top level's, written last. A
+    checkpoint's file that does not say its step is dated by N (the Trainer names a checkpoint by its step); a
+    top-level one cannot be dated and is taken, so that ``read_log_history`` names what is wrong with it."""
+    top = os.path.join(output_dir, "trainer_state.json")
+    steps = {}  # path -> its global_step
+    for path in glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json")):
+        m = CHECKPOINT.fullmatch(os.path.basename(os.path.dirname(path)))
+        if m:
+            step = state_step(path)
+            steps[path] = int(m.group(1)) if step is None else step
+    if os.path.isfile(top):
+        steps[top] = state_step(top)
+        if steps[top] is None:
+            return top
+    if not steps:
+        raise InputError(f"No trainer_state.json in {output_dir!r} nor in a checkpoint-N/ below it. Point "
+                         "`grpotrl report` at a run's output_dir (grpotrl grpo|sft save it there at the end).")
+    return max(steps, key=lambda path: (steps[path], path == top))
+
+
+def state_step(state_path: str) -> int | None:
+    """``global_step`` of a ``trainer_state.json``; None where the file is no JSON mapping with an integer one."""
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            step = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError):  # cut short, not UTF-8 (ValueError both), not a mapping
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def read_log_history(state_path: str) -> list[dict]:
@@ -132,10 +155,11 @@ def panels(log_history: list[dict]) -> dict[str, tuple[str, str, dict[str, tuple
     return out
 
 
-def write_report(output_dir: str, out_dir: str | None = None) -> dict[str, str]:
+def write_report(output_dir: str, out_dir: str | None = None, state_path: str | None = None) -> dict[str, str]:
     """Draw every panel of the run in ``output_dir``; returns panel name -> PNG path, with
-    ``"report"`` the figure of all panels. Axes titles are the panel titles."""
-    state_path = find_state(output_dir)
+    ``"report"`` the figure of all panels. Axes titles are the panel titles. ``state_path``: the
+    ``trainer_state.json`` to read (default ``find_state(output_dir)``)."""
+    state_path = state_path or find_state(output_dir)
     try:
         import matplotlib
     except ImportError:
@@ -204,9 +228,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default=None, help="where to write the PNGs (default OUTPUT_DIR/report)")
     parser.error = _usage_error  # one `grpotrl report: error:` line
     args = parser.parse_args(argv)
-    paths = write_report(args.output_dir, args.out)
+    state_path = find_state(args.output_dir)
+    paths = write_report(args.output_dir, args.out, state_path)
+    step = state_step(state_path)
     print(f"grpotrl report: {len(paths) - 1} panels ({', '.join(p for p in paths if p != 'report')}) in "
-          f"{os.path.dirname(paths['report'])}")
+          f"{os.path.dirname(paths['report'])}, from {os.path.relpath(state_path, args.output_dir)}"
+          + (f" (step {step})" if step is not None else ""))
 
 
 def _usage_error(message: str):

@@ -8,11 +8,12 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 * ``normalize_generation_kwargs``: ``generation_kwargs``' temperature / repetition_penalty / min_new_tokens (or
   vLLM's min_tokens) become the fields grpotrl reads (I5, I6); the one step here that changes the config.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
-* ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, sampler gap, CAGrad, the
-  adaptive entropy range I7, sampling settings grpotrl would otherwise drop, I6, greedy decoding, which
-  samples no group, beam sampling where the sampler's logprobs are recorded, ``generation_kwargs`` under which
-  ``generate`` cannot return one completion per prompt row, the KL's placement). ``UNRUNNABLE_GENERATION`` and
-  ``SAMPLING_CHANGES`` also say what the same fields do in a model's own generation_config.json (``preflight``).
+* ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, a rule that ``health_rule_actions`` sets to
+  stop or warn while its own setting turns it off among them, sampler gap, CAGrad, the adaptive entropy range I7,
+  sampling settings grpotrl would otherwise drop, I6, greedy decoding, which samples no group, beam sampling where
+  the sampler's logprobs are recorded, ``generation_kwargs`` under which ``generate`` cannot return one completion
+  per prompt row, the KL's placement). ``UNRUNNABLE_GENERATION`` and ``SAMPLING_CHANGES`` also say what the same
+  fields do in a model's own generation_config.json (``preflight``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ from ..ops.losses import kl_estimator_name
 
 HEALTH_RULES = ("non_finite", "nonfinite_reward", "chat_header", "entropy_collapse", "one_token", "flat_rewards")
 HEALTH_ACTIONS = ("stop", "warn", "off")
+# rule -> (its setting, the test of a value that turns the rule off, what to set instead): where
+# health_rule_actions sets the rule to 'stop' or 'warn', such a value is refused (``_check_rules_can_fire``)
+HEALTH_RULE_OFF = {
+    "entropy_collapse": ("health_min_entropy", lambda v: v <= 0, "the mean token entropy (nats) to fire below, e.g. "
+                         "0.02 (the default)"),
+    "one_token": ("health_max_one_token_share", lambda v: v >= 1, "the share of 1-token completions to fire above, "
+                  "e.g. 0.5 (the default)"),
+    "flat_rewards": ("health_flat_reward_steps", lambda v: v == 0, "the consecutive flat steps to fire after, e.g. 20 "
+                     "(the default)"),
+}
 
 
 def _real(v) -> bool:
@@ -212,6 +223,7 @@ def check_grpotrl_fields(args) -> None:
                                             for k, v in actions.items()):
         raise InputError(f"health_rule_actions={actions!r}: map rule names {list(HEALTH_RULES)} to one of "
                          f"{list(HEALTH_ACTIONS)}, e.g. {{'entropy_collapse': 'stop'}}.")
+    _check_rules_can_fire(args, actions)
     if args.sampler_gap_action not in ("warn", "stop", "off"):
         raise InputError(f"sampler_gap_action={args.sampler_gap_action!r}: use 'warn', 'stop' or 'off'.")
     if not (isinstance(args.sampler_gap_threshold, (int, float)) and args.sampler_gap_threshold > 0
@@ -231,6 +243,19 @@ def check_grpotrl_fields(args) -> None:
         raise InputError(f"entropy_coef_min={args.entropy_coef_min}, entropy_coef_max={args.entropy_coef_max}: "
                          "TRL's adaptive controller moves the entropy bonus coefficient between them, and c < 0 "
                          "would minimise entropy (INVARIANT I7). Use 0 <= entropy_coef_min <= entropy_coef_max.")
+
+
+def _check_rules_can_fire(args, actions: dict) -> None:
+    """A rule that ``health_rule_actions`` sets to 'stop' or 'warn' while its own setting turns it off
+    (``HEALTH_RULE_OFF``: ``health_min_entropy`` 0, ``health_max_one_token_share`` 1, ``health_flat_reward_steps``
+    0) could never fire: refused, naming both. Under ``health_action`` alone such a value is that rule's 'off', as
+    documented, and is taken."""
+    for rule, (name, off, what) in HEALTH_RULE_OFF.items():
+        action, value = actions.get(rule), getattr(args, name, None)
+        if action in ("stop", "warn") and value is not None and off(value):
+            raise InputError(f"health_rule_actions={{'{rule}': '{action}'}} with {name}={value!r}: that value turns "
+                             f"the {rule} rule off, so it can never {action}. Set {name} to {what}, or set "
+                             f"health_rule_actions' {rule} to 'off' (or drop it).")
 
 
 PADDING_FREE = (True, False, "auto", "true", "false")
