@@ -24,6 +24,9 @@ failure per row. After ``max_failed_batches`` consecutive calls in which no row 
 ``JudgeError`` stops training, naming the judge, the last HTTP status and the last error. The calls,
 the last status and the last error are kept per task (``tasks.reward_task``): one judge shared by two
 tasks, of which one always fails, stops all the same, and neither task reports the other's status or error.
+``LocalJudge`` keeps the same contract for its own faults (``LOCAL_FAILURE_REASONS``): an input longer than its
+model's context is not cut but unscored (``too_long``), an exception in its forward leaves that forward's rows
+unscored (``model_error``), and ``max_failed_batches`` counts its calls without a score the same way.
 
 The API key. Read from the variable ``api_key_env`` names at each call, sent only as the
 ``Authorization`` header. Server text is redacted (``redact``: the header value and the key,
@@ -55,6 +58,8 @@ import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 import torch
@@ -66,8 +71,9 @@ from .rubrics import Rubric, parse_verdict, prompt_text
 from .rules import completion_text
 from .tasks import reward_task, rows_of
 
-# Statuses worth asking again: overload and server-side errors.
+# Statuses worth asking again: overload and server-side errors; those whose Retry-After is honoured.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+_RETRY_AFTER_STATUS = {429, 503}
 _MAX_RETRY_AFTER_S = 60.0
 _ERROR_BODY_BYTES = 4096  # of a non-200 body: enough for the note, the rest is not read
 NOTE_CHARS = 200  # of server text kept per row (cache, completion logs, errors)
@@ -88,6 +94,15 @@ FAILURE_REASONS = (
     "tool_call",              # finish_reason "tool_calls" / "function_call": a call, no verdict text
     "unfinished",             # any other finish_reason than those above and _FINISHED: not read for a verdict
 )
+# Why a row got no score from a LocalJudge (the same metrics):
+LOCAL_FAILURE_REASONS = (
+    "too_long",     # its judge input does not fit the judge model's context: not cut (a cut may change the
+                    # verdict), not scored
+    "model_error",  # the judge model's forward raised (out of memory, ...): no row of that forward is scored
+    "no_verdict",   # no probability on the scale (it underflowed) or logits that are not finite
+)
+# transformers' model_max_length when the tokenizer's files set none (VERY_LARGE_INTEGER): not a context length.
+_UNSET_MAX_LENGTH = 10 ** 12
 # A reply the judge ended itself: OpenAI's "stop", none given, and TGI's names for it before it wrote "stop".
 # Every other finish_reason gives no score: its reason, or "unfinished" for a value not named here.
 _FINISHED = {None, "stop", "eos_token", "stop_sequence"}
@@ -237,13 +252,37 @@ def _excerpt(text: str, secrets, tail: bool = False) -> str:
     return _replaced(window, _secret_spans(window, secrets), 0, width - margin)[:NOTE_CHARS]
 
 
-def _retry_after(value: str | None) -> float | None:
-    """A 429's ``Retry-After`` in seconds (capped), or None when it is not a non-negative number."""
+def _retry_after(value: str | None, date: str | None = None) -> float | None:
+    """A 429's or 503's ``Retry-After`` in seconds, capped at ``_MAX_RETRY_AFTER_S``: a number of seconds, or an
+    HTTP date (RFC 9110), counted from the response's ``Date`` when it has one (the server's clock, whatever this
+    machine's says) or from now; a date already past is 0. None when it is neither.
+
+    >>> _retry_after("7"), _retry_after("Wed, 21 Oct 2015 07:28:30 GMT", "Wed, 21 Oct 2015 07:28:00 GMT")
+    (7.0, 30.0)
+    >>> _retry_after("3600"), _retry_after("soon"), _retry_after("-1")
+    (60.0, None, None)
+    """
+    if value is None:
+        return None
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
-        return None
+    except ValueError:
+        try:
+            then = _http_date(value)
+        except (TypeError, ValueError, IndexError, OverflowError):  # what email.utils raises for a bad date
+            return None
+        try:
+            now = _http_date(date) if date is not None else datetime.now(timezone.utc)
+        except (TypeError, ValueError, IndexError, OverflowError):  # an unreadable Date: this machine's clock
+            now = datetime.now(timezone.utc)
+        seconds = max((then - now).total_seconds(), 0.0)
     return min(seconds, _MAX_RETRY_AFTER_S) if seconds >= 0 else None  # NaN fails the test too
+
+
+def _http_date(text: str) -> datetime:
+    """An HTTP date (``Wed, 21 Oct 2015 07:28:00 GMT``, or the obsolete forms RFC 9110 still accepts) in UTC."""
+    when = parsedate_to_datetime(text)
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)  # asctime form: UTC (RFC 9110)
 
 
 async def _read_capped(response, cap: int) -> tuple[bytes, bool]:
@@ -301,9 +340,15 @@ class HttpJudge:
             before it is cut short or kept.
         name: metric and reward-column name (default: the rubric's name).
         max_concurrency: requests in flight at once.
-        timeout: seconds per attempt, whole request and reply included.
+        timeout: seconds per attempt, whole request and reply included. A row's attempts and the
+            waits between them end within ``(max_retries + 1) * timeout`` seconds of its first attempt,
+            and a call within ``ceil(rows / max_concurrency)`` times that (rows: the distinct pairs not
+            in the cache): a row keeps its slot through its waits, a retry whose wait would end past the
+            row's bound is not made (the row keeps its last failure), and the last attempt gets only
+            what is left of the bound (reason ``timeout`` when that runs out).
         max_retries: further attempts after a timeout, a transport error, 429 or 5xx, with
-            exponential backoff from ``backoff`` seconds (a 429's ``Retry-After`` wins, capped).
+            exponential backoff from ``backoff`` seconds; a 429's or 503's ``Retry-After``, in seconds or
+            as an HTTP date, wins, capped at 60 s.
         max_tokens: the judge's reply, at most this many tokens. A reply the server cut at this
             limit (``finish_reason`` ``"length"``) gives ``None`` (reason ``truncated``), whatever
             verdict lines it holds: the verdict it was to end with may be missing or cut
@@ -504,34 +549,48 @@ class HttpJudge:
         """One row: attempts until a usable answer, a failure not worth repeating, or no retries left."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": self.temperature}
-        attempt = 0
-        while True:
-            async with slots:
+        loop = asyncio.get_running_loop()
+        bound = (self.max_retries + 1) * self.timeout
+        async with slots:  # held through the waits as well: a call's time is bounded by its rows' (class docstring)
+            deadline = loop.time() + bound
+            attempt = 0
+            while True:
                 self.requests += 1
-                verdict, status, retry, retry_after = await self._attempt(client, body, secrets)
-            verdict.status = status
-            self._record(task, status, self._error(verdict) if verdict.reason is not None else None)
-            if not retry or attempt == self.max_retries:
-                return verdict
-            wait = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
-            await asyncio.sleep(retry_after if retry_after is not None else wait)
-            attempt += 1
+                verdict, status, retry, retry_after = await self._attempt(client, body, secrets,
+                                                                          deadline - loop.time())
+                verdict.status = status
+                wait = (retry_after if retry_after is not None
+                        else self.backoff * 2**attempt * random.uniform(0.5, 1.0))
+                again = retry and attempt < self.max_retries
+                if again and loop.time() + wait >= deadline:  # no time left to ask after the wait
+                    again = False
+                    verdict.note += (f" (not asked again: a wait of {wait:.3g} s would pass the row's bound of "
+                                     f"(max_retries + 1) * timeout = {bound:.3g} s)")
+                self._record(task, status, self._error(verdict) if verdict.reason is not None else None)
+                if not again:
+                    return verdict
+                await asyncio.sleep(wait)
+                attempt += 1
 
-    async def _attempt(self, client, body: dict, secrets: tuple) -> tuple[_Verdict, int, bool, float | None]:
-        """One HTTP exchange -> (verdict, HTTP status or 0 when no whole reply came, worth retrying,
-        a 429's Retry-After). Never raises but for cancellation: whatever the server or the
-        transport does becomes a verdict with a reason (I8)."""
+    async def _attempt(self, client, body: dict, secrets: tuple,
+                       left: float) -> tuple[_Verdict, int, bool, float | None]:
+        """One HTTP exchange, given ``timeout`` or the ``left`` seconds of its row's bound if fewer -> (verdict,
+        HTTP status or 0 when no whole reply came, worth retrying, a 429's or 503's Retry-After). Never raises
+        but for cancellation: whatever the server or the transport does becomes a verdict with a reason (I8)."""
         status, encoding = 0, ""
         httpx = _httpx()
+        limit = min(self.timeout, max(left, 0.0))
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(limit):
                 async with client.stream("POST", f"{self.base_url}/chat/completions", json=body) as response:
                     status, encoding = response.status_code, response.headers.get("content-encoding", "")
-                    retry_after = _retry_after(response.headers.get("retry-after")) if status == 429 else None
+                    retry_after = (_retry_after(response.headers.get("retry-after"), response.headers.get("date"))
+                                   if status in _RETRY_AFTER_STATUS else None)
                     cap = self.max_reply_bytes if status == 200 else _ERROR_BODY_BYTES
                     data, complete = await _read_capped(response, cap)
         except (TimeoutError, httpx.TimeoutException):
-            return _Verdict(None, f"timeout after {self.timeout} s", "timeout"), 0, True, None
+            rest = "" if limit == self.timeout else " (what was left of the row's bound, (max_retries + 1) * timeout)"
+            return _Verdict(None, f"timeout after {limit:.3g} s{rest}", "timeout"), 0, True, None
         except httpx.DecodingError as e:  # a corrupt gzip/deflate/zstd body
             note = _excerpt(f"HTTP {status} with a body that cannot be decoded ({encoding or 'identity'}): {e}",
                             secrets)
@@ -661,29 +720,82 @@ def _is_loopback(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def _context_length(model, tokenizer) -> tuple[int | None, str]:
+    """The most tokens the judge model reads at once, and which setting says so: the smaller of its config's
+    max positions and the tokenizer's ``model_max_length`` (where set); ``(None, "")`` when neither says.
+
+    >>> from types import SimpleNamespace
+    >>> gpt2 = SimpleNamespace(config=SimpleNamespace(n_positions=1024))
+    >>> _context_length(gpt2, SimpleNamespace(model_max_length=512)), _context_length(gpt2, SimpleNamespace())
+    ((512, 'tokenizer.model_max_length'), (1024, 'config.n_positions'))
+    """
+    found = []
+    config = getattr(model, "config", None)
+    if config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's text model
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(text, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append((value, f"config.{attr}"))
+                break
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < _UNSET_MAX_LENGTH:
+        found.append((value, "tokenizer.model_max_length"))
+    return min(found) if found else (None, "")
+
+
 class LocalJudge:
     """Scores with a causal LM in memory, G-Eval style: the rubric's messages go through the
     judge tokenizer's chat template with the generation prompt, the reply is pre-filled with
     ``VERDICT: ``, and the score is the expectation of the scale under the next-token
     distribution restricted to the scale's digits, read at each row's last real token (I9).
     Logs ``judge/<name>/verdict_mass``: the probability the judge put on the scale at all (low
-    means it would not have answered in format).
+    means it would not have answered in format), ``judge/<name>/missing_share`` and
+    ``judge/<name>/failed/<reason>`` (share of rows per ``LOCAL_FAILURE_REASONS``), and through
+    ``log_extra`` the failure per row.
+
+    Failures (I8) give ``None`` for the rows they touch, never a score and never an exception:
+    a row whose judge input (rubric, prompt, completion and the pre-filled verdict line) is longer than
+    ``max_input_tokens`` is not cut but left unscored (``too_long``): cutting the completion, at
+    its end or its middle, can hide what the verdict turns on (a falsehood in its last sentence); an
+    exception in a forward (out of memory, ...) leaves that forward's ``batch_size`` rows unscored
+    (``model_error``) and the other forwards' scores stand. After ``max_failed_batches`` calls in a
+    row without one score (0: never), counted per task like ``HttpJudge``'s, ``JudgeError`` stops the run.
 
     The scale must be one token per score for this tokenizer (single digits: the default
     1-5); otherwise construction fails and says so.
     """
 
     PREFILL = "VERDICT:"
+    VERDICT_TOKENS = 1  # the score's own token, after the input: it needs a position in the context too
 
-    def __init__(self, model, tokenizer, rubric: Rubric, *, name: str | None = None, batch_size: int = 4):
+    def __init__(self, model, tokenizer, rubric: Rubric, *, name: str | None = None, batch_size: int = 4,
+                 max_failed_batches: int = 3):
         self.model, self.tokenizer, self.rubric, self.batch_size = model, tokenizer, rubric, batch_size
         self.name = self.__name__ = name or f"local_{rubric.name}"
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"LocalJudge {self.name!r}: batch_size must be an integer >= 1; got {batch_size!r}.")
+        for setting, value, low in (("batch_size", batch_size, 1), ("max_failed_batches", max_failed_batches, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"LocalJudge {self.name!r}: {setting} must be an integer >= {low}; got {value!r}.")
         if tokenizer.pad_token_id is None:
             raise InputError(f"LocalJudge {self.name!r}: the tokenizer has no pad token; set "
                              "tokenizer.pad_token = tokenizer.eos_token (padding is masked out).")
         self.prefill, self.score_ids = self._scale_tokens()
+        self.max_failed_batches = max_failed_batches
+        context, self._context_from = _context_length(model, tokenizer)
+        # The most tokens one judge input may have (None: neither the config nor the tokenizer says).
+        self.max_input_tokens = context - self.VERDICT_TOKENS if context is not None else None
+        # As HttpJudge's: per task, consecutive calls without a score and what went wrong last; rows without a
+        # score so far, by reason.
+        self.failed_batches: Counter[str | None] = Counter()
+        self.last_errors: dict[str | None, str] = {}
+        self._last_error = ""
+        self.failures = Counter()
+
+    @property
+    def last_error(self) -> str:
+        """What went wrong last with a row, whichever task it was for (``""``: nothing yet); a task's own is
+        ``last_errors[task]``."""
+        return self._last_error
 
     def _scale_tokens(self) -> tuple[str, list[int]]:
         """``VERDICT: `` then digits (SmolLM2, Llama 3), or ``VERDICT:`` then `` 4`` (GPT-2):
@@ -709,47 +821,115 @@ class LocalJudge:
                 for p, c, r in zip(prompts, completions, rows, strict=True)]
 
     @torch.inference_mode()
-    def scores(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expected score on the rubric's scale and the probability mass on it, per text."""
+    def _score(self, texts: list[str]) -> tuple[list[_Verdict], list[float]]:
+        """A verdict per text (its score on the rubric's scale, or None with a reason) and the probability mass
+        each scored text put on the scale."""
         values = torch.arange(self.rubric.low, self.rubric.high + 1, dtype=torch.float32)  # [S]
-        expected, mass = [], []
+        verdicts: list[_Verdict | None] = [None] * len(texts)
+        # The template already holds BOS where the model wants one (I1: no doubled BOS).
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        fit = []
+        for i, length in enumerate(lengths):
+            if self.max_input_tokens is not None and length > self.max_input_tokens:
+                verdicts[i] = _Verdict(None, self._too_long(length), "too_long")
+            else:
+                fit.append(i)
+        masses = []
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(texts), self.batch_size):
-                # The template already holds BOS where the model wants one (I1: no doubled BOS).
-                enc = self.tokenizer(texts[start:start + self.batch_size], add_special_tokens=False, padding=True,
-                                     return_tensors="pt").to(self.model.device)
-                last = last_token_index(enc["attention_mask"])  # [B]
-                keep = torch.unique(last)  # [K] positions whose logits are needed
-                logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                    position_ids=position_ids_from_mask(enc["attention_mask"]),
-                                    logits_to_keep=keep).logits  # [B, K, V]
-                at_last = logits[torch.arange(len(last)), torch.searchsorted(keep, last)]  # [B, V]
-                probs = at_last.float().softmax(-1)[:, self.score_ids].cpu()  # [B, S]
-                mass.append(probs.sum(-1))
-                expected.append((probs * values).sum(-1) / probs.sum(-1).clamp_min(1e-30))
+            for start in range(0, len(fit), self.batch_size):
+                chunk = fit[start:start + self.batch_size]
+                try:
+                    enc = self.tokenizer([texts[i] for i in chunk], add_special_tokens=False, padding=True,
+                                         return_tensors="pt").to(self.model.device)
+                    last = last_token_index(enc["attention_mask"])  # [B]
+                    keep = torch.unique(last)  # [K] positions whose logits are needed
+                    logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                        position_ids=position_ids_from_mask(enc["attention_mask"]),
+                                        logits_to_keep=keep).logits  # [B, K, V]
+                    at_last = logits[torch.arange(len(last)), torch.searchsorted(keep, last)]  # [B, V]
+                    probs = at_last.float().softmax(-1)[:, self.score_ids].cpu()  # [B, S]
+                except Exception as err:  # noqa: BLE001 - out of memory, a device or kernel error: these rows only
+                    note = self._forward_error(err, len(chunk))
+                    for i in chunk:
+                        verdicts[i] = _Verdict(None, note, "model_error")
+                    continue
+                mass = probs.sum(-1)  # [B]
+                expected = (probs * values).sum(-1) / mass.clamp_min(1e-30)  # [B]
+                for i, e, m in zip(chunk, expected.tolist(), mass.tolist()):
+                    # No mass on the scale (it underflowed) or non-finite logits: no verdict, never a made-up score.
+                    if math.isfinite(e) and math.isfinite(m) and m > 0:
+                        verdicts[i] = _Verdict(e, f"expected score {e:.3f}, mass on the scale {m:.3f}", None)
+                    else:
+                        verdicts[i] = _Verdict(None, f"no probability on the scale (mass {m!r}); the judge would "
+                                               "not answer in format", "no_verdict")
+                    if math.isfinite(m):
+                        masses.append(m)
         finally:
             self.model.train(was_training)
-        return torch.cat(expected), torch.cat(mass)
+        return verdicts, masses
+
+    def _too_long(self, length: int) -> str:
+        context = self.max_input_tokens + self.VERDICT_TOKENS
+        return (f"the judge input is {length} tokens (rubric, prompt, completion and 'VERDICT:'), over the "
+                f"{self.max_input_tokens} its context allows ({self._context_from} = {context}, less "
+                f"{self.VERDICT_TOKENS} for the verdict); not cut, since a cut completion may change the verdict: "
+                "lower max_completion_length, or judge with a model of a longer context")
+
+    def _forward_error(self, err: Exception, rows: int) -> str:
+        message = str(err).strip().splitlines()[0][:NOTE_CHARS] if str(err).strip() else ""
+        advice = "see the error"
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in message.lower():
+            advice = (f"lower batch_size (now {self.batch_size}) or max_completion_length, or put the judge on a "
+                      "device with free memory")
+        return (f"the judge model's forward raised {type(err).__name__}: {message}; its {rows} rows are not scored: "
+                f"{advice}")
 
     def __call__(self, prompts, completions, log_metric: Callable | None = None,
                  log_extra: Callable | None = None, **columns) -> list[float | None]:
+        task = reward_task.get()
         rows = _rows(columns, self.rubric, len(completions), self.name)
         usable = [i for i, r in enumerate(rows) if _has_columns(r)]
-        out: list[float | None] = [None] * len(completions)
+        verdicts: list[_Verdict | None] = [None] * len(completions)
+        masses: list[float] = []
         if usable:
             texts = self._texts([prompts[i] for i in usable], [completions[i] for i in usable],
                                 [rows[i] for i in usable])
-            expected, mass = self.scores(texts)
-            for i, e, m in zip(usable, expected.tolist(), mass.tolist()):
-                # No mass on the scale (it underflowed) or non-finite logits: no verdict, never a made-up score.
-                out[i] = self.rubric.normalise(e) if math.isfinite(e) and math.isfinite(m) and m > 0 else None
-            if log_metric is not None:
-                log_metric(f"judge/{self.name}/verdict_mass", mass.mean().item())
+            scored, masses = self._score(texts)
+            for i, v in zip(usable, scored, strict=True):
+                verdicts[i] = v
+        asked = [v for v in verdicts if v is not None]
+        out = [self.rubric.normalise(v.score) if v is not None and v.score is not None else None for v in verdicts]
+        reasons = Counter(v.reason for v in asked if v.reason is not None)
+        self.failures.update(reasons)
+        failed = [v for v in asked if v.reason is not None]
+        if failed:
+            self.last_errors[task] = self._last_error = failed[-1].note
+        n = max(len(out), 1)
         if log_metric is not None:
-            log_metric(f"judge/{self.name}/missing_share", sum(s is None for s in out) / max(len(out), 1))
+            if masses:
+                log_metric(f"judge/{self.name}/verdict_mass", sum(masses) / len(masses))
+            log_metric(f"judge/{self.name}/missing_share", sum(s is None for s in out) / n)
+            for reason in LOCAL_FAILURE_REASONS:  # every reason every call: TRL averages each over the steps it got
+                log_metric(f"judge/{self.name}/failed/{reason}", reasons[reason] / n)
+        if log_extra is not None:
+            log_extra(f"judge/{self.name}", [v.note if v is not None else "row lacks a rubric column"
+                                             for v in verdicts])
+        self._count_failure(task, asked)
         return out
+
+    def _count_failure(self, task: str | None, asked: list[_Verdict]) -> None:
+        """As ``HttpJudge._count_failure``: a call in which no row of ``asked`` got a score counts against
+        ``task``, a call that scored one resets it, and ``max_failed_batches`` in a row raise ``JudgeError``."""
+        failed = bool(asked) and all(v.score is None for v in asked)
+        self.failed_batches[task] = self.failed_batches[task] + 1 if failed else 0
+        if self.max_failed_batches and self.failed_batches[task] >= self.max_failed_batches:
+            of_task = f" on task {task!r}" if task is not None else ""
+            raise JudgeError(
+                f"local judge {self.name!r} gave no score for {self.failed_batches[task]} batches in a row{of_task} "
+                f"(last batch: {len(asked)} rows); last error: {asked[-1].note}. Or raise max_failed_batches (now "
+                f"{self.max_failed_batches}; 0 never stops).")
 
 
 class JudgeRouter:

@@ -41,7 +41,7 @@ RUBRICS = {"fairness": FAIRNESS, "hallucination": HALLUCINATION}
 COMMON_KEYS = {"rubric", "rubric_columns"}
 HTTP_KEYS = COMMON_KEYS | {"base_url", "model", "api_key_env", "max_concurrency", "timeout", "max_retries", "backoff",
                            "max_tokens", "temperature", "max_failed_batches", "cache_size", "max_reply_bytes"}
-LOCAL_KEYS = COMMON_KEYS | {"model_path", "batch_size"}
+LOCAL_KEYS = COMMON_KEYS | {"model_path", "batch_size", "max_failed_batches"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JUDGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -59,6 +59,7 @@ class LocalJudgeSpec:
     rubric: Rubric
     model_path: str
     batch_size: int = 4
+    max_failed_batches: int = 3
 
     def load(self, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,7 +68,8 @@ class LocalJudgeSpec:
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path).to(device).eval()
-        return LocalJudge(model, tokenizer, self.rubric, name=self.name, batch_size=self.batch_size)
+        return LocalJudge(model, tokenizer, self.rubric, name=self.name, batch_size=self.batch_size,
+                          max_failed_batches=self.max_failed_batches)
 
 
 def parse_judges(judges: Mapping | str | None) -> dict:
@@ -135,7 +137,11 @@ def _judge(name, settings):
         if batch_size < 1:
             raise InputError(f"{where}.batch_size must be an integer >= 1 (rows per forward of the judge), got "
                              f"{batch_size}.")
-        return LocalJudgeSpec(name, rubric, path, batch_size=batch_size)
+        max_failed_batches = _number(settings, "max_failed_batches", 3, int, where)
+        if max_failed_batches < 0:
+            raise InputError(f"{where}.max_failed_batches must be an integer >= 0 (calls in a row without a score "
+                             f"before JudgeError; 0 never stops), got {max_failed_batches}.")
+        return LocalJudgeSpec(name, rubric, path, batch_size=batch_size, max_failed_batches=max_failed_batches)
     if "model" not in settings:
         raise InputError(f"{where} has no `model`: the model name the server at base_url serves (the `model` "
                          "field of each request).")
