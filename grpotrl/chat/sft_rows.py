@@ -130,8 +130,7 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
     row = tokenize_i2_row(i2_row, tok, stop_ids, config_kwargs, training, assistant_masks=True)
     mask = [int(c and a) for c, a in zip(row["completion_mask"], row["assistant_masks"])]
     in_loss = [t for t, m in zip(row["input_ids"], mask) if m]
-    ends_with_stop = templates.writes_stop_after_turn(tok, stop_ids, training)
-    if in_loss and in_loss[-1] not in stop_ids and ends_with_stop:
+    if in_loss and in_loss[-1] not in stop_ids and templates.writes_stop_after_turn(tok, stop_ids, training):
         raise InputError(
             f"assistant_only_loss=True on the chat template of {name!r}: its `{{% generation %}}` block ends before "
             f"the end-of-turn token, so the first row's loss ends with {tok.decode(in_loss[-1:])!r}, not a stop "
@@ -140,21 +139,9 @@ def assistant_only_template(tokenizer, stop_ids: list[int], i2_row: dict | None 
             "completion_only_loss already trains on the response and its end-of-turn token only."
         )
     kw = {**(config_kwargs or {}), **(i2_row.get("chat_template_kwargs") or {})}
-    notes: list[str] = []  # each turn of the completion the markers mark, as on `messages` rows
-    gen = templates.generation_prompt_ids(tok, **kw)  # RL's: the tokenizer's own template
-    problems = assistant_mask_problems(tok, row["input_ids"], mask, stop_ids, [gen], ends_with_stop,
-                                       i2_row["completion"], whitespace=notes)
-    if problems:
-        raise InvariantError(
-            "I2",
-            f"assistant_only_loss=True on prompt/completion rows: the chat template of {name!r} marks the first "
-            "row's completion wrongly: " + "; ".join(problems) + ".\n"
-            f"    in the loss: {_clip(_decode(tok, in_loss))!r}\n"
-            f"{MARKERS_RULE} Fix the template's markers (`chat_template_path`, or `tokenizer.chat_template`), or drop "
-            "assistant_only_loss: completion_only_loss then trains the whole completion."
-        )
-    if notes:
-        warn_whitespace_in_loss(notes)
+    _check_first_row_mask(tok, name, stop_ids, row["input_ids"], mask, i2_row["completion"], kw, training,
+                          "prompt/completion rows", "completion",
+                          "drop assistant_only_loss: completion_only_loss then trains the whole completion.")
     return training
 
 
@@ -183,27 +170,36 @@ def _check_messages_row(tok, name: str, stop_ids: list[int], row: dict, config_k
     kw = {**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})}
     out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                                   chat_template=training, tools=_row_tools(row.get("tools")), **kw)
-    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    _check_first_row_mask(tok, name, stop_ids, list(out["input_ids"]), list(out["assistant_masks"]), messages, kw,
+                          training, "`messages` rows", "tokens",
+                          "pass prompt/completion rows (grpotrl tokenizes those for I2 itself); `guard_steps=0` turns "
+                          "this check off (and trains what TRL would).")
+
+
+def _check_first_row_mask(tok, name: str, stop_ids: list[int], ids: list[int], mask: list[int], messages: list[dict],
+                          kw: dict, training: str | None, rows: str, part: str, otherwise: str) -> None:
+    """``assistant_mask_problems`` on the first row's mask (``ids`` [L], ``mask`` [L]: 1 where the loss is), its
+    generation prompt rendered with the row's ``kw``: an ``InvariantError`` naming ``rows`` and the row's ``part``,
+    with the fix and ``otherwise``; whitespace around the turns, one warning."""
     gen = templates.generation_prompt_ids(tok, **kw)  # RL's: the tokenizer's own template, this row's kwargs
     notes: list[str] = []
     problems = assistant_mask_problems(tok, ids, mask, stop_ids, [gen],
                                        templates.writes_stop_after_turn(tok, stop_ids, training), messages,
                                        whitespace=notes)
-    if notes and not problems:
-        warn_whitespace_in_loss(notes)
     if problems:
         which = (f"TRL's training template for {name!r} (trl.chat_template_utils.get_training_chat_template)"
                  if training is not None else f"the chat template of {name!r}")
         raise InvariantError(
             "I2",
-            f"assistant_only_loss=True on `messages` rows: {which} marks the first row's tokens wrongly: "
+            f"assistant_only_loss=True on {rows}: {which} marks the first row's {part} wrongly: "
             + "; ".join(problems) + ".\n"
             f"    in the loss: {_clip(_decode(tok, [t for t, m in zip(ids, mask) if m]))!r}\n"
             f"    stop ids {stop_ids}\n"
             f"{MARKERS_RULE} Fix the template's markers (`chat_template_path`, or `tokenizer.chat_template`), or "
-            "pass prompt/completion rows (grpotrl tokenizes those for I2 itself); `guard_steps=0` turns this check "
-            "off (and trains what TRL would)."
+            + otherwise
         )
+    if notes:
+        warn_whitespace_in_loss(notes)
 
 
 def loss_spans(mask) -> list[tuple[int, int]]:

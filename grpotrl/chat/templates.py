@@ -208,12 +208,20 @@ def template_fingerprint(tokenizer, chat_template: str | None = None) -> dict[st
     with ``added_tokens`` to name a difference (what turns that text into ids: one template over a vocabulary
     with other or fewer tokens renders the same text into other ids). Equal fingerprints mean equal RL prompts."""
     tok = _tok(tokenizer)
-    template = chat_template or tok.chat_template or ""
-    specials = {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token")}
-    blob = json.dumps({"template": template, "specials": specials}, sort_keys=True)
     vocab = tok.get_vocab()
-    return {"sha256": hashlib.sha256(blob.encode()).hexdigest(), "specials": specials,
+    return {"sha256": _template_sha256(tok, chat_template), "specials": _specials(tok),
             "vocab_sha256": _vocab_sha256(vocab), "vocab_size": len(vocab), "added_tokens": _added_tokens(tok)}
+
+
+def _specials(tok) -> dict[str, str | None]:
+    return {k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token")}
+
+
+def _template_sha256(tok, chat_template: str | None = None) -> str:
+    """The template's and the special tokens' part of the fingerprint (``sha256``)."""
+    blob = json.dumps({"template": chat_template or tok.chat_template or "", "specials": _specials(tok)},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _vocab_sha256(vocab: dict[str, int], below: int | None = None) -> str:
@@ -430,8 +438,7 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         return True
     # TRL renders GRPO's prompts with its training variant (rl_template): SFT on that variant is SFT on RL's template;
     # SFT on the tokenizer's own is so where the two render this run's prompts alike (checked below)
-    on_rl_template = rl_template is not None and saved.get("sha256") == template_fingerprint(tokenizer, rl_template)[
-        "sha256"]
+    on_rl_template = rl_template is not None and saved.get("sha256") == _template_sha256(_tok(tokenizer), rl_template)
     if saved.get("sha256") != now["sha256"] and not on_rl_template:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
         n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))

@@ -440,8 +440,8 @@ CAGRAD_REENTRANT_ERROR = (
 def check_tasks(reward_funcs, args, train_dataset, eval_dataset) -> None:
     """``MultiTaskGRPOTrainer``'s checks, within GRPO's once the rewards are known: every row labelled
     in ``task_column``, every label with reward functions, what CAGrad needs (no ``cagrad_c`` without it, no
-    reentrant activation checkpointing, under which its per-task ``autograd.grad`` reaches no parameter). GRPO's then check each
-    task's reward columns on its own rows and turn the mapping into TRL's flat list
+    reentrant activation checkpointing, under which its per-task ``autograd.grad`` reaches no parameter).
+    GRPO's then check each task's reward columns on its own rows and turn the mapping into TRL's flat list
     (``rewards.tasks.per_task``)."""
     column = args.task_column
     for name, ds in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
