@@ -210,15 +210,26 @@ def sampler_gap_causes(measured: dict, temperature: float, threshold: float) -> 
 
 
 def gate_sampler_gap(args, mean_gap: float, step: int, temperature: float, said: set,
-                     measured: dict | None = None) -> None:
+                     measured: dict | None = None, mode: str = "train") -> None:
     """``sampler_gap_action`` when the mean sampler/trainer gap passes ``sampler_gap_threshold`` (NaN
-    too): 'stop' raises, 'warn' warns once (``said`` remembers), 'off' does nothing. The message names
-    the causes ``measured`` shows (``sampler_gap_causes``); without measurements, the likely ones."""
+    too): 'stop' raises, 'warn' warns once per ``mode`` ("train" or "eval"; ``said`` remembers), 'off' does
+    nothing. The message names the causes ``measured`` shows (``sampler_gap_causes``); without measurements,
+    the likely ones; in evaluation, that it was measured on an evaluation batch, which updates nothing.
+
+    >>> from types import SimpleNamespace as NS
+    >>> args = NS(sampler_gap_action="stop", sampler_gap_threshold=0.1)
+    >>> try: gate_sampler_gap(args, 0.5, 3, 1.0, set(), {"temperature": 1.0}, mode="eval")
+    ... except InvariantError as e: print(str(e).split(" is ")[1].split(". ")[0])
+    0.500 nats > sampler_gap_threshold=0.1 (evaluation after step 3)
+    """
     if args.sampler_gap_action == "off" or not mean_gap > args.sampler_gap_threshold:  # NaN trips it
         return
+    where, meaning = (f"evaluation after step {step}", "Measured on an evaluation batch, which updates nothing; "
+                      "training samples its completions the same way, and its update is computed for a distribution "
+                      "they were not sampled from. ") if mode == "eval" else \
+        (f"step {step}", "The update is computed for a distribution the completions were not sampled from. ")
     head = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
-            f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} (step {step}). The update is "
-            "computed for a distribution the completions were not sampled from. ")
+            f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} ({where}). {meaning}")
     causes = sampler_gap_causes(measured, temperature, args.sampler_gap_threshold) if measured else None
     if causes:
         message = head + "Measured causes: " + "; ".join(causes) + "."
@@ -237,6 +248,7 @@ def gate_sampler_gap(args, mean_gap: float, step: int, temperature: float, said:
                "sampler_gap_threshold." if own else ""))
     if args.sampler_gap_action == "stop":
         raise InvariantError("I5", message)
-    if "sampler_gap" not in said:
-        said.add("sampler_gap")
+    said_key = "sampler_gap" if mode == "train" else f"sampler_gap/{mode}"
+    if said_key not in said:
+        said.add(said_key)
         logger.warning("grpotrl: %s (said once; sampling/sampler_trainer_logp_gap/mean is logged every step)", message)

@@ -533,7 +533,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor, generated: Generated) -> None:
         """Stop tokens in prompts and completions, chat-header starts, zero rewards (``health.stop_rows``,
         ``health.batch_metrics``), the share of groups whose rewards are all equal (``health.flat_group_share``),
-        per-task lengths and rewards when rows have a ``task``; keeps the batch for ``boundary_report()``."""
+        per-task lengths and rewards when rows have a ``task``; keeps a training batch for ``boundary_report()``."""
         lengths = generated.completion_lengths  # [B]
         per_row, stop_mask, stops = health.stop_rows(_intercept.read_tokenizer(self), output, lengths,
                                                      generated.generated_stops, self.eos_token_ids, self._chat_headers)
@@ -547,6 +547,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             metrics.update({**health.task_lengths(tasks, self.accelerator.gather(lengths)),  # [B_global]
                             **health.task_rewards(tasks, rewards)})
         self._record_metrics(metrics)
+        if not self.model.training:
+            return  # boundary_report() shows what training sampled
         start = self.accelerator.process_index * len(inputs)
         self.hook_record.last_batch = {"prompt_ids": output["prompt_ids"], "prompt_mask": output["prompt_mask"],
                             "completion_ids": output["completion_ids"], "lengths": lengths,
@@ -831,7 +833,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                          corrected=bool(self.args.truncated_sampling_correction),
                          dtype=str(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), "?")))
         identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
-                                  self.temperature, self._warned, found)
+                                  self.temperature, self._warned, found, "train" if self.model.training else "eval")
 
     # ------------------------------------------------------------------ the loss's own denominator (I11)
 

@@ -75,3 +75,18 @@ def test_I5_checked_in_evaluation_is_logged_under_eval(tiny_llama, grpo_args):
     assert "eval_guards/logprob_max_gap" in logs and logs["eval_guards/logprob_max_gap"] < 1e-4, logs.keys()
     left = {k for k, v in trainer.metric_values("train").items() if v}
     assert not left, f"evaluation metrics appended to the training lists: {sorted(left)}"
+
+
+def test_boundary_report_shows_a_training_batch_after_an_evaluation(tiny_llama, grpo_args):
+    """``boundary_report()`` (the health callback prints it after the first training steps) shows what training
+    sampled: an evaluation after the last step, on prompts of its own, leaves the training batch in place."""
+    from datasets import Dataset
+
+    evals = Dataset.from_list([{"prompt": [{"role": "user", "content": "Name a colour."}], "answer": "red"}] * 8)
+    trainer = grpotrl.GRPOTrainer(tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(),
+                                  eval_dataset=evals, args=grpo_args(max_steps=1, eval_strategy="steps", eval_steps=1,
+                                                                     per_device_eval_batch_size=8))
+    trainer.train()
+    assert evaluated(trainer)  # the evaluation ran, after the training step
+    report = trainer.boundary_report()
+    assert "2?<|im_end|>" in report and "colour" not in report, report  # a training prompt's tail
