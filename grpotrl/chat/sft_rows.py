@@ -220,7 +220,8 @@ def loss_spans(mask) -> list[tuple[int, int]]:
 
 def span_problems(tokenizer, ids: list[int], spans: list[tuple[int, int]], stop_ids: list[int],
                   gen_prompts: list[list[int]] | None = None, ends_with_stop: bool = True,
-                  start_cut: bool = False, end_cut: bool = False, whitespace: list[str] | None = None) -> list[str]:
+                  start_cut: bool = False, end_cut: bool = False, whitespace: list[str] | None = None,
+                  per_turn: bool = False) -> list[str]:
     """What is wrong with the loss spans ``spans`` (``(start, end)`` in ``ids``, a row's real tokens), claiming
     only what holds: each starts right after one of ``gen_prompts`` (the template's generation prompt, one per set
     of chat_template_kwargs, as ids or, where tokens merged across the turn boundary, as text; None, or a set
@@ -231,7 +232,9 @@ def span_problems(tokenizer, ids: list[int], spans: list[tuple[int, int]], stop_
     tokenization is checked): a span that also covers whitespace the template writes around the turn -- the
     newline after the stop token, the last newline of the generation prompt, as TRL's Qwen2.5 and Qwen3 training
     templates mark -- is no problem but a sentence appended there (text RL never generates, no response token).
-    Returns one sentence per problem, naming the span by its decoded text where there are several."""
+    ``per_turn``: each span is one assistant turn (assistant masks), so one that holds a stop token before its
+    last token, followed by text, runs past its turn (the next turn's header and text in the loss). Returns one
+    sentence per problem, naming the span by its decoded text where there are several."""
     problems = []
     check_start = bool(gen_prompts) and all(gen_prompts)  # a template may write none (Mistral's)
     longest = max((len(g) for g in gen_prompts), default=0) if check_start else 0
@@ -249,6 +252,11 @@ def span_problems(tokenizer, ids: list[int], spans: list[tuple[int, int]], stop_
             else:
                 problems.append(f"{what} starts after {before!r}, not after the generation prompt "
                                 f"{_decode(tokenizer, gen_prompts[0])!r}")
+        inner = [j for j in range(s, e - 1) if ids[j] in stops]  # stop tokens before the span's last token
+        if per_turn and ends_with_stop and inner and _decode(tokenizer, ids[inner[0] + 1:e]).strip():
+            problems.append(f"{what} runs past the end of its turn: after the stop token "
+                            f"{_decode(tokenizer, ids[inner[0]:inner[0] + 1])!r} it holds "
+                            f"{_clip(_decode(tokenizer, ids[inner[0] + 1:e]))!r}, text RL never generates")
         if ends_with_stop and not (end_cut and e == len(ids)) and ids[e - 1] not in stops:
             after = next((j for j in range(e - 1, s - 1, -1) if ids[j] in stops), None)
             trailer = None if after is None else _decode(tokenizer, ids[after + 1:e])
@@ -292,13 +300,14 @@ def assistant_mask_problems(tokenizer, ids: list[int], mask: list[int], stop_ids
     """I2 on one tokenized row's assistant mask (``ids`` its real tokens, ``mask`` 1 where TRL trains): every
     maximal masked span passes ``span_problems`` (right after a generation prompt, ending with a stop token,
     where verifiable). Given the row's ``messages`` (untruncated: ``start_cut`` and ``end_cut`` False), also: no
-    more spans than assistant messages, and where there are as many, span k's text holds the last line of the
-    k-th assistant message's content, whitespace aside (a message without text content, such as a tool call,
-    is not compared; a template may trim content or drop a reasoning block before it, never its last line).
+    more spans than assistant messages, and where there are as many, span k's text ends with the last line of the
+    k-th assistant message's content before its stop token, whitespace aside (holds it, where the message also
+    has tool calls, which templates write after the content, or the template writes no stop token; a message
+    without text content, such as a tool call, is not compared; a template may trim content or drop a reasoning block before it, never its last line).
     ``whitespace``: as ``span_problems``'s. Returns one sentence per problem (none: the mask is what I2 asks)."""
     spans = loss_spans(mask)
     problems = span_problems(tokenizer, ids, spans, stop_ids, gen_prompts, ends_with_stop, start_cut, end_cut,
-                             whitespace)
+                             whitespace, per_turn=True)
     if messages is None:
         return problems
     replies = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
@@ -310,8 +319,18 @@ def assistant_mask_problems(tokenizer, ids: list[int], mask: list[int], stop_ids
             content = reply.get("content")
             lines = [ln for ln in content.splitlines() if ln.strip()] if isinstance(content, str) else []
             text = _decode(tokenizer, ids[s:e])
-            if lines and " ".join(lines[-1].split()) not in " ".join(text.split()):
-                problems.append(f"loss span {k + 1} ({_clip(text)!r}) does not hold assistant message {k + 1}'s "
+            if not lines:
+                continue
+            last = " ".join(lines[-1].split())
+            # without tool calls the turn's text ends with its content: the content's last line is the span's
+            # last text before its stop token (a one-character answer found anywhere in the span proves nothing)
+            stop = next((j for j in range(e - 1, s - 1, -1) if ids[j] in stop_ids), None) if ends_with_stop else None
+            ends = stop is not None and not reply.get("tool_calls")  # else: where the content ends is not known
+            held = " ".join(_decode(tokenizer, ids[s:stop]).split()).endswith(last) if ends \
+                else last in " ".join(text.split())
+            if not held:
+                verb = "end with" if ends else "hold"
+                problems.append(f"loss span {k + 1} ({_clip(text)!r}) does not {verb} assistant message {k + 1}'s "
                                 f"content {_clip(lines[-1])!r}")
     return problems
 

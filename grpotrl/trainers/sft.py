@@ -306,7 +306,7 @@ def check_sft_labels(tokenizer, inputs: dict, stop_ids: list[int], gen_prompts: 
             problems.append("tokens after the loss span are not padding")
         problems += span_problems(tokenizer, row, spans, stop_ids, gen_prompts, ends_with_stop,
                                   start_cut=cut and keep_end, end_cut=cut and not keep_end,
-                                  whitespace=notes if holes else None)
+                                  whitespace=notes if holes else None, per_turn=holes)
         if problems:
             why = (f"These are `messages` rows: TRL built their labels from the chat template's assistant masks. "
                    f"{MARKERS_RULE} Fix the template's markers (for every row: its tools and chat_template_kwargs "

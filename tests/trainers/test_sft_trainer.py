@@ -369,7 +369,7 @@ NO_GEN_PROMPT_USER_MARKED = (
     (USER_MARKED, r"loss span 1 of 2 \('What is 0 \+ 1\?<\|im_end\|>'\) starts after '<\|im_start\|>user\\n', not "
                   r"after the generation prompt '<\|im_start\|>assistant\\n'.*2 spans and the row 1 assistant message"),
     (HEADER_MARKED, r"the loss starts after .*, not after the generation prompt '<\|im_start\|>assistant\\n'"),
-    (NO_GEN_PROMPT_USER_MARKED, r"loss span 1 \('\[INST\] What is 0 \+ 1\? \[/INST\]<\|im_end\|>'\) does not hold "
+    (NO_GEN_PROMPT_USER_MARKED, r"loss span 1 \('\[INST\] What is 0 \+ 1\? \[/INST\]<\|im_end\|>'\) does not end with "
                                 r"assistant message 1's content 'It is 1.'"),
 ], ids=["user_turn", "header_before_the_generation_prompt", "no_generation_prompt"])
 def test_I2_messages_template_marking_other_tokens_stops_before_the_model_loads(template, match, tiny_llama,
@@ -461,7 +461,7 @@ def test_I2_assistant_mask_problems_names_each_broken_claim(smollm2_tokenizer):
                      "spans end with '\\n' after the stop token '<|im_end|>'"]
     assert problems([0] * 8 + [1] * 5, whitespace=[]).startswith("the loss starts after")  # "assistant" is text
     messages[1]["content"] = "C"
-    assert problems(good) == "loss span 1 ('B<|im_end|>') does not hold assistant message 1's content 'C'"
+    assert problems(good) == "loss span 1 ('B<|im_end|>') does not end with assistant message 1's content 'C'"
     messages[1] = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}
     assert problems(good) == ""  # no text to compare
     # a template that writes no generation prompt (Mistral's) or no stop token: not claimed
@@ -470,6 +470,39 @@ def test_I2_assistant_mask_problems_names_each_broken_claim(smollm2_tokenizer):
     assert assistant_mask_problems(tok, ids[:11], good[:11], [2], gen, end_cut=True) == []
     assert assistant_mask_problems(tok, ids[9:], good[9:], [2], gen, start_cut=True) == []
     assert "not a stop token" in "".join(assistant_mask_problems(tok, ids[:11], good[:11], [2], gen))
+
+
+def test_I2_assistant_span_must_end_its_turn_with_the_messages_content(smollm2_tokenizer):
+    """A one-character answer proves little by being somewhere in its span: the span must end (before its stop
+    token) with the message's last line, and a span that runs past its turn's stop token into the next turn
+    (its header and the user's text in the loss) is named, whatever that text holds."""
+    from grpotrl.chat.sft_rows import assistant_mask_problems
+
+    tok = smollm2_tokenizer
+    messages = [{"role": "user", "content": "2 - 1?"}, {"role": "assistant", "content": "1"},
+                {"role": "user", "content": "0 + 1?"}, {"role": "assistant", "content": "1"}]
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True)
+    ids = list(out["input_ids"])
+    gen = [[1, 520, 9531, 198]]  # <|im_start|>assistant\n
+    starts = [i + 4 for i in range(len(ids)) if ids[i:i + 4] == gen[0]]  # each reply's first token
+    ends = [ids.index(2, s) + 1 for s in starts]  # through each reply's <|im_end|>
+    mask = [int(any(s <= i < e for s, e in zip(starts, ends))) for i in range(len(ids))]
+    assert assistant_mask_problems(tok, ids, mask, [2], gen, messages=messages) == []  # the right mask: a control
+    # the first reply's markers close at the next turn's end: "1<|im_end|>\n<|im_start|>user\n0 + 1?<|im_end|>"
+    wide = [int(starts[0] <= i < ids.index(2, ends[0]) + 1 or starts[1] <= i < ends[1]) for i in range(len(ids))]
+    assert tok.decode([t for t, m in zip(ids, wide) if m]).startswith("1<|im_end|>\n<|im_start|>user\n0 + 1?<|im_end|>1")
+    problems = "; ".join(assistant_mask_problems(tok, ids, wide, [2], gen, messages=messages))
+    assert "runs past the end of its turn: after the stop token '<|im_end|>' it holds '\\n<|im_start|>user" \
+           in problems, problems
+    # a span that holds the answer "1" only inside its other text: "1 more, so 2<|im_end|>" for reply "1"
+    other = [{**m, "content": "1 more, so 2"} if k == 1 else m for k, m in enumerate(messages)]
+    out = tok.apply_chat_template(other, tokenize=True, return_dict=True)
+    ids2 = list(out["input_ids"])
+    starts2 = [i + 4 for i in range(len(ids2)) if ids2[i:i + 4] == gen[0]]
+    ends2 = [ids2.index(2, s) + 1 for s in starts2]
+    mask2 = [int(any(s <= i < e for s, e in zip(starts2, ends2))) for i in range(len(ids2))]
+    assert assistant_mask_problems(tok, ids2, mask2, [2], gen, messages=messages) == [
+        "loss span 1 ('1 more, so 2<|im_end|>') does not end with assistant message 1's content '1'"]
 
 
 @pytest.mark.parametrize("template", ["qwen3_chat_template", "qwen2_5_chat_template"])
