@@ -5,7 +5,8 @@
 * ``template_fingerprint``: a hash of what decides prompt tokenization, stored beside every
   checkpoint (``grpotrl_template.json``, ``save_fingerprint``) and compared when RL starts from it
   (``check_fingerprint``), together with the ``chat_template_kwargs`` and the ``tools`` the prompts were
-  rendered with (``grpo_tool_sets``: the tools TRL's GRPOTrainer renders).
+  rendered with (``grpo_tool_sets``: the tools TRL's GRPOTrainer renders) and the template SFT rendered its
+  rows with where the tokenizer does not carry it (TRL's ``{% generation %}`` variant under ``assistant_only_loss``).
 * ``tokenize_sft_example``: SFT tokenization of a conversational prompt-completion row whose prefix
   is exactly the RL prompt ids and whose loss covers the response up to its end-of-turn token,
   nothing after.
@@ -255,14 +256,16 @@ def _vocab_difference(saved: dict, tok) -> str:
 
 def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None,
                      chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True,
-                     tools: list[list[dict] | None] | None = None) -> None:
+                     tools: list[list[dict] | None] | None = None, trained_template: str | None = None) -> None:
     """Write ``grpotrl_template.json``: the template's ``sha256``, ``specials`` and ``template``, plus
     keys older files lack, which readers then treat as "not recorded": ``vocab_sha256``, ``vocab_size`` and
     ``added_tokens`` (the vocabulary, ``template_fingerprint``), ``chat_template_kwargs``
     (every distinct set of kwargs the prompts were rendered with; written only when known), ``tools``
     (every distinct set of tool schemas the prompts were rendered with, null for none; written only
-    when known) and ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows,
-    which no template rendered)."""
+    when known), ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows,
+    which no template rendered) and ``trained_template`` with its ``trained_sha256`` (``_template_sha256``): the
+    template that rendered the rows' prompts where it is not the recorded one (TRL's ``{% generation %}`` variant
+    under ``assistant_only_loss``; written only then)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, FINGERPRINT_FILE + ".tmp")
     record = {**template_fingerprint(tokenizer, chat_template),
@@ -272,6 +275,9 @@ def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = Non
         record["chat_template_kwargs"] = chat_template_kwargs
     if tools is not None:
         record["tools"] = tools
+    trained_sha = _template_sha256(_tok(tokenizer), trained_template) if trained_template else None
+    if trained_sha not in (None, record["sha256"]):
+        record.update(trained_template=trained_template, trained_sha256=trained_sha)
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
     os.replace(tmp, os.path.join(output_dir, FINGERPRINT_FILE))
@@ -335,50 +341,69 @@ def grpo_prompt_template(processing_class, tool_sets: list[list | None] | None) 
 PROMPTS_RENDERED = 4096  # the prompts check_prompts_render_alike renders (a warning names those past it)
 
 
-def check_prompts_render_alike(tokenizer, rl_template: str, dataset, tool_sets: list[list | None],
-                               kwargs: dict, model_dir: str | None = None) -> None:
-    """I2 where TRL renders GRPO's prompts with another template than the one SFT trained on (``rl_template``,
-    ``grpo_prompt_template``): every conversational prompt of ``dataset`` (its ``prompt`` column, the first
-    ``PROMPTS_RENDERED`` rows; a stream's: none, a warning says so), with each tool set and ``kwargs``, must render
-    to the same text under both (TRL's variants differ in earlier turns: Qwen3's keeps an earlier assistant turn's
-    reasoning, which the original drops).
+def check_prompts_render_alike(tokenizer, rl_template: str | None, dataset, tool_sets: list[list | None],
+                               kwargs: dict, model_dir: str | None = None, sft_template: str | None = None) -> None:
+    """I2 where GRPO renders its prompts with another template than the one SFT rendered its rows with: TRL's
+    prefix-preserving training template for tools (``rl_template``, ``grpo_prompt_template``; None: the tokenizer's
+    own), or SFT rendered them with TRL's ``{% generation %}`` variant under ``assistant_only_loss``
+    (``sft_template``, the fingerprint's ``trained_template``; None: the tokenizer's own). Every conversational prompt
+    of ``dataset`` (its ``prompt`` column, the first ``PROMPTS_RENDERED`` rows; a stream's: none, a warning says so),
+    with each tool set and ``kwargs``, must render to the same text under both (TRL's variants differ in earlier
+    turns: Qwen3's keeps an earlier assistant turn's reasoning, which the original drops).
 
     Raises:
         InvariantError: a prompt SFT saw otherwise (I2).
     """
     tok = _tok(tokenizer)
+    if sft_template is None:  # GRPO swaps in TRL's variant for the tools
+        why = ("TRL renders this run's prompts with its prefix-preserving training template, not the one the model "
+               "was fine-tuned on")
+        fix = ("Fine-tune on the template GRPO renders with (`tokenizer.chat_template = trl.chat_template_utils."
+               "get_training_chat_template(tokenizer)` before SFT; GRPO then takes the tokenizer with its original "
+               "template, which TRL swaps for that one)")
+    else:  # SFT rendered its rows with TRL's variant, the tokenizer saved beside the weights keeps the original
+        why = ("The model was fine-tuned on rows rendered with TRL's training template (assistant_only_loss), not "
+               "with the template this run renders its prompts with")
+        fix = ("Render GRPO's prompts with the template SFT rendered with: `tokenizer.chat_template = trl."
+               "chat_template_utils.get_training_chat_template(tokenizer)` on the checkpoint's tokenizer, passed as "
+               "`processing_class` (the fingerprint's `trained_template`; set it before SFT too and the checkpoint's "
+               "tokenizer carries it); or fine-tune on prompt/completion rows without assistant_only_loss (grpotrl "
+               "renders their prompts with the tokenizer's own template, as GRPO does)")
     if not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None) or []):
-        logger.warning("TRL renders this run's prompts with its prefix-preserving training template, not the one "
-                       "the model was fine-tuned on; the prompts cannot be read ahead, so I2 does not compare how "
-                       "the two render them.")
+        logger.warning(why + "; the prompts cannot be read ahead, so I2 does not compare how the two render them.")
         return
     if len(dataset) > PROMPTS_RENDERED:
-        logger.warning("TRL renders this run's prompts with its prefix-preserving training template, not the one the "
-                       "model was fine-tuned on: I2 compares how the two render the first %d prompts of %d only.",
+        logger.warning(why + ": I2 compares how the two render the first %d prompts of %d only.",
                        PROMPTS_RENDERED, len(dataset))
     for i, prompt in enumerate(dataset[:PROMPTS_RENDERED]["prompt"]):
         if not isinstance(prompt, list):
             continue
         for tools in tool_sets:
             kw = {**kwargs, "tools": tools or None}
-            sft = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kw)
+            sft = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                          chat_template=sft_template, **kw)
             rl = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
                                          chat_template=rl_template, **kw)
             if sft == rl:
                 continue
             n = _common_prefix(list(sft), list(rl))
             m = _common_prefix(list(sft[n:])[::-1], list(rl[n:])[::-1])
+            model = model_dir or "the model"
+            if sft_template is None:
+                head = (f"trl.GRPOTrainer renders prompts with its prefix-preserving training template (tools are "
+                        f"given and the chat template of {getattr(tok, 'name_or_path', '?')!r} is not prefix-"
+                        f"preserving), and it renders prompt {i} otherwise than the template {model!r} was fine-tuned "
+                        "on:\n")
+            else:
+                head = (f"grpotrl.SFTTrainer rendered the rows {model!r} was fine-tuned on with TRL's training "
+                        "template (`assistant_only_loss` on a chat template without `{% generation %}` markers; the "
+                        f"checkpoint's tokenizer keeps the original), and this run renders prompt {i} otherwise:\n")
             raise InvariantError(
                 "I2",
-                f"trl.GRPOTrainer renders prompts with its prefix-preserving training template (tools are given and "
-                f"the chat template of {getattr(tok, 'name_or_path', '?')!r} is not prefix-preserving), and it renders "
-                f"prompt {i} otherwise than the template {model_dir or 'the model'!r} was fine-tuned on:\n"
-                f"  SFT's template:  ...{sft[max(0, n - 40):len(sft) - m][:300]!r}\n"
+                head + f"  SFT's template:  ...{sft[max(0, n - 40):len(sft) - m][:300]!r}\n"
                 f"  GRPO's template: ...{rl[max(0, n - 40):len(rl) - m][:300]!r}\n"
-                "RL would train on a context SFT never showed the model. Fine-tune on the template GRPO renders with "
-                "(`tokenizer.chat_template = trl.chat_template_utils.get_training_chat_template(tokenizer)` before "
-                "SFT; GRPO then takes the tokenizer with its original template, which TRL swaps for that one), or set "
-                "`check_template=False` if the difference is deliberate.",
+                f"RL would train on a context SFT never showed the model. {fix}, or set `check_template=False` if the "
+                "difference is deliberate.",
             )
 
 
@@ -405,8 +430,12 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     too, whatever SFT trained on; with ``vocabulary_may_grow`` (SFT, which trains the tokens it adds) one that
     keeps every token of the checkpoint's at its id and appends others passes. Where GRPO renders its prompts
     with another template than the tokenizer's (``rl_template``, ``grpo_prompt_template``), SFT on that template
-    passes, and SFT on the tokenizer's own where each prompt of the dataset ``prompts`` renders alike under both
-    (``check_prompts_render_alike``). Returns whether a
+    passes. Where SFT rendered its rows with another template than its tokenizer's (the fingerprint's
+    ``trained_template``: TRL's ``{% generation %}`` variant under ``assistant_only_loss``), this run's tokenizer
+    may carry either, and GRPO rendering with the trained one passes. Otherwise, where GRPO (given ``prompts``, the
+    dataset whose prompts it renders) renders with another template than SFT rendered with, each prompt must render
+    alike under both (``check_prompts_render_alike``; tools known only once TRL calls an ``environment_factory``
+    that is not a class: not compared, a warning says so). Returns whether a
     fingerprint was found (a base model without one passes). A checkpoint whose SFT trained on no template (plain
     text, pre-tokenized rows) has no template to compare: a warning says so.
 
@@ -436,10 +465,13 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         logger.warning("%s was fine-tuned on plain text or pre-tokenized rows, not on a chat template: I2 cannot "
                        "tell whether this run's chat template is the one the model learned.", model_dir)
         return True
-    # TRL renders GRPO's prompts with its training variant (rl_template): SFT on that variant is SFT on RL's template;
-    # SFT on the tokenizer's own is so where the two render this run's prompts alike (checked below)
-    on_rl_template = rl_template is not None and saved.get("sha256") == _template_sha256(_tok(tokenizer), rl_template)
-    if saved.get("sha256") != now["sha256"] and not on_rl_template:
+    # what SFT rendered its prompts with: the recorded template, or TRL's {% generation %} variant where SFT rendered
+    # with that (trained_sha256; older files record none); what this run renders them with: TRL's variant for tools
+    # (rl_template), else the tokenizer's own. Either may be one of the checkpoint's: where the two differ, each
+    # prompt must render alike under both (checked below)
+    trained = saved.get("trained_sha256") or saved.get("sha256")
+    renders = _template_sha256(_tok(tokenizer), rl_template) if rl_template is not None else now["sha256"]
+    if not {now["sha256"], renders} & {saved.get("sha256"), trained}:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
         n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
         where = (f"templates differ from character {n}: checkpoint {old[max(0, n - 20):n + 40]!r} vs now "
@@ -468,8 +500,15 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     recorded_tools = saved.get("tools")
     if tool_sets is not None and recorded_tools:
         _check_tools(model_dir, tokenizer, chat_template, chat_template_kwargs or {}, recorded_tools, tool_sets)
-    if rl_template is not None and not on_rl_template and tool_sets is not None:
-        check_prompts_render_alike(tokenizer, rl_template, prompts, tool_sets, chat_template_kwargs or {}, model_dir)
+    if renders != trained and (rl_template is not None or prompts is not None):  # GRPO, which renders ``prompts``
+        if tool_sets is None:  # rl_template is None then: SFT rendered with TRL's variant, this run with the original
+            logger.warning("%s was fine-tuned on rows rendered with TRL's training template (assistant_only_loss), and "
+                           "this run renders its prompts with the tokenizer's own; the tools they are rendered with "
+                           "are known only once TRL calls environment_factory, so I2 does not compare how the two "
+                           "render them.", model_dir)
+        else:
+            check_prompts_render_alike(tokenizer, rl_template, prompts, tool_sets, chat_template_kwargs or {},
+                                       model_dir, sft_template=saved.get("trained_template"))
     return True
 
 

@@ -90,7 +90,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
       * ``compute_loss``: on the first ``guard_steps`` steps, checks the collated labels of I2 rows and of
         ``messages`` rows under ``assistant_only_loss`` (``check_sft_labels``; not under packing or padding-free).
       * ``save_model``: writes the template fingerprint of the tokenizer saved beside the weights, with
-        the ``chat_template_kwargs`` and ``tools`` the data was rendered with and whether any template rendered it
+        the ``chat_template_kwargs`` and ``tools`` the data was rendered with, whether any template rendered it and
+        the template TRL rendered it with where that is not the tokenizer's (``assistant_only_loss``)
         (``_save_fingerprint``, which ``_common.CheckedResume._push_from_checkpoint`` calls too).
       * ``train`` / ``end`` / ``_load_from_checkpoint`` / ``_save_checkpoint`` / ``_push_from_checkpoint``
         (``_common.CheckedResume``):
@@ -251,10 +252,16 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
                 self._save_fingerprint(output_dir or self.args.output_dir)
 
     def _save_fingerprint(self, output_dir: str) -> None:
-        """The fingerprint with the ``chat_template_kwargs`` and ``tools`` SFT's data was rendered with."""
+        """The fingerprint with the ``chat_template_kwargs`` and ``tools`` SFT's data was rendered with, and the
+        template TRL rendered the train rows with where it is not the tokenizer's (``trained_template``: TRL's
+        ``self.chat_template``, its ``{% generation %}`` variant under ``assistant_only_loss``, which the tokenizer
+        saved beside the weights does not carry). Rows grpotrl tokenized for I2 have their prompts rendered with the
+        tokenizer's own template (a prefix of every row), so nothing else is recorded for them."""
+        trained = self.chat_template if self._trained_on_template and not self.i2_tokenized else None
         templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self),
                                    chat_template_kwargs=self._template_kwargs,
-                                   trained_on_template=self._trained_on_template, tools=self._template_tools)
+                                   trained_on_template=self._trained_on_template, tools=self._template_tools,
+                                   trained_template=trained)
 
 
 def _report_dropped_rows(n_in: int, n_out: int, dataset_name: str, args, packing: bool) -> None:

@@ -1,8 +1,11 @@
 """I2's template fingerprint covers the vocabulary: a checkpoint whose tokenizer gained tokens in SFT, started from
 with the base tokenizer, renders the same prompt text into other ids, and is refused before the model loads; the
-same tokenizer saved and loaded again, and fingerprints written before the vocabulary was recorded, pass."""
+same tokenizer saved and loaded again, and fingerprints written before the vocabulary was recorded, pass. It also
+records the template SFT rendered its rows with where the tokenizer does not carry it (TRL's training variant under
+assistant_only_loss), and GRPO's prompts must render under GRPO's template as under that one."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -184,3 +187,86 @@ def test_I2_grpo_with_tools_on_trls_training_template_must_render_the_prompts_sf
     with pytest.raises(InvariantError, match="another chat template"):  # without tools TRL renders the original
         grpotrl.GRPOTrainer(model=on_variant, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi,
                             processing_class=AutoTokenizer.from_pretrained(ckpt))
+
+
+def _messages_sft(tiny_llama, tmp_path, name, assistant_only_loss):
+    """A real grpotrl SFT on Qwen3's template (set on the test tokenizer) over multi-turn ``messages`` rows whose
+    earlier assistant turn reasons; half the rows carry the ``add`` tool (both ways are recorded)."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tok.chat_template = qwen3_chat_template
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                          {"role": "assistant", "content": f"<think>\nadd one\n</think>\n\n{i + 1}"},
+                          {"role": "user", "content": "And doubled?"},
+                          {"role": "assistant", "content": str(2 * i + 2)}],
+             "tools": json.dumps([get_json_schema(add)]) if i % 2 else None} for i in range(4)]
+    sft = grpotrl.SFTTrainer(
+        model=tiny_llama, processing_class=tok, train_dataset=Dataset.from_list(rows),
+        args=grpotrl.SFTConfig(output_dir=str(tmp_path / name), max_steps=1, per_device_train_batch_size=4,
+                               report_to="none", use_cpu=True, save_strategy="no", bf16=False,
+                               assistant_only_loss=assistant_only_loss))
+    sft.train()
+    sft.save_model()
+    return str(tmp_path / name)
+
+
+def test_I2_sft_on_trls_assistant_only_template_then_grpo_on_multi_turn_prompts_stops_before_loading(
+        tiny_llama, grpo_args, tmp_path, monkeypatch):
+    """Under assistant_only_loss TRL renders SFT's rows with its ``{% generation %}`` variant of Qwen3's template,
+    which keeps an earlier assistant turn's reasoning, while the tokenizer saved beside the weights keeps the
+    original, which drops it. The fingerprint records the variant; GRPO without tools (the original) on a multi-turn
+    prompt stops before the model loads, naming the prompt and the fix. Controls: single-turn prompts render alike
+    and pass, and so do GRPO with the variant set on the tokenizer (the fix) and GRPO with tools (TRL swaps in the
+    same variant)."""
+    from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
+
+    ckpt = _messages_sft(tiny_llama, tmp_path, "aol", assistant_only_loss=True)
+    saved = json.load(open(os.path.join(ckpt, templates.FINGERPRINT_FILE)))
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok.chat_template == saved["template"] == qwen3_chat_template  # the saved tokenizer keeps the original
+    assert saved["trained_template"] == get_training_chat_template(tok)
+    multi = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}, {"prompt": MULTI_TURN}])
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the prompts' rendering was compared")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_load)
+    with pytest.raises(InvariantError, match=r"(?s)\[I2\].*rendered the rows .* with TRL's training template.*renders "
+                                             r"prompt 1 otherwise.*SFT's template: .*add them.*GRPO's template: "
+                                             r"(?:(?!add them).)*\n.*get_training_chat_template.*processing_class"):
+        grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi)
+    monkeypatch.undo()
+    single = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(4)])
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=single)
+    on_variant = AutoTokenizer.from_pretrained(ckpt)
+    on_variant.chat_template = get_training_chat_template(on_variant)  # what the error says to do
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi,
+                        processing_class=on_variant)
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi, tools=[add])
+
+
+def test_I2_sft_and_grpo_on_the_original_template_pass_and_older_fingerprints_compare_as_before(
+        tiny_llama, grpo_args, tmp_path, caplog):
+    """The reverse: SFT without assistant_only_loss renders with the tokenizer's own template and records no other,
+    and GRPO with it on multi-turn prompts passes. A fingerprint without ``trained_template`` (written before it was
+    recorded) compares the tokenizer's template only, as it did."""
+    ckpt = _messages_sft(tiny_llama, tmp_path, "plain", assistant_only_loss=False)
+    path = os.path.join(ckpt, templates.FINGERPRINT_FILE)
+    assert "trained_template" not in json.load(open(path))
+    multi = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}, {"prompt": MULTI_TURN}])
+    grpotrl.GRPOTrainer(model=ckpt, reward_funcs=length_reward, args=grpo_args(), train_dataset=multi)
+    from trl.chat_template_utils import get_training_chat_template
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    templates.save_fingerprint(ckpt, tok, trained_template=tok.chat_template)  # the same template: nothing extra
+    assert "trained_sha256" not in json.load(open(path))
+    templates.save_fingerprint(ckpt, tok, trained_template=get_training_chat_template(tok))
+    with pytest.raises(InvariantError, match="renders prompt 1 otherwise"):
+        templates.check_fingerprint(ckpt, tok, tool_sets=[None], prompts=multi)
+    with caplog.at_level(logging.WARNING, logger="grpotrl.chat.templates"):  # an environment_factory's tools
+        assert templates.check_fingerprint(ckpt, tok, tool_sets=None, prompts=multi) is True
+    assert "does not compare how the two render them" in caplog.text
+    old = {k: v for k, v in json.load(open(path)).items() if k not in ("trained_template", "trained_sha256")}
+    json.dump(old, open(path, "w"))
+    assert templates.check_fingerprint(ckpt, tok, tool_sets=[None], prompts=multi) is True
