@@ -9,7 +9,9 @@ divides by any of them. Nothing here needs the model, the data or the launch.
   vLLM's min_tokens) become the fields grpotrl reads (I5, I6); the one step here that changes the config.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, a rule that ``health_rule_actions`` sets to
-  stop or warn while its own setting turns it off among them, sampler gap, CAGrad, the adaptive entropy range I7,
+  stop or warn while its own setting turns it off, or every completion is one token, or its patience is longer than
+  ``max_steps``, among them; ``rules_beyond_run`` and ``check_patience_fits`` also serve a run by epochs at train
+  start, ``health.callbacks``), sampler gap, CAGrad, the adaptive entropy range I7,
   sampling settings grpotrl would otherwise drop, I6, greedy decoding, which samples no group, beam sampling where
   the sampler's logprobs are recorded, ``generation_kwargs`` under which ``generate`` cannot return one completion
   per prompt row, the KL's placement). ``UNRUNNABLE_GENERATION`` and ``SAMPLING_CHANGES`` also say what the same
@@ -18,6 +20,7 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 
@@ -40,6 +43,10 @@ HEALTH_RULE_OFF = {
     "flat_rewards": ("health_flat_reward_steps", lambda v: v == 0, "the consecutive flat steps to fire after, e.g. 20 "
                      "(the default)"),
 }
+# rule -> the setting that is its patience: the consecutive optimizer steps its condition must hold before it fires
+# (a run with fewer steps can never fire it: ``rules_beyond_run``)
+HEALTH_RULE_PATIENCE = {"entropy_collapse": "health_patience", "one_token": "health_patience",
+                        "flat_rewards": "health_flat_reward_steps"}
 
 
 def _real(v) -> bool:
@@ -248,14 +255,104 @@ def check_grpotrl_fields(args) -> None:
 def _check_rules_can_fire(args, actions: dict) -> None:
     """A rule that ``health_rule_actions`` sets to 'stop' or 'warn' while its own setting turns it off
     (``HEALTH_RULE_OFF``: ``health_min_entropy`` 0, ``health_max_one_token_share`` 1, ``health_flat_reward_steps``
-    0) could never fire: refused, naming both. Under ``health_action`` alone such a value is that rule's 'off', as
-    documented, and is taken."""
+    0), or that could not tell a broken run from a healthy one (``one_token`` where every completion is one token:
+    ``one_token_by_construction``), or whose patience exceeds ``max_steps`` (``check_patience_fits``), could never
+    fire or would fire on every step: refused, naming both. Under ``health_action`` alone such a value is that
+    rule's 'off', as documented, and is taken (``health.callbacks`` turns one_token off there, with one line)."""
     for rule, (name, off, what) in HEALTH_RULE_OFF.items():
         action, value = actions.get(rule), getattr(args, name, None)
         if action in ("stop", "warn") and value is not None and off(value):
             raise InputError(f"health_rule_actions={{'{rule}': '{action}'}} with {name}={value!r}: that value turns "
                              f"the {rule} rule off, so it can never {action}. Set {name} to {what}, or set "
                              f"health_rule_actions' {rule} to 'off' (or drop it).")
+    action = actions.get("one_token")
+    if action in ("stop", "warn") and one_token_by_construction(args):
+        raise InputError(f"health_rule_actions={{'one_token': '{action}'}} with {completion_cap_setting(args)}: every "
+                         "completion is one token long by construction, so the share of 1-token completions is 1 "
+                         f"on every step and the rule would {action} on a healthy run. Set health_rule_actions' "
+                         "one_token to 'off' (or drop it: by default the rule is then off), or allow longer "
+                         "completions.")
+    if _int(args.max_steps) and args.max_steps > 0:
+        check_patience_fits(args, args.max_steps, f"max_steps={args.max_steps}",
+                            {f.name: f.default for f in dataclasses.fields(args) if f.name in PATIENCE_SETTINGS})
+
+
+def health_action_of(args, rule: str, default: str) -> str:
+    """'stop', 'warn' or 'off' for ``rule``: ``health_rule_actions[rule]``, else ``health_action`` unless 'auto',
+    else the rule's ``default``."""
+    chosen = (args.health_rule_actions or {}).get(rule)
+    return chosen or (args.health_action if args.health_action != "auto" else default)
+
+
+def completion_cap(args) -> int | None:
+    """The most tokens a completion can hold: ``generation_kwargs``' ``max_tokens`` (vLLM) or ``max_new_tokens``
+    (transformers), which TRL lets override the field, else ``max_completion_length``; None where neither is an
+    integer."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    cap = kwargs.get("max_tokens" if args.use_vllm else "max_new_tokens", args.max_completion_length)
+    return cap if _int(cap) else None
+
+
+def one_token_by_construction(args) -> bool:
+    """Whether every completion is one token long whatever the model does (``completion_cap`` 1): the one_token
+    rule's share is then 1 on every step, healthy or not, and the rule tells nothing."""
+    return completion_cap(args) == 1
+
+
+def completion_cap_setting(args) -> str:
+    """The setting ``completion_cap`` read, as the user wrote it."""
+    kwargs = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    key = "max_tokens" if args.use_vllm else "max_new_tokens"
+    return f"generation_kwargs['{key}']={kwargs[key]!r}" if key in kwargs \
+        else f"max_completion_length={args.max_completion_length!r}"
+
+
+PATIENCE_SETTINGS = tuple(dict.fromkeys(HEALTH_RULE_PATIENCE.values()))
+
+
+def rules_beyond_run(args, steps: int) -> list[tuple[str, str, int]]:
+    """``(rule, its patience setting, the setting's value)`` of each warn-by-default rule (``HEALTH_RULE_PATIENCE``)
+    that is on (not 'off', not turned off by its own setting, one_token not off by construction) and whose patience
+    exceeds a run of ``steps`` optimizer steps: its condition would have to hold on more consecutive steps than the
+    run has, so it can never fire. A rule may observe its signal on fewer steps than the run has (one_token and
+    flat_rewards read each generation batch); only the certain case is listed."""
+    found = []
+    for rule, setting in HEALTH_RULE_PATIENCE.items():
+        value, (own, off, _) = getattr(args, setting, None), HEALTH_RULE_OFF[rule]
+        turned_off = getattr(args, own, None) is not None and off(getattr(args, own))
+        if health_action_of(args, rule, "warn") == "off" or not _int(value) or turned_off \
+                or (rule == "one_token" and one_token_by_construction(args)):
+            continue
+        if value > steps:
+            found.append((rule, setting, value))
+    return found
+
+
+def check_patience_fits(args, steps: int, run: str, defaults: dict) -> None:
+    """Raise ``InputError`` where a rule that can never fire in a run of ``steps`` optimizer steps
+    (``rules_beyond_run``) was asked for: ``health_rule_actions`` sets it to 'stop' or 'warn', or its patience setting
+    is not that setting's default (``defaults``: setting -> default; a setting missing there counts as its default).
+    ``run`` says where ``steps`` comes from, as the user wrote it (``max_steps=3``). A rule at its default patience
+    under ``health_action`` alone is taken: it is off for this run (``health.callbacks`` says so in one line)."""
+    beyond = rules_beyond_run(args, steps)
+    actions = args.health_rule_actions or {}
+    for rule, setting, value in beyond:
+        action = actions.get(rule)
+        if action in ("stop", "warn"):
+            raise InputError(f"health_rule_actions={{'{rule}': '{action}'}} with {setting}={value} and {run}: the rule "
+                             f"fires once its condition held on {value} consecutive optimizer steps, so in a run of "
+                             f"{steps} steps it can never {action}. Set {setting} to at most {steps}, train for more "
+                             f"steps, or set health_rule_actions' {rule} to 'off'.")
+    for setting in dict.fromkeys(s for _, s, _ in beyond):
+        value = getattr(args, setting)
+        if setting in defaults and value != defaults[setting]:
+            rules = [rule for rule, s, _ in beyond if s == setting]
+            one = len(rules) == 1
+            raise InputError(f"{setting}={value} with {run}: {' and '.join(rules)} fire{'s' if one else ''} once "
+                             f"{'its' if one else 'their'} condition held on {value} consecutive optimizer steps, so "
+                             f"in a run of {steps} steps {'it can never' if one else 'neither can ever'} fire. Set "
+                             f"{setting} to at most {steps} (its default is {defaults[setting]}), or train for more "
+                             "steps.")
 
 
 PADDING_FREE = (True, False, "auto", "true", "false")

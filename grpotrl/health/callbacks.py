@@ -6,6 +6,8 @@ read the values of the optimizer step that just ended and act on them:
 
 * ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
   ``health_report_steps`` steps, as one checks a new run's first steps by eye.
+* ``RunLength``: at train start, refuses a rule that was asked for and whose patience exceeds the run's optimizer
+  steps (it could never fire), and says in one line which rules on by default are off for such a run.
 * Health rules, each a ``HealthRule``. Three only fire on a broken run and stop it by default:
   ``NonFiniteRule`` (loss or grad norm NaN/inf), ``NonFiniteRewardRule`` (a reward function
   returned +-inf), ``HeaderRule`` (a completion starts with the chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
@@ -35,12 +37,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..configs import HealthFields
+from ..configs.checks import (PATIENCE_SETTINGS, check_patience_fits, completion_cap_setting, health_action_of,
+                              one_token_by_construction, rules_beyond_run)
 from ..errors import HealthStop
 
 logger = logging.getLogger(__name__)
@@ -59,9 +64,40 @@ class BoundaryReport(TrainerCallback):
 
 def rule_action(args, rule: type["HealthRule"]) -> str:
     """'stop', 'warn' or 'off' for ``rule``: ``health_rule_actions[rule.name]``, else
-    ``health_action`` unless 'auto', else the rule's default."""
-    chosen = (args.health_rule_actions or {}).get(rule.name)
-    return chosen or (args.health_action if args.health_action != "auto" else rule.default_action)
+    ``health_action`` unless 'auto', else the rule's default (``configs.checks.health_action_of``)."""
+    return health_action_of(args, rule.name, rule.default_action)
+
+
+def _taken_level(args) -> int:
+    """The level of the one line that says a rule on by default is off for this run: INFO under
+    ``health_action: auto`` (nothing to do about a default), WARNING where ``health_action`` asked every
+    rule to stop or warn."""
+    return logging.INFO if args.health_action == "auto" else logging.WARNING
+
+
+class RunLength(TrainerCallback):
+    """At train start, where the run's optimizer steps are known (``state.max_steps``, also under
+    ``num_train_epochs``): a rule whose patience exceeds them can never fire (``configs.checks.rules_beyond_run``).
+    One that was asked for (``health_rule_actions``, or a patience other than its default) is refused with an
+    ``InputError`` before the first step (``check_patience_fits``; a grpotrl config with ``max_steps`` > 0 was
+    refused when it was made); the others are off for this run, said in one line. A resumed run is judged on
+    its whole length."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        steps = state.max_steps
+        run = f"max_steps={args.max_steps}" if args.max_steps > 0 else \
+            f"num_train_epochs={args.num_train_epochs} ({steps} optimizer steps)"
+        check_patience_fits(args, steps, run, {f.name: f.default for f in fields(HealthFields)
+                                               if f.name in PATIENCE_SETTINGS})
+        beyond = rules_beyond_run(args, steps)
+        if beyond:
+            logger.log(_taken_level(args), "grpotrl health: %s cannot fire in this run of %d optimizer steps (%s "
+                       "consecutive steps needed), so %s off for it.", ", ".join(r for r, _, _ in beyond), steps,
+                       ", ".join(f"{s}={v}" for s, v in dict((s, v) for _, s, v in beyond).items()),
+                       "it is" if len(beyond) == 1 else "they are")
 
 
 class HealthRule(TrainerCallback):
@@ -259,7 +295,11 @@ class FlatRewardRule(HealthRule):
 class NonFiniteRule(HealthRule):
     """Loss or gradient norm NaN/inf. Checked before the optimizer step: under 'stop' the
     gradients are dropped so the saved checkpoint holds the last finite weights. Under ZeRO
-    (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked. What was not
+    (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked; there DeepSpeed's engine
+    has already stepped (inside ``accelerator.backward`` of the window's last microbatch), and what drops a
+    non-finite update is DeepSpeed's own gradient check (fp16, fp32 ZeRO-1/2 by the gradient norm, bf16 with
+    ``check_grad_overflow``, its default; ``tests/health/test_nonfinite_zero.py``): with that check off the update
+    is applied before the stop. What was not
     recorded is not checked, and said so: a step with neither a loss (the trainer records each
     backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
     (a warning the first time), and a step with one of them is judged on that one alone. On several
@@ -385,16 +425,25 @@ class StepFindings:
 
 
 def add_health_callbacks(trainer, args) -> StepFindings:
-    """Adds to ``trainer`` the boundary report (``health_report_steps``) and every health rule not turned
-    off. Returns the ``StepFindings`` the trainer fills and the rules take (as ``trainer.step_findings``);
-    its ``losses`` are collected only while NonFiniteRule is on."""
+    """Adds to ``trainer`` the boundary report (``health_report_steps``), the train-start check of the rules'
+    patience against the run's length (``RunLength``) and every health rule not turned off. ``one_token`` on by
+    default where every completion is one token (``configs.checks.one_token_by_construction``) is off, said in one
+    line (asked for in ``health_rule_actions``, the config refused it). Returns the ``StepFindings`` the trainer
+    fills and the rules take (as ``trainer.step_findings``); its ``losses`` are collected only while NonFiniteRule
+    is on."""
     if args.health_report_steps:
         trainer.add_callback(BoundaryReport(trainer, args.health_report_steps))
-    rules = [NonFiniteRule(trainer), NonFiniteRewardRule(trainer), HeaderRule(trainer),
-             OneTokenRule(trainer, args.health_patience, args.health_max_one_token_share),
+    trainer.add_callback(RunLength(trainer))
+    one_token = OneTokenRule(trainer, args.health_patience, args.health_max_one_token_share)
+    rules = [NonFiniteRule(trainer), NonFiniteRewardRule(trainer), HeaderRule(trainer), one_token,
              EntropyRule(trainer, args.health_patience, args.health_min_entropy)]
     if args.health_flat_reward_steps:
         rules.append(FlatRewardRule(trainer, args.health_flat_reward_steps))
+    if one_token.action != "off" and one_token_by_construction(args):  # asked for in health_rule_actions: refused
+        logger.log(_taken_level(args), "grpotrl health: one_token is off for this run: with %s every completion is "
+                   "one token long, so the share of 1-token completions is 1 on every step, healthy or not.",
+                   completion_cap_setting(args))
+        one_token.action = "off"
     for rule in rules:
         if rule.action != "off":
             trainer.add_callback(rule)

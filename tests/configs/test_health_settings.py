@@ -50,3 +50,90 @@ def test_the_same_is_refused_on_a_trl_config_and_on_gad(tmp_path):
 ])
 def test_defaults_health_action_and_rules_turned_off_are_taken(overrides, tmp_path):
     grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
+
+
+ASKED_PATIENCE = [("entropy_collapse", "health_patience"), ("one_token", "health_patience"),
+                  ("flat_rewards", "health_flat_reward_steps")]
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+@pytest.mark.parametrize("rule, setting", ASKED_PATIENCE)
+def test_a_rule_asked_to_act_whose_patience_exceeds_max_steps_is_refused(rule, setting, action, tmp_path):
+    """Its condition would have to hold on 4 consecutive steps of a 3-step run: it can never fire."""
+    with pytest.raises(InputError) as err:
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=3, health_rule_actions={rule: action},
+                           **{setting: 4})
+    text = str(err.value)
+    assert text.startswith(f"health_rule_actions={{'{rule}': '{action}'}} with {setting}=4 and max_steps=3: "), text
+    assert f"so in a run of 3 steps it can never {action}" in text and f"Set {setting} to at most 3" in text, text
+    assert f"health_rule_actions' {rule} to 'off'" in text, text
+
+
+def test_a_rule_asked_to_act_at_its_default_patience_in_a_shorter_run_is_refused(tmp_path):
+    with pytest.raises(InputError, match=r"with health_patience=5 and max_steps=2: .* it can never stop"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=2,
+                           health_rule_actions={"entropy_collapse": "stop"})
+    with pytest.raises(InputError, match=r"with health_flat_reward_steps=20 and max_steps=10: .* it can never warn"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=10,
+                           health_rule_actions={"flat_rewards": "warn"})
+
+
+def test_a_patience_set_beyond_max_steps_is_refused_naming_the_rules_it_serves(tmp_path):
+    with pytest.raises(InputError) as err:
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=3, health_patience=4)
+    assert str(err.value).startswith("health_patience=4 with max_steps=3: entropy_collapse and one_token fire once "
+                                     "their condition held on 4 consecutive optimizer steps, so in a run of 3 steps "
+                                     "neither can ever fire. Set health_patience to at most 3 (its default is 5)"), \
+        str(err.value)
+    with pytest.raises(InputError, match=r"^health_patience=4 with max_steps=3: entropy_collapse fires .* it can "
+                                         r"never"):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=3, health_patience=4,
+                           health_rule_actions={"one_token": "off"})
+    with pytest.raises(InputError, match=r"^health_flat_reward_steps=30 with max_steps=10: flat_rewards fires "):
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=10, health_flat_reward_steps=30)
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+@pytest.mark.parametrize("cap, written", [({"max_completion_length": 1}, "max_completion_length=1"),
+                                          ({"max_completion_length": 8, "generation_kwargs": {"max_new_tokens": 1}},
+                                           "generation_kwargs['max_new_tokens']=1")])
+def test_one_token_asked_to_act_where_every_completion_is_one_token_is_refused(cap, written, action, tmp_path):
+    """The share of 1-token completions is 1 on every step, healthy or not: the rule would fire on every step."""
+    with pytest.raises(InputError) as err:
+        grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, health_rule_actions={"one_token": action}, **cap)
+    text = str(err.value)
+    assert text.startswith(f"health_rule_actions={{'one_token': '{action}'}} with {written}: every completion is one "
+                           "token long by construction"), text
+    assert f"the rule would {action} on a healthy run" in text and "one_token to 'off'" in text, text
+
+
+def test_the_completion_cap_is_the_one_generation_uses():
+    """generation_kwargs' max_new_tokens (transformers) or max_tokens (vLLM) override max_completion_length."""
+    from types import SimpleNamespace
+
+    from grpotrl.configs.checks import completion_cap, one_token_by_construction
+
+    def args(use_vllm=False, **kwargs):
+        return SimpleNamespace(max_completion_length=1, use_vllm=use_vllm, generation_kwargs=kwargs)
+
+    assert completion_cap(args()) == 1 and one_token_by_construction(args())
+    assert completion_cap(args(max_new_tokens=16)) == 16 and not one_token_by_construction(args(max_new_tokens=16))
+    assert completion_cap(args(use_vllm=True, max_tokens=16)) == 16
+    assert completion_cap(args(use_vllm=True, max_new_tokens=16)) == 1  # vLLM reads max_tokens
+
+
+@pytest.mark.parametrize("overrides", [
+    {"max_steps": 2},  # a short run at the defaults: the patient rules are off for it (said at train start)
+    {"max_steps": 2, "health_action": "stop"},
+    {"max_steps": 3, "health_patience": 3, "health_flat_reward_steps": 3,
+     "health_rule_actions": {"entropy_collapse": "stop", "flat_rewards": "stop"}},  # fits exactly
+    {"max_steps": 2, "health_patience": 3, "health_rule_actions": {"entropy_collapse": "off", "one_token": "off"}},
+    {"max_steps": 2, "health_min_entropy": 0.0, "health_max_one_token_share": 1.0, "health_patience": 3},
+    {"max_steps": -1, "health_patience": 100, "health_rule_actions": {"entropy_collapse": "stop"}},  # at train start
+    {"max_completion_length": 1},  # one_token on by default: off for the run (said at trainer init)
+    {"max_completion_length": 1, "health_action": "stop"},
+    {"max_completion_length": 1, "health_rule_actions": {"one_token": "off"}},
+    {"max_completion_length": 2, "health_rule_actions": {"one_token": "stop"}},  # 1 token: an empty answer
+])
+def test_short_runs_and_one_token_completions_at_the_defaults_are_taken(overrides, tmp_path):
+    grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
