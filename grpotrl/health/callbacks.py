@@ -248,25 +248,31 @@ class EntropyRule(HealthRule):
         super().__init__(trainer, patience)
         self.min_entropy = min_entropy
 
-    def measured(self) -> list[float]:
-        """TRL's ``entropy`` of each of the step's microbatches that held a loss token. TRL logs 0.0 for a
-        microbatch without one (its token mean's count is clamped to 1): every row truncated under
-        ``mask_truncated_completions``, an all-zero tool mask. That 0.0 is no entropy at all, and a healthy run
-        whose completions all hit the cap read as collapsed. grpotrl's ``entropy/sample_mean`` of the same
-        microbatch is NaN exactly there (no row has a token), which tells the two apart; a NaN entropy (NaN
-        logits) stays, and counts as broken."""
-        entropy, samples = self.step_values("entropy"), self.step_values("entropy/sample_mean")
+    def measured(self) -> list[tuple[float, float]]:
+        """(TRL's ``entropy``, its loss tokens) of each of the step's microbatches that held a loss token. TRL's
+        value is a token mean over every process's microbatch; the step's entropy is their token mean, each
+        weighted by its loss tokens (``entropy/loss_tokens``, logged beside it by grpotrl's trainers): a
+        microbatch of 3 tokens counts for 3, one of 3000 for 3000. TRL logs 0.0 for a microbatch without a loss
+        token (its token mean's count is clamped to 1): every row truncated under ``mask_truncated_completions``,
+        an all-zero tool mask. That 0.0 is no entropy at all (weight 0), and a healthy run whose completions all
+        hit the cap read as collapsed. A NaN entropy (NaN logits) stays, and counts as broken. Where the token
+        counts were not logged side by side, each microbatch counts once, and grpotrl's ``entropy/sample_mean``
+        (NaN exactly where no row has a token) tells the empty ones apart."""
+        entropy, tokens = self.step_values("entropy"), self.step_values("entropy/loss_tokens")
+        if len(tokens) == len(entropy):
+            return [(h, n) for h, n in zip(entropy, tokens) if n > 0 or math.isnan(h)]
+        samples = self.step_values("entropy/sample_mean")
         if len(samples) != len(entropy):  # not logged side by side: TRL's values as they are
-            return entropy
-        return [h for h, s in zip(entropy, samples) if not (h == 0 and math.isnan(s))]
+            return [(h, 1.0) for h in entropy]
+        return [(h, 1.0) for h, s in zip(entropy, samples) if not (h == 0 and math.isnan(s))]
 
     def check(self):
         measured = self.measured()
         if not measured or self.min_entropy <= 0:
             return None
-        entropy = sum(measured) / len(measured)
-        if math.isnan(entropy):
-            return True, entropy, "mean token entropy is NaN (the policy's logits are not finite)"
+        if any(math.isnan(h) for h, _ in measured):
+            return True, math.nan, "mean token entropy is NaN (the policy's logits are not finite)"
+        entropy = sum(h * n for h, n in measured) / sum(n for _, n in measured)
         return entropy < self.min_entropy, entropy, (f"mean token entropy {entropy:.4g} < health_min_entropy="
                                                      f"{self.min_entropy}")
 

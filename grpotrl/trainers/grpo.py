@@ -567,9 +567,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
     def _log_loss_health(self, loss: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
                          task: torch.Tensor | None = None) -> None:
         """Per-sample entropy (min, p10, mean of the per-sample means), per task when rows carry
-        one (``task`` [B] indexes ``task_names``); the loss for NonFiniteRule."""
-        per_sample = self.accelerator.gather(health.per_sample_mean(entropies.detach().float(), mask))  # [B_global]
-        metrics = health.summarise_samples(per_sample)
+        one (``task`` [B] indexes ``task_names``), and the microbatch's loss tokens over every process
+        (``entropy/loss_tokens``: the count TRL's ``entropy`` of this microbatch divides by, which the
+        entropy_collapse rule weights it by); the loss for NonFiniteRule."""
+        rows = torch.stack([health.per_sample_mean(entropies.detach().float(), mask), mask.sum(-1).float()], -1)
+        rows = self.accelerator.gather(rows)  # [B_global, 2]: per-sample entropy, loss tokens
+        per_sample = rows[:, 0]  # [B_global]
+        metrics = {**health.summarise_samples(per_sample), "entropy/loss_tokens": rows[:, 1].sum().item()}
         if task is not None:
             tasks = [self.task_names[i] for i in self.accelerator.gather(task).tolist()]
             metrics.update(health.task_means(tasks, per_sample, "entropy"))

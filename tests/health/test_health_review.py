@@ -138,3 +138,30 @@ def test_flat_rewards_stops_a_run_whose_groups_are_flat_at_different_values_unde
     assert err.value.rule == "flat_rewards" and err.value.step == 2
     logged = [h for h in trainer.state.log_history if "rewards/flat_group_share" in h]
     assert logged and all(h["rewards/flat_group_share"] == 1.0 for h in logged)
+
+
+def test_the_step_entropy_weights_each_microbatch_by_its_loss_tokens():
+    # TRL's entropy is a token mean per microbatch; the step's is the token mean of all of them:
+    # (0.01 * 3000 + 1.0 * 3) / 3003 = 0.010989..., a collapse; the mean of the two values, 0.505, hid it
+    rule = entropy_rule({"entropy": [0.01, 1.0], "entropy/loss_tokens": [3000.0, 3.0],
+                         "entropy/sample_mean": [0.01, 1.0]})
+    broken, value, _ = rule.check()
+    assert broken and value == pytest.approx(33.0 / 3003)
+    # a microbatch without a loss token weighs 0 (TRL's 0.0 is no reading); a NaN counts as broken whatever its weight
+    assert entropy_rule({"entropy": [0.0, 0.9], "entropy/loss_tokens": [0.0, 40.0]}).check()[:2] == (False, 0.9)
+    assert entropy_rule({"entropy": [0.0], "entropy/loss_tokens": [0.0]}).check() is None
+    broken, value, _ = entropy_rule({"entropy": [math.nan, 0.9], "entropy/loss_tokens": [0.0, 40.0]}).check()
+    assert broken and math.isnan(value)
+
+
+def test_the_loss_tokens_logged_beside_the_entropy_are_the_loss_masks(tiny_llama, grpo_args):
+    """One microbatch a step (8 rows, accumulation 1), no truncation mask: the loss tokens are the completion
+    tokens, TRL's ``completions/mean_length`` x 8 rows."""
+    args = grpo_args(max_steps=2, max_completion_length=6, guard_steps=0, health_report_steps=0)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "entropy" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["entropy/loss_tokens"] == pytest.approx(h["completions/mean_length"] * 8)
