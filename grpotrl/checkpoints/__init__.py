@@ -238,6 +238,13 @@ def check_resume_checkpoint(path: str, required: tuple[str, ...] = ()) -> None:
         )
 
 
+def last_complete_checkpoint(directory: str) -> str | None:
+    """The path of the newest complete ``checkpoint-N`` of ``directory``'s current run (``_complete_checkpoints``),
+    None where there is none."""
+    names = _complete_checkpoints(directory)
+    return os.path.join(directory, names[-1]) if names else None
+
+
 def find_last_checkpoint(output_dir: str, required: tuple[str, ...] = ()) -> str:
     """The newest ``checkpoint-N`` of the run that last started in ``output_dir`` (for
     ``resume_from_checkpoint: true``), checked by ``check_resume_checkpoint``: when the newest is incomplete

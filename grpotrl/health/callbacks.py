@@ -43,6 +43,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..checkpoints import last_complete_checkpoint
 from ..configs import HealthFields
 from ..configs.checks import (PATIENCE_SETTINGS, check_patience_fits, completion_cap_setting, health_action_of,
                               one_token_by_construction, rules_beyond_run)
@@ -305,7 +306,8 @@ class NonFiniteRule(HealthRule):
     has already stepped (inside ``accelerator.backward`` of the window's last microbatch), and what drops a
     non-finite update is DeepSpeed's own gradient check (fp16, fp32 ZeRO-1/2 by the gradient norm, bf16 with
     ``check_grad_overflow``, its default; ``tests/health/test_nonfinite_zero.py``): with that check off the update
-    is applied before the stop. What was not
+    is applied before the stop, which then reads the weights and saves no checkpoint of non-finite ones
+    (``on_step_end``). What was not
     recorded is not checked, and said so: a step with neither a loss (the trainer records each
     backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
     (a warning the first time), and a step with one of them is judged on that one alone. On several
@@ -361,6 +363,47 @@ class NonFiniteRule(HealthRule):
     def check(self):
         seen, self._seen = self._seen, None
         return seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """``HealthRule``'s; then, where this step stops the run, the trainable parameters are read (this process's
+        shards under ZeRO-3; one verdict for all processes): where the update was applied already and made them
+        non-finite (DeepSpeed's engine steps inside the backward, before ``on_pre_optimizer_step``, and its own
+        overflow check was off: bf16's ``check_grad_overflow: false``), the stop saves no checkpoint (it would hold
+        those weights, and ``resume_from_checkpoint: true`` would take it) and ``HealthStop`` names the last
+        complete checkpoint of this run instead."""
+        super().on_step_end(args, state, control, **kwargs)
+        if self._stop is None:
+            return
+        bad = nonfinite_parameters(self.trainer.model)
+        broken, _, _ = agreed(self.trainer.accelerator, bool(bad), True)
+        if not broken:
+            return
+        step, message = self._stop
+        self._stop, control.should_save = None, False
+        last = last_complete_checkpoint(args.output_dir)
+        where = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") if bad \
+            else "parameters on another process"
+        raise HealthStop(self.name, step, (
+            f"{message} The optimizer applied this step's non-finite update before the rule could drop it (under "
+            "DeepSpeed the engine steps inside the backward, and only its own overflow check drops such an update), "
+            f"and the weights are not finite now ({where}), so no checkpoint was saved at this step. "
+            + (f"The last checkpoint of this run is {last}: resume_from_checkpoint={last!r} continues from it."
+               if last else "This run saved no checkpoint before it: start it again.")
+            + " Keep DeepSpeed's overflow check on (bf16: `check_grad_overflow: true`, its default)."))
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """The names of ``model``'s trainable parameters holding a NaN or inf (this process's shard, ``ds_tensor``,
+    where DeepSpeed ZeRO-3 partitions a parameter).
+
+    >>> m = torch.nn.Linear(2, 1)
+    >>> with torch.no_grad(): _ = m.bias.fill_(float("nan"))
+    >>> nonfinite_parameters(m)
+    ['bias']
+    """
+    return [name for name, p in model.named_parameters() if p.requires_grad
+            and not bool(torch.isfinite(getattr(p, "ds_tensor", None) if getattr(p, "ds_tensor", None) is not None
+                                        else p.detach()).all())]
 
 
 def loss_scale(accelerator) -> float | None:
