@@ -24,9 +24,12 @@ failure per row. After ``max_failed_batches`` consecutive calls in which no row 
 ``JudgeError`` stops training, naming the judge, the last HTTP status and the last error. The calls,
 the last status and the last error are kept per task (``tasks.reward_task``): one judge shared by two
 tasks, of which one always fails, stops all the same, and neither task reports the other's status or error.
-``LocalJudge`` keeps the same contract for its own faults (``LOCAL_FAILURE_REASONS``): an input longer than its
-model's context is not cut but unscored (``too_long``), an exception in its forward leaves that forward's rows
-unscored (``model_error``), and ``max_failed_batches`` counts its calls without a score the same way.
+``LocalJudge`` keeps the same contract for its own faults (``LOCAL_FAILURE_REASONS``): a row its tokenizer's chat
+template raises on is unscored (``template_error``; a template that cannot render the rubric's messages at all is
+refused when the judge is built), an input longer than its model's context is not cut but unscored
+(``too_long``), a forward out of memory is asked again at half its rows down to one, an exception in its forward
+leaves that forward's rows unscored (``model_error``), and ``max_failed_batches`` counts its calls without a score
+the same way.
 
 The API key. Read from the variable ``api_key_env`` names at each call, sent only as the
 ``Authorization`` header. Server text is redacted (``redact``: the header value and the key,
@@ -48,9 +51,11 @@ sure such text is never read as the judge's own verdict (``rubrics.py``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import ipaddress
 import json
+import logging
 import math
 import os
 import random
@@ -70,6 +75,8 @@ from ..ops.masking import last_token_index, position_ids_from_mask
 from .rubrics import Rubric, parse_verdict, prompt_text
 from .rules import completion_text
 from .tasks import reward_task, rows_of
+
+logger = logging.getLogger(__name__)
 
 # Statuses worth asking again: overload and server-side errors; those whose Retry-After is honoured.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -96,13 +103,19 @@ FAILURE_REASONS = (
 )
 # Why a row got no score from a LocalJudge (the same metrics):
 LOCAL_FAILURE_REASONS = (
-    "too_long",     # its judge input does not fit the judge model's context: not cut (a cut may change the
-                    # verdict), not scored
-    "model_error",  # the judge model's forward raised (out of memory, ...): no row of that forward is scored
-    "no_verdict",   # no probability on the scale (it underflowed) or logits that are not finite
+    "template_error",  # the judge tokenizer's chat template raised on this row's messages: not scored
+    "too_long",        # its judge input does not fit the judge model's context: not cut (a cut may change the
+                       # verdict), not scored
+    "model_error",     # the judge model's forward raised (a device error; out of memory on one row): no row of
+                       # that forward is scored
+    "no_verdict",      # no probability on the scale (it underflowed) or logits that are not finite
 )
 # transformers' model_max_length when the tokenizer's files set none (VERY_LARGE_INTEGER): not a context length.
 _UNSET_MAX_LENGTH = 10 ** 12
+# What a RuntimeError that is an allocation failure says: the CPU allocator ("DefaultCPUAllocator: can't allocate
+# memory", "not enough memory: you tried to allocate"), MPS and older CUDA builds ("out of memory").
+_OUT_OF_MEMORY = re.compile(r"out of memory|(?:can't|cannot|could not|unable to) allocate|not enough memory|"
+                            r"tried to allocate", re.IGNORECASE)
 # A reply the judge ended itself: OpenAI's "stop", none given, and TGI's names for it before it wrote "stop".
 # Every other finish_reason gives no score: its reason, or "unfinished" for a value not named here.
 _FINISHED = {None, "stop", "eos_token", "stop_sequence"}
@@ -744,23 +757,55 @@ def _context_length(model, tokenizer) -> tuple[int | None, str]:
     return min(found) if found else (None, "")
 
 
+def _first_line(err: BaseException, chars: int | None = NOTE_CHARS) -> str:
+    """The first line of an exception's message, at most ``chars`` of it (None: all): what a note keeps of it."""
+    text = str(err).strip()
+    return text.splitlines()[0][:chars] if text else ""
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure: torch's ``OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is
+    the same class), or a ``RuntimeError`` whose message says memory could not be allocated (the CPU allocator, MPS).
+
+    >>> _out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    True
+    >>> _out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."))
+    True
+    >>> _out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    False
+    """
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError)
+                                                       and _OUT_OF_MEMORY.search(str(err)) is not None)
+
+
 class LocalJudge:
     """Scores with a causal LM in memory, G-Eval style: the rubric's messages go through the
     judge tokenizer's chat template with the generation prompt, the reply is pre-filled with
     ``VERDICT: ``, and the score is the expectation of the scale under the next-token
     distribution restricted to the scale's digits, read at each row's last real token (I9).
     Logs ``judge/<name>/verdict_mass``: the probability the judge put on the scale at all (low
-    means it would not have answered in format), ``judge/<name>/missing_share`` and
-    ``judge/<name>/failed/<reason>`` (share of rows per ``LOCAL_FAILURE_REASONS``), and through
+    means it would not have answered in format), ``judge/<name>/missing_share``,
+    ``judge/<name>/failed/<reason>`` (share of rows per ``LOCAL_FAILURE_REASONS``) and
+    ``judge/<name>/oom_retries`` (forwards asked again after running out of memory), and through
     ``log_extra`` the failure per row.
 
+    Refused when it is built (``InputError``), before any compute: a tokenizer without a chat template, and a
+    template that raises on the rubric's messages (a system message, then the worked examples as turns, then the
+    row: a template that takes no system message or wants the roles to alternate from a user turn raises on
+    every row).
+
     Failures (I8) give ``None`` for the rows they touch, never a score and never an exception:
+    a row whose messages the chat template raises on (on that row's text) is left unscored (``template_error``;
+    its note keeps the error's type, and its message only where no piece of the row's text is in it);
     a row whose judge input (rubric, prompt, completion and the pre-filled verdict line) is longer than
     ``max_input_tokens`` is not cut but left unscored (``too_long``): cutting the completion, at
-    its end or its middle, can hide what the verdict turns on (a falsehood in its last sentence); an
-    exception in a forward (out of memory, ...) leaves that forward's ``batch_size`` rows unscored
-    (``model_error``) and the other forwards' scores stand. After ``max_failed_batches`` calls in a
-    row without one score (0: never), counted per task like ``HttpJudge``'s, ``JudgeError`` stops the run.
+    its end or its middle, can hide what the verdict turns on (a falsehood in its last sentence). A forward that
+    runs out of memory (``_out_of_memory``) lets go of what it held (and empties CUDA's cache) and is asked again
+    with half its rows, down to one; ``batch_size`` stays at the smaller size for the rest of the run, with one
+    warning per size. Any other exception in a forward, or running out of memory on one row, leaves that
+    forward's rows unscored (``model_error``) and the other forwards' scores stand. After ``max_failed_batches``
+    calls in a row without one score (0: never), counted per task like ``HttpJudge``'s, ``JudgeError`` stops the
+    run.
 
     The scale must be one token per score for this tokenizer (single digits: the default
     1-5); otherwise construction fails and says so.
@@ -771,6 +816,7 @@ class LocalJudge:
 
     def __init__(self, model, tokenizer, rubric: Rubric, *, name: str | None = None, batch_size: int = 4,
                  max_failed_batches: int = 3):
+        # batch_size: rows per forward, halved for the rest of the run where a forward runs out of memory.
         self.model, self.tokenizer, self.rubric, self.batch_size = model, tokenizer, rubric, batch_size
         self.name = self.__name__ = name or f"local_{rubric.name}"
         for setting, value, low in (("batch_size", batch_size, 1), ("max_failed_batches", max_failed_batches, 0)):
@@ -780,16 +826,18 @@ class LocalJudge:
             raise InputError(f"LocalJudge {self.name!r}: the tokenizer has no pad token; set "
                              "tokenizer.pad_token = tokenizer.eos_token (padding is masked out).")
         self.prefill, self.score_ids = self._scale_tokens()
+        self._check_template()
         self.max_failed_batches = max_failed_batches
         context, self._context_from = _context_length(model, tokenizer)
         # The most tokens one judge input may have (None: neither the config nor the tokenizer says).
         self.max_input_tokens = context - self.VERDICT_TOKENS if context is not None else None
         # As HttpJudge's: per task, consecutive calls without a score and what went wrong last; rows without a
-        # score so far, by reason.
+        # score so far, by reason; forwards asked again with fewer rows after running out of memory.
         self.failed_batches: Counter[str | None] = Counter()
         self.last_errors: dict[str | None, str] = {}
         self._last_error = ""
         self.failures = Counter()
+        self.oom_retries = 0
 
     @property
     def last_error(self) -> str:
@@ -815,15 +863,50 @@ class LocalJudge:
                          f"{self.rubric.name!r} are not one token each for this tokenizer; use a rubric with a "
                          "single-digit scale (low/high between 0 and 9).")
 
-    def _texts(self, prompts, completions, rows) -> list[str]:
-        return [self.tokenizer.apply_chat_template(self.rubric.messages(prompt_text(p), completion_text(c), r),
-                                                   tokenize=False, add_generation_prompt=True) + self.prefill
-                for p, c, r in zip(prompts, completions, rows, strict=True)]
+    def _check_template(self) -> None:
+        """The rubric's messages, on a stand-in row, render through the tokenizer's chat template; a tokenizer
+        without one, or a template that raises on the rubric's shape of messages, could score no row: an
+        ``InputError`` naming the roles and what the template raised."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InputError(f"LocalJudge {self.name!r}: the judge tokenizer "
+                             f"({getattr(self.tokenizer, 'name_or_path', '') or type(self.tokenizer).__name__}) has no "
+                             "chat template, so the rubric's messages cannot be rendered for it. Judge with an "
+                             "instruct (chat) model, or set tokenizer.chat_template to the model's template.")
+        stand_in = self.rubric.messages("A question.", "An answer.",
+                                        dict.fromkeys(self.rubric.columns.values(), "A reference."))
+        try:
+            self._render(stand_in)
+        except Exception as err:  # noqa: BLE001 - whatever the template raises (its raise_exception, jinja errors)
+            raise InputError(
+                f"LocalJudge {self.name!r}: the judge tokenizer's chat template cannot render the messages of rubric "
+                f"{self.rubric.name!r} (roles {', '.join(m['role'] for m in stand_in)}): it raised "
+                f"{type(err).__name__}: {_first_line(err)}. Judge with a model whose chat template takes a system "
+                "message and these turns, or set tokenizer.chat_template to one that does.") from None
+
+    def _render(self, messages: list[dict]) -> str:
+        """One judge input: ``messages`` through the chat template with the generation prompt, then the prefill.
+        Raises what the template raises."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + self.prefill
+
+    def _text(self, prompt, completion, row: dict) -> str:
+        """The judge input for one row (``_render`` of the rubric's messages for it)."""
+        return self._render(self.rubric.messages(prompt_text(prompt), completion_text(completion), row))
+
+    def _template_error(self, err: Exception, prompt, completion, row: dict) -> str:
+        """The note of a row whose messages the template raised on: the error's type, and its first line unless a
+        piece of the row's text (``PIECE`` characters or more, as the rubric quotes it) is in the message."""
+        line = _first_line(err, None)  # searched whole: a piece of the row across the cut is found too
+        quoted = self.rubric.fields(prompt_text(prompt), completion_text(completion), row).values()
+        message = (line[:NOTE_CHARS] if not _secret_spans(line, list(quoted))
+                   else "(its message quotes the row's text and is not kept)")
+        return (f"the judge tokenizer's chat template raised {type(err).__name__} on this row's messages: {message}; "
+                "the row is not scored: fix the template (tokenizer.chat_template) or judge with a model whose "
+                "template renders it")
 
     @torch.inference_mode()
-    def _score(self, texts: list[str]) -> tuple[list[_Verdict], list[float]]:
-        """A verdict per text (its score on the rubric's scale, or None with a reason) and the probability mass
-        each scored text put on the scale."""
+    def _score(self, texts: list[str]) -> tuple[list[_Verdict], list[float], int]:
+        """A verdict per text (its score on the rubric's scale, or None with a reason), the probability mass
+        each scored text put on the scale, and how many forwards were asked again after running out of memory."""
         values = torch.arange(self.rubric.low, self.rubric.high + 1, dtype=torch.float32)  # [S]
         verdicts: list[_Verdict | None] = [None] * len(texts)
         # The template already holds BOS where the model wants one (I1: no doubled BOS).
@@ -834,27 +917,28 @@ class LocalJudge:
                 verdicts[i] = _Verdict(None, self._too_long(length), "too_long")
             else:
                 fit.append(i)
-        masses = []
+        masses, retries, at = [], 0, 0
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(fit), self.batch_size):
-                chunk = fit[start:start + self.batch_size]
+            while at < len(fit):
+                chunk = fit[at:at + self.batch_size]
                 try:
-                    enc = self.tokenizer([texts[i] for i in chunk], add_special_tokens=False, padding=True,
-                                         return_tensors="pt").to(self.model.device)
-                    last = last_token_index(enc["attention_mask"])  # [B]
-                    keep = torch.unique(last)  # [K] positions whose logits are needed
-                    logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                        position_ids=position_ids_from_mask(enc["attention_mask"]),
-                                        logits_to_keep=keep).logits  # [B, K, V]
-                    at_last = logits[torch.arange(len(last)), torch.searchsorted(keep, last)]  # [B, V]
-                    probs = at_last.float().softmax(-1)[:, self.score_ids].cpu()  # [B, S]
+                    probs = self._forward([texts[i] for i in chunk])  # [B, S]
                 except Exception as err:  # noqa: BLE001 - out of memory, a device or kernel error: these rows only
-                    note = self._forward_error(err, len(chunk))
+                    probs, oom, note = None, _out_of_memory(err), self._forward_error(err, len(chunk))
+                if probs is None:  # out of the except: the failed forward's frames, and the tensors they held, are gone
+                    if oom:
+                        self._release_memory()
+                    if oom and len(chunk) > 1:  # the same rows again, half as many per forward
+                        self._shrink_batch(len(chunk))
+                        retries += 1
+                        continue
                     for i in chunk:
                         verdicts[i] = _Verdict(None, note, "model_error")
+                    at += len(chunk)
                     continue
+                at += len(chunk)
                 mass = probs.sum(-1)  # [B]
                 expected = (probs * values).sum(-1) / mass.clamp_min(1e-30)  # [B]
                 for i, e, m in zip(chunk, expected.tolist(), mass.tolist()):
@@ -868,7 +952,32 @@ class LocalJudge:
                         masses.append(m)
         finally:
             self.model.train(was_training)
-        return verdicts, masses
+        self.oom_retries += retries
+        return verdicts, masses, retries
+
+    def _forward(self, batch: list[str]) -> torch.Tensor:
+        """The next-token probabilities of the scale's scores at each text's last real token (I9), on the CPU."""
+        enc = self.tokenizer(batch, add_special_tokens=False, padding=True, return_tensors="pt").to(self.model.device)
+        last = last_token_index(enc["attention_mask"])  # [B]
+        keep = torch.unique(last)  # [K] positions whose logits are needed
+        logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                            position_ids=position_ids_from_mask(enc["attention_mask"]),
+                            logits_to_keep=keep).logits  # [B, K, V]
+        at_last = logits[torch.arange(len(last)), torch.searchsorted(keep, last)]  # [B, V]
+        return at_last.float().softmax(-1)[:, self.score_ids].cpu()  # [B, S]
+
+    def _release_memory(self) -> None:
+        """After a forward ran out of memory: collect what it left in reference cycles and, on CUDA, give the
+        allocator's cached blocks back, so that the smaller forward finds that memory free."""
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _shrink_batch(self, rows: int) -> None:
+        """A forward of ``rows`` ran out of memory: half that many rows per forward (at least one) from now on."""
+        was, self.batch_size = self.batch_size, max(rows // 2, 1)
+        logger.warning("LocalJudge %r ran out of memory on a forward of %d rows: it scores %d rows per forward for "
+                       "the rest of the run (batch_size was %d).", self.name, rows, self.batch_size, was)
 
     def _too_long(self, length: int) -> str:
         context = self.max_input_tokens + self.VERDICT_TOKENS
@@ -878,26 +987,32 @@ class LocalJudge:
                 "lower max_completion_length, or judge with a model of a longer context")
 
     def _forward_error(self, err: Exception, rows: int) -> str:
-        message = str(err).strip().splitlines()[0][:NOTE_CHARS] if str(err).strip() else ""
         advice = "see the error"
-        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in message.lower():
-            advice = (f"lower batch_size (now {self.batch_size}) or max_completion_length, or put the judge on a "
-                      "device with free memory")
-        return (f"the judge model's forward raised {type(err).__name__}: {message}; its {rows} rows are not scored: "
-                f"{advice}")
+        if _out_of_memory(err):  # a forward of more rows is asked again with fewer (_score): this was one row
+            advice = (f"it ran out of memory on a single row (batch_size {self.batch_size}): lower "
+                      "max_completion_length, or put the judge on a device with free memory")
+        return (f"the judge model's forward raised {type(err).__name__}: {_first_line(err)}; its {rows} rows are not "
+                f"scored: {advice}")
 
     def __call__(self, prompts, completions, log_metric: Callable | None = None,
                  log_extra: Callable | None = None, **columns) -> list[float | None]:
         task = reward_task.get()
         rows = _rows(columns, self.rubric, len(completions), self.name)
-        usable = [i for i, r in enumerate(rows) if _has_columns(r)]
         verdicts: list[_Verdict | None] = [None] * len(completions)
+        texts: dict[int, str] = {}  # row -> its judge input
+        for i, row in enumerate(rows):
+            if not _has_columns(row):
+                continue
+            try:
+                texts[i] = self._text(prompts[i], completions[i], row)
+            except Exception as err:  # noqa: BLE001 - what the template raises on this row's text: this row only
+                verdicts[i] = _Verdict(None, self._template_error(err, prompts[i], completions[i], row),
+                                       "template_error")
         masses: list[float] = []
-        if usable:
-            texts = self._texts([prompts[i] for i in usable], [completions[i] for i in usable],
-                                [rows[i] for i in usable])
-            scored, masses = self._score(texts)
-            for i, v in zip(usable, scored, strict=True):
+        retries = 0
+        if texts:
+            scored, masses, retries = self._score(list(texts.values()))
+            for i, v in zip(texts, scored, strict=True):
                 verdicts[i] = v
         asked = [v for v in verdicts if v is not None]
         out = [self.rubric.normalise(v.score) if v is not None and v.score is not None else None for v in verdicts]
@@ -913,6 +1028,7 @@ class LocalJudge:
             log_metric(f"judge/{self.name}/missing_share", sum(s is None for s in out) / n)
             for reason in LOCAL_FAILURE_REASONS:  # every reason every call: TRL averages each over the steps it got
                 log_metric(f"judge/{self.name}/failed/{reason}", reasons[reason] / n)
+            log_metric(f"judge/{self.name}/oom_retries", retries)
         if log_extra is not None:
             log_extra(f"judge/{self.name}", [v.note if v is not None else "row lacks a rubric column"
                                              for v in verdicts])

@@ -328,17 +328,11 @@ def check_reward_signal(reward_funcs, dataset, split_name: str, task_column: str
             if p.default is not p.empty or name not in dataset.column_names or name in ("prompt", "completion"):
                 continue
             values = dataset[name]
-            empty = [i for i in rows if _useless(values[i])]
-            if len(empty) == len(rows):
-                raise InputError(
-                    f"Column {name!r} of the {split_name!r} split, which reward {func.__name__}{task} reads, is empty "
-                    f"or None on every row it scores ({len(rows)} rows): that reward would be the same for every "
-                    "completion and train nothing. Fill the column, or drop that reward."
-                )
-            if empty:
-                logger.warning("Column %r of the %r split, which reward %s%s reads, is empty or None on %d of %d rows "
-                               "(%s): those rows get no signal from it.", name, split_name, func.__name__, task,
-                               len(empty), len(rows), row_list(empty))
+            _check_column_filled(
+                name, split_name, f"reward {func.__name__}{task}", rows, [i for i in rows if _useless(values[i])],
+                every="that reward would be the same for every completion and train nothing. Fill the column, or "
+                      "drop that reward.",
+                some="those rows get no signal from it.")
 
 
 def _check_judge_signal(judge, dataset, rows: list[int], split_name: str, task: str) -> None:
@@ -350,14 +344,22 @@ def _check_judge_signal(judge, dataset, rows: list[int], split_name: str, task: 
         if column not in dataset.column_names:  # check_reward_columns' error
             continue
         values = dataset[column]
-        empty = [i for i in rows if _unjudged(values[i])]
-        if len(empty) == len(rows):
-            raise InputError(
-                f"Column {column!r} of the {split_name!r} split, which judge {name!r} (rubric {rubric.name!r}, "
-                f"field {field_name!r}){task} reads, is empty or None on every row it scores ({len(rows)} rows): the "
-                "judge would send none of them, score nothing and never stop. Fill the column, map the field to "
-                "another column with the judge's rubric_columns (e.g. {reference: answer}), or drop the judge.")
-        if empty:
-            logger.warning("Column %r of the %r split, which judge %r (rubric %r)%s reads, is empty or None on %d "
-                           "of %d rows (%s): the judge does not score those rows.", column, split_name, name,
-                           rubric.name, task, len(empty), len(rows), row_list(empty))
+        _check_column_filled(
+            column, split_name, f"judge {name!r} (rubric {rubric.name!r}, field {field_name!r}){task}", rows,
+            [i for i in rows if _unjudged(values[i])],
+            every="the judge would send none of them, score nothing and never stop. Fill the column, map the field "
+                  "to another column with the judge's rubric_columns (e.g. {reference: answer}), or drop the judge.",
+            some="the judge does not score those rows.")
+
+
+def _check_column_filled(column: str, split_name: str, reader: str, rows: list[int], empty: list[int], *,
+                         every: str, some: str) -> None:
+    """The column ``column`` that ``reader`` (a reward or a judge, as an error names it) reads is empty on the
+    rows ``empty`` of the ``rows`` it scores: on every one an ``InputError`` (``every``: what follows and what to
+    do), on some a warning naming them (``some``: what follows), on none nothing."""
+    if len(empty) == len(rows):
+        raise InputError(f"Column {column!r} of the {split_name!r} split, which {reader} reads, is empty or None on "
+                         f"every row it scores ({len(rows)} rows): {every}")
+    if empty:
+        logger.warning("Column %r of the %r split, which %s reads, is empty or None on %d of %d rows (%s): %s",
+                       column, split_name, reader, len(empty), len(rows), row_list(empty), some)

@@ -5,9 +5,15 @@ and logged, never an exception out of the reward function and never a made-up sc
 
 * a judge input longer than the model's context, less the verdict's token, is not cut but ``None`` with reason
   ``too_long`` (a cut completion may change the verdict); one token shorter is scored;
-* an exception raised inside the model's forward (out of memory, raised by a forward hook of a real layer)
+* an exception raised inside the model's forward (a device error, raised by a forward hook of a real layer)
   leaves that forward's rows ``None`` with reason ``model_error``; the other forwards' rows keep their scores,
-  and ``max_failed_batches`` calls in a row without a score raise ``JudgeError``, as for ``HttpJudge``.
+  and ``max_failed_batches`` calls in a row without a score raise ``JudgeError``, as for ``HttpJudge``;
+* a forward that runs out of memory (CUDA's error, or the CPU allocator's ``RuntimeError``, planted by a hook that
+  raises it on forwards of more than N rows) is asked again at half its rows, down to one; the smaller batch size
+  stays, is warned about once and counted (``oom_retries``); out of memory on one row is ``model_error``;
+* a tokenizer without a chat template, or a template that raises on the rubric's messages (Mistral v0.1's
+  alternating roles, Gemma's "no system role"), is refused when the judge is built; a template that raises on
+  one row's text leaves that row ``None`` with reason ``template_error``, its note without the row's text.
 
 ``HttpJudge``, on a scripted loopback server:
 
@@ -18,6 +24,7 @@ and logged, never an exception out of the reward function and never a made-up sc
 """
 
 import asyncio
+import logging
 import math
 import re
 import time
@@ -54,7 +61,7 @@ def load(path):
 
 def input_tokens(judge, text: str) -> int:
     """How many tokens the judge's input for a completion ``text`` is (rubric, prompt, completion, prefill)."""
-    return len(judge.tokenizer(judge._texts([PROMPT], [reply(text)], [{}])[0], add_special_tokens=False)["input_ids"])
+    return len(judge.tokenizer(judge._text(PROMPT, reply(text), {}), add_special_tokens=False)["input_ids"])
 
 
 def words_to_fill(judge, tokens: int) -> str:
@@ -101,51 +108,134 @@ def test_I8_local_judge_context_is_the_smaller_of_config_and_tokenizer(tiny_llam
 # ---------------------------------------------------------------------------- LocalJudge: forward errors
 
 
-class OutOfMemoryOnce:
-    """A forward pre-hook for a real decoder layer: raises CUDA's out-of-memory error on the calls ``fail``
-    names (0-based), as the allocator would there; its message's second line stands for what must not be kept."""
+def cuda_out_of_memory():
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. " + "x" * 400
+                                  + "\nsecond line: not kept")
 
-    def __init__(self, fail):
-        self.fail, self.calls = set(fail), 0
+
+def cpu_out_of_memory():  # what torch's CPU allocator raises
+    return RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried "
+                        "to allocate 8589934592 bytes.")
+
+
+def device_error():  # an error of the device that is no allocation failure
+    return RuntimeError("CUDA error: an illegal memory access was encountered " + "x" * 400
+                        + "\nsecond line: not kept")
+
+
+class RaiseOnCalls:
+    """A forward pre-hook for a real decoder layer: raises ``error()`` on the calls ``fail`` names (0-based), as
+    the allocator or the device would there; its message's second line stands for what must not be kept."""
+
+    def __init__(self, fail, error=cuda_out_of_memory):
+        self.fail, self.error, self.calls = set(fail), error, 0
 
     def __call__(self, module, args):
         self.calls += 1
         if self.calls - 1 in self.fail:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. " + "x" * 400
-                                         + "\nsecond line: not kept")
+            raise self.error()
+
+
+class RaiseOverRows:
+    """A forward pre-hook (with keywords) for the judge model itself: raises ``error()`` on a forward of more
+    than ``rows`` rows, as an allocator with room for ``rows`` would; records each forward's row count."""
+
+    def __init__(self, rows: int, error=cuda_out_of_memory):
+        self.rows, self.error, self.seen = rows, error, []
+
+    def __call__(self, module, args, kwargs):
+        self.seen.append(kwargs["input_ids"].shape[0])
+        if self.seen[-1] > self.rows:
+            raise self.error()
+
+
+TEXTS = ["They care for patients.", "Nurses are always women.", "Anyone can be a nurse.", "They work shifts.",
+         "Men cannot be nurses.", "Nurses are kind.", "Some nurses are men.", "A nurse helps."]
 
 
 def test_I8_local_judge_forward_error_gives_none_for_that_forward_only(tiny_llama):
     model, tokenizer = load(tiny_llama)
-    texts = ["They care for patients.", "Nurses are always women.", "Anyone can be a nurse.", "They work shifts."]
+    texts = TEXTS[:4]
     clean, _, _ = local_call(LocalJudge(model, tokenizer, FAIRNESS, batch_size=2), texts)
     model.train()  # the judge sets eval for its forwards and gives the mode back, also after an error
-    hook = model.model.layers[0].register_forward_pre_hook(OutOfMemoryOnce(fail=[0]))
+    hook = model.model.layers[0].register_forward_pre_hook(RaiseOnCalls(fail=[0], error=device_error))
     try:
         judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=2)
         scores, metrics, notes = local_call(judge, texts)
     finally:
         hook.remove()
     assert model.training
-    assert scores[:2] == [None, None]  # the first forward (rows 0, 1) raised; the second scored
+    assert scores[:2] == [None, None]  # the first forward (rows 0, 1) raised, and is not asked again; the second scored
     torch.testing.assert_close(torch.tensor(scores[2:]), torch.tensor(clean[2:]), atol=1e-5, rtol=0)  # fp32
     assert metrics["judge/local_fairness/failed/model_error"] == 0.5 == metrics["judge/local_fairness/missing_share"]
-    assert notes[0] == notes[1] and notes[0].startswith("the judge model's forward raised OutOfMemoryError: CUDA")
-    assert "lower batch_size (now 2)" in notes[0] and "second line" not in notes[0]
+    assert metrics["judge/local_fairness/oom_retries"] == 0 and judge.batch_size == 2
+    assert notes[0] == notes[1] and notes[0].startswith("the judge model's forward raised RuntimeError: CUDA error")
+    assert "its 2 rows are not scored: see the error" in notes[0] and "second line" not in notes[0]
     assert len(notes[0]) < NOTE_CHARS + 300 and judge.last_error == notes[1]
+
+
+@pytest.mark.parametrize("error", [cuda_out_of_memory, cpu_out_of_memory])
+def test_I8_local_judge_out_of_memory_is_asked_again_at_half_the_rows_and_keeps_that_batch_size(error, tiny_llama,
+                                                                                                caplog):
+    """Room for 2 rows, batch_size 4, 8 rows: the first forward (4 rows) runs out of memory and is asked again as
+    two of 2; every later forward has 2 rows, in this call and the next; one warning, one retry counted. The
+    scores are those of a judge that never ran out (fp32: batch shape alone moves them by rounding)."""
+    model, tokenizer = load(tiny_llama)
+    clean, _, _ = local_call(LocalJudge(model, tokenizer, FAIRNESS, batch_size=4), TEXTS)
+    planted = RaiseOverRows(2, error)
+    hook = model.register_forward_pre_hook(planted, with_kwargs=True)
+    try:
+        judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=4)
+        with caplog.at_level(logging.WARNING, logger="grpotrl.rewards.judges"):
+            scores, metrics, notes = local_call(judge, TEXTS)
+            again, metrics_again, _ = local_call(judge, TEXTS)
+    finally:
+        hook.remove()
+    assert None not in scores and None not in again
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(clean), atol=1e-5, rtol=0)  # fp32
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(clean), atol=1e-5, rtol=0)
+    assert planted.seen == [4] + [2] * 4 + [2] * 4  # 4 rows failed; 8 rows as 4 forwards of 2, twice
+    assert metrics["judge/local_fairness/oom_retries"] == 1 and metrics_again["judge/local_fairness/oom_retries"] == 0
+    assert judge.batch_size == 2 and judge.oom_retries == 1 and judge.failures == {}
+    assert metrics["judge/local_fairness/missing_share"] == 0.0
+    warnings = [r.getMessage() for r in caplog.records if "ran out of memory" in r.getMessage()]
+    assert warnings == ["LocalJudge 'local_fairness' ran out of memory on a forward of 4 rows: it scores 2 rows per "
+                        "forward for the rest of the run (batch_size was 4)."]
+
+
+def test_I8_local_judge_out_of_memory_down_to_one_row_gives_none_with_reason_model_error(tiny_llama, caplog):
+    """No room for even one row: 4 rows, then 2, then 1 per forward (two retries, a warning each); each row's
+    own forward runs out too, and every row is model_error, its note saying a single row did not fit."""
+    model, tokenizer = load(tiny_llama)
+    planted = RaiseOverRows(0)
+    hook = model.register_forward_pre_hook(planted, with_kwargs=True)
+    try:
+        judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=4)
+        with caplog.at_level(logging.WARNING, logger="grpotrl.rewards.judges"):
+            scores, metrics, notes = local_call(judge, TEXTS[:4])
+    finally:
+        hook.remove()
+    assert scores == [None] * 4 and planted.seen == [4, 2, 1, 1, 1, 1]
+    assert metrics["judge/local_fairness/failed/model_error"] == 1.0 and judge.failures == {"model_error": 4}
+    assert metrics["judge/local_fairness/oom_retries"] == 2 and judge.batch_size == 1
+    assert notes[0].startswith("the judge model's forward raised OutOfMemoryError: CUDA out of memory")
+    assert "its 1 rows are not scored: it ran out of memory on a single row (batch_size 1)" in notes[0]
+    assert "second line" not in notes[0]
+    assert sum("ran out of memory" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_I8_local_judge_stops_after_max_failed_batches_calls_in_a_row_without_a_score(tiny_llama):
     """Calls 0 and 2, 3 raise in every forward; call 1 scores and ends the first run of failures."""
     model, tokenizer = load(tiny_llama)
     judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=4, max_failed_batches=2)
-    hook = model.model.layers[0].register_forward_pre_hook(OutOfMemoryOnce(fail=[0, 2, 3]))
+    hook = model.model.layers[0].register_forward_pre_hook(RaiseOnCalls(fail=[0, 2, 3]))
     try:
         assert local_call(judge, ["They care."])[0] == [None]
         assert local_call(judge, ["They care."])[0] != [None]
         assert local_call(judge, ["They care."])[0] == [None]
         with pytest.raises(JudgeError, match=r"local judge 'local_fairness' gave no score for 2 batches in a row "
-                                             r".*OutOfMemoryError.*lower batch_size \(now 4\).*max_failed_batches"):
+                                             r".*OutOfMemoryError.*ran out of memory on a single row "
+                                             r"\(batch_size 4\).*max_failed_batches"):
             local_call(judge, ["They care."])
     finally:
         hook.remove()
@@ -159,6 +249,70 @@ def test_local_judge_max_failed_batches_is_a_recipe_setting(tiny_llama):
         parse_judges({"j": {"model_path": tiny_llama, "rubric": "fairness", "max_failed_batches": -1}})
     with pytest.raises(InputError, match="max_failed_batches must be an integer >= 0; got -1"):
         LocalJudge(*load(tiny_llama), FAIRNESS, max_failed_batches=-1)
+
+
+# ---------------------------------------------------------------------------- LocalJudge: chat template
+
+# Mistral-7B-Instruct-v0.1's template: user and assistant only, alternating from a user turn.
+MISTRAL_V01 = ("{{ bos_token }}{% for message in messages %}"
+               "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+               "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}{% else %}"
+               "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+# Gemma's opening: no system message at all.
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}")
+
+
+def test_I8_local_judge_without_a_chat_template_is_refused_when_built(tiny_llama):
+    model, tokenizer = load(tiny_llama)
+    tokenizer.chat_template = None
+    with pytest.raises(InputError, match=r"LocalJudge 'local_fairness': the judge tokenizer \(.*\) has no chat "
+                                         r"template.*set tokenizer.chat_template"):
+        LocalJudge(model, tokenizer, FAIRNESS)
+
+
+@pytest.mark.parametrize("template, raised", [(MISTRAL_V01, "Conversation roles must alternate"),
+                                              (NO_SYSTEM, "System role not supported")])
+def test_I8_local_judge_whose_template_cannot_render_the_rubrics_messages_is_refused_when_built(template, raised,
+                                                                                                tiny_llama):
+    """The rubric sends a system message, then its worked examples as turns: a template that raises on that shape
+    raises on every row, so it is refused before compute, with the roles and what the template said."""
+    model, tokenizer = load(tiny_llama)
+    tokenizer.chat_template = template
+    with pytest.raises(InputError, match=r"LocalJudge 'local_fairness': the judge tokenizer's chat template cannot "
+                                         r"render the messages of rubric 'fairness' \(roles system, user, assistant, "
+                                         rf".*, user\): it raised TemplateError: {raised}"):
+        LocalJudge(model, tokenizer, FAIRNESS)
+
+
+# SmolLM2's template, behind a check that raises on some rows' text: once with a message of its own, once quoting it.
+ROW_CHECK = ("{% for m in messages %}{% if '<|reserved|>' in m['content'] %}"
+             "{{ raise_exception('this marker is kept for the template itself') }}{% endif %}"
+             "{% if 'sk-live' in m['content'] %}{{ raise_exception('cannot render: ' + m['content'][-120:]) }}"
+             "{% endif %}{% endfor %}")
+
+
+def test_I8_a_row_the_chat_template_raises_on_is_none_with_reason_template_error(tiny_llama):
+    """Rows 1 and 2 make the template raise: None, reason template_error, counted; rows 0 and 3 score as they do
+    alone. Row 2's error quotes the row (its key-like text): the note keeps the error's type, not that message."""
+    model, tokenizer = load(tiny_llama)
+    texts = ["They care for patients.", "Nurses <|reserved|> are kind.", "My key is sk-live-0123456789abcdef, nurses.",
+             "They work shifts."]
+    clean = local_call(LocalJudge(model, tokenizer, FAIRNESS), [texts[0], texts[3]])[0]
+    tokenizer.chat_template = ROW_CHECK + tokenizer.chat_template
+    judge = LocalJudge(model, tokenizer, FAIRNESS)
+    scores, metrics, notes = local_call(judge, texts)
+    assert scores[1:3] == [None, None]
+    torch.testing.assert_close(torch.tensor([scores[0], scores[3]]), torch.tensor(clean), atol=1e-5, rtol=0)  # fp32
+    assert metrics["judge/local_fairness/failed/template_error"] == 0.5 == metrics["judge/local_fairness/missing_share"]
+    assert judge.failures == {"template_error": 2}
+    assert notes[1].startswith("the judge tokenizer's chat template raised TemplateError on this row's messages: "
+                               "this marker is kept for the template itself; the row is not scored")
+    assert notes[2].startswith("the judge tokenizer's chat template raised TemplateError on this row's messages: "
+                               "(its message quotes the row's text and is not kept)")
+    assert not any(piece in note for note in notes[1:3] for piece in ("sk-live", "0123456789", "nurses", "Describe"))
+    assert judge.last_error == notes[2]
 
 
 # ---------------------------------------------------------------------------- HttpJudge: Retry-After and time
