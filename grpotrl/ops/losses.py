@@ -236,6 +236,18 @@ def _golden_min(f, lo: float, hi: float, iters: int = 90) -> float:
     return (a + b) / 2
 
 
+def _unit_gram(gram: torch.Tensor) -> torch.Tensor:
+    """``gram`` [K, K] in float64 on CPU, divided by its mean diagonal (the tasks' mean squared gradient norm).
+    CAGrad's weights and coefficients do not change when every gradient is scaled by the same factor (the
+    objective scales by its square, ``lambda`` not at all), and on the unit scale the solver's absolute 1e-8
+    terms stay negligible for gradients of any size: unscaled, a Gram matrix of 1e-12 (gradient norms of 1e-6)
+    has ``||g_w||^2`` below them, and the weights go to a corner of the simplex. An all-zero matrix is returned
+    as it is."""
+    gram = gram.detach().double().cpu()
+    scale = gram.diagonal().mean()
+    return gram / scale if scale > 0 else gram
+
+
 def cagrad_weights(gram: torch.Tensor, alpha: float, sweeps: int = 50) -> torch.Tensor:
     """The simplex weights ``w`` [K] that minimise ``g_w . g0 + alpha ||g0|| ||g_w||``, where
     ``g_w = sum_k w_k g_k``, ``g0`` the mean task gradient, from the Gram matrix ``gram`` [K, K]
@@ -245,7 +257,7 @@ def cagrad_weights(gram: torch.Tensor, alpha: float, sweeps: int = 50) -> torch.
     >>> cagrad_weights(torch.eye(2), 0.5).tolist()  # orthogonal, equal norms: symmetric
     [0.5, 0.5]
     """
-    gram = gram.detach().double().cpu()
+    gram = _unit_gram(gram)
     K = gram.size(0)
     b = torch.full((K,), 1.0 / K, dtype=torch.float64)
     c = alpha * math.sqrt(max(gram.mean().item(), 0.0))
@@ -272,7 +284,8 @@ def cagrad_coefficients(gram: torch.Tensor, alpha: float, rescale: int = 1) -> t
     """CAGrad's update as a combination of the task gradients: ``d = sum_k coef_k g_k`` with
     ``d = g0 + lambda g_w``, ``lambda = alpha ||g0|| / ||g_w||``, divided by ``1 + alpha^2`` for
     ``rescale=1`` (the reference's default), ``1 + alpha`` for 2, unscaled for 0.
-    Returns (coef [K], w [K]). ``alpha = 0`` gives the mean gradient.
+    Returns (coef [K], w [K]). ``alpha = 0`` gives the mean gradient. Scale-free, as CAGrad is: every gradient
+    times ``s`` (``gram`` times ``s^2``) gives the same coefficients (``_unit_gram``).
 
     >>> coef, w = cagrad_coefficients(torch.eye(2), 0.0)
     >>> coef.tolist()
@@ -282,8 +295,8 @@ def cagrad_coefficients(gram: torch.Tensor, alpha: float, rescale: int = 1) -> t
     [0.6, 0.6]
     """
     K = gram.size(0)
+    gram = _unit_gram(gram)  # the coefficients are scale-free; lambda's 1e-8 then is relative
     w = cagrad_weights(gram, alpha).double()
-    gram = gram.detach().double().cpu()
     g0_norm = math.sqrt(max(gram.mean().item(), 0.0))
     gw_norm = math.sqrt(max((w @ gram @ w).item(), 0.0))
     lam = alpha * g0_norm / (gw_norm + 1e-8)

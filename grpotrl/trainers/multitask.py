@@ -25,6 +25,7 @@ import torch
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
+from ..health.callbacks import loss_scale
 from ..ops.loss_types import named
 from ..ops.losses import cagrad_coefficients
 from ..ops.masking import masked_mean
@@ -99,8 +100,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_record_metrics``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
         A task present in the microbatch whose loss reaches none of the parameters its gradient is taken on
-        (``_check_reached``) stops training: its weight would silently be 0.
-        Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef``, ``cagrad/min_cosine``,
+        (``_check_reached``) stops training: its weight would silently be 0. So does a task whose gradient is
+        NaN/inf (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
+        loss-scaler overflow of the gradient the Trainer's backward carries (exact mode): the scaler skips that
+        update, and the combination is skipped with it (``_combine_window``).
+        Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef`` (over the gradients the task has rows in:
+        in low-memory mode the microbatches that hold it), ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
     """
 
@@ -257,18 +262,29 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _combine_window(self, model) -> None:
         """After the window's last backward: CAGrad over the summed task gradients (averaged over
         processes), its direction added to ``.grad`` (which holds the regularisers' gradient, or
-        the carrier task's: then its share is swapped for its CAGrad coefficient)."""
+        the carrier task's: then its share is swapped for its CAGrad coefficient).
+
+        Under fp16's loss scaler ``.grad`` holds the Trainer's backward times the loss scale S, while the task sums
+        are ``autograd.grad``'s of the unscaled losses: the carrier's gradient is read as ``.grad / S`` and the
+        direction is added times S, so that the scaler's unscaling leaves the CAGrad update. A carrier gradient
+        that overflowed at S >= 1 (NaN/inf, no other task's) is the scaler's overflow: the scaler skips this update
+        and halves S (``health.callbacks.NonFiniteRule`` lets it), so the combination is skipped with it and
+        ``.grad`` left as the scaler reads it. Any other non-finite Gram entry stops training (``_cagrad_weights``)."""
         params = _trainable(model)
         tasks = list(range(len(self.task_names)))
-        carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+        scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
+        in_grad = 1.0 if scale is None else scale  # .grad holds in_grad x the gradient
+        carried = [torch.zeros_like(p) if p.grad is None else p.grad.detach() / in_grad for p in params]
         window = self.task_gradients
         bufs = [carried if k == window.carrier else [self._reduced(b) for b in window.sums[k]] for k in tasks]
         gram = _gram(bufs)  # [K, K]
-        weights = self._cagrad_weights(tasks, gram)  # [K]
-        shares = [w - (k == window.carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
-        direction = [sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
-        self._log_cagrad(tasks, gram, weights)
-        self._compose_update(params, direction)
+        overflowed = _non_finite_tasks(gram) == [window.carrier] and scale is not None and scale >= 1
+        if not overflowed:
+            weights = self._cagrad_weights(tasks, gram)  # [K]
+            shares = [w - (k == window.carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
+            direction = [in_grad * sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
+            self._log_cagrad(tasks, gram, weights, tasks)
+            self._compose_update(params, direction)
         window.sums = {}  # the next optimizer step starts its own sums
 
     def _compose_update(self, params: list, direction: list) -> None:
@@ -321,14 +337,25 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         G = torch.stack(flat).double()  # [K, N_proxy]
         gram = (G @ G.T).cpu()  # [K, K]: the combination is solved on CPU, as on the exact path
         weights = self._cagrad_weights(tasks, gram)
-        self._log_cagrad(tasks, gram, weights)
+        self._log_cagrad(tasks, gram, weights, self._present_anywhere(tasks, present))
         return sum(w * task_losses[k] for w, k in zip(weights.tolist(), tasks)) + reg
+
+    def _present_anywhere(self, tasks: list[int], present: set) -> list[int]:
+        """The tasks with rows in this microbatch on some process (the Gram matrix is of gradients averaged over
+        processes): one all-reduce of K numbers under DDP, called by every process at the same point."""
+        if self.accelerator.num_processes == 1:
+            return [k for k in tasks if k in present]
+        here = torch.tensor([float(k in present) for k in tasks], device=self.accelerator.device)  # [K]
+        return [k for k, n in zip(tasks, self._reduced(here).tolist()) if n > 0]
 
     # ------------------------------------------------------------------ shared
 
     def _cagrad_weights(self, tasks: list[int], gram: torch.Tensor) -> torch.Tensor:
         """Coefficients on the task gradients, scaled by K (``cagrad_c=0`` = the plain sum).
-        A task whose gradient is zero (no rows, or all its groups' rewards equal) is left out."""
+        A task whose gradient is zero (no rows, or all its groups' rewards equal) is left out. A NaN/inf in
+        ``gram`` stops training, naming the tasks and the step (``_check_gram_finite``): read as "not > 0" it
+        would drop the task with weight 0 while its NaN still reaches ``.grad``, and an inf would enter the solver."""
+        _check_gram_finite(gram, [self.task_names[k] for k in tasks], self.state.global_step + 1, self.args.cagrad)
         live = (gram.diagonal() > 0).nonzero().flatten().tolist()
         weights = torch.zeros(len(tasks))
         if len(live) == 1:
@@ -341,16 +368,21 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _reduced(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="mean") if self.accelerator.num_processes > 1 else t
 
-    def _log_cagrad(self, tasks: list[int], gram: torch.Tensor, weights: torch.Tensor) -> None:
-        """Per task: gradient norm and CAGrad coefficient; the worst pairwise cosine between tasks with a
-        gradient (NaN, which TRL's log leaves out of its mean, when fewer than two have one: a task without rows
-        has no direction to compare); and how far the update is from the plain sum, |d - sum g| / |sum g|."""
+    def _log_cagrad(self, tasks: list[int], gram: torch.Tensor, weights: torch.Tensor, present: list[int]) -> None:
+        """Per task with rows in the gradient (``present``: the microbatch's in low-memory mode, on any process;
+        every task in exact mode, whose window sum holds every microbatch a task has rows in, and is 0 for a task
+        with none in the window): gradient norm and CAGrad coefficient, so that the logged mean of a task runs over
+        the gradients it had rows in, never over a 0 from a microbatch without it; the worst pairwise cosine
+        between tasks with a gradient (NaN, which TRL's log leaves out of its mean, when fewer than two have one: a
+        task without rows has no direction to compare); and how far the update is from the plain sum,
+        |d - sum g| / |sum g|."""
         metrics = {}
         gram = gram.double()
         norms = gram.diagonal().clamp(min=0).sqrt()
         for k, n, w in zip(tasks, norms.tolist(), weights.tolist()):
-            metrics[f"tasks/{self.task_names[k]}/grad_norm"] = n
-            metrics[f"tasks/{self.task_names[k]}/cagrad_coef"] = w
+            if k in present:
+                metrics[f"tasks/{self.task_names[k]}/grad_norm"] = n
+                metrics[f"tasks/{self.task_names[k]}/cagrad_coef"] = w
         if len(tasks) > 1:
             live = (norms > 0).nonzero().flatten()  # [K_live]
             cos = gram[live][:, live] / (norms[live, None] * norms[None, live])  # [K_live, K_live]
@@ -382,6 +414,32 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
 
 
 TRLLossFields = namedtuple("TRLLossFields", "settings reduction per_token regulariser")
+
+
+def _non_finite_tasks(gram: torch.Tensor) -> list[int]:
+    """The tasks whose gradient holds a NaN/inf, read from the Gram matrix [K, K]: those with a non-finite
+    squared norm (an inf or NaN element makes it so); where only off-diagonal entries are non-finite, the tasks
+    of those entries. Empty when every entry is finite.
+
+    >>> _non_finite_tasks(torch.tensor([[1.0, math.nan], [math.nan, math.nan]]))
+    [1]
+    """
+    bad = ~torch.isfinite(gram)  # [K, K]
+    diagonal = bad.diagonal().nonzero().flatten().tolist()
+    return diagonal or sorted(set(bad.nonzero().flatten().tolist()))
+
+
+def _check_gram_finite(gram: torch.Tensor, names: list[str], step: int, mode: str) -> None:
+    """A Gram matrix [K, K] (``names[k]``: its row k's task) with a NaN/inf entry: an error naming the tasks whose
+    gradient is non-finite, their squared norms and the optimizer step."""
+    bad = _non_finite_tasks(gram)
+    if bad:
+        listed = ", ".join(f"{names[k]!r} (|g|^2 = {float(gram[k, k]):g})" for k in bad)
+        raise InvariantError("multi-task", f"step {step}, cagrad={mode!r}: the gradient of task(s) {listed} is "
+                             "NaN/inf. CAGrad cannot weigh a non-finite gradient: the update would carry the NaN, or "
+                             "drop the task with weight 0. Look for an overflow in that task's loss (half precision, "
+                             "a NaN/inf advantage or logprob), or lower the learning rate.")
+
 
 def _check_reached(grads, task: str, where: str) -> None:
     """A task with rows in the microbatch whose loss reaches none of the parameters its gradient is taken on

@@ -91,6 +91,26 @@ def test_conflicting_unequal_norms_against_a_dense_grid():
     assert w[0].item() == pytest.approx(t[F.argmin()], abs=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-12, 1e-6, 1.0, 1e6])
+def test_two_tasks_closed_form_is_scale_free(scale):
+    """CAGrad is scale-free: every gradient times s (the Gram matrix times s^2) scales the objective by s^2 and
+    leaves the weights and lambda = alpha |g0| / |g_w| as they are, so the coefficients must not move. Worked by
+    hand at alpha = 1: g1 = (2, 0), g2 = (-1, 1); Gram [[4, -2], [-2, 2]], g0 = (0.5, 0.5), |g0| = 1/sqrt2.
+    With w = (t, 1 - t): g_w = (3t - 1, 1 - t), g_w . g0 = t, |g0| |g_w| = sqrt(5t^2 - 4t + 1), so
+    F(t) = t + sqrt(5t^2 - 4t + 1); F'(t) = 0 at 2 - 5t = sqrt(5t^2 - 4t + 1) (5t < 2): 20t^2 - 16t + 3 = 0,
+    t = 0.3 (the root 0.5 has 5t > 2); F(0.3) = 0.8 < F(0) = 1 < F(1) = 2.41.
+    g_w = (-0.1, 0.7), |g_w| = 1/sqrt2, lambda = 1; d = (g0 + g_w) / (1 + 1) = (0.2, 0.6) = 0.4 g1 + 0.6 g2:
+    coef = (1/2 + 0.3, 1/2 + 0.7) / 2 = (0.4, 0.6). Left absolute, the solver's 1e-8 terms move w to
+    (0.2988, 0.7012) at the Gram matrix times 1e-6, and to the corner (0, 1), coef (0.25, 0.50), at 1e-12
+    (gradient norms of 1e-6). Tolerance: the coefficients come back in fp32 (1e-7), t to ~sqrt(fp64 eps) = 1e-8."""
+    gram = torch.tensor([[4.0, -2.0], [-2.0, 2.0]], dtype=torch.float64) * scale
+    coef, w = cagrad_coefficients(gram, 1.0)
+    assert w.tolist() == pytest.approx([0.3, 0.7], abs=1e-6)
+    assert coef.tolist() == pytest.approx([0.4, 0.6], abs=1e-6)
+    d = coef.double() @ torch.tensor([[2.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)  # the update at s = 1
+    assert d.tolist() == pytest.approx([0.2, 0.6], abs=1e-6)
+
+
 def test_alpha_zero_is_the_mean_gradient():
     rng = np.random.default_rng(0)
     grads = rng.normal(size=(7, 3))

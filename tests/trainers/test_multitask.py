@@ -442,6 +442,147 @@ def test_low_memory_two_task_run_completes(tiny_llama, grpo_args, monkeypatch):
     assert switched and min(switched) >= 1, f"fused-head nodes switched per microbatch: {switched}"
 
 
+def two_task_prompts() -> Dataset:
+    """Four prompts of each task, the same questions: every step's batch usually holds both tasks."""
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}?"}], "task": task}
+                              for i in range(4) for task in ("fairness", "hallucination")])
+
+
+class NaNTaskGradient(grpotrl.MultiTaskGRPOTrainer):
+    """Every present task's policy term keeps its value and gets a NaN gradient: + sqrt(|L - L|), whose backward is
+    inf (sqrt at 0) times 0 (abs at 0). The loss and the terms' sum stay finite; only the gradients are NaN."""
+
+    poisoned: list
+
+    def _policy_terms(self, logps, rows, inputs, entropy_mask):
+        terms = super()._policy_terms(logps, rows, inputs, entropy_mask)
+        self.poisoned = [self.task_names[k] for k in terms if rows[k].numel()]
+        return {k: t + (t - t.detach()).abs().sqrt() if rows[k].numel() else t for k, t in terms.items()}
+
+
+@pytest.mark.parametrize("mode,regularised", [("exact", True), ("exact", False), ("low_memory", True)],
+                         ids=["exact-regulariser", "exact-carrier", "low_memory"])
+def test_a_nan_task_gradient_stops_naming_the_task_and_the_step(mode, regularised, tiny_llama, grpo_args):
+    """A task whose gradient is NaN has a NaN squared norm in the Gram matrix; read as "not > 0" it got CAGrad weight
+    0 and the run trained on (health rules off here, as a user may set them): the update carried 0 * NaN. It must
+    stop on the first step, before the optimizer moves a weight, naming each such task and the step. Exact mode
+    with a regulariser keeps every task's gradient in its sums; without one the last task's rides in ``.grad``
+    (the carrier); low-memory reads the last block's gradients."""
+    reg = {"entropy_coef": 0.01, "beta": 0.02} if regularised else {"entropy_coef": 0.0, "beta": 0.0}
+    args = mode_args(grpo_args, mode, max_steps=1, per_device_train_batch_size=16, **reg)
+    trainer = NaNTaskGradient(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter}, args=args,
+                              train_dataset=two_task_prompts())
+    stop = rf"\[multi-task\] step 1, cagrad='{mode}': the gradient of task\(s\) "
+    with pytest.raises(InvariantError, match=stop) as e:
+        trainer.train()
+    assert trainer.poisoned and all(f"'{name}' (|g|^2 = nan)" in str(e.value) for name in trainer.poisoned), e.value
+    assert trainer.state.global_step == 0
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def test_non_finite_gram_entries_name_their_tasks():
+    """An inf squared norm (a gradient that overflowed) passed ``> 0`` and went into the solver; a NaN one failed it
+    and dropped the task. Either names the task; a non-finite entry off the diagonal alone names both of its tasks;
+    a finite matrix, zero rows included, passes."""
+    from grpotrl.trainers.multitask import _check_gram_finite
+
+    names = ["a", "b", "c"]
+    _check_gram_finite(torch.tensor([[1.0, 0.5, 0.0], [0.5, 2.0, 0.0], [0.0, 0.0, 0.0]]), names, 3, "exact")
+    inf = torch.tensor([[math.inf, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    with pytest.raises(InvariantError, match=r"step 3, cagrad='low_memory': the gradient of task\(s\) 'a' "
+                                             r"\(\|g\|\^2 = inf\) is NaN/inf"):
+        _check_gram_finite(inf, names, 3, "low_memory")
+    off = torch.tensor([[1.0, 0.0, math.nan], [0.0, 1.0, 0.0], [math.nan, 0.0, 1.0]])
+    with pytest.raises(InvariantError, match=r"task\(s\) 'a' \(\|g\|\^2 = 1\), 'c' \(\|g\|\^2 = 1\) is NaN/inf"):
+        _check_gram_finite(off, names, 7, "exact")
+
+
+def test_exact_combination_under_the_fp16_loss_scaler(tiny_llama, grpo_args):
+    """fp16=True (on GPU: accelerate's GradScaler): the Trainer's backward leaves S x the carrier task's gradient in
+    .grad, the other tasks' sums come unscaled from autograd.grad. Read as they are, the Gram matrix mixed S g_1 with
+    g_0 and the direction was added unscaled, then divided by S with the rest: the update must be S x the one
+    without a scaler, which the scaler's unscaling turns into the CAGrad update. A carrier gradient that
+    overflowed at S >= 1 is the scaler's overflow: .grad is left for the scaler to skip, nothing stops; the same
+    inf at S < 1, or without a scaler, is a broken gradient and stops, naming the task. (No GradScaler on a CPU
+    accelerator: a CPU one is set on it, as the backward would have used it.)"""
+    args = mode_args(grpo_args, "exact", entropy_coef=0.0, beta=0.0)
+    trainer = grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                           args=args, train_dataset=two_tasks())
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    g0 = [torch.randn(p.shape, generator=gen) for p in params]
+    g1 = [-0.5 * a + torch.randn(p.shape, generator=gen) for a, p in zip(g0, params)]  # conflicts with g0
+
+    def combined(scale, carried):
+        trainer.accelerator.scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale)
+        trainer.task_gradients.carrier, trainer.task_gradients.sums = 1, {0: [a.clone() for a in g0]}
+        for p, g in zip(params, carried):
+            p.grad = g.clone() * (1.0 if scale is None else scale)
+        trainer._combine_window(trainer.model)
+        assert trainer.task_gradients.sums == {}
+        return [p.grad.clone() for p in params]
+
+    plain = combined(None, g1)
+    scaled = combined(1024.0, g1)
+    assert _rel([g / 1024.0 for g in scaled], plain) < 1e-6
+    assert _rel(plain, [a + b for a, b in zip(g0, g1)]) > 0.05  # CAGrad moved it off the plain sum
+    overflow = [g.clone() for g in g1]
+    overflow[0].view(-1)[0] = math.inf
+    left = combined(1024.0, overflow)
+    assert all(torch.equal(a, b * 1024.0) for a, b in zip(left, overflow))  # untouched: the scaler skips it
+    for scale in (0.5, None):
+        with pytest.raises(InvariantError, match=r"the gradient of task\(s\) 'hallucination' \(\|g\|\^2 = inf\)"):
+            combined(scale, overflow)
+
+
+class RecordedLowMemory(grpotrl.MultiTaskGRPOTrainer):
+    """Each microbatch's step, tasks with rows, Gram matrix and CAGrad weights, as the low-memory loss saw them."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.seen, self.solved = [], []
+
+    def _low_memory_loss(self, task_losses, reg, present):
+        self.seen.append((self.state.global_step + 1, set(present)))
+        return super()._low_memory_loss(task_losses, reg, present)
+
+    def _cagrad_weights(self, tasks, gram):
+        weights = super()._cagrad_weights(tasks, gram)
+        self.solved.append((gram.double().diagonal().clamp(min=0).sqrt(), weights.double()))
+        return weights
+
+
+def test_low_memory_task_metrics_average_only_the_microbatches_holding_the_task(tiny_llama, grpo_args):
+    """Low-memory CAGrad solves per microbatch. Four microbatches of 2 rows from a generation batch of 4 prompts x 2:
+    a task is often absent from some of them. Its ``grad_norm`` and ``cagrad_coef`` must be the mean over the
+    microbatches holding it (over the gradients it has rows in, as exact mode's window sum is), and absent from a
+    step's log where no microbatch held it; each absent microbatch's 0 in the mean shrinks the task's logged norm
+    and coefficient (here a task held by 2 of 4 microbatches logs half its norm)."""
+    args = mode_args(grpo_args, "low_memory", max_steps=2, per_device_train_batch_size=2, num_generations=2,
+                     gradient_accumulation_steps=4, entropy_coef=0.01, beta=0.02,
+                     generation_kwargs={"sequence_bias": [[[X], 7.3]]})
+    trainer = RecordedLowMemory(tiny_llama, reward_funcs={"fairness": more_x, "hallucination": fewer_x}, args=args,
+                                train_dataset=two_task_prompts())
+    trainer.train()
+    assert len(trainer.seen) == len(trainer.solved) == 8
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    partial = 0
+    for step in (1, 2):
+        mine = [(present, solved) for (s, present), solved in zip(trainer.seen, trainer.solved) if s == step]
+        for k, task in enumerate(trainer.task_names):
+            held = [(norms[k].item(), w[k].item()) for present, (norms, w) in mine if k in present]
+            for i, metric in enumerate(("grad_norm", "cagrad_coef")):
+                got = logs[step].get(f"tasks/{task}/{metric}")
+                if held:
+                    assert got == pytest.approx(sum(h[i] for h in held) / len(held), rel=1e-6), (step, task, metric)
+                else:
+                    assert got is None, (step, task, metric, got)
+            if 0 < len(held) < len(mine):  # zeros in the mean would move it
+                zeros_averaged = sum(norms[k].item() for _, (norms, _) in mine) / len(mine)
+                partial += abs(zeros_averaged - sum(h[0] for h in held) / len(held)) > 1e-3
+    assert partial, "no task was absent from some microbatches of a step and present in others: the test shows nothing"
+
+
 # ---------------------------------------------------------------- errors before the model loads
 
 
@@ -578,11 +719,11 @@ def test_min_cosine_compares_only_tasks_with_a_gradient():
 
     logged = {}
     stub = SimpleNamespace(task_names=["a", "b", "c"], _record_metrics=lambda m, mode: logged.update(m))
-    gram = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])  # task c: no rows
-    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1, 2], gram, torch.tensor([1.0, 1.0, 0.0]))
+    gram = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])  # task c: rows, every group flat
+    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1, 2], gram, torch.tensor([1.0, 1.0, 0.0]), [0, 1, 2])
     assert logged["cagrad/min_cosine"] == pytest.approx(0.5)
     assert logged["tasks/c/grad_norm"] == 0.0 and logged["tasks/c/cagrad_coef"] == 0.0
-    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1], gram[1:, 1:], torch.tensor([1.0, 0.0]))
+    grpotrl.MultiTaskGRPOTrainer._log_cagrad(stub, [0, 1], gram[1:, 1:], torch.tensor([1.0, 0.0]), [0, 1])
     assert math.isnan(logged["cagrad/min_cosine"])
 
 
