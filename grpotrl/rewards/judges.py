@@ -778,6 +778,12 @@ def _out_of_memory(err: BaseException) -> bool:
                                                        and _OUT_OF_MEMORY.search(str(err)) is not None)
 
 
+def _render(tokenizer, messages: list[dict], prefill: str) -> str:
+    """One local judge input: ``messages`` through ``tokenizer``'s chat template with the generation prompt, then
+    the verdict's ``prefill``. Raises what the template raises."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
+
+
 class LocalJudge:
     """Scores with a causal LM in memory, G-Eval style: the rubric's messages go through the
     judge tokenizer's chat template with the generation prompt, the reply is pre-filled with
@@ -822,11 +828,7 @@ class LocalJudge:
         for setting, value, low in (("batch_size", batch_size, 1), ("max_failed_batches", max_failed_batches, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InputError(f"LocalJudge {self.name!r}: {setting} must be an integer >= {low}; got {value!r}.")
-        if tokenizer.pad_token_id is None:
-            raise InputError(f"LocalJudge {self.name!r}: the tokenizer has no pad token; set "
-                             "tokenizer.pad_token = tokenizer.eos_token (padding is masked out).")
-        self.prefill, self.score_ids = self._scale_tokens()
-        self._check_template()
+        self.prefill, self.score_ids = self.check_tokenizer(tokenizer, rubric, self.name)
         self.max_failed_batches = max_failed_batches
         context, self._context_from = _context_length(model, tokenizer)
         # The most tokens one judge input may have (None: neither the config nor the tokenizer says).
@@ -845,52 +847,56 @@ class LocalJudge:
         ``last_errors[task]``."""
         return self._last_error
 
-    def _scale_tokens(self) -> tuple[str, list[int]]:
-        """``VERDICT: `` then digits (SmolLM2, Llama 3), or ``VERDICT:`` then `` 4`` (GPT-2):
-        whichever writing makes every score one token after an unchanged prefill."""
-        scale = range(self.rubric.low, self.rubric.high + 1)
-        for prefill, sep in ((self.PREFILL + " ", ""), (self.PREFILL, " ")):
-            head = self.tokenizer.encode(prefill, add_special_tokens=False)
+    @classmethod
+    def check_tokenizer(cls, tokenizer, rubric: Rubric, name: str) -> tuple[str, list[int]]:
+        """What the judge needs of its tokenizer, checked before its model loads (``rewards.recipe.LocalJudgeSpec``)
+        and when it is built: a pad token; the scores of ``rubric``'s scale one token each after the prefill
+        (``VERDICT: `` then digits, as SmolLM2 and Llama 3 write them, or ``VERDICT:`` then `` 4``, as GPT-2 does:
+        whichever writing makes every score one token after an unchanged prefill); a chat template that renders the
+        rubric's messages, on a stand-in row (a tokenizer without one, or a template that raises on the rubric's
+        shape of messages, could score no row). Returns ``(prefill, score_ids)``; an ``InputError`` otherwise,
+        naming the judge ``name``."""
+        if tokenizer.pad_token_id is None:
+            raise InputError(f"LocalJudge {name!r}: the tokenizer has no pad token; set "
+                             "tokenizer.pad_token = tokenizer.eos_token (padding is masked out).")
+        prefill, score_ids = cls._scale_tokens(tokenizer, rubric, name)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise InputError(f"LocalJudge {name!r}: the judge tokenizer "
+                             f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has no "
+                             "chat template, so the rubric's messages cannot be rendered for it. Judge with an "
+                             "instruct (chat) model, or set tokenizer.chat_template to the model's template.")
+        stand_in = rubric.messages("A question.", "An answer.", dict.fromkeys(rubric.columns.values(), "A reference."))
+        try:
+            _render(tokenizer, stand_in, prefill)
+        except Exception as err:  # noqa: BLE001 - whatever the template raises (its raise_exception, jinja errors)
+            raise InputError(
+                f"LocalJudge {name!r}: the judge tokenizer's chat template cannot render the messages of rubric "
+                f"{rubric.name!r} (roles {', '.join(m['role'] for m in stand_in)}): it raised "
+                f"{type(err).__name__}: {_first_line(err)}. Judge with a model whose chat template takes a system "
+                "message and these turns, or set tokenizer.chat_template to one that does.") from None
+        return prefill, score_ids
+
+    @classmethod
+    def _scale_tokens(cls, tokenizer, rubric: Rubric, name: str) -> tuple[str, list[int]]:
+        scale = range(rubric.low, rubric.high + 1)
+        for prefill, sep in ((cls.PREFILL + " ", ""), (cls.PREFILL, " ")):
+            head = tokenizer.encode(prefill, add_special_tokens=False)
             ids = []
             for n in scale:
-                full = self.tokenizer.encode(prefill + sep + str(n), add_special_tokens=False)
+                full = tokenizer.encode(prefill + sep + str(n), add_special_tokens=False)
                 if full[:len(head)] != head or len(full) != len(head) + 1:
                     break
                 ids.append(full[-1])
             if len(ids) == len(scale) and len(set(ids)) == len(ids):
                 return prefill, ids
-        raise InputError(f"LocalJudge {self.name!r}: the scores {self.rubric.low}..{self.rubric.high} of rubric "
-                         f"{self.rubric.name!r} are not one token each for this tokenizer; use a rubric with a "
+        raise InputError(f"LocalJudge {name!r}: the scores {rubric.low}..{rubric.high} of rubric "
+                         f"{rubric.name!r} are not one token each for this tokenizer; use a rubric with a "
                          "single-digit scale (low/high between 0 and 9).")
-
-    def _check_template(self) -> None:
-        """The rubric's messages, on a stand-in row, render through the tokenizer's chat template; a tokenizer
-        without one, or a template that raises on the rubric's shape of messages, could score no row: an
-        ``InputError`` naming the roles and what the template raised."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InputError(f"LocalJudge {self.name!r}: the judge tokenizer "
-                             f"({getattr(self.tokenizer, 'name_or_path', '') or type(self.tokenizer).__name__}) has no "
-                             "chat template, so the rubric's messages cannot be rendered for it. Judge with an "
-                             "instruct (chat) model, or set tokenizer.chat_template to the model's template.")
-        stand_in = self.rubric.messages("A question.", "An answer.",
-                                        dict.fromkeys(self.rubric.columns.values(), "A reference."))
-        try:
-            self._render(stand_in)
-        except Exception as err:  # noqa: BLE001 - whatever the template raises (its raise_exception, jinja errors)
-            raise InputError(
-                f"LocalJudge {self.name!r}: the judge tokenizer's chat template cannot render the messages of rubric "
-                f"{self.rubric.name!r} (roles {', '.join(m['role'] for m in stand_in)}): it raised "
-                f"{type(err).__name__}: {_first_line(err)}. Judge with a model whose chat template takes a system "
-                "message and these turns, or set tokenizer.chat_template to one that does.") from None
-
-    def _render(self, messages: list[dict]) -> str:
-        """One judge input: ``messages`` through the chat template with the generation prompt, then the prefill.
-        Raises what the template raises."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + self.prefill
 
     def _text(self, prompt, completion, row: dict) -> str:
         """The judge input for one row (``_render`` of the rubric's messages for it)."""
-        return self._render(self.rubric.messages(prompt_text(prompt), completion_text(completion), row))
+        return _render(self.tokenizer, self.rubric.messages(prompt_text(prompt), completion_text(completion), row),
+                       self.prefill)
 
     def _template_error(self, err: Exception, prompt, completion, row: dict) -> str:
         """The note of a row whose messages the template raised on: the error's type, and its first line unless a

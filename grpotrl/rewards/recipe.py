@@ -67,6 +67,7 @@ class LocalJudgeSpec:
         from .judges import LocalJudge
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        LocalJudge.check_tokenizer(tokenizer, self.rubric, self.name)  # before the weights load
         model = AutoModelForCausalLM.from_pretrained(self.model_path).to(device).eval()
         return LocalJudge(model, tokenizer, self.rubric, name=self.name, batch_size=self.batch_size,
                           max_failed_batches=self.max_failed_batches)

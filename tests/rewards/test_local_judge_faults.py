@@ -272,6 +272,31 @@ def test_I8_local_judge_without_a_chat_template_is_refused_when_built(tiny_llama
         LocalJudge(model, tokenizer, FAIRNESS)
 
 
+def test_I8_a_recipe_judge_without_a_chat_template_is_refused_before_its_weights_load(tiny_llama, tmp_path,
+                                                                                     monkeypatch):
+    """A recipe's local judge (``judges: {j: {model_path: ...}}``) whose tokenizer has no chat template: refused
+    from the tokenizer alone, before ``from_pretrained`` reads the judge's weights."""
+    import shutil
+
+    import transformers
+
+    judge_dir = tmp_path / "judge"
+    shutil.copytree(tiny_llama, judge_dir)
+    _, tokenizer = load(tiny_llama)
+    tokenizer.chat_template = None
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (judge_dir / name).unlink(missing_ok=True)
+    tokenizer.save_pretrained(judge_dir)
+    spec = parse_judges({"j": {"model_path": str(judge_dir), "rubric": "fairness"}})["j"]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the judge's weights were loaded before its tokenizer was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(InputError, match=r"LocalJudge 'j': the judge tokenizer \(.*\) has no chat template"):
+        spec.load("cpu")
+
+
 @pytest.mark.parametrize("template, raised", [(MISTRAL_V01, "Conversation roles must alternate"),
                                               (NO_SYSTEM, "System role not supported")])
 def test_I8_local_judge_whose_template_cannot_render_the_rubrics_messages_is_refused_when_built(template, raised,
