@@ -239,6 +239,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         if not window.sums:  # every task, present or not, so processes reduce the same tensors
             window.sums = {k: [torch.zeros_like(p) for p in params]
                            for k in range(len(self.task_names)) if k != window.carrier}
+        window.present |= set(present)
         for k, loss in task_losses.items():
             if k == window.carrier or k not in present:  # an absent task's gradient is 0
                 continue
@@ -283,9 +284,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             weights = self._cagrad_weights(tasks, gram)  # [K]
             shares = [w - (k == window.carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
             direction = [in_grad * sum(s * b[i] for s, b in zip(shares, bufs)) for i in range(len(params))]
-            self._log_cagrad(tasks, gram, weights, tasks)
+            self._log_cagrad(tasks, gram, weights, self._present_anywhere(tasks, window.present))
             self._compose_update(params, direction)
-        window.sums = {}  # the next optimizer step starts its own sums
+        window.sums, window.present = {}, set()  # the next optimizer step starts its own sums
 
     def _compose_update(self, params: list, direction: list) -> None:
         """The applied update: the CAGrad direction plus what the regularisers' backward puts in
@@ -369,9 +370,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         return self.accelerator.reduce(t, reduction="mean") if self.accelerator.num_processes > 1 else t
 
     def _log_cagrad(self, tasks: list[int], gram: torch.Tensor, weights: torch.Tensor, present: list[int]) -> None:
-        """Per task with rows in the gradient (``present``: the microbatch's in low-memory mode, on any process;
-        every task in exact mode, whose window sum holds every microbatch a task has rows in, and is 0 for a task
-        with none in the window): gradient norm and CAGrad coefficient, so that the logged mean of a task runs over
+        """Per task with rows in the gradient (``present``, on any process: the microbatch's in low-memory mode,
+        the optimizer step's window's in exact mode, whose sums hold every microbatch a task has rows in): gradient norm and CAGrad coefficient, so that the logged mean of a task runs over
         the gradients it had rows in, never over a 0 from a microbatch without it; the worst pairwise cosine
         between tasks with a gradient (NaN, which TRL's log leaves out of its mean, when fewer than two have one: a
         task without rows has no direction to compare); and how far the update is from the plain sum,

@@ -101,7 +101,9 @@ class TaskGradients:
     """Exact CAGrad's per-task gradients over one optimizer step's microbatches. ``sums``: task index -> one
     tensor per trainable parameter, the task's gradient summed so far (every task but ``carrier``, present in
     the microbatch or not, so that every process reduces the same tensors); ``carrier``: the task whose
-    gradient the Trainer's own backward carries into ``.grad`` (None when a regulariser's backward does)."""
+    gradient the Trainer's own backward carries into ``.grad`` (None when a regulariser's backward does);
+    ``present``: the tasks with rows in some microbatch of the window on this process."""
 
     sums: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     carrier: int | None = None
+    present: set[int] = field(default_factory=set)

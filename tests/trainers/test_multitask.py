@@ -807,3 +807,20 @@ def test_cagrad_under_an_accelerate_deepspeed_launch_is_refused_before_load(tiny
     with pytest.raises(InputError, match="DeepSpeed"):
         grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
                                      args=grpo_args(cagrad="low_memory"), train_dataset=two_tasks())
+
+
+def test_exact_task_metrics_leave_out_a_task_absent_from_the_whole_step(tiny_llama, grpo_args):
+    """Exact CAGrad, one prompt group per optimizer step (2 rows, G=2, no accumulation): each step holds one task,
+    so the other has no gradient in that step. Its ``grad_norm`` and ``cagrad_coef`` are left out of that step's
+    log (a 0 logged for it would pull the task's curve towards 0); the present task's are logged."""
+    args = mode_args(grpo_args, "exact", max_steps=4, per_device_train_batch_size=2, num_generations=2,
+                     gradient_accumulation_steps=1, entropy_coef=0.01, beta=0.02)
+    trainer = grpotrl.MultiTaskGRPOTrainer(tiny_llama, reward_funcs={"fairness": more_x, "hallucination": fewer_x},
+                                           args=args, train_dataset=two_task_prompts())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4
+    for h in logs:
+        logged = [t for t in trainer.task_names if f"tasks/{t}/grad_norm" in h]
+        assert len(logged) == 1, h  # the step's one task
+        assert f"tasks/{logged[0]}/cagrad_coef" in h
