@@ -12,8 +12,9 @@ A recipe is a flat YAML mapping of fields of three dataclasses: ``ScriptArgument
 plus ``judges``), ``trl.ModelConfig`` (model, PEFT) and ``grpotrl.SFTConfig`` / ``GRPOConfig`` /
 ``GADConfig`` (everything ``TrainingArguments`` and TRL know). ``--key value`` on the command
 line overrides the recipe (``--judges`` takes JSON). A key that no dataclass knows is an error,
-with the closest known names; so is a value its field's type cannot hold, and an ``env:`` variable
-that libraries read at import, before the recipe (``recipe_types``).
+with the closest known names; so is a value its field's type cannot hold, an ``env:`` variable
+that libraries read at import, before the recipe (``recipe_types``), a key the recipe sets twice and
+a flag the command line gives twice (YAML and argparse would keep the last silently).
 
 Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model path and its load
 settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
@@ -44,9 +45,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from grpotrl.configs import recipe_types
+# No module here imports torch, transformers or TRL (``import grpotrl`` imports none either): they are imported
+# inside main()'s Ctrl-C handling, so Ctrl-C while they load is its one line and exit 130, not a traceback.
 from grpotrl.errors import HealthStop, InputError
-from grpotrl.rewards.judges import JudgeError
 from grpotrl.rewards.resolve import REWARD_FUNCS
 
 COMMANDS = ("sft", "grpo", "gad")
@@ -139,8 +140,11 @@ def parse_args(command: str, argv: list[str]):
         if not os.path.isfile(given):
             raise InputError(f"--config {given}: not a file (a directory?). Give the recipe YAML file itself, e.g. "
                              "recipes/smollm2/grpo_quickstart.yaml.")
+    from grpotrl.configs import recipe_types
+
     parser = make_parser(command)
     parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
+    _refuse_repeated_flags(argv, parser._option_string_actions)
     if "--config" in argv:  # YAML syntax, env: variables read at import, each value against its field's type
         recipe = argv[argv.index("--config") + 1]  # (argparse converts strings only)
         settings = recipe_types.read_recipe(recipe)
@@ -189,9 +193,47 @@ def _single_module_names_listed(args) -> None:
             setattr(args, name, [value])
 
 
+def _refuse_repeated_flags(argv: list[str], actions: dict) -> None:
+    """Raise ``InputError`` naming every setting that ``argv`` gives more than once, by any of its flags
+    (``--max_steps``, ``--max-steps``, ``--no_gradient_checkpointing``; ``actions``: the parser's flag ->
+    action). argparse keeps the last silently, so ``--reward_funcs exact_answer --reward_funcs format`` trained
+    on ``format`` alone. The command line overriding the recipe is no repeat; values are not shown (tokens)."""
+    given: dict[str, list[str]] = {}
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and flag in actions:
+            given.setdefault(actions[flag].dest, []).append(flag)
+    repeated = [f"{dest} ({', '.join(flags)})" for dest, flags in given.items() if len(flags) > 1]
+    if repeated:
+        raise InputError(f"Set more than once on the command line: {'; '.join(repeated)}. argparse would keep the "
+                         "last silently; give each once (a list takes all its values after one flag: --reward_funcs "
+                         "exact_answer format). A flag given once already overrides the recipe's value.")
+
+
 def _argparse_error(message: str):
     message = message.rstrip().rstrip(".")  # argparse's own messages end in a period or not
-    raise InputError(f"{message[:1].upper()}{message[1:]}. `--help` describes every key.")
+    raise InputError(f"{message[:1].upper()}{message[1:]}{_int_hint(message)}. `--help` describes every key.")
+
+
+def _int_hint(message: str) -> str:
+    """How to write the value of an argparse ``invalid int value: '...'`` message: ``' (write 1000)'`` for
+    ``'1e3'`` or ``'1000.0'``; for ``'null'`` / ``'None'``, that leaving the flag out keeps the recipe's value
+    or the default; '' for any other message or value.
+
+    >>> _int_hint("argument --max_steps/--max-steps: invalid int value: '1e3'")
+    ' (write 1000)'
+    >>> _int_hint("argument --max_steps/--max-steps: invalid int value: 'null'")
+    " (no value: leave --max_steps out to keep the recipe's value or the default)"
+    """
+    found = re.search(r"argument (--[\w-]+)\S*: invalid int value: '(.*)'$", message)
+    if not found:
+        return ""
+    from grpotrl.configs.recipe_types import whole_number
+
+    flag, value = found.groups()
+    if value.lower() in ("null", "none", "~"):
+        return f" (no value: leave {flag} out to keep the recipe's value or the default)"
+    return "" if (whole := whole_number(value)) is None else f" (write {whole})"
 
 
 def _with_hints(keys: list[str], known: set[str]) -> str:
@@ -380,8 +422,9 @@ def main(argv: list[str] | None = None) -> None:
       after saving a resumable checkpoint, which the line names (``HealthStop``);
     * exit 4, ``grpotrl CMD: stopped: judge ...``: a judge gave no score for ``max_failed_batches``
       batches in a row (``grpotrl.rewards.judges.JudgeError``); checkpoints saved before are kept;
-    * exit 130, ``grpotrl CMD: interrupted ...``: Ctrl-C (``KeyboardInterrupt``); during training the line
-      names the checkpoint ``--resume_from_checkpoint true`` continues, or says that none was saved yet;
+    * exit 130, ``grpotrl CMD: interrupted ...``: Ctrl-C (``KeyboardInterrupt``), from the first seconds, while
+      torch, transformers and TRL are imported, on; during training the line names the checkpoint
+      ``--resume_from_checkpoint true`` continues, or says that none was saved yet;
     * anything else is a bug or a failure outside grpotrl's checks: Python's traceback, exit 1.
 
     A distributed run exits with these codes, not a collective thread's SIGABRT: the trainer's ``train()``
@@ -404,6 +447,16 @@ def main(argv: list[str] | None = None) -> None:
         shown.grpotrl_cli = True
         package.addHandler(shown)
     package.setLevel(logging.INFO)
+    try:  # around everything that imports torch, transformers or TRL: Ctrl-C in the first seconds too
+        _command(argv)
+    except KeyboardInterrupt as err:  # Ctrl-C: where the run stands, not a traceback
+        print(f"grpotrl {argv[0]}: interrupted" + (f" {err}" if str(err) else "."), file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _command(argv: list[str]) -> None:
+    """``argv[0]`` run on ``argv[1:]``; bad input, a health stop and a judge's stop each its line and exit code.
+    ``report`` imports neither torch nor TRL (``JudgeError``'s module does: imported only for an error)."""
     try:
         if argv[0] == "report":
             from grpotrl.report import main as report
@@ -417,12 +470,14 @@ def main(argv: list[str] | None = None) -> None:
     except HealthStop as err:  # a health rule stopped training after saving a checkpoint
         print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
         raise SystemExit(EXIT_HEALTH_STOP) from None
-    except JudgeError as err:  # a judge's documented stop (max_failed_batches): the message says what to check
+    except Exception as err:
+        from grpotrl.rewards.judges import JudgeError
+
+        if not isinstance(err, JudgeError):
+            raise  # a bug or a failure outside grpotrl's checks: its traceback
+        # a judge's documented stop (max_failed_batches): the message says what to check
         print(f"grpotrl {argv[0]}: stopped: {err}", file=sys.stderr)
         raise SystemExit(EXIT_JUDGE_STOP) from None
-    except KeyboardInterrupt as err:  # Ctrl-C: where the run stands, not a traceback
-        print(f"grpotrl {argv[0]}: interrupted" + (f" {err}" if str(err) else "."), file=sys.stderr)
-        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 if __name__ == "__main__":

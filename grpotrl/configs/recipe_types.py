@@ -6,7 +6,9 @@ defaults; argparse converts only strings, so ``learning_rate: [1]``, ``bf16: 2``
 into one line (file, line, column, problem); ``check_recipe_env`` refuses, in the recipe's ``env:``
 block, the variables libraries read when imported, before a recipe is read; ``check_recipe_types``
 refuses each value its field's annotation cannot hold, naming the field, the value, the expected
-type and, inside a list or mapping, the item; ``check_config_types`` does the same for the fields a
+type and, inside a list or mapping, the item (``null`` where the field takes no None: what it takes, its
+default, and that removing the line keeps it; a whole number written as a float or an exponent where it takes
+an integer: ``write 1000`` for ``1.0e+3`` or ``1e3``); ``check_config_types`` does the same for the fields a
 Python user set on a grpotrl config.
 
 pydantic checks each value against its field's annotation (``pydantic.TypeAdapter``), in its lax
@@ -31,6 +33,7 @@ cannot write a ``float32``, and the range checks test for Python numbers.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -52,6 +55,9 @@ _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a re
 # too (TRL's own tests pass scale_rewards=True/False).
 ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool | list[str], "padding_free": bool,  # true/false/"auto"
               "balance_microbatches": bool, "compiled_rollout": bool}
+# Fields TRL annotates ``int | None`` that its ``__post_init__`` computes with (``GRPOConfig``:
+# ``generation_batch_size % num_generations``), where None is a TypeError: they take no null.
+NO_NULL = ("num_generations",)
 _BOOL_STRINGS = {"true", "false", "yes", "no", "y", "n", "1", "0", "t", "f"}  # transformers' string_to_bool
 
 
@@ -368,16 +374,54 @@ def _redacted(value):
     return value
 
 
-def _problem(name: str, value, tp, recipe: bool = True) -> str | None:
+def whole_number(value) -> int | None:
+    """The integer a float or a number-like string is (``1000.0``, ``'1e3'``: YAML 1.1 reads ``1e3`` as a string);
+    None for anything else (``1.5``, ``'abc'``, inf, NaN, a bool, beyond 2**53).
+
+    >>> whole_number(1000.0), whole_number("1e3"), whole_number(1.5), whole_number("abc"), whole_number(True)
+    (1000, 1000, None, None, None)
+    """
+    try:
+        number = float(value) if isinstance(value, (float, str)) else math.nan
+    except ValueError:
+        return None
+    return int(number) if abs(number) < 2 ** 53 and number.is_integer() else None  # exact in a float; not inf, NaN
+
+
+def _written(value, recipe: bool) -> str:
+    """``value`` as a recipe writes it (``-1``, ``linear``, ``true``) or, for a Python call, as Python does."""
+    import yaml
+
+    value = value.value if isinstance(value, enum.Enum) else value
+    return yaml.safe_dump(value, default_flow_style=True).splitlines()[0] if recipe else repr(value)
+
+
+def _no_value(name: str, tp, recipe: bool, default) -> str:
+    """What to write instead of ``null`` (``None``) for the field ``name``, annotated ``tp``, which takes no None:
+    what it takes and its default, and that leaving it out keeps that default."""
+    null, write, leave = ("null", "write", "remove the line") if recipe else ("None", "pass", f"leave {name} out")
+    known = default is not dataclasses.MISSING and default is not None and len(repr(default)) <= 60
+    example = f" (e.g. {_written(default, recipe)}, its default)" if known else ""
+    return (f"{name}: {null} is no value for {name}, which takes {_type_name(tp)}: {write} one{example}, or {leave} "
+            "to keep the default")
+
+
+def _problem(name: str, value, tp, recipe: bool = True, default=dataclasses.MISSING) -> str | None:
     """What is wrong with ``value`` for the field ``name`` annotated ``tp``, e.g. ``bf16: 2 is an int, but
     bf16 takes true or false``, with the wrong item of a list or mapping; None where the field holds it.
-    A ``recipe``'s own values are strings argparse converts; a config's, built in Python, are not."""
+    A ``recipe``'s own values are strings argparse converts; a config's, built in Python, are not. ``null``
+    where the field takes no None says what to write (``_no_value``, with the field's ``default``); a whole
+    number written as a float or an exponent (``1000.0``, ``1e3``) where it takes an integer, how to write it."""
     err = _refusal(value, tp, converted=recipe)
     if err is None:
         return None
+    if value is None:
+        return _no_value(name, tp, recipe, default)
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     hint = ""
-    if tp in (int, int | None) and isinstance(value, float) and value.is_integer():
-        hint = f" (write {int(value)})"
+    if int in members and float not in members and (whole := whole_number(value)) is not None:
+        hint = f" (write {whole}" + (": YAML 1.1 reads a number with an exponent but no dot or no sign as a string)"
+                                     if isinstance(value, Yaml11Number) else ")")
     elif str in typing.get_args(tp) or tp is str:
         hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
     if _secret(name):  # a credential: its value is never shown, only what it is and what the field takes
@@ -399,9 +443,28 @@ def _fields(dataclass_types) -> dict:
     return out
 
 
+def _default(f: dataclasses.Field):
+    """A field's default value (its factory's product), or ``dataclasses.MISSING``."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def _defaults(dataclass_types) -> dict:
+    """Field name -> default over ``dataclass_types`` (the first class that has the field, as ``_fields``)."""
+    out: dict = {}
+    for cls in dataclass_types:
+        for f in dataclasses.fields(cls):
+            if f.name not in out:
+                out[f.name] = _default(f)
+    return out
+
+
 def _annotation(name: str, hints: dict):
-    """The type a field holds: its annotation, widened by ``ALSO_TAKES``."""
+    """The type a field holds: its annotation, widened by ``ALSO_TAKES``, without None for ``NO_NULL``."""
     tp = hints.get(name, typing.Any)
+    if name in NO_NULL and typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = typing.Union[tuple(a for a in typing.get_args(tp) if a is not type(None))]
     return tp | ALSO_TAKES[name] if name in ALSO_TAKES and tp is not typing.Any else tp
 
 
@@ -425,8 +488,9 @@ def check_recipe_types(recipe: dict, dataclass_types, path: str) -> None:
     cannot hold it, and every number inside a mapping that YAML 1.1 read as a string (a plain scalar such as
     ``1e-7``; a quoted one is a string on purpose and passes). Keys no dataclass knows are left to the parser
     (it names them with hints)."""
-    fields = _fields(dataclass_types)
-    bad = [problem for k, v in recipe.items() if k in fields and (problem := _problem(k, v, fields[k]))]
+    fields, defaults = _fields(dataclass_types), _defaults(dataclass_types)
+    bad = [problem for k, v in recipe.items()
+           if k in fields and (problem := _problem(k, v, fields[k], default=defaults.get(k, dataclasses.MISSING)))]
     bad += [problem for k, v in recipe.items() if k in fields and isinstance(v, dict) and not _secret(k)
             and _refusal(v, fields[k]) is None for problem in _strings_read_from_numbers(k, v)]
     if bad:
@@ -441,12 +505,11 @@ def check_config_types(config) -> None:
     for f in dataclasses.fields(config):
         if not f.init or f.name not in hints:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        default = _default(f)
         value = getattr(config, f.name, None)
-        if _same(value, default) or not isinstance(value, _PLAIN):
+        if _same(value, default) or not (isinstance(value, _PLAIN) or (value is None and f.name in NO_NULL)):
             continue  # left as it was, or an object the user built on purpose (AcceleratorConfig, ...)
-        if problem := _problem(f.name, value, _annotation(f.name, hints), recipe=False):
+        if problem := _problem(f.name, value, _annotation(f.name, hints), recipe=False, default=default):
             bad.append(problem)
     if bad:
         raise InputError(f"{type(config).__name__}: " + "; ".join(bad) + ".")

@@ -204,6 +204,16 @@ def test_drop_in_fsdp_list_is_taken_and_integral_floats_name_the_integer(tmp_pat
         grpotrl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, max_length=512.0)
 
 
+def test_num_generations_none_is_refused_saying_what_to_pass(tmp_path):
+    """TRL annotates num_generations ``int | None`` and then computes ``generation_batch_size % num_generations``:
+    None was a TypeError traceback from TRL's __post_init__."""
+    for config in (grpotrl.GRPOConfig, grpotrl.GADConfig):
+        with pytest.raises(grpotrl.InputError, match=r"num_generations: None is no value for num_generations, which "
+                                                     r"takes an integer: pass one \(e\.g\. 8, its default\), or leave "
+                                                     r"num_generations out to keep the default"):
+            config(output_dir=str(tmp_path), use_cpu=True, num_generations=None)
+
+
 @pytest.mark.parametrize("config", [grpotrl.GRPOConfig, trl.GRPOConfig])
 def test_numpy_scalars_are_taken_as_the_python_numbers_they_print_as(tiny_llama, tmp_path, config):
     """np.float32(1e-6) as learning_rate was refused as out of range ("it must be a finite number >= 0"); TRL takes
