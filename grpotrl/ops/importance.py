@@ -11,6 +11,10 @@ import math
 
 import torch
 
+# the largest log-ratio a ratio statistic is taken at: e^80 ~ 5.5e34 is finite in fp32, e^89 is not (a ratio that
+# overflowed to inf would be left out of the logged mean and max, on one process or on all)
+MAX_LOG_RATIO = 80.0
+
 RATIO_STATS = ("token/mean", "token/min", "token/max", "token/outside_share",
                "seq/mean", "seq/min", "seq/max", "seq/outside_share", "abs_gap/mean")
 
@@ -37,9 +41,9 @@ def raw_ratio_tensor(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, m
     finite = on & torch.isfinite(log_ratio)  # [B, C]
     safe = torch.where(finite, log_ratio, 0.0)  # [B, C]
     seq_rows = on.any(1) & (finite.sum(1) == on.sum(1))  # [B] rows whose every token is finite
-    seq = safe.sum(1).clamp(max=80.0).exp()  # [B]
+    seq = safe.sum(1).clamp(max=MAX_LOG_RATIO).exp()  # [B]
     n_gap = finite.sum()
-    return torch.stack([*_summary(safe.exp(), finite, on.sum(), low, high),
+    return torch.stack([*_summary(safe.clamp(max=MAX_LOG_RATIO).exp(), finite, on.sum(), low, high),
                         *_summary(seq, seq_rows, on.any(1).sum(), low, high),
                         safe.abs().sum() / n_gap]).float()
 
@@ -49,7 +53,9 @@ def raw_ratio_stats(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, ma
     """The raw, untruncated importance ratio ``exp(logp_trainer - logp_sampler)`` per token and per
     sequence (``exp`` of the summed log-ratio over the sequence's tokens), and the mean absolute
     logprob gap, over ``mask`` [B, C]. Non-finite sampler values (a token the sampler gave -inf)
-    count as out of range and are left out of the means.
+    count as out of range and are left out of the means. A log-ratio above ``MAX_LOG_RATIO`` (80) is
+    taken at 80, token and sequence alike, so that a ratio too large for fp32 still reaches the logged
+    mean and max (at e^80) instead of overflowing to inf, which the logs leave out.
 
     >>> s = raw_ratio_stats(torch.tensor([[0.0, math.log(4)]]), torch.zeros(1, 2), torch.ones(1, 2))
     >>> s["token/mean"], s["token/max"], s["token/outside_share"], round(s["seq/mean"], 6), round(s["abs_gap/mean"], 6)

@@ -84,10 +84,11 @@ class ReferenceKL:
         if self.ref_model is not None:
             return self.ref_model, contextlib.nullcontext()
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if not hasattr(unwrapped, "peft_config"):
-            raise InputError("The KL needs a reference model, but TRL created none: it loads one only when beta > 0 "
-                             "(PEFT: the adapter disabled). Set beta > 0 (with use_kl_loss: false for a KL in the "
-                             "reward only).")
+        if not hasattr(unwrapped, "peft_config"):  # beta 0 (TRL loads no reference), KL in the reward only
+            raise InputError(f"use_kl_in_reward with beta={self.args.beta} needs a reference model, but TRL created "
+                             "none: it loads one only when beta > 0 (PEFT: the adapter disabled). For a KL in the "
+                             f"reward only, set beta: {self.kl_reward_coef} (the reward's coefficient), use_kl_loss: "
+                             "false, and drop kl_in_reward_coef (with use_kl_loss off, beta is the reward's).")
         return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
 
     def _completion_logits(self, model, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:

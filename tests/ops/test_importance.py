@@ -47,3 +47,20 @@ def test_sampler_gap_stats_in_one_pass_across_processes():
     assert m["sampling/raw_ratio/token/min"] == pytest.approx(raw["token/min"])
     assert m["sampling/raw_ratio/seq/max"] == pytest.approx(raw["seq/max"])
     assert m["sampling/raw_ratio/token/outside_share"] == pytest.approx(raw["token/outside_share"] / 2)
+
+
+def test_a_ratio_too_large_for_fp32_is_logged_at_the_cap_not_left_out():
+    """A sampler logprob of -100 on a token the trainer gives logprob 0: the token ratio e^100 overflows fp32 to
+    inf, and an inf statistic is left out of the logged metrics (one process: not logged at all; several: the
+    max of the others' finite maxes, smaller than this one's). Token and sequence ratios are both taken at
+    log-ratio MAX_LOG_RATIO (80): token/max = seq/max = e^80, token/mean = (e^80 + 1) / 2."""
+    trainer, sampler, mask = torch.zeros(1, 2), torch.tensor([[-100.0, 0.0]]), torch.ones(1, 2)
+    s = importance.raw_ratio_stats(trainer, sampler, mask)
+    cap = math.exp(80.0)  # importance.MAX_LOG_RATIO
+    assert s["token/max"] == pytest.approx(cap, rel=1e-6) and s["seq/max"] == pytest.approx(cap, rel=1e-6)
+    assert s["token/mean"] == pytest.approx((cap + 1) / 2, rel=1e-6)
+    calm = importance.sampler_gap_local(trainer, trainer, torch.full((1, 2), -0.1), mask)  # ratios e^0.1
+    m = importance.sampler_gap_metrics(torch.stack([importance.sampler_gap_local(trainer, trainer, sampler, mask),
+                                                    calm]))  # [world=2, 11]
+    assert m["sampling/raw_ratio/token/max"] == pytest.approx(cap, rel=1e-6)  # this process's, not the calm one's
+    assert m["sampling/raw_ratio/token/mean"] == pytest.approx(((cap + 1) / 2 + math.exp(0.1)) / 2, rel=1e-6)
