@@ -34,6 +34,7 @@ Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -271,6 +272,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
                          f"{trainer_name} does not read: use grpotrl.MultiTaskGRPOTrainer (rows labelled "
                          "in task_column), or pass one list of reward functions.")
     _check_reward_models(reward_funcs, args)
+    _check_kl_reference(model, args, peft_config)
     _check_generation_args(args, kwargs)
     if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate
         gen_config, source = model_generation_config(model, args), model if isinstance(model, str) else None
@@ -291,6 +293,20 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     if isinstance(reward_funcs, Mapping):
         reward_funcs = per_task(reward_funcs, args.task_column)
     return model, processing_class, reward_funcs, stop_ids, resume
+
+
+def _check_kl_reference(model, args, peft_config) -> None:
+    """``use_kl_in_reward`` with ``beta`` 0 and no PEFT (a ``peft_config``, a PEFT model, a local adapter
+    checkpoint): TRL loads a reference model only when beta > 0 (with PEFT the disabled adapter is the
+    reference), so the KL column would find none at the first reward: refused before compute."""
+    adapter = isinstance(model, str) and os.path.isfile(os.path.join(model, "adapter_config.json"))
+    if not getattr(args, "use_kl_in_reward", False) or args.beta or adapter or _uses_peft(model, peft_config):
+        return
+    raise InputError(f"use_kl_in_reward with beta={args.beta} and no PEFT adapter: trl.GRPOTrainer loads a reference "
+                     "model only when beta > 0, so the reward's KL would have no reference. For a KL in the reward "
+                     f"only, set beta: {args.kl_in_reward_coef} (with use_kl_loss off it is the reward's coefficient), "
+                     "use_kl_loss: false, and drop kl_in_reward_coef; or train a LoRA adapter (peft_config), whose "
+                     "disabled adapter is the reference.")
 
 
 def _check_reward_models(reward_funcs, args) -> None:

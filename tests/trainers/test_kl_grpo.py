@@ -210,15 +210,24 @@ def test_I10_runs_on_the_first_step0_microbatch_that_holds_a_loss_token(tiny_lla
     assert [r for r in caplog.records if "I10 was not checked: no microbatch of step 0" in r.getMessage()]
 
 
-def test_kl_in_reward_without_a_reference_names_a_remedy_the_config_accepts(tiny_llama, grpo_args):
+def test_kl_in_reward_without_a_reference_names_a_remedy_the_config_accepts(tiny_llama, grpo_args, monkeypatch):
     """beta 0 with use_kl_in_reward and kl_in_reward_coef 0.01, no PEFT: TRL loads no reference model, so the first
-    reward call stops. The remedy it names must be one GRPOConfig accepts: 'beta > 0 with use_kl_loss: false' alone,
-    with kl_in_reward_coef still set, is refused ('beta would be unused'); beta: 0.01 with it dropped is taken."""
+    reward call would find none: refused when the trainer is built, before the model loads. The remedy it names must
+    be one GRPOConfig accepts: 'beta > 0 with use_kl_loss: false' alone, with kl_in_reward_coef still set, is refused
+    ('beta would be unused'); beta: 0.01 with it dropped is taken. With a LoRA adapter (its disabled adapter is the
+    reference) beta 0 is taken."""
+    import transformers
+    from peft import LoraConfig
+
     args = grpo_args(beta=0.0, use_kl_in_reward=True, kl_in_reward_coef=0.01, max_steps=1)
-    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
-                                  train_dataset=arithmetic_prompts())
-    with pytest.raises(InputError, match=r"set beta: 0\.01 .*use_kl_loss: false, and drop kl_in_reward_coef"):
-        trainer.train()
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                  lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model loaded before the check")))
+        with pytest.raises(InputError, match=r"set beta: 0\.01 .*use_kl_loss: false, and drop kl_in_reward_coef"):
+            grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                train_dataset=arithmetic_prompts())
+    grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts(),
+                        peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(InputError, match="beta would be unused"):  # the remedy without dropping the coefficient
         grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True, kl_in_reward_coef=0.01)
     remedy = grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True)
