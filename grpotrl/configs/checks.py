@@ -601,8 +601,9 @@ def _check_kl_fields(args) -> None:
         raise InputError(f"beta={args.beta} but use_kl_loss and use_kl_in_reward are both off: set one of them, "
                          "or beta: 0.0 for no KL.")
     if args.use_kl_in_reward and not reward_coef:
-        raise InputError("use_kl_in_reward is on but its coefficient is 0: set kl_in_reward_coef (or beta, its "
-                         "default), e.g. 0.001.")
+        raise InputError("use_kl_in_reward is on but its coefficient is 0: set beta, e.g. 0.001 (with use_kl_loss: "
+                         "false, for a KL in the reward only), or kl_in_reward_coef for a coefficient of its own (with "
+                         "beta 0, only where a LoRA adapter trains: TRL loads a reference model only when beta > 0).")
     if not args.use_kl_in_reward and (args.kl_in_reward_coef is not None or args.kl_in_reward_estimator):
         raise InputError("kl_in_reward_coef / kl_in_reward_estimator are set but use_kl_in_reward is off: turn it "
                          "on, or drop them.")
