@@ -16,7 +16,7 @@ Each processor takes ``prompt_width`` = ``input_ids.shape[1]`` of the batch hand
 modifies its inputs; it returns new scores, or ``scores`` itself when it has nothing to do.
 The one piece of state is ``MinNewTokensProcessor.triggered``, the per-row record the
 trigger-rate metric needs. The sampler's own logprobs (I5), which ``generate`` takes with
-these processors, are recorded by ``grpotrl.sampled_logprobs``.
+these processors, are recorded by ``grpotrl.generation.sampled_logprobs``.
 
 No ``__call__`` here reads a device value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``
 or indexing by a tensor's values; the stop ids reach the device once per call): inside ``generate``'s
@@ -162,7 +162,7 @@ class MinNewTokensProcessor(_ResponseOnly):
     """Blocks EVERY id in ``stop_ids`` (logit ``-inf``) while fewer than ``min_new_tokens`` tokens
     have been generated (I6); from the k-th generated token on, scores pass unchanged.
 
-    ``stop_ids`` must hold every id that ends a response (``grpotrl.templates.stop_token_ids``:
+    ``stop_ids`` must hold every id that ends a response (``grpotrl.chat.templates.stop_token_ids``:
     eos, the template's end-of-turn, every id of ``generation_config.eos_token_id``); an id
     left out is neither blocked nor counted.
 
@@ -201,7 +201,7 @@ class MinNewTokensProcessor(_ResponseOnly):
         if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise InputError(
                 f"stop_ids must be a non-empty list of token ids >= 0, got {stop_ids!r}. Pass every id that ends "
-                "a response: grpotrl.templates.stop_token_ids(tokenizer, generation_config)."
+                "a response: grpotrl.chat.templates.stop_token_ids(tokenizer, generation_config)."
             )
         self.min_new_tokens = min_new_tokens
         self.stop_ids = list(dict.fromkeys(ids))
@@ -285,7 +285,7 @@ def vllm_sampling(args, stop_ids: list[int], given: dict | None = None) -> dict:
     """vLLM's sampling keyword arguments: ``given`` (TRL's ``generation_kwargs``) with the I6 settings vLLM takes and
     every stop id. Presence and frequency penalties count output tokens only in vLLM, so they pass through; its
     repetition penalty counts the prompt, which I6 rules out: said, not passed. ``stop_token_ids`` adds ``stop_ids``
-    (``grpotrl.templates.stop_token_ids``: the template's end-of-turn among them) to any given: vLLM stops on the
+    (``grpotrl.chat.templates.stop_token_ids``: the template's end-of-turn among them) to any given: vLLM stops on the
     tokenizer's and the model's eos ids only, and blocks only its stop ids under ``min_tokens``.
 
     >>> args = type("Args", (), {"repetition_penalty": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.0,

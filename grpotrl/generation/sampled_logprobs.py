@@ -1,7 +1,7 @@
 """The sampler's own logprobs (I5), and what a trainer injects into each ``generate`` call.
 
 With ``do_sample=True``, ``generate`` appends temperature, top-k, top-p and min-p to the
-processor list it was given, after grpotrl's I6 processors (``grpotrl.processors``), and samples
+processor list it was given, after grpotrl's I6 processors (``grpotrl.generation.processors``), and samples
 from ``softmax`` of what the whole list returns (transformers 5.23,
 ``GenerationMixin._get_logits_processor`` and ``_sample``). ``SampledLogprobRecorder`` keeps
 ``log_softmax`` of that tensor at the sampled token, one number per row and step, as generation

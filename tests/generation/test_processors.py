@@ -396,3 +396,17 @@ def test_I5_sampler_logprobs_memory_flat_in_completion_length(tiny_llama, smollm
         old = _peak_allocated_bytes(lambda: run(64, build_processors(P, **penalties), output_scores=True,
                                                 return_dict_in_generate=True))
         assert old - off > 0.9 * 64 * one_step
+
+
+def test_I6_stop_ids_error_names_a_helper_that_exists(smollm2_tokenizer):
+    """The stop_ids refusal tells the user which function gives every stop id; following it must work: the
+    dotted path it names imports, and gives SmolLM2's stop ids (<|im_end|> = eos = the template's end-of-turn)."""
+    import importlib
+    import re
+
+    with pytest.raises(ValueError, match="stop_ids") as refused:
+        MinNewTokensProcessor(2, [], prompt_width=3)
+    path = re.search(r"(grpotrl(?:\.\w+)+)\(tokenizer, generation_config\)", str(refused.value)).group(1)
+    module, name = path.rsplit(".", 1)
+    helper = getattr(importlib.import_module(module), name)
+    assert helper(smollm2_tokenizer) == [EOS]
