@@ -330,13 +330,17 @@ def _check_generation_args(args, kwargs: dict) -> None:
                          f"{args.max_completion_length}, or no completion could ever stop.")
     penalties = {name: value for name, value in (("presence_penalty", args.presence_penalty), ("frequency_penalty",
                  args.frequency_penalty), ("min_new_tokens", args.min_new_tokens)) if value}
-    multi_turn = [name for name in ("tools", "environment_factory") if kwargs.get(name)]
-    if penalties and multi_turn:
-        raise InputError(f"{', '.join(f'{k}={v}' for k, v in penalties.items())} with {' and '.join(multi_turn)}: "
-                         "presence/frequency penalties and min_new_tokens are not supported in the multi-turn tool "
-                         "loop yet (it calls generate once per turn, and each call would count its own turn's tokens "
-                         "only). Set them to 0.")
     own = {**penalties, **({"repetition_penalty": args.repetition_penalty} if args.repetition_penalty != 1.0 else {})}
+    multi_turn = [name for name in ("tools", "environment_factory") if kwargs.get(name)]
+    # on transformers' generate grpotrl applies the repetition penalty itself (transformers' own is set to 1), and
+    # not in the tool loop; vLLM applies its own (over the prompt too: warned in configs.checks)
+    unsupported = own if not getattr(args, "use_vllm", False) else penalties
+    if unsupported and multi_turn:
+        raise InputError(f"{', '.join(f'{k}={v}' for k, v in unsupported.items())} with {' and '.join(multi_turn)}: "
+                         "presence/frequency/repetition penalties and min_new_tokens are not supported in the "
+                         "multi-turn tool loop yet (it calls generate once per turn, and each call would count its "
+                         "own turn's tokens only; on transformers' generate the repetition penalty would not run at "
+                         "all). Set them to their defaults (0, and repetition_penalty 1.0).")
     if own and kwargs.get("rollout_func") is not None:
         raise InputError(f"{', '.join(f'{k}={v}' for k, v in own.items())} with a rollout_func: grpotrl applies these "
                          "as logits processors inside transformers' generate, which a rollout_func replaces, so they "

@@ -594,12 +594,15 @@ def test_an_unknown_loss_type_is_refused_before_the_model_loads(tiny_llama, grpo
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts())
 
 
-@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_new_tokens": 2}])
+@pytest.mark.parametrize("setting", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_new_tokens": 2},
+                                     {"repetition_penalty": 1.3}])
 def test_I6_penalties_in_the_multi_turn_loop_are_refused_for_tools_and_environments(tiny_llama, smollm2_tokenizer,
                                                                                      grpo_args, no_model_load,
                                                                                      setting):
     """The multi-turn loop calls generate once per turn: refused with ``tools``, and with an ``environment_factory``
-    (whose public methods are tools too), which got past the check and trained with them."""
+    (whose public methods are tools too), which got past the check and trained with them. The repetition penalty,
+    which grpotrl applies itself on transformers' generate (transformers' own set to 1), ran nowhere in that loop:
+    silently dropped."""
     from trl.chat_template_utils import qwen2_5_chat_template
 
     tokenizer = copy.deepcopy(smollm2_tokenizer)
