@@ -10,7 +10,10 @@ advantages TRL computed (``flat_groups``), not from the rewards: under
 group before the weighted sum, so a group whose weighted reward sums are equal can still have
 advantages of both signs. ``refill`` runs the rounds for ``grpotrl.GRPOTrainer``, which hands it
 what it needs (a callable that scores one round, one that logs metrics, the settings): it reads and
-writes no trainer field. The pure functions before it pick and merge rows.
+writes no trainer field. The pure functions before it pick and merge rows. Where TRL's advantages use batch
+statistics (``scale_rewards='batch'``, ``multi_objective_aggregation='normalize_then_sum'``), the merged batch's
+advantages are recomputed over its own rows (``advantage_parts``, ``merged_advantages``): each round was divided
+by its own batch's std, dropped groups included, so the rounds' rows would weigh differently.
 
 Simplified on purpose: refill prompts are drawn uniformly from ``train_dataset`` (seeded by
 step and round, the same on every process), not from the next batches of the epoch; a batch
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from trl.trainer.utils import nanstd
 
 from ..errors import InputError
 
@@ -149,6 +153,60 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- advantages of a merged batch
+
+# per-row fields a round's batch carries through ``concat_rows`` and ``select_rows`` (``advantage_parts``)
+ADVANTAGE_PARTS = ("grpotrl_batch_value", "grpotrl_advantage_numerator")
+
+
+def uses_batch_statistics(scale_rewards: str, aggregation: str) -> bool:
+    """Whether TRL's advantages depend on the whole batch, not only on each group: ``scale_rewards='batch'``
+    divides by the batch's reward std, ``multi_objective_aggregation='normalize_then_sum'`` centres and divides by
+    the batch's. A batch merged from several rounds then needs them over the merged rows (``merged_advantages``)."""
+    return scale_rewards == "batch" or aggregation == "normalize_then_sum"
+
+
+def advantage_parts(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                    aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL 1.16's advantage computation (``_generate_and_score_completions``) split at its batch statistics, for a
+    round's rewards ``rewards_per_func`` [N_rows, K] (every process's, NaN where a function gave None; groups of
+    ``num_generations`` consecutive rows) and ``weights`` [K]: per row, the value the batch statistics are taken over
+    ``q`` [N_rows] and the numerator ``n`` [N_rows] whose division by them is the advantage (``merged_advantages``).
+    ``sum_then_normalize``: ``q`` the weighted reward (NaN where every function gave None), ``n`` it minus its
+    group's mean; ``normalize_then_sum``: ``q = n`` the weighted sum of the group-normalised rewards.
+
+    >>> q, n = advantage_parts(torch.tensor([[0.0], [1.0], [3.0], [3.0]]), torch.ones(1), 2, "sum_then_normalize")
+    >>> q.tolist(), n.tolist()
+    ([0.0, 1.0, 3.0, 3.0], [-0.5, 0.5, 0.0, 0.0])
+    """
+    G, K = num_generations, rewards_per_func.size(1)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)  # [N_rows]
+    w = weights.to(rewards_per_func.device).unsqueeze(0)  # [1, K]
+    if aggregation == "sum_then_normalize":
+        q = (rewards_per_func * w).nansum(dim=1)  # [N_rows]
+        q[unscorable] = torch.nan
+        return q, q - torch.nanmean(q.view(-1, G), dim=1).repeat_interleave(G)
+    grouped = rewards_per_func.view(-1, G, K)  # [N, G, K]
+    z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    q = (z.view(-1, K) * w).nansum(dim=1)  # [N_rows]
+    q[unscorable] = torch.nan
+    return q, q
+
+
+def merged_advantages(q: torch.Tensor, n: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """The advantages [N_rows] TRL would give a batch of these rows (``advantage_parts``' ``q`` and ``n``, over every
+    process), its batch statistics taken over these rows: ``n / (nanstd(q) + 1e-4)``, centred on ``nanmean(q)`` first
+    under ``normalize_then_sum``; 0 where NaN (an unscorable row), as TRL's.
+
+    >>> q, n = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([-0.5, 0.5, -0.5, 0.5])
+    >>> [round(a, 4) for a in merged_advantages(q, n, "sum_then_normalize").tolist()]  # nanstd 0.5774
+    [-0.8659, 0.8659, -0.8659, 0.8659]
+    """
+    std = nanstd(q) if q.numel() > 1 else torch.zeros((), device=q.device)
+    centre = torch.nanmean(q) if aggregation == "normalize_then_sum" else 0.0
+    return torch.nan_to_num((n - centre) / (std + 1e-4), nan=0.0)
+
+
 # ---------------------------------------------------------------- the rounds, for a GRPOTrainer
 
 
@@ -156,13 +214,16 @@ def refill(output: dict, advantages: torch.Tensor, record: dict | None, *,
            score_round: Callable[[list[dict]], tuple[dict, torch.Tensor, dict | None]],
            log: Callable[[dict[str, float]], None], accelerator, train_dataset, seed: int, step: int,
            num_generations: int, max_rounds: int, steps_per_generation: int, pad_token_id: int,
-           row_key: str) -> tuple[dict, dict | None]:
+           row_key: str, aggregation: str | None = None) -> tuple[dict, dict | None]:
     """Drop the groups of ``output`` (one scored generation batch, rows tagged ``row_key``, guard ``record`` or
     None) that carry no policy gradient (``flat_groups`` of ``advantages`` [B_global], the advantages TRL
     computed, gathered over every process) from the loss and refill with fresh prompts from ``train_dataset``,
     for up to ``max_rounds`` extra rounds. ``score_round(rows)`` generates and scores this process's ``rows``
     and returns the round's batch, its advantages [B_global] and its guard record; ``log(metrics)`` logs
     ``dynamic_sampling/*``. Decisions use the gathered advantages, so every process takes the same rounds.
+    Where the batches carry ``ADVANTAGE_PARTS`` (``aggregation`` given: TRL's advantages use batch statistics,
+    ``uses_batch_statistics``), the merged rows' advantages are recomputed over the merged batch
+    (``merged_advantages``): each round's were divided by its own batch's std, which the dropped groups were in.
     Returns the merged batch and the guard record of every round's rows (row tags offset to match)."""
     acc, G = accelerator, num_generations
     target = advantages.size(0) // G  # groups per generation batch, all processes
@@ -190,13 +251,18 @@ def refill(output: dict, advantages: torch.Tensor, record: dict | None, *,
          "dynamic_sampling/rounds": rounds,
          "dynamic_sampling/filled_share": kept / target})
     if kept == 0:  # nothing has a gradient: train on the first batch as plain GRPO would
-        return output, record
+        return {k: v for k, v in output.items() if k not in ADVANTAGE_PARTS}, record
     rows = torch.cat([local_rows(k, G, acc.process_index, b[row_key].numel())
                       for k, b in zip(keeps, batches)])  # [B_local_all_rounds]
     counts = acc.gather(rows.sum().reshape(1).to(acc.device)).tolist()
     whole = rows.numel() // steps_per_generation * steps_per_generation  # the same on every process
     rows = fill_rows(rows, min(common_count(counts, steps_per_generation), whole))
     merged = select_rows(concat_rows(batches, pad_token_id), rows)
+    if aggregation is not None:  # the batch statistics over the merged rows, every process's
+        q, n = (merged.pop(k) for k in ADVANTAGE_PARTS)  # [B_local] each
+        advantages = merged_advantages(acc.gather(q), acc.gather(n), aggregation)  # [B_global]
+        local = q.numel()  # the same on every process
+        merged["advantages"] = advantages[acc.process_index * local:(acc.process_index + 1) * local]
     loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)  # [B, C]
     merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
     return merged, record

@@ -474,12 +474,15 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
         if self.args.dynamic_sampling and training:
             sampler = None  # the merged rows come from several rounds: no one recorder measured them
+            aggregation = self.args.multi_objective_aggregation
+            batch_wide = dynamic_sampling.uses_batch_statistics(self.args.scale_rewards, aggregation)
             output, guard = dynamic_sampling.refill(
                 output, self._gathered_advantages(output), guard, log=self._record_metrics, score_round=rescore,
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
-                pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY)
+                pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY,
+                aggregation=aggregation if batch_wide else None)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         window_tokens = None
@@ -528,6 +531,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                       self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
         self._log_batch_health(inputs, output, rewards, generated)
+        if self.args.dynamic_sampling and self.model.training and dynamic_sampling.uses_batch_statistics(
+                self.args.scale_rewards, self.args.multi_objective_aggregation):  # for a merged batch's advantages
+            parts = dynamic_sampling.advantage_parts(scored[-1], self.reward_weights, self.num_generations,
+                                                     self.args.multi_objective_aggregation)  # [B_global] each
+            start = self.accelerator.process_index * len(inputs)
+            output.update({k: v[start:start + len(inputs)] for k, v in zip(dynamic_sampling.ADVANTAGE_PARTS, parts)})
         return output, generated
 
     def _log_batch_health(self, inputs: list, output: dict, rewards: torch.Tensor, generated: Generated) -> None:

@@ -238,3 +238,98 @@ def test_dynamic_sampling_keeps_groups_whose_normalised_rewards_vary_under_norma
     else:
         # every advantage 0: nothing kept after the one round allowed; the batch trains as plain GRPO would
         assert logged["dynamic_sampling/filled_share"] == 0.0 and logged["dynamic_sampling/rounds"] == 1, logged
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_advantage_parts_give_trls_advantages_on_one_round(aggregation):
+    """``merged_advantages`` of one round's ``advantage_parts`` is TRL's own advantage computation of that round
+    (restated here under scale_rewards='batch' for sum_then_normalize, as TRL computes it under normalize_then_sum)."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 3.0], [1.0, 3.0],
+                            [float("nan"), float("nan")], [0.5, 1.0]])  # row 6: every function gave None
+    w = torch.tensor([1.0, 2.0])
+    got = ds.merged_advantages(*ds.advantage_parts(rewards, w, 2, aggregation), aggregation)
+    if aggregation == "normalize_then_sum":  # trl_advantages, the unscorable row NaN before the batch statistics
+        grouped = rewards.view(-1, 2, 2)  # [N, G, K]
+        z = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        r = (z.view(-1, 2) * w).nansum(1)
+        r[6] = float("nan")
+        want = (r - r.nanmean()) / (nanstd(r) + 1e-4)
+        scorable = ds.merged_advantages(*ds.advantage_parts(rewards[:6], w, 2, aggregation), aggregation)
+        assert torch.allclose(scorable, trl_advantages(rewards[:6], w, 2, aggregation), atol=1e-6)
+    else:  # sum_then_normalize, scale_rewards='batch': the group's mean, the batch's std
+        r = (rewards * w).nansum(1)
+        r[6] = float("nan")
+        want = (r - torch.nanmean(r.view(-1, 2), 1).repeat_interleave(2)) / (nanstd(r) + 1e-4)
+    assert torch.allclose(got, torch.nan_to_num(want, nan=0.0), atol=1e-6), (got, want)
+    assert got[6] == 0.0  # unscorable: 0, as TRL's
+
+
+def test_refill_under_batch_statistics_divides_by_the_merged_batchs_std():
+    """scale_rewards='batch', G=2. Round 0: group 0 rewards (0, 1), groups 1-3 flat (0, 0): TRL divides by round 0's
+    std, nanstd(0, 1, 0, 0, 0, 0, 0, 0) = 0.354: advantages -/+1.414. The refill round of three groups (0, 1): its
+    own std 0.548, -/+0.913. A batch of the four kept groups is (0, 1) x 4: std 0.535, so every kept row's advantage
+    is -/+0.935 -- round 0's kept rows weighed 1.5x the refill's before."""
+    G = 2
+    first = scored([10] * 8, [1] * 8)
+    r0 = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).unsqueeze(1)
+    q0, n0 = ds.advantage_parts(r0, torch.ones(1), G, "sum_then_normalize")
+    first.update(dict(zip(ds.ADVANTAGE_PARTS, (q0, n0))))
+    first["advantages"] = ds.merged_advantages(q0, n0, "sum_then_normalize")
+    assert first["advantages"][:2].tolist() == pytest.approx([-1.414, 1.414], abs=1e-3)  # round 0 alone
+
+    def score_round(rows):
+        out = scored([12] * len(rows), [2] * len(rows))
+        r = torch.tensor([0.0, 1.0] * (len(rows) // 2)).unsqueeze(1)
+        q, n = ds.advantage_parts(r, torch.ones(1), G, "sum_then_normalize")
+        out.update(dict(zip(ds.ADVANTAGE_PARTS, (q, n))))
+        out["advantages"] = ds.merged_advantages(q, n, "sum_then_normalize")
+        assert out["advantages"][:2].tolist() == pytest.approx([-0.913, 0.913], abs=1e-3)  # the round alone
+        return out, out["advantages"], None
+
+    merged, _ = ds.refill(first, first["advantages"], None, score_round=score_round, log=lambda m: None,
+                          accelerator=OneProcess(), train_dataset=[{"prompt": "p"}] * 8, seed=0, step=0,
+                          num_generations=G, max_rounds=1, steps_per_generation=1, pad_token_id=0, row_key=ROW_KEY,
+                          aggregation="sum_then_normalize")
+    assert merged[ROW_KEY].tolist() == [0, 1, 8, 9, 10, 11, 12, 13]
+    assert merged["advantages"].tolist() == pytest.approx([-0.935, 0.935] * 4, abs=1e-3)
+    assert not set(ds.ADVANTAGE_PARTS) & set(merged)  # the parts do not reach the loss
+
+
+class ObservedRounds(grpotrl.GRPOTrainer):
+    """Records each round's rewards (TRL's ``_calculate_rewards``, [B, K]) and each merged generation batch."""
+
+    def _calculate_rewards(self, *args, **kwargs):
+        rewards = super()._calculate_rewards(*args, **kwargs)
+        self.rounds = getattr(self, "rounds", []) + [rewards.detach().clone()]
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        self.rounds = []
+        output = super()._generate_and_score_completions(inputs)
+        self.merged = getattr(self, "merged", []) + [(output, self.rounds)]
+        return output
+
+
+def test_dynamic_sampling_under_batch_scaling_trains_the_merged_batchs_advantages(tiny_llama, grpo_args):
+    """scale_rewards='batch': each kept row's advantage is its reward minus its group's mean, over the std of the
+    rewards of the rows the merged batch trains on, as TRL would compute for that batch; each round's own std
+    (the dropped flat groups in it) made the rounds' rows weigh differently."""
+    from trl.trainer.utils import nanstd
+
+    rows = [{"prompt": [{"role": "user", "content": "What is " + "1 + " * (i % 4) + "2?"}]} for i in range(16)]
+    rows = [r if i % 2 else {"prompt": [{"role": "user", "content": "What is 2?"}]} for i, r in enumerate(rows)]
+    trainer = ObservedRounds(model=tiny_llama, reward_funcs=flat_for_two, train_dataset=Dataset.from_list(rows),
+                             args=grpo_args(max_steps=2, dynamic_sampling=True, dynamic_sampling_max_rounds=6,
+                                            max_completion_length=6, scale_rewards="batch"))
+    trainer.train()
+    refilled = 0
+    for output, rounds in trainer.merged:
+        r = torch.cat(rounds)[:, 0]  # [rows of every round], one reward function of weight 1
+        means = torch.cat([x[:, 0].view(-1, 4).mean(1).repeat_interleave(4) for x in rounds])
+        tags = output[ROW_KEY]
+        want = (r[tags] - means[tags]) / (nanstd(r[tags]) + 1e-4)
+        assert torch.allclose(output["advantages"], want, atol=1e-5), (output["advantages"], want)
+        refilled += len(rounds) > 1
+    assert refilled, "no batch was refilled: the test shows nothing"
