@@ -2,10 +2,10 @@
 once, before any weights are read, each an ``InputError`` (or a warning) naming the file, line or rows.
 
 * ``check_dataset``: GRPO needs a ``prompt`` column, each row a non-empty list of chat messages
-  (or a non-empty string), all one kind (``check_prompt_kinds``: TRL formats a batch by its
-  first row and fails at the first step on a mix); SFT takes what ``trl.SFTTrainer`` takes
-  (``check_sft_dataset``); the first bad row is named by its index. A dataset object that
-  passed is not read again with the same settings.
+  (or a non-empty string), all one kind (``check_prompt_kinds``, a stream on its first rows: TRL
+  formats a batch by its first row and fails at the first step on a mix); SFT takes what
+  ``trl.SFTTrainer`` takes (``check_sft_dataset``); the first bad row is named by its index. A
+  dataset object that passed is not read again with the same settings.
 * ``check_data_file`` / ``load_error_cause``: a local json/jsonl/csv file that is empty or not
   UTF-8 (``datasets`` raised ``StopIteration``, or loaded it and failed at the first row read),
   and the real cause of a ``DatasetGenerationError`` (the first bad JSON line, pandas' CSV line).
@@ -314,13 +314,18 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
 def check_prompt_kinds(dataset, split_name: str, column: str = "prompt") -> None:
     """Raise ``InputError`` when ``column`` mixes chat prompts (lists of messages) with plain text:
     TRL formats a batch by its first row, so a mix fails at the first step
-    (``TypeError: string indices must be integers``). Map-style datasets only."""
-    if not hasattr(dataset, "column_names") or column not in (dataset.column_names or []) or \
-            not hasattr(dataset, "__len__"):
+    (``TypeError: string indices must be integers``). A map-style dataset, or the rows read from a stream
+    (a list of dicts: ``_rows_to_check``)."""
+    if isinstance(dataset, list):  # a stream's first rows
+        values = [row.get(column) for row in dataset]
+    elif hasattr(dataset, "column_names") and column in (dataset.column_names or []) and hasattr(dataset, "__len__"):
+        values = dataset[column]
+    else:
         return
     chat, plain = [], []
-    for i, value in enumerate(dataset[column]):
-        (plain if isinstance(value, str) else chat).append(i)
+    for i, value in enumerate(values):
+        if value is not None:
+            (plain if isinstance(value, str) else chat).append(i)
     if chat and plain:
         raise InputError(
             f"The {split_name!r} split mixes chat prompts (lists of messages: {row_list(chat)}) with plain-text prompts "

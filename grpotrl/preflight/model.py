@@ -4,7 +4,8 @@
 * ``check_discriminator_source``: GAD's ``discriminator_model_name_or_path``.
 * ``check_model_args``: a recipe's quantization / LoRA fields (``trl.ModelConfig``; the CLI's):
   4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist; ``lora_*`` settings
-  need ``use_peft`` (TRL ignores them without it).
+  need ``use_peft``, and ``bnb_4bit_*`` / ``use_bnb_nested_quant`` need ``load_in_4bit`` (TRL ignores them
+  without it).
 
 A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``; a
 config's own value ranges are ``configs.checks``.
@@ -78,7 +79,15 @@ def check_model_args(model_args, model_path: str) -> None:
                 f"load_in_4bit computes in `dtype`, which is {model_args.dtype!r}. Set dtype: float32 (CPU; the "
                 "I5 guard's 1e-5 tolerance holds) or bfloat16 (GPU)."
             )
-    lora = _lora_settings(model_args)
+    four_bit = _changed_settings(model_args, ("bnb_4bit_", "use_bnb_nested_quant"))
+    if four_bit and bits != 4:
+        raise InputError(
+            f"{', '.join(f'{k}: {v!r}' for k, v in four_bit.items())} without load_in_4bit: true: TRL reads these "
+            f"for 4-bit loading only, so they would be ignored and the model loaded "
+            f"{'in 8-bit' if bits == 8 else 'unquantized'}. Add `load_in_4bit: true` (QLoRA, with use_peft: true)"
+            f"{' instead of load_in_8bit' if bits == 8 else ''}, or drop these settings."
+        )
+    lora = _changed_settings(model_args, ("lora_", "use_rslora", "use_dora"))
     if lora and not model_args.use_peft:
         raise InputError(
             f"{', '.join(f'{k}: {v!r}' for k, v in lora.items())} without use_peft: true: TRL builds no adapter then, so "
@@ -89,11 +98,12 @@ def check_model_args(model_args, model_path: str) -> None:
         _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
 
 
-def _lora_settings(model_args) -> dict:
-    """The LoRA fields of ``model_args`` (``trl.ModelConfig``'s ``lora_*``, ``use_rslora``, ``use_dora``) set to
-    another value than the field's default, by name."""
+def _changed_settings(model_args, prefixes: tuple[str, ...]) -> dict:
+    """The fields of ``model_args`` (``trl.ModelConfig``) whose names start with one of ``prefixes`` (the LoRA
+    ones: ``lora_``, ``use_rslora``, ``use_dora``; the 4-bit ones: ``bnb_4bit_``, ``use_bnb_nested_quant``) set
+    to another value than the field's default, by name."""
     return {f.name: getattr(model_args, f.name) for f in dataclasses.fields(model_args)
-            if f.name.startswith(("lora_", "use_rslora", "use_dora")) and f.default is not dataclasses.MISSING
+            if f.name.startswith(prefixes) and f.default is not dataclasses.MISSING
             and getattr(model_args, f.name) != f.default}
 
 

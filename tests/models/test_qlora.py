@@ -219,3 +219,16 @@ def test_lora_settings_without_use_peft_are_refused_before_the_model_loads(tmp_p
                                          r"true`.*drop the lora_\* settings"):
         cli.run("grpo", ["--config", QLORA_RECIPE, "--use_peft", "false", "--load_in_4bit", "false",
                          "--lora_target_modules", "q_proj", "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("quantized, loaded", [("--load_in_8bit", "in 8-bit"), (None, "unquantized")])
+def test_4bit_settings_without_load_in_4bit_are_refused_before_the_model_loads(tmp_path, smollm2_path, no_model_load,
+                                                                               quantized, loaded):
+    """TRL's quantization config reads bnb_4bit_quant_type, use_bnb_nested_quant and bnb_4bit_quant_storage for
+    load_in_4bit only: under load_in_8bit, or unquantized, they were ignored without a word."""
+    flags = ["--load_in_4bit", "false", "--bnb_4bit_quant_type", "fp4", "--use_bnb_nested_quant", "true"]
+    with pytest.raises(InputError, match=rf"bnb_4bit_quant_type: 'fp4', use_bnb_nested_quant: True without "
+                                         rf"load_in_4bit: true.*ignored and the model loaded {loaded}\. Add "
+                                         r"`load_in_4bit: true`"):
+        cli.run("grpo", ["--config", QLORA_RECIPE, *flags, *([quantized, "true"] if quantized else []),
+                         "--output_dir", str(tmp_path)])
