@@ -56,7 +56,7 @@ from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
 from ..rewards.tasks import per_task
-from .model import check_discriminator_source, check_tokenizer_files
+from .model import check_discriminator_source, check_lora_targets, check_tokenizer_files
 
 logger = logging.getLogger(__name__)
 _NOT_GIVEN = object()
@@ -105,7 +105,7 @@ def task_labels(column: str, *datasets) -> list[str]:
 
 
 def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN,
-                                prompt_optional: bool = False, eval_dataset=None):
+                                prompt_optional: bool = False, eval_dataset=None, quantization_config=None):
     """Steps 1-3: resolve aliases and check config, datasets, model, tokenizer and stop tokens.
 
     ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
@@ -114,7 +114,9 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     cached directory), ``model_id`` the directory or Hub id its files come from (or None). A tokenizer
     not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
-    quantized model must come with one or be a PEFT model already. Bitsandbytes layers are pinned to
+    quantized model must come with one or be a PEFT model already, and so must a model TRL loads with the
+    trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']``; ``model_init_kwargs``'
+    dtype must be one TRL reads (``_check_init_dtype``). Bitsandbytes layers are pinned to
     one kernel (``models.quantization.pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
     ``environment_factory``'s ``reset`` supplies it). SFT passes no datasets: ``check_sft`` checks them.
     """
@@ -129,9 +131,16 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         model = resolve_model_path(model)
         init_kwargs = getattr(args, "model_init_kwargs", None) or {}
         revision = init_kwargs.get("revision")
+        _check_init_dtype(init_kwargs)
         _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), peft_config,
                                         "model_init_kwargs['quantization_config'] asks for")
+        _refuse_quantized_full_finetune(_config_bits(quantization_config), peft_config,
+                                        "The trainer's quantization_config asks for")
         check_model_source(model, revision)
+        targets = getattr(peft_config, "target_modules", None) if peft_config is not _NOT_GIVEN else None
+        if targets:  # PEFT trains the names that match and ignores a misspelled one
+            check_lora_targets(sorted(targets) if isinstance(targets, (set, frozenset)) else targets, model, revision,
+                               "peft_config.target_modules")
         model_id = model
     else:
         model_id = get_config_model_id(model.config) or None
@@ -154,6 +163,27 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
+
+
+TRL_DTYPES = ("bfloat16", "float16", "float32", "auto")  # the strings trl's create_model_from_path reads as dtype
+
+
+def _check_init_dtype(init_kwargs: dict) -> None:
+    """``model_init_kwargs``' weight dtype, as TRL 1.16 reads it: ``dtype``, a ``torch.dtype`` or one of
+    ``TRL_DTYPES`` (TRL raises a ValueError at the load otherwise). ``torch_dtype``, transformers' old name, is
+    refused: TRL always passes ``dtype`` (float32 unless set) and transformers then ignores ``torch_dtype``, so
+    ``torch_dtype: bfloat16`` loaded float32 weights, silently."""
+    if "torch_dtype" in init_kwargs:
+        raise InputError(f"model_init_kwargs sets torch_dtype={init_kwargs['torch_dtype']!r}, a name transformers no "
+                         "longer reads when dtype is given, and TRL always gives dtype (float32 unless set): the "
+                         "weights would load in float32. Write it as dtype (e.g. model_init_kwargs: {dtype: "
+                         "bfloat16}).")
+    dtype = init_kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype not in TRL_DTYPES:
+        close = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+        hint = f" (write {close[dtype.lower()]!r})" if dtype.lower() in close else ""
+        raise InputError(f"model_init_kwargs' dtype={dtype!r} is not one TRL reads: one of {', '.join(TRL_DTYPES)}, or "
+                         f"a torch.dtype{hint}.")
 
 
 def model_generation_config(model, args):
@@ -243,6 +273,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
+        quantization_config=kwargs.get("quantization_config"),
     )
     template_kwargs = args.chat_template_kwargs or {}
     # the tools TRL will render prompts with (None: a factory's, known only once TRL calls it)
@@ -620,7 +651,8 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
             "(e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
         )
     model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
-        model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"))
+        model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"),
+        quantization_config=kwargs.get("quantization_config"))
     fmt = None if formatting_func is not None else data_format(train_dataset)
     i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
     if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later

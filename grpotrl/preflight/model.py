@@ -95,7 +95,7 @@ def check_model_args(model_args, model_path: str) -> None:
             "adapters, or drop the lora_* settings to fine-tune the whole model."
         )
     if model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
-        _check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
+        check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
 
 
 def _changed_settings(model_args, prefixes: tuple[str, ...]) -> dict:
@@ -107,9 +107,10 @@ def _changed_settings(model_args, prefixes: tuple[str, ...]) -> dict:
             and getattr(model_args, f.name) != f.default}
 
 
-def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None) -> None:
-    """Every name in ``lora_target_modules`` must name modules of the model (PEFT ignores a
-    misspelled one as long as another matches); a string (PEFT's regex, full-matched against each module's
+def check_lora_targets(targets: list[str] | str, model_path: str, revision: str | None = None,
+                       setting: str = "lora_target_modules") -> None:
+    """Every name in ``lora_target_modules`` (the setting named ``setting`` in errors) must name modules of the
+    model (PEFT ignores a misspelled one as long as another matches); a string (PEFT's regex, full-matched against each module's
     dotted name) must match one. Builds the model on the meta device: no weights."""
     if targets in ("all-linear", ["all-linear"]):  # PEFT's keyword
         return
@@ -129,11 +130,11 @@ def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str
         try:
             matched = any(re.fullmatch(targets, n) for n in names)
         except re.error as e:
-            raise InputError(f"lora_target_modules={targets!r} is read by PEFT as a regular expression, and it is "
+            raise InputError(f"{setting}={targets!r} is read by PEFT as a regular expression, and it is "
                              f"not one ({e}). Give a list of module names, e.g. {sorted(leaves)[:3]}.") from e
         if not matched:
             raise InputError(
-                f"lora_target_modules={targets!r} is read by PEFT as a regular expression that must match a "
+                f"{setting}={targets!r} is read by PEFT as a regular expression that must match a "
                 f"module's whole dotted name (e.g. {max(names, key=len)!r}), and it matches no module of "
                 f"{config.model_type} ({model_path}). Give a list of names (e.g. [{', '.join(sorted(leaves)[:2])}]), "
                 "or a pattern such as '.*\\.(q_proj|v_proj)', or 'all-linear'."
@@ -144,6 +145,6 @@ def _check_lora_targets(targets: list[str] | str, model_path: str, revision: str
         hints = [f"{t!r} (did you mean {difflib.get_close_matches(t, sorted(leaves), n=1)[0]!r}?)"
                  if difflib.get_close_matches(t, sorted(leaves), n=1) else repr(t) for t in missing]
         raise InputError(
-            f"lora_target_modules names no module of {config.model_type} ({model_path}): {', '.join(hints)}. "
+            f"{setting} names no module of {config.model_type} ({model_path}): {', '.join(hints)}. "
             f"Its linear layers are {sorted(leaves)}; use some of those, or 'all-linear'."
         )

@@ -232,3 +232,37 @@ def test_4bit_settings_without_load_in_4bit_are_refused_before_the_model_loads(t
                                          r"`load_in_4bit: true`"):
         cli.run("grpo", ["--config", QLORA_RECIPE, *flags, *([quantized, "true"] if quantized else []),
                          "--output_dir", str(tmp_path)])
+
+
+def test_the_trainers_quantization_config_without_peft_is_refused_before_the_model_loads(tiny_llama, grpo_args,
+                                                                                      no_model_load):
+    """TRL's own trainer argument ``quantization_config`` (beside ``model_init_kwargs``' one, which was checked):
+    4-bit weights without a peft_config cannot take an update; transformers said so only after the load."""
+    with pytest.raises(InputError, match=r"The trainer's quantization_config asks for 4-bit \(bitsandbytes\) weights "
+                                         r"and no peft_config was given"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(), quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_a_misspelled_peft_config_target_is_named_before_the_model_loads(tiny_llama, grpo_args, no_model_load):
+    """From Python, ``peft_config=LoraConfig(target_modules=[...])`` with a typo trained the other names only (the
+    CLI's lora_target_modules was checked; this was not)."""
+    from peft import LoraConfig
+
+    with pytest.raises(InputError, match=r"peft_config.target_modules names no module of llama .*'gate_prj' \(did you "
+                                         r"mean 'gate_proj'\?\)"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(),
+                            peft_config=LoraConfig(r=4, target_modules=["q_proj", "gate_prj"]))
+
+
+@pytest.mark.parametrize("init, match", [({"torch_dtype": "bfloat16"}, r"model_init_kwargs sets torch_dtype='bfloat16'"
+                                                                       r".*Write it as dtype"),
+                                         ({"dtype": "bf16"}, r"dtype='bf16' is not one TRL reads.*\(write 'bfloat16'\)")])
+def test_model_init_dtype_that_trl_would_ignore_or_reject_is_refused_before_the_load(tiny_llama, grpo_args,
+                                                                                     no_model_load, init, match):
+    """``torch_dtype`` loaded float32 weights silently (TRL passes ``dtype``, float32 unless set, and transformers
+    then ignores ``torch_dtype``); ``dtype: bf16`` failed in TRL's loader with a ValueError."""
+    with pytest.raises(InputError, match=match):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(model_init_kwargs=init),
+                            train_dataset=arithmetic_prompts())
