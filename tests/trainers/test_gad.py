@@ -350,7 +350,7 @@ def test_config_refuses_a_kl_without_a_place_and_unknown_estimators(tmp_path):
         grpotrl.GADConfig(output_dir=str(tmp_path), beta=0.1, use_kl_loss=False)
     with pytest.raises(InputError, match="kl_estimator"):
         grpotrl.GADConfig(output_dir=str(tmp_path), kl_estimator="k4")
-    with pytest.raises(InputError, match="set kl_in_reward_coef"):
+    with pytest.raises(InputError, match="its coefficient is 0: set beta"):
         grpotrl.GADConfig(output_dir=str(tmp_path), use_kl_in_reward=True)
     args = grpotrl.GADConfig(output_dir=str(tmp_path))
     assert (args.importance_sampling_level, args.loss_type) == ("sequence", "grpo")  # GSPO
