@@ -474,15 +474,13 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
         if self.args.dynamic_sampling and training:
             sampler = None  # the merged rows come from several rounds: no one recorder measured them
-            aggregation = self.args.multi_objective_aggregation
-            batch_wide = dynamic_sampling.uses_batch_statistics(self.args.scale_rewards, aggregation)
             output, guard = dynamic_sampling.refill(
                 output, self._gathered_advantages(output), guard, log=self._record_metrics, score_round=rescore,
                 accelerator=self.accelerator, train_dataset=self.train_dataset, seed=self.args.seed,
                 step=self.state.global_step, num_generations=self.num_generations,
                 max_rounds=self.args.dynamic_sampling_max_rounds, steps_per_generation=self.args.steps_per_generation,
                 pad_token_id=_intercept.read_tokenizer(self).pad_token_id, row_key=ROW_KEY,
-                aggregation=aggregation if batch_wide else None)
+                aggregation=self.args.multi_objective_aggregation if self._merges_batch_statistics() else None)
         if self.args.hf_importance_sampling_correction and "sampling_per_token_logps" in output:
             self._apply_importance_sampling(output)
         window_tokens = None
@@ -517,6 +515,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         ``num_generations`` in training, ``num_generations_eval`` (``num_generations`` where unset) in evaluation."""
         return self.num_generations if self.model.training else self.num_generations_eval
 
+    def _merges_batch_statistics(self) -> bool:
+        """Whether dynamic sampling's merged batches need their advantages recomputed over their own rows: TRL's
+        use batch statistics (``dynamic_sampling.uses_batch_statistics``), so each round's rows carry the parts."""
+        return bool(self.args.dynamic_sampling) and dynamic_sampling.uses_batch_statistics(
+            self.args.scale_rewards, self.args.multi_objective_aggregation)
+
     def _score_round(self, inputs) -> tuple[dict, Generated]:
         """TRL's generate-and-score, rows tagged, health logged (from the rewards TRL scored); also returns what
         the round's ``_generate`` saw."""
@@ -531,8 +535,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                                       self.task_names)
         rewards = health.group_rewards(scored[-1], self.reward_weights)  # [B_global]
         self._log_batch_health(inputs, output, rewards, generated)
-        if self.args.dynamic_sampling and self.model.training and dynamic_sampling.uses_batch_statistics(
-                self.args.scale_rewards, self.args.multi_objective_aggregation):  # for a merged batch's advantages
+        if self._merges_batch_statistics() and self.model.training:  # for a merged batch's advantages
             parts = dynamic_sampling.advantage_parts(scored[-1], self.reward_weights, self.num_generations,
                                                      self.args.multi_objective_aggregation)  # [B_global] each
             start = self.accelerator.process_index * len(inputs)

@@ -305,6 +305,12 @@ class ObservedRounds(grpotrl.GRPOTrainer):
         self.rounds = getattr(self, "rounds", []) + [rewards.detach().clone()]
         return rewards
 
+    def _score_round(self, inputs):
+        output, generated = super()._score_round(inputs)
+        self.scored = getattr(self, "scored", []) + [{k: output[k].clone() for k in ("advantages",
+                                                                                        *ds.ADVANTAGE_PARTS)}]
+        return output, generated
+
     def _generate_and_score_completions(self, inputs):
         self.rounds = []
         output = super()._generate_and_score_completions(inputs)
@@ -333,3 +339,6 @@ def test_dynamic_sampling_under_batch_scaling_trains_the_merged_batchs_advantage
         assert torch.allclose(output["advantages"], want, atol=1e-5), (output["advantages"], want)
         refilled += len(rounds) > 1
     assert refilled, "no batch was refilled: the test shows nothing"
+    for round_ in trainer.scored:  # the parts a round carries give TRL's own advantages of that round back
+        parts = [round_[k] for k in ds.ADVANTAGE_PARTS]
+        assert torch.allclose(ds.merged_advantages(*parts, "sum_then_normalize"), round_["advantages"], atol=1e-6)
