@@ -30,6 +30,13 @@ for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
 import pytest  # noqa: E402
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The session's HF cache goes with it (one directory a run; its large blobs are links)."""
+    import shutil
+
+    shutil.rmtree(HUB_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Converted SmolLM2-135M-Instruct in the default cache (converted once, ~30 s, then reused)."""

@@ -209,27 +209,50 @@ def sampler_gap_causes(measured: dict, temperature: float, threshold: float) -> 
     return out
 
 
-def gate_sampler_gap(args, mean_gap: float, step: int, temperature: float, said: set,
+def gate_sampler_gap(args, mean_gap: float, loss_tokens: int, step: int, temperature: float, said: set,
                      measured: dict | None = None, mode: str = "train") -> None:
-    """``sampler_gap_action`` when the mean sampler/trainer gap passes ``sampler_gap_threshold`` (NaN
-    too): 'stop' raises, 'warn' warns once per ``mode`` ("train" or "eval"; ``said`` remembers), 'off' does
-    nothing. The message names the causes ``measured`` shows (``sampler_gap_causes``); without measurements,
-    the likely ones; in evaluation, that it was measured on an evaluation batch, which updates nothing.
+    """``sampler_gap_action`` when the mean sampler/trainer gap passes ``sampler_gap_threshold``: 'stop'
+    raises, 'warn' warns once per ``mode`` ("train" or "eval"; ``said`` remembers), 'off' does nothing.
+    ``mean_gap``: the token mean of ``|logp_sampler - logp_trainer|`` over every process's loss tokens where it
+    is finite; ``loss_tokens``: every process's loss tokens. A gap that is NaN on loss tokens (not finite on
+    any of them: a logprob of -inf or NaN) cannot be verified and trips the gate like a gap above the
+    threshold. A microbatch with no loss token on any process (every completion masked: truncated under
+    ``mask_truncated_completions``, tool results) updates nothing and has no gap to gate: it warns once per
+    ``mode`` that the gate was not checked, as I10 and I11 do, and passes, as TRL trains on it (loss 0).
+    The message names the causes ``measured`` shows (``sampler_gap_causes``); without measurements, the
+    likely ones; in evaluation, that it was measured on an evaluation batch, which updates nothing.
 
     >>> from types import SimpleNamespace as NS
     >>> args = NS(sampler_gap_action="stop", sampler_gap_threshold=0.1)
-    >>> try: gate_sampler_gap(args, 0.5, 3, 1.0, set(), {"temperature": 1.0}, mode="eval")
+    >>> try: gate_sampler_gap(args, 0.5, 12, 3, 1.0, set(), {"temperature": 1.0}, mode="eval")
     ... except InvariantError as e: print(str(e).split(" is ")[1].split(". ")[0])
     0.500 nats > sampler_gap_threshold=0.1 (evaluation after step 3)
     """
-    if args.sampler_gap_action == "off" or not mean_gap > args.sampler_gap_threshold:  # NaN trips it
+    if args.sampler_gap_action == "off":
         return
-    where, meaning = (f"evaluation after step {step}", "Measured on an evaluation batch, which updates nothing; "
-                      "training samples its completions the same way, and its update is computed for a distribution "
-                      "they were not sampled from. ") if mode == "eval" else \
-        (f"step {step}", "The update is computed for a distribution the completions were not sampled from. ")
-    head = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
-            f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} ({where}). {meaning}")
+    where = f"step {step}" if mode == "train" else f"evaluation after step {step}"
+    if not loss_tokens:
+        said_key = f"sampler_gap/unchecked/{mode}"
+        if said_key not in said:
+            said.add(said_key)
+            logger.warning("grpotrl: the sampler-gap gate (sampler_gap_threshold=%s) was not checked on a microbatch "
+                           "(%s): no process had a loss token (every completion masked: truncated under "
+                           "mask_truncated_completions, or tool results). Said once.", args.sampler_gap_threshold,
+                           where)
+        return
+    if mean_gap <= args.sampler_gap_threshold:  # NaN is not: it trips the gate
+        return
+    meaning = ("Measured on an evaluation batch, which updates nothing; training samples its completions the same "
+               "way, and its update is computed for a distribution they were not sampled from. ") if mode == "eval" \
+        else "The update is computed for a distribution the completions were not sampled from. "
+    if math.isnan(mean_gap):
+        head = (f"sampler/trainer mismatch: the |logp_sampler - logp_trainer| gap is not finite on any of the "
+                f"{loss_tokens} loss tokens ({where}): a sampler or trainer logprob is -inf or NaN there (the "
+                "sampler drew a token it gives probability 0, or a forward produced NaN), so the gap cannot be "
+                f"checked against sampler_gap_threshold={args.sampler_gap_threshold}. ")
+    else:
+        head = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
+                f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} ({where}). {meaning}")
     causes = sampler_gap_causes(measured, temperature, args.sampler_gap_threshold) if measured else None
     if causes:
         message = head + "Measured causes: " + "; ".join(causes) + "."

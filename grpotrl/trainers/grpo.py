@@ -819,37 +819,39 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     def _log_sampler_gap(self, used: torch.Tensor, inputs: dict) -> None:
         """The sampler against the trainer on the loss's tokens (``ops.importance.sampler_gap_local``): the raw,
-        untruncated importance ratio per token and per sequence (TRL logs only the truncated one, issue
-        5231), |sampler - trainer| logprob (TRL logs it for vLLM only), and the gate
+        untruncated importance ratio per token and per sequence (TRL logs only the truncated one),
+        |sampler - trainer| logprob (TRL logs it for vLLM only), and the gate
         ``sampler_gap_threshold`` / ``sampler_gap_action`` on its mean. Where the recorder measured them
         (the transformers path; not with dynamic sampling, whose rows mix generation rounds), the gap's
         causes on the same tokens (``importance.sampler_causes_local``), logged as ``sampling/causes/*``
-        and named by the gate."""
+        and named by the gate. Every mean is over all processes' loss tokens, each process weighted by its
+        token count (a process without one counts for nothing); a value measured on no token is not logged,
+        and the gate is told how many loss tokens there were (``identity.gate_sampler_gap``)."""
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
         old = inputs.get("old_per_token_logps")  # what TRL's IS ratio uses, when computed
         trainer = used.detach() if old is None else old  # [B, C]
         sampler = inputs["sampling_per_token_logps"]  # [B, C]
-        local = importance.sampler_gap_local(used, trainer, sampler, mask)  # [2 + K]
+        local = importance.sampler_gap_local(used, trainer, sampler, mask)  # [2 * len(GAP_COLUMNS)]
         measured = self.hook_record.batch("train" if self.model.training else "eval").sampler
         if measured is not None and ROW_KEY in inputs:
             rows, C = inputs[ROW_KEY], mask.size(1)
             raw, log_mass = (_fit_columns(measured[k].to(used.device)[rows], C) for k in ("raw", "log_kept_mass"))
             untruncated = sampler if self.args.truncated_sampling_correction else sampler + log_mass  # [B, C]
-            causes = importance.sampler_causes_local(used, old, untruncated, raw, log_mass, mask)  # [len(CAUSES)]
-        else:
-            causes = used.new_full((len(importance.CAUSES),), float("nan"), dtype=torch.float32)
+            causes = importance.sampler_causes_local(used, old, untruncated, raw, log_mass, mask)  # [2 * len(CAUSES)]
+        else:  # not measured: every cause over 0 tokens
+            causes = used.new_zeros((2 * len(importance.CAUSES),), dtype=torch.float32)
         world = self.accelerator.gather(torch.cat([local, causes])).view(-1, local.numel() + causes.numel())
-        metrics = importance.sampler_gap_metrics(world[:, :local.numel()])
-        per_cause = world[:, local.numel():]  # [world, len(CAUSES)]
-        found = {name: float(v) for name, v in zip(importance.CAUSES, per_cause.nanmean(0).tolist()) if v == v}
+        metrics, loss_tokens = importance.sampler_gap_metrics(world[:, :local.numel()])
+        found = importance.sampler_causes_metrics(world[:, local.numel():])
         self._record_metrics({**metrics, **{f"sampling/causes/{k}": v for k, v in found.items()}})
         if measured is not None:
             found.update(sampler_temperature=measured["temperature"], processors=measured["processors"],
                          own_processors=measured["own_processors"], truncation=measured["truncation"],
                          corrected=bool(self.args.truncated_sampling_correction),
                          dtype=str(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), "?")))
-        identity.gate_sampler_gap(self.args, metrics["sampling/sampler_trainer_logp_gap/mean"], self.state.global_step,
-                                  self.temperature, self._warned, found, "train" if self.model.training else "eval")
+        identity.gate_sampler_gap(self.args, metrics.get("sampling/sampler_trainer_logp_gap/mean", float("nan")),
+                                  loss_tokens, self.state.global_step, self.temperature, self._warned, found,
+                                  "train" if self.model.training else "eval")
 
     # ------------------------------------------------------------------ the loss's own denominator (I11)
 

@@ -35,7 +35,9 @@ class ReferenceKL:
         over ``mask`` [B, C] as TRL reduces its per-token loss for ``loss_type`` (``aggregate_like_trl``): TRL's
         loss is linear in its per-token KL and every reduction is linear, so this equals TRL's own term when
         ``kl_estimator='k3'``, the ratio per token and no clamp active. ``hidden``: the loss forward's last
-        hidden states, for ``full``. Logs ``kl``, the estimator in force (times the ratio), as TRL logs its own."""
+        hidden states, for ``full``. Logs ``kl``, the estimator in force (times the ratio), as TRL 1.16 logs its own
+        (``global_masked_mean``): the token mean over every process's loss tokens of this microbatch, the sum and
+        the count reduced together (0 where no process has one: the count is clamped to 1)."""
         full = hidden is not None
         logits, ref_logits = self._full_kl_logits(model, inputs, hidden, logp, mask.size(1)) if full else (None, None)
         per_token_kl = kl_loss_term(  # [B, C], times the per-token importance ratio with use_bias_correction_kl

@@ -232,3 +232,38 @@ def test_kl_in_reward_without_a_reference_names_a_remedy_the_config_accepts(tiny
         grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True, kl_in_reward_coef=0.01)
     remedy = grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True)
     assert (remedy.beta, remedy.kl_in_reward_coef) == (0.01, None)
+
+
+def test_logged_kl_is_trls_token_mean_over_every_process_for_microbatches_of_other_token_counts(
+        tiny_llama, grpo_args, monkeypatch):
+    """Control (grpotrl's ``kl`` already is TRL 1.16's): TRL logs ``kl`` per microbatch as the token mean over
+    every process's loss tokens (``global_masked_mean``: the sum and the count reduced across processes), not
+    as a mean of the processes' means. Two processes simulated by the reduce: this one holds rows 0-2, the
+    other rows 3-7, of other token counts. The kl logged on rows 0-2 is then grpotrl's = TRL's own = the token
+    mean over all 8 rows on one process, and differs from the mean of the two microbatches' means."""
+    trainer, inputs = _trainer(tiny_llama, grpo_args)
+    B = inputs["completion_ids"].size(0)
+
+    def rows(part):
+        return {k: v[part] if torch.is_tensor(v) and v.dim() and v.size(0) == B else v for k, v in inputs.items()}
+
+    def trls_kl(batch):
+        _trl_loss(trainer, batch)
+        return trainer._metrics["train"]["kl"][-1]
+
+    mine, other = rows(slice(0, 3)), rows(slice(3, B))
+    n_mine, n_other = (float((b["completion_mask"] * b.get("tool_mask", 1)).sum()) for b in (mine, other))
+    kl_mine, kl_other, kl_all = trls_kl(mine), trls_kl(other), trls_kl(inputs)
+    assert n_mine != n_other and abs(kl_mine - kl_other) > 1e-4  # where the two definitions differ
+    reduce = trainer.accelerator.reduce
+
+    def two_processes(t, reduction="mean"):
+        assert reduction == "sum" and t.shape == (2,)  # TRL's and grpotrl's [sum, count]
+        return reduce(t, reduction="sum") + torch.tensor([kl_other * n_other, n_other])
+
+    monkeypatch.setattr(trainer.accelerator, "reduce", two_processes)
+    theirs = trls_kl(mine)
+    trainer._compute_loss(trainer.model, mine)
+    ours = trainer._metrics["train"]["kl"][-1]
+    assert ours == pytest.approx(theirs, rel=1e-5) and theirs == pytest.approx(kl_all, rel=1e-5)
+    assert abs(ours - (kl_mine + kl_other) / 2) > 1e-5 * abs(ours)  # not the mean of the processes' means
