@@ -99,11 +99,15 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
         ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_record_metrics``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
+        Under fp16's loss scaler each task's gradient is taken of ``L_k * S`` (S the scaler's scale) and divided by
+        S in fp32 (``_gradients``), as the Trainer's backward is scaled: unscaled, a backward through fp16
+        activations flushes small gradients to 0. Under bf16 and fp32 it is ``autograd.grad`` of ``L_k``.
         A task present in the microbatch whose loss reaches none of the parameters its gradient is taken on
         (``_check_reached``) stops training: its weight would silently be 0. So does a task whose gradient is
         NaN/inf (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
-        loss-scaler overflow of the gradient the Trainer's backward carries (exact mode): the scaler skips that
-        update, and the combination is skipped with it (``_combine_window``).
+        loss-scaler overflow (any gradient here, taken at a scale S >= 1): the scaler skips that update and
+        halves S, the combination is skipped with it, and ``.grad`` holds an inf for the scaler to find
+        (``_combine_window``, ``_low_memory_loss``).
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef`` (over the gradients the task has rows in:
         in low-memory mode the microbatches that hold it), ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
@@ -229,10 +233,11 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ CAGrad exact
 
     def _exact_step(self, model, task_losses: dict, reg: torch.Tensor, coef: float, present: set) -> torch.Tensor:
-        """Accumulate each task's gradient over the window; returns what the Trainer's backward
-        carries into ``.grad``: the regulariser, or, when it has no gradient (``beta = 0``, no
-        entropy bonus, no aux loss), the last task's loss, which saves one backward pass.
-        ``training_step`` combines the window after its last backward."""
+        """Accumulate each task's gradient over the window (``_gradients``: at fp16's loss scale, as the
+        Trainer's backward takes it, then unscaled); returns what the Trainer's backward carries into ``.grad``:
+        the regulariser, or, when it has no gradient (``beta = 0``, no entropy bonus, no aux loss), the last
+        task's loss, which saves one backward pass. ``training_step`` combines the window after its last
+        backward."""
         params = _trainable(model)
         window = self.task_gradients
         window.carrier = None if (self._kl_in_loss or coef or self.aux_loss_enabled) else len(self.task_names) - 1
@@ -240,10 +245,11 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             window.sums = {k: [torch.zeros_like(p) for p in params]
                            for k in range(len(self.task_names)) if k != window.carrier}
         window.present |= set(present)
+        scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
         for k, loss in task_losses.items():
             if k == window.carrier or k not in present:  # an absent task's gradient is 0
                 continue
-            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            grads = _gradients(loss, params, scale)
             _check_reached(grads, self.task_names[k], "every trainable parameter")
             for b, g in zip(window.sums[k], grads):
                 if g is not None:
@@ -265,12 +271,15 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         processes), its direction added to ``.grad`` (which holds the regularisers' gradient, or
         the carrier task's: then its share is swapped for its CAGrad coefficient).
 
-        Under fp16's loss scaler ``.grad`` holds the Trainer's backward times the loss scale S, while the task sums
-        are ``autograd.grad``'s of the unscaled losses: the carrier's gradient is read as ``.grad / S`` and the
-        direction is added times S, so that the scaler's unscaling leaves the CAGrad update. A carrier gradient
-        that overflowed at S >= 1 (NaN/inf, no other task's) is the scaler's overflow: the scaler skips this update
-        and halves S (``health.callbacks.NonFiniteRule`` lets it), so the combination is skipped with it and
-        ``.grad`` left as the scaler reads it. Any other non-finite Gram entry stops training (``_cagrad_weights``)."""
+        Under fp16's loss scaler every gradient here was taken at its scale S: ``.grad`` holds the Trainer's
+        backward times S, and the task sums are of ``autograd.grad(L_k * S) / S`` (``_gradients``: unscaled, the
+        backward through fp16 activations was not). The carrier's gradient is read as ``.grad / S`` and the
+        direction is added times S, so that the scaler's unscaling leaves the CAGrad update. A gradient that
+        overflowed at S >= 1 (NaN/inf: the carrier's, or any task's sum) is the scaler's overflow: the scaler skips
+        this update and halves S (``health.callbacks.NonFiniteRule`` lets it), so the combination is skipped with
+        it; ``.grad`` is left as the scaler reads it where it holds the overflow (the carrier's), and otherwise
+        given an inf so that the scaler finds it (``_leave_to_scaler``). Without a scaler, or at S < 1 (the
+        unscaled gradient overflows too), a non-finite Gram entry stops training (``_cagrad_weights``)."""
         params = _trainable(model)
         tasks = list(range(len(self.task_names)))
         scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
@@ -279,7 +288,9 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         window = self.task_gradients
         bufs = [carried if k == window.carrier else [self._reduced(b) for b in window.sums[k]] for k in tasks]
         gram = _gram(bufs)  # [K, K]
-        overflowed = _non_finite_tasks(gram) == [window.carrier] and scale is not None and scale >= 1
+        overflowed = _overflowed_at_scale(gram, scale)
+        if overflowed and window.carrier not in overflowed:  # .grad may be finite: the scaler must see the inf
+            _leave_to_scaler(params)
         if not overflowed:
             weights = self._cagrad_weights(tasks, gram)  # [K]
             shares = [w - (k == window.carrier) for k, w in zip(tasks, weights.tolist())]  # the carrier is in .grad
@@ -324,12 +335,17 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
 
     def _low_memory_loss(self, task_losses: dict, reg: torch.Tensor, present: set) -> torch.Tensor:
         """``sum_k coef_k L_k + regulariser`` with CAGrad coefficients from the last block's
-        per-task gradients (this microbatch)."""
+        per-task gradients (this microbatch; ``_gradients``: at fp16's loss scale S, as the Trainer's backward
+        takes it, then unscaled). A gradient that overflowed at S >= 1 is the scaler's overflow: the proxy's
+        ``.grad`` is given an inf before the Trainer's backward (``_leave_to_scaler``), so the scaler skips the
+        optimizer step this microbatch is in and halves S; the coefficients are then 1 (that update is not
+        applied) and nothing is logged. Otherwise a non-finite Gram entry stops training (``_cagrad_weights``)."""
         tasks = list(range(len(self.task_names)))  # every task, so processes reduce the same tensors
+        scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
         flat = []
         with _intercept.skip_head_weight_grad([task_losses[k] for k in present], self._proxy):
             for k in tasks:
-                grads = (torch.autograd.grad(task_losses[k], self._proxy, retain_graph=True, allow_unused=True)
+                grads = (_gradients(task_losses[k], self._proxy, scale)
                          if k in present else [None] * len(self._proxy))
                 if k in present:
                     _check_reached(grads, self.task_names[k], "the last block's trainable parameters")
@@ -337,8 +353,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
                                                      for p, g in zip(self._proxy, grads)])))
         G = torch.stack(flat).double()  # [K, N_proxy]
         gram = (G @ G.T).cpu()  # [K, K]: the combination is solved on CPU, as on the exact path
-        weights = self._cagrad_weights(tasks, gram)
-        self._log_cagrad(tasks, gram, weights, self._present_anywhere(tasks, present))
+        if _overflowed_at_scale(gram, scale):  # the same on every process: the gradients are reduced
+            _leave_to_scaler(self._proxy)
+            weights = torch.ones(len(tasks))
+        else:
+            weights = self._cagrad_weights(tasks, gram)
+            self._log_cagrad(tasks, gram, weights, self._present_anywhere(tasks, present))
         return sum(w * task_losses[k] for w, k in zip(weights.tolist(), tasks)) + reg
 
     def _present_anywhere(self, tasks: list[int], present: set) -> list[int]:
@@ -439,6 +459,37 @@ def _check_gram_finite(gram: torch.Tensor, names: list[str], step: int, mode: st
                              "NaN/inf. CAGrad cannot weigh a non-finite gradient: the update would carry the NaN, or "
                              "drop the task with weight 0. Look for an overflow in that task's loss (half precision, "
                              "a NaN/inf advantage or logprob), or lower the learning rate.")
+
+
+def _gradients(loss: torch.Tensor, params: list, scale: float | None) -> list:
+    """``autograd.grad`` of ``loss`` w.r.t. ``params`` (the graph kept; None for a parameter it does not reach), as
+    the Trainer's backward takes it: under fp16's loss scaler (``scale``, None without one) the gradient of
+    ``loss * scale``, divided by ``scale`` in fp32, so that a backward through fp16 activations does not flush a
+    small loss's gradient to 0 (what the scaler exists to prevent). An overflow at ``scale`` stays NaN/inf: the
+    scaler's case (``_overflowed_at_scale``)."""
+    if scale is None:
+        return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
+    grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
+    return [None if g is None else g.float() / scale for g in grads]
+
+
+def _overflowed_at_scale(gram: torch.Tensor, scale: float | None) -> list[int]:
+    """The tasks whose gradient, taken at fp16's loss scale ``scale`` >= 1, holds a NaN/inf (``_non_finite_tasks``
+    of the Gram matrix [K, K]): the scaler's overflow, whose update it skips. Empty without a scaler (None), at a
+    scale < 1 (where the unscaled gradient overflows as well: a broken gradient, ``_check_gram_finite``), or when
+    every entry is finite."""
+    return _non_finite_tasks(gram) if scale is not None and scale >= 1 else []
+
+
+def _leave_to_scaler(params: list) -> None:
+    """A task gradient overflowed at fp16's loss scale where ``.grad`` may not have: an inf put in the first
+    parameter's ``.grad`` (added in place, or set where it is None), so that the scaler, which checks ``.grad``
+    before the optimizer step, skips the update and lowers its scale, as when its own backward overflows."""
+    p = params[0]
+    if p.grad is None:
+        p.grad = torch.full_like(p, math.inf)
+    else:
+        p.grad.add_(math.inf)
 
 
 def _check_reached(grads, task: str, where: str) -> None:
