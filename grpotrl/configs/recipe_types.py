@@ -7,9 +7,13 @@ into one line (file, line, column, problem); ``check_recipe_env`` refuses, in th
 block, the variables libraries read when imported, before a recipe is read; ``check_recipe_types``
 refuses each value its field's annotation cannot hold, naming the field, the value, the expected
 type and, inside a list or mapping, the item (``null`` where the field takes no None: what it takes, its
-default, and that removing the line keeps it; a whole number written as a float or an exponent where it takes
-an integer: ``write 1000`` for ``1.0e+3`` or ``1e3``); ``check_config_types`` does the same for the fields a
-Python user set on a grpotrl config.
+default, and that removing the line keeps it; a whole number written as a float or an exponent where it, or
+the list's or mapping's item, takes an integer: ``write 1000`` for ``1.0e+3`` or ``1e3``);
+``check_config_types`` does the same for the fields a Python user set on a grpotrl config (``None`` included).
+A field's default passes both, a default of None where the annotation lacks None too. An error writes a value
+as its user wrote it: a recipe's as YAML does (``true``, ``false``, ``null``), a Python call's as Python does
+(``True``, ``None``). The command line never reaches these checks with a wrong type: argparse converts each
+flag's text to its field's type, and its error quotes the text as typed (``invalid int value: 'true'``).
 
 pydantic checks each value against its field's annotation (``pydantic.TypeAdapter``), in its lax
 mode (a tuple is a list, an enum's value is the enum) except for the plain types, which
@@ -51,10 +55,11 @@ from ..errors import InputError
 _PLAIN = (str, int, float, bool, list, tuple, dict, numbers.Number)  # what a recipe or a plain Python call holds
 # Fields whose documented types go beyond their annotation: TRL/transformers convert these in
 # __post_init__ (GRPOConfig: scale_rewards True -> "group", False -> "none"; TrainingArguments:
-# fsdp=True, or a list of its options such as ["full_shard", "auto_wrap"]), so a drop-in must take them
+# fsdp=True, or a list of its options such as ["full_shard", "auto_wrap"]; debug=None -> [], which
+# HfArgumentParser hands in when the command line and the recipe leave debug out), so a drop-in must take them
 # too (TRL's own tests pass scale_rewards=True/False).
 ALSO_TAKES = {"scale_rewards": bool, "fsdp": bool | list[str], "padding_free": bool,  # true/false/"auto"
-              "balance_microbatches": bool, "compiled_rollout": bool}
+              "balance_microbatches": bool, "compiled_rollout": bool, "debug": type(None)}
 # Fields TRL annotates ``int | None`` that its ``__post_init__`` computes with (``GRPOConfig``:
 # ``generation_batch_size % num_generations``), where None is a TypeError: they take no null.
 NO_NULL = ("num_generations",)
@@ -292,21 +297,24 @@ def matches(value, tp) -> bool:
     return _refusal(value, tp) is None
 
 
-def _type_name(tp) -> str:
+def _type_name(tp, recipe: bool) -> str:
+    """What a field annotated ``tp`` takes, in words; None and a ``Literal``'s values as a ``recipe`` writes them
+    (``null``, ``one of false``) or, for a Python call, as Python does (``None``, ``one of False``)."""
     if tp is type(None):
-        return "null"
+        return "null" if recipe else "None"
     if isinstance(tp, type):
         return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
                 "dict": "a mapping", "list": "a list"}.get(tp.__name__, tp.__name__)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(dict.fromkeys(_type_name(a) for a in args))
+        return " or ".join(dict.fromkeys(_type_name(a, recipe) for a in args))
     if origin is typing.Literal:
-        return "one of " + ", ".join(map(repr, args))
+        return "one of " + ", ".join(_shown(a, 60, recipe) for a in args)
     if origin is list:
-        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+        return (f"a list of {_type_name(args[0], recipe).removeprefix('a ').removeprefix('an ')}s" if args
+                else "a list")
     if origin is dict and args:
-        keys, values = _type_name(args[0]).removeprefix("a ").removeprefix("an "), _type_name(args[1])
+        keys, values = _type_name(args[0], recipe).removeprefix("a ").removeprefix("an "), _type_name(args[1], recipe)
         return f"a mapping (keys: {keys}s" + (f", values: {values})" if args[1] is not typing.Any else ")")
     return str(tp)
 
@@ -318,8 +326,34 @@ def _kind(value) -> str:
     return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
 
-def _shown(value, width: int) -> str:
-    return repr(value) if len(repr(value)) <= width else repr(value)[:width - 3] + "..."
+class _YamlWord:
+    """A word YAML writes where Python writes ``True``, ``False`` or ``None``: its repr is the word itself (no
+    string: a mapping's key ``True`` stays apart from its key ``'true'``)."""
+
+    def __init__(self, word: str):
+        self.word = word
+
+    def __repr__(self) -> str:
+        return self.word
+
+
+def _as_yaml_words(value):
+    """``value`` with each bool and None in it, at any depth of lists, tuples and mappings (keys too), a
+    ``_YamlWord`` (``true``, ``false``, ``null``), so that its repr reads as a recipe writes it."""
+    if isinstance(value, bool) or value is None:
+        return _YamlWord({True: "true", False: "false", None: "null"}[value])
+    if isinstance(value, dict):
+        return {_as_yaml_words(k): _as_yaml_words(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (list if isinstance(value, list) else tuple)(map(_as_yaml_words, value))
+    return value
+
+
+def _shown(value, width: int, recipe: bool) -> str:
+    """``value`` as an error shows it, cut to ``width``: its repr (a string in quotes, so it reads as one), with
+    true, false and null as a ``recipe`` writes them (``[true, 1]``) or, for a Python call, as Python does."""
+    text = repr(_as_yaml_words(value) if recipe else value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _as_yaml_number(item) -> str:
@@ -334,24 +368,57 @@ def _as_yaml_number(item) -> str:
     return "" if number is None or math.isnan(number) else f"; write {yaml.safe_dump(number).splitlines()[0]}"
 
 
-def _wrong_item(name: str, value, err: pydantic.ValidationError, recipe: bool = False) -> str:
-    """The deepest wrong item pydantic found in ``value`` (a list or mapping), as ``reward_weights[1] is 'x',
-    a str`` or ``model_init_kwargs has the key 1, an int``; '' where ``value`` itself is wrong. A location
-    also names the union members pydantic tried (``'list[...]'``): those index nothing and are skipped. In a
-    ``recipe`` a number that YAML read as a string comes with how to write it (``_as_yaml_number``)."""
+def _members(tp) -> tuple:
+    """The types of the union ``tp``; ``(tp,)`` for one type."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _item_types(tp, value) -> tuple:
+    """``(key type, item type)`` of ``value`` (a list, tuple or mapping) where a field is annotated ``tp``, from
+    the one member of ``tp`` that holds such a container (``list[int]`` of ``list[int] | None``: ``(int, int)``);
+    ``typing.Any`` for what it does not say (``dict``, or two members of that kind)."""
+    kinds = (dict,) if isinstance(value, dict) else (list, tuple)
+    holders = [m for m in _members(tp) if (typing.get_origin(m) or m) in kinds]
+    args = typing.get_args(holders[0]) if len(holders) == 1 else ()
+    if isinstance(value, dict):
+        return tuple(args) if len(args) == 2 else (typing.Any, typing.Any)
+    return int, (args[0] if args else typing.Any)
+
+
+def _integer_only(tp) -> bool:
+    """Whether ``tp`` takes an integer and no float (``int``, ``int | None``)."""
+    members = _members(tp)
+    return int in members and float not in members
+
+
+def _wrong_item(name: str, value, tp, err: pydantic.ValidationError, recipe: bool = False) -> str:
+    """The deepest wrong item pydantic found in ``value`` (a list or mapping, for a field annotated ``tp``), as
+    ``reward_weights[1] is 'x', a str`` or ``model_init_kwargs has the key 1, an int``; '' where ``value`` itself
+    is wrong. A location also names the union members pydantic tried (``'list[...]'``): those index nothing and
+    are skipped. A whole number written as a float or an exponent where the item takes an integer comes with the
+    integer to write (``lengths[0] is '1e3', a str; write 1000``); in a ``recipe`` any other number that YAML
+    read as a string, with how YAML writes it (``_as_yaml_number``)."""
     found, depth = "", 0
     for error in err.errors():
-        where, item, steps, is_key = name, value, 0, False
+        where, item, item_tp, key_tp, steps, is_key = name, value, tp, typing.Any, 0, False
         for key in error["loc"]:
             if key == "[key]":  # the key of the item reached so far is wrong, not its value
-                where, item, is_key = where.rpartition("[")[0], error["input"], True
+                where, item, item_tp, is_key = where.rpartition("[")[0], error["input"], key_tp, True
             elif isinstance(item, (list, tuple)) and isinstance(key, int) and 0 <= key < len(item):
+                key_tp, item_tp = _item_types(item_tp, item)
                 where, item, steps = f"{where}[{key}]", item[key], steps + 1
             elif isinstance(item, dict) and key in item:
+                key_tp, item_tp = _item_types(item_tp, item)
                 where, item, steps = f"{where}[{key!r}]", item[key], steps + 1
         if steps > depth:
-            found, depth = f"{where} {'has the key' if is_key else 'is'} {_shown(item, 60)}, {_kind(item)}", steps
-            found += _as_yaml_number(item) if recipe and not is_key else ""
+            kind = "" if item is None else f", {_kind(item)}"  # null / None says what it is
+            found, depth = f"{where} {'has the key' if is_key else 'is'} {_shown(item, 60, recipe)}{kind}", steps
+            if is_key:
+                continue
+            if _integer_only(item_tp):
+                found += "" if (whole := whole_number(item)) is None else f"; write {whole}"
+            elif recipe:
+                found += _as_yaml_number(item)
     return found
 
 
@@ -402,8 +469,8 @@ def _no_value(name: str, tp, recipe: bool, default) -> str:
     null, write, leave = ("null", "write", "remove the line") if recipe else ("None", "pass", f"leave {name} out")
     known = default is not dataclasses.MISSING and default is not None and len(repr(default)) <= 60
     example = f" (e.g. {_written(default, recipe)}, its default)" if known else ""
-    return (f"{name}: {null} is no value for {name}, which takes {_type_name(tp)}: {write} one{example}, or {leave} "
-            "to keep the default")
+    return (f"{name}: {null} is no value for {name}, which takes {_type_name(tp, recipe)}: {write} one{example}, or "
+            f"{leave} to keep the default")
 
 
 def _problem(name: str, value, tp, recipe: bool = True, default=dataclasses.MISSING) -> str | None:
@@ -412,24 +479,25 @@ def _problem(name: str, value, tp, recipe: bool = True, default=dataclasses.MISS
     A ``recipe``'s own values are strings argparse converts; a config's, built in Python, are not. ``null``
     where the field takes no None says what to write (``_no_value``, with the field's ``default``); a whole
     number written as a float or an exponent (``1000.0``, ``1e3``) where it takes an integer, how to write it."""
+    if value is None and default is None:
+        return None  # a field's default is never refused (``name: str = None``)
     err = _refusal(value, tp, converted=recipe)
     if err is None:
         return None
     if value is None:
         return _no_value(name, tp, recipe, default)
-    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    hint = ""
-    if int in members and float not in members and (whole := whole_number(value)) is not None:
+    takes, hint = _type_name(tp, recipe), ""
+    if _integer_only(tp) and (whole := whole_number(value)) is not None:
         hint = f" (write {whole}" + (": YAML 1.1 reads a number with an exponent but no dot or no sign as a string)"
                                      if isinstance(value, Yaml11Number) else ")")
     elif str in typing.get_args(tp) or tp is str:
         hint = " (quote it: '...')" if not isinstance(value, (list, dict)) else ""
     if _secret(name):  # a credential: its value is never shown, only what it is and what the field takes
-        return f"{name}: <hidden> is {_kind(value)}, but {name} takes {_type_name(tp)}"
+        return f"{name}: <hidden> is {_kind(value)}, but {name} takes {takes}"
     shown = _redacted(value)
-    if item := _wrong_item(name, shown, err, recipe):
+    if item := _wrong_item(name, shown, tp, err, recipe):
         hint += f" ({item})"
-    return f"{name}: {_shown(shown, 80)} is {_kind(value)}, but {name} takes {_type_name(tp)}{hint}"
+    return f"{name}: {_shown(shown, 80, recipe)} is {_kind(value)}, but {name} takes {takes}{hint}"
 
 
 def _fields(dataclass_types) -> dict:
@@ -499,7 +567,9 @@ def check_recipe_types(recipe: dict, dataclass_types, path: str) -> None:
 
 def check_config_types(config) -> None:
     """Raise ``InputError`` for a field set on ``config`` (a dataclass, before its ``__post_init__``
-    converts anything) to a value its annotation cannot hold; fields left at their default pass."""
+    converts anything) to a value its annotation cannot hold, None included where the annotation takes no None
+    (``max_steps=None``: TRL's ``int``, which transformers' Trainer compares with 0: a TypeError); fields left at
+    their default pass (a default of None too, whatever the annotation says)."""
     hints = typing.get_type_hints(type(config))
     bad = []
     for f in dataclasses.fields(config):
@@ -507,7 +577,7 @@ def check_config_types(config) -> None:
             continue
         default = _default(f)
         value = getattr(config, f.name, None)
-        if _same(value, default) or not (isinstance(value, _PLAIN) or (value is None and f.name in NO_NULL)):
+        if _same(value, default) or not (value is None or isinstance(value, _PLAIN)):
             continue  # left as it was, or an object the user built on purpose (AcceleratorConfig, ...)
         if problem := _problem(f.name, value, _annotation(f.name, hints), recipe=False, default=default):
             bad.append(problem)

@@ -443,7 +443,7 @@ def recipe(tmp_path, model: str, text: str = "", name: str = "recipe.yaml", **fi
     ("logging_steps: {a: 1}\n", r"logging_steps: \{'a': 1\} is a dict"),
     ("reward_funcs: [1, 2]\n", r"reward_funcs: \[1, 2\] is a list, but reward_funcs takes a list of strings"),
     ("dataset_name: 7\n", r"dataset_name: 7 is an int, but dataset_name takes a string \(quote it"),
-    ("max_steps: true\n", r"max_steps: True is a bool, but max_steps takes an integer"),
+    ("max_steps: true\n", r"max_steps: true is a bool, but max_steps takes an integer"),
 ])
 def test_recipe_value_of_the_wrong_type_is_one_error_naming_field_value_and_type(
         text, expected, tmp_path, smollm2_path, no_model_load, capsys):
@@ -478,8 +478,8 @@ def test_recipe_values_argparse_would_convert_pass(tmp_path):
                                          r"key 1, an int\)"),
     ({"eval_steps": "often"}, r"eval_steps: 'often' is a str, but eval_steps takes a number or null\."),
     ({"dataset_config": 3}, r"dataset_config: 3 is an int, but dataset_config takes a string or null \(quote it"),
-    ({"trackio_static_space_id": True}, r"trackio_static_space_id: True is a bool, but trackio_static_space_id takes "
-                                        r"a string or null or one of False"),
+    ({"trackio_static_space_id": True}, r"trackio_static_space_id: true is a bool, but trackio_static_space_id takes "
+                                        r"a string or null or one of false"),
     ({"bf16": 2, "max_steps": 1.0}, r"bf16: 2 is an int, but bf16 takes true or false or null; max_steps: 1\.0 is a "
                                     r"float, but max_steps takes an integer \(write 1\)\."),
 ])
