@@ -81,10 +81,14 @@ def load_splits(name: str, config: str | None = None):
     * a ``save_to_disk`` folder (``datasets.load_from_disk``; a saved single Dataset is the
       ``train`` split);
     * anything else goes to ``datasets.load_dataset(name, name=config)`` unchanged, as TRL's
-      scripts do: a local data file or folder (json/jsonl/parquet/csv; a single file is the
-      ``train`` split), or a Hub id (downloaded and cached by ``datasets``; offline, from its cache).
+      scripts do: a local data file or folder (json/jsonl/parquet/csv, in subfolders too, as a Hub
+      dataset lays them out; a single file is the ``train`` split), or a Hub id (downloaded and cached
+      by ``datasets``; offline, from its cache).
 
-    A dataset that cannot be found or read, or a config it does not have, is one ``InputError``.
+    A dataset that cannot be found or read is one ``InputError``; so is a ``config`` the dataset does not have
+    (naming those it has, as ``datasets`` lists them), no ``config`` for a Hub dataset or folder with several and no
+    default, and a ``config`` for a source that has none (a shipped name, a ``save_to_disk`` folder, a single data
+    file), where ``datasets`` would ignore it.
     """
     import datasets
 
@@ -95,6 +99,7 @@ def load_splits(name: str, config: str | None = None):
         return _shipped_splits(name)
     path = os.path.expanduser(name)
     if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+        _refuse_config(config, name, "a save_to_disk folder, which has no configs (load_from_disk takes none)")
         try:
             saved = datasets.load_from_disk(path)
         except (OSError, ValueError) as err:
@@ -103,15 +108,17 @@ def load_splits(name: str, config: str | None = None):
         return dict(saved) if isinstance(saved, datasets.DatasetDict) else {"train": saved}
     from .checks import check_data_file, load_error_cause
 
-    local_files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, f) for f in os.listdir(path)) if os.path.isdir(path) else []
+    local_files = [path] if os.path.isfile(path) else _data_folder_files(path) if os.path.isdir(path) else []
     for file in local_files:  # empty or not UTF-8: datasets raises StopIteration or fails at the first row read
         check_data_file(file)
     if os.path.isdir(path) and not any(f.lower().endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt"))
                                        for f in local_files):
         raise InputError(f"dataset_name {name!r} is a folder with no data files (found: "
-                         f"{', '.join(os.path.basename(f) for f in local_files[:12]) or 'nothing'}). Put train.jsonl "
-                         "(and test.jsonl) there, json/jsonl/parquet/csv, or point dataset_name at a data file.")
+                         f"{', '.join(sorted(os.listdir(path))[:12]) or 'nothing'}). Put train.jsonl (and test.jsonl) "
+                         "there, json/jsonl/parquet/csv, or point dataset_name at a data file.")
+    if os.path.isfile(path):
+        _refuse_config(config, name, "a single data file, which has no configs (its rows are the 'train' split; "
+                       "datasets would only label its cache with the name)")
     try:
         if os.path.isfile(path):  # one data file: load_dataset takes its format's builder, the file as 'train'
             from datasets.packaged_modules import _EXTENSION_TO_MODULE
@@ -121,11 +128,18 @@ def load_splits(name: str, config: str | None = None):
                 raise InputError(f"dataset_name {name!r} is a file of unknown format {ext!r}; use one of "
                                  f"{sorted(_EXTENSION_TO_MODULE)} (json/jsonl/parquet/csv), or a folder of them.")
             builder, kwargs = _EXTENSION_TO_MODULE[ext]
-            return dict(datasets.load_dataset(builder, data_files=path, name=config, **kwargs))
+            return dict(datasets.load_dataset(builder, data_files=path, **kwargs))
         return dict(datasets.load_dataset(name, name=config))
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as err:
         where = (f"the local path {os.path.abspath(path)}" if os.path.exists(path)
                  else "a local path (none exists there) or a dataset on the Hugging Face Hub")
+        if isinstance(err, ValueError) and "config" in str(err).lower():  # datasets names the configs there are
+            raise InputError(
+                f"Cannot load dataset_name {name!r} " + (f"with dataset_config {config!r}" if config else
+                                                          "without a dataset_config")
+                + f" as {where}: {_config_message(err)}. Set dataset_config to one of the configs named there "
+                "(`--dataset_config NAME` on the command line)."
+            ) from None
         cause = load_error_cause(path, err) if os.path.exists(path) else _first_line(err)  # not datasets' wrapper
         raise InputError(
             f"Cannot load dataset_name {name!r}" + (f" with dataset_config {config!r}" if config else "")
@@ -133,6 +147,31 @@ def load_splits(name: str, config: str | None = None):
             "folder (json/jsonl/parquet/csv), a save_to_disk folder, or a Hub dataset id (with network, or "
             "already in the datasets cache when offline); check dataset_config against the configs it lists."
         ) from None
+
+
+def _data_folder_files(folder: str) -> list[str]:
+    """The files of a local dataset folder, in its subfolders too (a Hub dataset's layout: ``data/train-*.parquet``,
+    or the folders a README's ``configs`` name), as ``load_dataset`` finds them: hidden names left out."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")]
+    return found
+
+
+def _refuse_config(config: str | None, name: str, what: str) -> None:
+    """``InputError`` when a ``dataset_config`` is given for ``name``, which is ``what`` (a source without configs)."""
+    if config:
+        raise InputError(f"dataset_config {config!r} was given, but dataset_name {name!r} is {what}. Drop "
+                         "dataset_config, or point dataset_name at a dataset that has that config.")
+
+
+def _config_message(err: ValueError) -> str:
+    """datasets' message about a config it cannot load, on one line: the configs it lists are on its later
+    lines; its Python usage examples (``load_dataset(...)``) are left out."""
+    lines = [line.strip() for line in str(err).strip().splitlines()]
+    kept = [line for line in lines if line and "load_dataset(" not in line and line != "Example of usage:"]
+    return " ".join(line.removesuffix(", e.g.").rstrip(".") + "." for line in kept).rstrip(".")[:600]
 
 
 # The split each dataset was picked as, for error messages (``Dataset.split`` is None for data files

@@ -2,7 +2,8 @@
 once, before any weights are read, each an ``InputError`` (or a warning) naming the file, line or rows.
 
 * ``check_dataset``: GRPO needs a ``prompt`` column, each row a non-empty list of chat messages
-  (or a non-empty string), all one kind (``check_prompt_kinds``, a stream on its first rows: TRL
+  whose last user message (or, without one, some message) has content, or a non-blank string, all
+  one kind (``check_prompt_kinds``, a stream on its first rows: TRL
   formats a batch by its first row and fails at the first step on a mix); SFT takes what
   ``trl.SFTTrainer`` takes (``check_sft_dataset``); the first bad row is named by its index. A
   dataset object that passed is not read again with the same settings.
@@ -136,10 +137,39 @@ def _messages_problem(value, what: str, last_role: str | None = None, min_len: i
     return None
 
 
-def _text_or_messages_problem(value, what: str, last_role: str | None = None) -> str | None:
+def _blank(content) -> bool:
+    """Whether a message's ``content`` has nothing in it: a blank string, None, or parts that are all blank text
+    (an image part is content)."""
+    if isinstance(content, str):
+        return not content.strip()
+    if isinstance(content, list):
+        return all(isinstance(p, dict) and p.get("type") == "text" and not str(p.get("text") or "").strip()
+                   for p in content)
+    return content is None
+
+
+def _empty_chat_problem(messages: list[dict], what: str) -> str | None:
+    """Why the chat prompt ``messages`` (well-formed: ``_messages_problem`` passed) asks nothing, or None: every
+    message is empty (no content, no tool calls), or its last user message is (the rendered prompt then holds no
+    question). An empty system message before a real user turn, or an empty earlier user turn, is fine."""
+    if all(_blank(m.get("content")) and not m.get("tool_calls") for m in messages):
+        return f"{what} is {len(messages)} message{'s' if len(messages) > 1 else ''} with empty content"
+    last_user = next((j for j in range(len(messages) - 1, -1, -1) if messages[j]["role"] == "user"), None)
+    if last_user is not None and _blank(messages[last_user].get("content")):
+        return (f"{what}[{last_user}], its last user message, has empty content "
+                f"{messages[last_user].get('content')!r}: the rendered prompt holds no question")
+    return None
+
+
+def _text_or_messages_problem(value, what: str, last_role: str | None = None,
+                              filled_by_environment: bool = False) -> str | None:
+    """Why the prompt ``value`` (text, or chat messages) cannot be trained on, or None. A blank one is refused,
+    text or chat alike, unless ``filled_by_environment``: TRL appends an environment's ``reset()`` text to the
+    last message of a chat prompt (its own placeholder is one user message with content "")."""
     if isinstance(value, str):
         return f"{what} is an empty string" if not value.strip() else None
-    return _messages_problem(value, what, last_role)
+    return _messages_problem(value, what, last_role) or (
+        None if filled_by_environment else _empty_chat_problem(value, what))
 
 
 ITERABLE_ROWS_CHECKED = 16  # rows of an IterableDataset (streaming) read before training: its first ones only
@@ -177,8 +207,10 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional:
                   **sft_options) -> None:
     """Raise ``InputError`` unless ``dataset`` has the columns and row shapes ``kind`` needs.
 
-    GRPO: ``prompt``, each row a non-empty list of chat messages (or a non-empty string); with
-    ``prompt_optional`` (an ``environment_factory`` supplies prompts) rows may have none. An
+    GRPO: ``prompt``, each row a non-empty list of chat messages whose last user message has content (with no
+    user message, some message must), or a non-blank string; with ``prompt_optional`` (an
+    ``environment_factory`` supplies prompts) rows may have none, and a chat prompt may be empty (TRL appends
+    the environment's ``reset()`` text to its last message). An
     ``IterableDataset`` (streaming) is checked on its first ``ITERABLE_ROWS_CHECKED`` rows.
     SFT: see ``check_sft_dataset`` (``sft_options`` go there). A dataset object that passed with
     the same settings returns at once (``datasets`` objects do not change in place).
@@ -215,7 +247,8 @@ def _check_grpo_dataset(dataset, split_name: str, prompt_optional: bool) -> None
             'is a list of chat messages such as [{"role": "user", "content": "What is 7 + 5?"}]. Rename your '
             "question column (`dataset.rename_column(old, 'prompt')`) or map your rows into that shape."
         )
-    bad = _first_bad_row(rows, "prompt", lambda v: _text_or_messages_problem(v, "prompt"))
+    bad = _first_bad_row(rows, "prompt",
+                         lambda v: _text_or_messages_problem(v, "prompt", filled_by_environment=prompt_optional))
     if bad is not None:
         index, why = bad
         raise InputError(

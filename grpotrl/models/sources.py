@@ -11,6 +11,9 @@ bad input stops before a weight is read:
   With ``HF_HUB_OFFLINE=1`` the cached snapshot must also hold complete weights, checked like a local
   directory; offline and not cached is one ``InputError`` naming the id, the cache directory and
   ``HF_HUB_OFFLINE``. Online, the weights are downloaded by ``from_pretrained`` as in TRL.
+
+Where the tokenizer is loaded from the model (no ``processing_class`` given), ``check_tokenizer_source`` asks for a
+tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in the Hub id's cached snapshot.
 """
 
 from __future__ import annotations
@@ -95,6 +98,51 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, wh
             f"completely: {err} With HF_HUB_OFFLINE=1 nothing can be downloaded: run once with network (or "
             f"`hf download {name_or_path}`) to complete it, or unset HF_HUB_OFFLINE."
         ) from None
+
+
+# the files a tokenizer's vocabulary comes in (tokenizers' JSON, sentencepiece, tiktoken, BPE / WordPiece vocab);
+# tokenizer_config.json alone holds none
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def _holds_tokenizer(directory: str) -> bool:
+    """Whether ``directory`` holds a tokenizer vocabulary (``TOKENIZER_FILES``, or any ``*.model`` / ``*.tiktoken``),
+    or is a PEFT adapter's (its tokenizer may come from its base model)."""
+    names = os.listdir(directory)
+    return "adapter_config.json" in names or any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model"))
+                                                 for n in names)
+
+
+def check_tokenizer_source(name_or_path: str, revision: str | None = None) -> None:
+    """Raise ``InputError`` when the model ``name_or_path`` has no tokenizer vocabulary to load the tokenizer
+    from (a checkpoint saved, or a snapshot downloaded, without one): a local directory, or a Hub id's cached
+    snapshot with ``HF_HUB_OFFLINE=1``, holds none of ``TOKENIZER_FILES`` (transformers would say
+    "Unrecognized processing class", or to install sentencepiece or tiktoken). Call it only where the tokenizer
+    is loaded from the model (no ``processing_class`` given). Online a Hub id passes: ``from_pretrained``
+    downloads what the repo has. A path that does not exist passes: ``check_model_source`` refuses it."""
+    if is_local(name_or_path):
+        directory = os.path.expanduser(name_or_path)
+        if os.path.isdir(directory) and not _holds_tokenizer(directory):
+            raise InputError(
+                f"Model dir {name_or_path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: "
+                f"{file_listing(directory)}): it was saved without its tokenizer. Save the tokenizer of the model it "
+                "was trained from into it (`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from "
+                "Python pass processing_class=."
+            )
+        return
+    if not looks_like_hub_id(name_or_path) or not _offline():
+        return
+    snapshot = _hub_snapshot(name_or_path, revision, "Model")  # the errors check_model_source raised first
+    if snapshot is not None and not _holds_tokenizer(snapshot):
+        raise InputError(
+            f"Model {name_or_path!r}{_at(revision)} is in the local Hugging Face cache without tokenizer files: its "
+            f"snapshot {snapshot} holds none of {list(TOKENIZER_FILES)} (found: {file_listing(snapshot)}), and "
+            "HF_HUB_OFFLINE=1 forbids downloading them. Run once with network (or `hf download "
+            f"{name_or_path}{'' if revision in (None, 'main') else ' --revision ' + revision}`) to fetch them, point "
+            "HF_HUB_CACHE / HF_HOME at a cache that holds them, or from Python pass processing_class= (a tokenizer "
+            "loaded from elsewhere)."
+        )
 
 
 def _at(revision: str | None) -> str:

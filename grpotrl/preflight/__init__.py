@@ -51,12 +51,12 @@ from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
 from ..models.quantization import pin_quantized_kernels, quantized_bits
-from ..models.sources import check_model_source, generation_config, model_file
+from ..models.sources import check_model_source, check_tokenizer_source, generation_config, model_file
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
 from ..rewards.tasks import per_task
-from .model import check_discriminator_source, check_lora_targets, check_tokenizer_files
+from .model import check_discriminator_source, check_lora_targets
 
 logger = logging.getLogger(__name__)
 _NOT_GIVEN = object()
@@ -150,7 +150,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     if processing_class is None:
         if model_id is None:
             raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
-        check_tokenizer_files(model_id)  # not transformers' "install sentencepiece or tiktoken"
+        check_tokenizer_source(model_id, revision)  # not transformers' "Unrecognized processing class"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
         processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
                                                          trust_remote_code=args.trust_remote_code, **sides)

@@ -1,13 +1,13 @@
 """The model and its settings, checked once before any weights load (config files only).
 
-* ``check_tokenizer_files``: a local model dir holds a tokenizer vocabulary.
 * ``check_discriminator_source``: GAD's ``discriminator_model_name_or_path``.
 * ``check_model_args``: a recipe's quantization / LoRA fields (``trl.ModelConfig``; the CLI's):
   4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist; ``lora_*`` settings
   need ``use_peft``, and ``bnb_4bit_*`` / ``use_bnb_nested_quant`` need ``load_in_4bit`` (TRL ignores them
   without it).
 
-A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``; a
+A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``, its tokenizer
+files ``models.sources.check_tokenizer_source``; a
 config's own value ranges are ``configs.checks``.
 """
 
@@ -16,16 +16,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import os
 import re
 
 from ..errors import InputError
 from ..models import resolve_model_path
-from ..models.sources import check_model_source, file_listing
+from ..models.sources import check_model_source
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer files
+# GAD's discriminator
 # ---------------------------------------------------------------------------------------------
 
 def check_discriminator_source(path: str) -> None:
@@ -34,27 +33,6 @@ def check_discriminator_source(path: str) -> None:
         check_model_source(resolve_model_path(path), what="Discriminator model")
     except InputError as err:
         raise InputError(f"discriminator_model_name_or_path {path!r}: {err}") from None
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
-
-
-def check_tokenizer_files(path: str) -> None:
-    """Raise ``InputError`` when the local model dir ``path`` holds no tokenizer vocabulary (a
-    checkpoint saved without its tokenizer); transformers would say to install sentencepiece or
-    tiktoken instead. Hub ids and PEFT adapter dirs pass (their files come from elsewhere)."""
-    directory = os.path.expanduser(path)
-    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, "adapter_config.json")):
-        return
-    names = os.listdir(directory)
-    if any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names):
-        return
-    raise InputError(
-        f"Model dir {path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: {file_listing(directory)}): "
-        "it was saved without its tokenizer. Save the tokenizer of the model it was trained from into it "
-        "(`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from Python pass processing_class=."
-    )
 
 
 # ---------------------------------------------------------------------------------------------
