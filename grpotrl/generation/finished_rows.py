@@ -24,7 +24,9 @@ back what it expects:
   pads it from then on;
 * ``before_forward(kwargs)``: on a decoding step, drops the finished rows from the KV cache
   (``DynamicCache.batch_select_indices``, when the set changed; the ``cache`` argument) and from the batch inputs
-  (``input_ids``, ``attention_mask``, ``position_ids``);
+  (``input_ids``, ``attention_mask``, ``position_ids``), each cut along its batch axis: dim 0, and for
+  ``position_ids`` the one before the sequence axis, as transformers lays them out (``[B, L]``, or
+  ``[k, B, L]`` for multimodal rope: Qwen2-VL's ``[4, B, L]``, which a Qwen2-VL model passes even for text);
 * ``after_forward(output)``: the logits ``[b, S, V]`` back to ``[B, S, V]``, zeros in the finished
   rows' places. The loop pads those rows, so their logits choose nothing; the sampler still draws for
   all ``B`` rows (``torch.multinomial`` on ``[B, V]``), so the random stream is the one the full batch
@@ -37,8 +39,11 @@ can then flip where two tokens' draws are that close, as between any two machine
 
 It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not
 beam search or assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
-sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), and no
-batch-shaped model input other than the three above. Elsewhere the call runs as transformers wrote it.
+sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), no batch-shaped
+model input other than the three above, and each of those holding the B rows on its batch axis (a ``[1, L]``
+``position_ids`` broadcast over the rows is not cut). Elsewhere the call runs as transformers wrote it. Where a
+decoding step's inputs stop being such after rows have left the cache, the call stops with a ``RuntimeError``:
+the rows cannot be put back.
 At least one row always stays in the forward, so a process whose rows have all stopped but that keeps
 running forwards for the others (ZeRO-3's ``synced_gpus``) runs a forward of one row.
 """
@@ -109,6 +114,12 @@ class FinishedRows:
         if self.live.numel() == self.rows and not _droppable(cache, kwargs, self.rows):
             self.off = True  # nothing dropped yet: the loop goes on with every row
             return kwargs
+        if not _plain_inputs(kwargs, self.rows):
+            shapes = {name: tuple(v.shape) for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            raise RuntimeError(
+                f"A decoding step of generate passed inputs {shapes} after finished rows left its KV cache; "
+                f"the rows left out ({self.rows - self.live.numel()} of {self.rows}) cannot be cut from them or put "
+                "back. Run with padding_free=False, which keeps every row in the decoding batch.")
         keep = (~self.finished).nonzero().squeeze(1) if self.finished is not None else self.live  # [b'] ascending
         if keep.numel() == 0:
             keep = self.live[:1]  # every row stopped and the loop runs on (synced_gpus): a forward of one row
@@ -127,8 +138,8 @@ class FinishedRows:
             self.forward_rows.append(self.rows)
             return kwargs
         grow_in_place(cache)
-        inputs = [kwargs[name].reshape(self.rows, -1).long() for name in BATCH_INPUTS
-                  if isinstance(kwargs.get(name), torch.Tensor)]
+        inputs = [kwargs[name].movedim(_batch_dim(name, kwargs[name]), 0).reshape(self.rows, -1).long()
+                  for name in BATCH_INPUTS if isinstance(kwargs.get(name), torch.Tensor)]  # [B, ...] each
         distinct, copies = torch.unique(torch.cat(inputs, dim=1), dim=0, return_inverse=True)  # [u, ...], [B]
         if distinct.size(0) == self.rows:
             self.forward_rows.append(self.rows)
@@ -155,11 +166,21 @@ class FinishedRows:
         return output
 
 
+def _batch_dim(name: str, value: torch.Tensor) -> int:
+    """The batch axis of a ``BATCH_INPUTS`` tensor: ``position_ids``' is the one before the sequence axis
+    (``[B, L]``; ``[k, B, L]`` for multimodal rope, the layout transformers' own ``generate`` expands), the others'
+    is 0."""
+    return value.ndim - 2 if name == "position_ids" else 0
+
+
 def _plain_inputs(kwargs: dict, rows: int) -> bool:
-    """No batch-shaped tensor among a forward's inputs but ``BATCH_INPUTS`` (images, token types, embeddings:
+    """Every ``BATCH_INPUTS`` tensor holds the ``rows`` rows on its batch axis (``_batch_dim``; not a ``[1, L]``
+    broadcast), and no other batch-shaped tensor is among a forward's inputs (images, token types, embeddings:
     this class would not know to cut them)."""
-    return not any(isinstance(v, torch.Tensor) and v.ndim and v.size(0) == rows
-                   for name, v in kwargs.items() if name not in BATCH_INPUTS and name != "cache_position")
+    cuttable = all(v.ndim >= (2 if name == "position_ids" else 1) and v.size(_batch_dim(name, v)) == rows
+                   for name, v in kwargs.items() if name in BATCH_INPUTS and isinstance(v, torch.Tensor))
+    return cuttable and not any(isinstance(v, torch.Tensor) and v.ndim and v.size(0) == rows
+                                for name, v in kwargs.items() if name not in BATCH_INPUTS and name != "cache_position")
 
 
 def _droppable(cache, kwargs: dict, rows: int) -> bool:
@@ -174,9 +195,10 @@ def _copyable_layers(cache: DynamicCache) -> bool:
 
 
 def _rows_of(kwargs: dict, rows: torch.Tensor) -> dict:
-    """A forward's keyword arguments with ``BATCH_INPUTS`` cut to ``rows [b]``, everything else as it is."""
-    return {name: value.index_select(0, rows) if name in BATCH_INPUTS and isinstance(value, torch.Tensor)
-            else value for name, value in kwargs.items()}
+    """A forward's keyword arguments with ``BATCH_INPUTS`` cut to ``rows [b]`` along their batch axis
+    (``_batch_dim``), everything else as it is."""
+    return {name: value.index_select(_batch_dim(name, value), rows)
+            if name in BATCH_INPUTS and isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
 
 
 def decoding_share(calls: list[FinishedRows]) -> float:

@@ -18,6 +18,11 @@ The one piece of state is ``MinNewTokensProcessor.triggered``, the per-row recor
 trigger-rate metric needs. The sampler's own logprobs (I5), which ``generate`` takes with
 these processors, are recorded by ``grpotrl.generation.sampled_logprobs``.
 
+The penalties compute in fp32 (or the scores' dtype where wider) and round to the scores' dtype once, at the
+end: in bf16, PyTorch rounds the penalty of ``logit - penalty`` to bf16 first (0.3 to 0.30078125: 200 repeats at
+0.3 would move a logit by 60.16, not 60) and a count above 256 is not an integer. Only the generated ids'
+logits are touched (gathered, penalised, scattered back); every other logit is returned as it came.
+
 No ``__call__`` here reads a device value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``
 or indexing by a tensor's values; the stop ids reach the device once per call): inside ``generate``'s
 loop they only queue device work, which the compiled rollout's deferred stop check relies on
@@ -54,6 +59,11 @@ def _check_number(name: str, value, low: float, high: float, low_open: bool = Fa
         bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if math.isfinite(high) else "")
         raise InputError(f"{name} must be a finite number {bound}, got {value!r}. {hint}".rstrip())
     return float(value)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the penalties compute in: fp32, or ``dtype`` where it is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def generated_counts(input_ids: torch.Tensor, prompt_width: int, vocab_size: int,
@@ -106,16 +116,19 @@ class PresencePenaltyProcessor(_ResponseOnly):
         if self._generated(input_ids) == 0:
             return scores
         generated = input_ids[:, self.prompt_width:]  # [B, G]
-        # an id generated twice writes the same gathered - penalty value twice: penalised once
-        return scores.scatter(1, generated, scores.gather(1, generated) - self.penalty)  # [B, V]
+        picked = scores.gather(1, generated).to(_wide(scores.dtype)) - self.penalty  # [B, G]
+        # an id generated twice writes the same value twice: penalised once
+        return scores.scatter(1, generated, picked.to(scores.dtype))  # [B, V]
 
 
 class FrequencyPenaltyProcessor(_ResponseOnly):
     """OpenAI frequency penalty over the response: ``logit[j] -= penalty * count_j``.
 
-    ``penalty`` in [-2, 2], as OpenAI and vLLM accept. Applied as ``count_j`` subtractions of
-    ``penalty`` (one scatter over the ``G`` generated ids, no ``[B, V]`` count tensor), equal to
-    the product up to fp rounding.
+    ``penalty`` in [-2, 2], as OpenAI and vLLM accept. ``count_j`` is counted once (``generated_counts``, exact
+    integers in fp32) and each generated id's logit moves once, by the product, in fp32 (module docstring): 1000
+    repeats of a logit 10 at penalty 0.3 give -290 exactly (1000 subtractions of 0.3, each rounded, give -290.00046).
+    vLLM computes the same in fp32 (its sampler's logits are fp32, its counts integers); transformers has no
+    frequency penalty.
 
     >>> ids = torch.tensor([[9, 1, 1, 3]])  # P=2: prompt [9, 1], generated [1, 3]
     >>> FrequencyPenaltyProcessor(0.5, prompt_width=1)(ids, torch.zeros(1, 10)).tolist()[0][:4]  # P=1: [1, 1, 3]
@@ -131,8 +144,11 @@ class FrequencyPenaltyProcessor(_ResponseOnly):
         if self._generated(input_ids) == 0:
             return scores
         generated = input_ids[:, self.prompt_width:]  # [B, G]
-        # -penalty once per occurrence: count_j times for id j
-        return scores.scatter_add(1, generated, torch.full_like(generated, -self.penalty, dtype=scores.dtype))
+        wide = _wide(scores.dtype)
+        count = generated_counts(input_ids, self.prompt_width, scores.size(-1), wide).gather(1, generated)  # [B, G]
+        picked = scores.gather(1, generated).to(wide) - self.penalty * count  # [B, G]
+        # an id generated twice writes the same value twice: moved once, by penalty * count
+        return scores.scatter(1, generated, picked.to(scores.dtype))  # [B, V]
 
 
 class RepetitionPenaltyProcessor(_ResponseOnly):
@@ -153,9 +169,9 @@ class RepetitionPenaltyProcessor(_ResponseOnly):
         if self._generated(input_ids) == 0:
             return scores
         generated = input_ids[:, self.prompt_width:]  # [B, G]
-        picked = scores.gather(1, generated)  # [B, G]
+        picked = scores.gather(1, generated).to(_wide(scores.dtype))  # [B, G]
         picked = torch.where(picked < 0, picked * self.penalty, picked / self.penalty)  # [B, G]
-        return scores.scatter(1, generated, picked)  # [B, V], once per distinct id
+        return scores.scatter(1, generated, picked.to(scores.dtype))  # [B, V], once per distinct id
 
 
 class MinNewTokensProcessor(_ResponseOnly):

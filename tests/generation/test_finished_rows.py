@@ -118,6 +118,83 @@ def test_no_row_left_keeps_one_row_in_the_forward():
     assert cache.layers[0].keys.shape[0] == 1 and rows.forward_rows == [3, 1]
 
 
+def _decoding_step(rows, position_ids: torch.Tensor) -> dict:
+    """A prefill of 4 rows (no cache: nothing copied), row 1 stopping, then the next step's inputs and a 4-row
+    cache; returns that step's inputs as ``rows`` hands them to the forward."""
+    from transformers import DynamicCache
+
+    ids = torch.arange(8).view(4, 2)
+    rows.before_forward({"input_ids": ids, "attention_mask": torch.ones(4, 2), "position_ids": position_ids[..., :2]})
+    cache = DynamicCache()
+    cache.update(torch.zeros(4, 1, 2, 4), torch.zeros(4, 1, 2, 4), 0)
+    rows.observe(torch.tensor([False, True, False, False]))
+    return rows.before_forward({"input_ids": ids[:, -1:], "attention_mask": torch.ones(4, 3),
+                                "position_ids": position_ids[..., 2:], "cache": cache})
+
+
+def test_multimodal_rope_position_ids_are_cut_along_their_batch_axis():
+    """Qwen2-VL's position ids are [4, B, L] (text + 3 rope axes), batch on the axis before the sequence; with B = 4
+    the first axis has B entries too, and cutting it would keep rope axes 0, 2, 3 of every row."""
+    from grpotrl.generation.finished_rows import FinishedRows
+
+    position_ids = 100 * torch.arange(4).view(4, 1, 1) + 10 * torch.arange(4).view(1, 4, 1) + torch.arange(3)  # [4, 4, 3]
+    rows = FinishedRows()
+    out = _decoding_step(rows, position_ids)
+    assert out["input_ids"].flatten().tolist() == [1, 5, 7]  # rows 0, 2, 3 (row 1 stopped)
+    # pos[a, r, 2] = 100 a + 10 r + 2, for every rope axis a and the rows r = 0, 2, 3
+    assert out["position_ids"].tolist() == [[[a * 100 + r * 10 + 2] for r in (0, 2, 3)] for a in range(4)]
+    assert out["cache"].layers[0].keys.shape[0] == 3 and rows.forward_rows == [4, 3]
+
+
+def test_position_ids_broadcast_over_the_rows_keep_every_row():
+    """[1, L] position ids (one row for all: the batch axis does not hold B rows) cannot be cut: the call runs
+    as transformers wrote it."""
+    from grpotrl.generation.finished_rows import FinishedRows
+
+    rows = FinishedRows()
+    out = _decoding_step(rows, torch.arange(3).view(1, 3))
+    assert rows.off and out["input_ids"].shape == (4, 1) and out["position_ids"].tolist() == [[2]]
+    assert out["cache"].layers[0].keys.shape[0] == 4 and rows.forward_rows == [4]
+
+
+def test_a_decoding_step_whose_inputs_cannot_be_cut_after_rows_left_is_an_error():
+    """Once rows have left the KV cache they cannot come back: a later step's position ids that do not hold the B
+    rows stop the call, naming the shapes."""
+    from grpotrl.generation.finished_rows import FinishedRows
+
+    rows = FinishedRows()
+    cache = _decoding_step(rows, torch.arange(3).expand(4, 3))["cache"]  # [4, 3]: row 1 left the cache
+    with pytest.raises(RuntimeError, match=r"'position_ids': \(1, 1\).*padding_free=False"):
+        rows.before_forward({"input_ids": torch.zeros(4, 1, dtype=torch.long), "attention_mask": torch.ones(4, 4),
+                             "position_ids": torch.tensor([[3]]), "cache": cache})
+
+
+def test_qwen2_vl_text_rollout_without_finished_rows_samples_what_the_full_batch_samples(smollm2_tokenizer):
+    """A (randomly initialised, tiny) Qwen2-VL generating text: transformers hands its forward position ids of
+    shape [4, B, L]. The finished rows leave the forward and the repeated prompt runs its prefill once, and the
+    sequences are the full batch's."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tok = smollm2_tokenizer  # pad == eos
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).eval()
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["position_ids"].shape)), with_kwargs=True)
+    batch = tok(["1 + 1 =", "What is two plus three, in words?", "1 + 1 =", "Hi"], padding=True, padding_side="left",
+                return_tensors="pt")  # rows 0 and 2: one prompt
+    full, _, _ = _generate(model, tok, batch, drop=False, stops=(1, 3, 2, 5), do_sample=True, top_k=0)
+    assert shapes[0] == (4, 4, batch["input_ids"].size(1))  # the prefill's: [text + 3 rope axes, B, P]
+    cut, _, calls = _generate(model, tok, batch, drop=True, stops=(1, 3, 2, 5), do_sample=True, top_k=0)
+    assert torch.equal(cut, full)
+    # the prefill runs 3 distinct rows; step t's forward the rows whose eos step is >= t: 4, 3, 2, 1, 1 (steps 1-5)
+    assert [c.forward_rows for c in calls] == [[3, 4, 3, 2, 1, 1]]
+
+
 def test_padding_free_rollout_samples_what_the_full_batch_samples(tiny_llama, grpo_args):
     """Trainer level: padding_free on and off sample the same completions from the same seed (the rows stop
     early at different lengths: grpo_args biases the stop tokens), and the rollout's share is logged."""

@@ -142,6 +142,41 @@ def test_I6_repetition_penalty_matches_transformers_without_prompt_and_ignores_p
         assert set(differs[row].nonzero().flatten().tolist()) == ids
 
 
+def test_I6_frequency_penalty_moves_a_logit_once_by_penalty_times_count():
+    """fp32: 1000 repeats of one id at penalty 0.3. 0.3 in fp32 is 0.300000011920929; times 1000 that is
+    300.0000119, and fp32's spacing at 300 is 2**-15 (3.05e-5), so the product rounds to 300: 10 - 300 = -290
+    exactly. 1000 subtractions of 0.3, each rounded, drift to -290.00046. The prompt's three 5s do not count (I6)."""
+    P, V = 3, 8
+    prompt = torch.full((2, P), 5)
+    generated = torch.stack([torch.full((1000,), 5), torch.full((1000,), 6)])  # row 0: 1000 x id 5, row 1: 1000 x id 6
+    scores = torch.zeros(2, V)
+    scores[:, 5] = 10.0
+    out = FrequencyPenaltyProcessor(0.3, P)(torch.cat([prompt, generated], dim=1), scores)
+    want = scores.clone()
+    want[0, 5] = -290.0  # 10 - 300
+    want[1, 6] = -300.0  # 0 - 300; row 1's id 5 (prompt only) stays 10
+    assert torch.equal(out, want)
+
+
+def test_I6_bf16_penalties_round_once():
+    """bf16 logits (8 significant bits): the penalty must not be rounded to bf16 before it is applied.
+    Frequency: logit 10, penalty 0.3, 200 repeats: 10 - 60 = -50, a bf16 value, so exactly -50. Rounding 0.3 to
+    bf16 first (0.30078125) gives 10 - 60.15625 = -50.15625, which rounds to -50.25 (bf16's spacing at 50 is 0.25).
+    Presence: logit 77/256 = 0.30078125 (a bf16 value), penalty 0.3: 0.30078125 - 0.3 = 0.00078125 = 1.6 x 2**-11,
+    rounded to 8 significant bits 1.6015625 x 2**-11 = 0.000782012939453125; with 0.3 rounded first it is 0."""
+    P, V = 1, 4
+    ids = torch.cat([torch.tensor([[2]]), torch.full((1, 200), 1)], dim=1)  # generated: 200 x id 1
+    scores = torch.zeros(1, V, dtype=torch.bfloat16)
+    scores[0, 1] = 10.0
+    out = FrequencyPenaltyProcessor(0.3, P)(ids, scores)
+    assert out.dtype == torch.bfloat16
+    assert out[0].tolist() == [0.0, -50.0, 0.0, 0.0]
+    scores[0, 1] = 77 / 256
+    out = PresencePenaltyProcessor(0.3, P)(ids, scores)
+    assert out.dtype == torch.bfloat16
+    assert out[0].tolist() == [0.0, 0.000782012939453125, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: PresencePenaltyProcessor(2.5, 3), "presence_penalty"),
     (lambda: FrequencyPenaltyProcessor(float("nan"), 3), "frequency_penalty"),
