@@ -22,7 +22,7 @@ import torch
 import trl
 
 from ..errors import InputError
-from .checks import (HEALTH_ACTIONS, HEALTH_RULES, check_grpotrl_fields, check_ranges, normalize_generation_kwargs,
+from .checks import (HEALTH_ACTIONS, HEALTH_RULES, PATIENCE_DEFAULTS, check_grpotrl_fields, check_ranges, normalize_generation_kwargs,
                      normalize_kl_estimators)
 from .recipe_types import check_config_types, python_numbers
 
@@ -174,14 +174,18 @@ class HealthFields:
                   "steps (penalties that counted prompt tokens gave 1-token answers). 1 turns the rule off."},
     )
     health_patience: int = field(
-        default=5,
-        metadata={"help": "Consecutive optimizer steps the entropy and 1-token rules must hold before they fire."},
+        default=PATIENCE_DEFAULTS["health_patience"],
+        metadata={"help": "Consecutive optimizer steps that observed the rule's signal on which the entropy and "
+                  "1-token rules must hold before they fire. The 1-token share is logged once per generation batch: "
+                  "under num_iterations > 1 or steps_per_generation > gradient_accumulation_steps its patience counts "
+                  "generation batches."},
     )
     health_flat_reward_steps: int = field(
-        default=20,
+        default=PATIENCE_DEFAULTS["health_flat_reward_steps"],
         metadata={"help": "Flat-reward rule: every group's rewards all equal (TRL's frac_reward_zero_std == 1, "
-                  "no policy gradient at all) for this many consecutive steps, e.g. a judge that always "
-                  "returns 0. Small batches are flat by chance for a few steps; 0 turns the rule off."},
+                  "no policy gradient at all) for this many consecutive generation batches (optimizer steps, "
+                  "where every step generates), e.g. a judge that always returns 0. Small batches are flat by chance "
+                  "for a few steps; 0 turns the rule off."},
     )
     health_report_steps: int = field(
         default=1,

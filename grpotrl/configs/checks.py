@@ -10,8 +10,8 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 * ``normalize_kl_estimators``: verl's KL estimator names become ours (``k3`` for ``low_var_kl``).
 * ``check_grpotrl_fields``: grpotrl's own GRPO fields (health rules, a rule that ``health_rule_actions`` sets to
   stop or warn while its own setting turns it off, or every completion is one token, or its patience is longer than
-  ``max_steps``, among them; ``rules_beyond_run`` and ``check_patience_fits`` also serve a run by epochs at train
-  start, ``health.callbacks``), sampler gap, CAGrad, the adaptive entropy range I7,
+  the steps of ``max_steps`` that observe its signal, among them; ``rules_beyond_run`` and ``check_patience_fits``
+  also serve a run by epochs at train start, ``health.callbacks``), sampler gap, CAGrad, the adaptive entropy range I7,
   sampling settings grpotrl would otherwise drop, I6, greedy decoding, which samples no group, beam sampling where
   the sampler's logprobs are recorded, ``generation_kwargs`` under which ``generate`` cannot return one completion
   per prompt row, the KL's placement). ``UNRUNNABLE_GENERATION`` and ``SAMPLING_CHANGES`` also say what the same
@@ -20,7 +20,6 @@ divides by any of them. Nothing here needs the model, the data or the launch.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 
@@ -43,10 +42,14 @@ HEALTH_RULE_OFF = {
     "flat_rewards": ("health_flat_reward_steps", lambda v: v == 0, "the consecutive flat steps to fire after, e.g. 20 "
                      "(the default)"),
 }
-# rule -> the setting that is its patience: the consecutive optimizer steps its condition must hold before it fires
-# (a run with fewer steps can never fire it: ``rules_beyond_run``)
+# rule -> the setting that is its patience: the consecutive optimizer steps that observed its signal on which its
+# condition must hold before it fires (a run with fewer such steps can never fire it: ``rules_beyond_run``)
 HEALTH_RULE_PATIENCE = {"entropy_collapse": "health_patience", "one_token": "health_patience",
                         "flat_rewards": "health_flat_reward_steps"}
+# the rules whose signal is logged once per generation batch (``completions/one_token_share``,
+# ``rewards/flat_group_share``): only the optimizer steps that generate observe it (``generating_steps``); the
+# others' (TRL's ``entropy``, logged by every microbatch's loss) is observed on every step
+PER_GENERATION_RULES = ("one_token", "flat_rewards")
 
 
 def _real(v) -> bool:
@@ -126,10 +129,10 @@ RANGES = {
                            "turns the entropy-collapse rule off)"),
     "health_max_one_token_share": (lambda v: _real(v) and 0 <= v <= 1, "in [0, 1] (a share of completions; 1 turns "
                                    "the 1-token rule off)"),
-    "health_patience": (lambda v: _int(v) and v >= 1, "an integer >= 1 (consecutive steps a rule's condition must "
-                        "hold before it fires)"),
-    "health_flat_reward_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (consecutive flat steps; 0 turns "
-                                 "the rule off)"),
+    "health_patience": (lambda v: _int(v) and v >= 1, "an integer >= 1 (consecutive steps that observed a rule's "
+                        "signal on which its condition must hold before it fires)"),
+    "health_flat_reward_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (consecutive flat generation "
+                                 "batches; 0 turns the rule off)"),
     "health_report_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: never)"),
     "health_logit_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: on guard steps only)"),
     "dynamic_sampling_max_rounds": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0: drop flat groups, no refill)"),
@@ -256,8 +259,9 @@ def _check_rules_can_fire(args, actions: dict) -> None:
     """A rule that ``health_rule_actions`` sets to 'stop' or 'warn' while its own setting turns it off
     (``HEALTH_RULE_OFF``: ``health_min_entropy`` 0, ``health_max_one_token_share`` 1, ``health_flat_reward_steps``
     0), or that could not tell a broken run from a healthy one (``one_token`` where every completion is one token:
-    ``one_token_by_construction``), or whose patience exceeds ``max_steps`` (``check_patience_fits``), could never
-    fire or would fire on every step: refused, naming both. Under ``health_action`` alone such a value is that
+    ``one_token_by_construction``), or whose patience exceeds the steps of ``max_steps`` that observe its signal
+    (``check_patience_fits``: the generating ones for one_token and flat_rewards), could never fire or would fire on
+    every step: refused, naming both. Under ``health_action`` alone such a value is that
     rule's 'off', as documented, and is taken (``health.callbacks`` turns one_token off there, with one line)."""
     for rule, (name, off, what) in HEALTH_RULE_OFF.items():
         action, value = actions.get(rule), getattr(args, name, None)
@@ -273,8 +277,7 @@ def _check_rules_can_fire(args, actions: dict) -> None:
                          "one_token to 'off' (or drop it: by default the rule is then off), or allow longer "
                          "completions.")
     if _int(args.max_steps) and args.max_steps > 0:
-        check_patience_fits(args, args.max_steps, f"max_steps={args.max_steps}",
-                            {f.name: f.default for f in dataclasses.fields(args) if f.name in PATIENCE_SETTINGS})
+        check_patience_fits(args, args.max_steps, f"max_steps={args.max_steps}")
 
 
 def health_action_of(args, rule: str, default: str) -> str:
@@ -307,15 +310,53 @@ def completion_cap_setting(args) -> str:
         else f"max_completion_length={args.max_completion_length!r}"
 
 
-PATIENCE_SETTINGS = tuple(dict.fromkeys(HEALTH_RULE_PATIENCE.values()))
+# each patience setting's default: ``HealthFields`` declares its fields with them, and ``check_patience_fits`` tells a
+# patience the user set from one left at its default by them (a plain ``trl.GRPOConfig`` has no such fields)
+PATIENCE_DEFAULTS = {"health_patience": 5, "health_flat_reward_steps": 20}
 
 
-def rules_beyond_run(args, steps: int) -> list[tuple[str, str, int]]:
-    """``(rule, its patience setting, the setting's value)`` of each warn-by-default rule (``HEALTH_RULE_PATIENCE``)
-    that is on (not 'off', not turned off by its own setting, one_token not off by construction) and whose patience
-    exceeds a run of ``steps`` optimizer steps: its condition would have to hold on more consecutive steps than the
-    run has, so it can never fire. A rule may observe its signal on fewer steps than the run has (one_token and
-    flat_rewards read each generation batch); only the certain case is listed."""
+def generating_steps(args, steps: int) -> int:
+    """How many of a run's ``steps`` optimizer steps generate, so observe a signal logged once per generation batch
+    (``PER_GENERATION_RULES``), as TRL 1.16 schedules them: ``_prepare_inputs`` generates on every microbatch whose
+    count since the run began is a multiple of ``steps_per_generation x num_iterations`` (it reuses that batch in
+    between), and an optimizer step is ``gradient_accumulation_steps`` microbatches. So the run of ``steps x
+    gradient_accumulation_steps`` microbatches generates ``ceil(steps x gradient_accumulation_steps /
+    (steps_per_generation x num_iterations))`` times, each in a step of its own where a generation batch spans at
+    least one step, and every step generates (once or more) where it spans less. Exact where every optimizer step
+    is ``gradient_accumulation_steps`` microbatches; where an epoch's microbatches are not a multiple of it (only
+    where ``steps_per_generation x num_iterations`` is not), transformers' shorter last step of an epoch makes the
+    run generate on fewer steps: the count is then an upper bound, so a rule refused for it can never fire.
+
+    >>> from types import SimpleNamespace as Args
+    >>> generating_steps(Args(gradient_accumulation_steps=4, steps_per_generation=4, num_iterations=2), 6)
+    3
+    >>> # one generation every 3 microbatches, 2 a step: at microbatches 0, 3, 6, 9 of 12, in steps 1, 2, 4, 5
+    >>> generating_steps(Args(gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=1), 6)
+    4
+    >>> generating_steps(Args(gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=1), 6)
+    6
+    """
+    micro = steps * args.gradient_accumulation_steps
+    every = (args.steps_per_generation or args.gradient_accumulation_steps) * args.num_iterations
+    return min(steps, -(-micro // every))
+
+
+def generation_schedule(args) -> str:
+    """The settings ``generating_steps`` read, as the user wrote them."""
+    spg, mu = args.steps_per_generation or args.gradient_accumulation_steps, args.num_iterations
+    return (f"TRL generates once every steps_per_generation x num_iterations = {spg} x {mu} = {spg * mu} "
+            f"microbatches, and an optimizer step is gradient_accumulation_steps={args.gradient_accumulation_steps} "
+            "of them")
+
+
+def rules_beyond_run(args, steps: int) -> list[tuple[str, str, int, int]]:
+    """``(rule, its patience setting, the setting's value, the steps the run has that observe the rule's signal)`` of
+    each warn-by-default rule (``HEALTH_RULE_PATIENCE``) that is on (not 'off', not turned off by its own setting,
+    one_token not off by construction) and can never fire in a run of ``steps`` optimizer steps: its patience counts
+    consecutive steps that observed its signal, and the run has fewer. Those are all ``steps`` for entropy_collapse
+    and the steps that generate (``generating_steps``) for the rules that read a generation batch's signal
+    (``PER_GENERATION_RULES``), fewer than ``steps`` under ``num_iterations > 1`` or ``steps_per_generation >
+    gradient_accumulation_steps``."""
     found = []
     for rule, setting in HEALTH_RULE_PATIENCE.items():
         value, (own, off, _) = getattr(args, setting, None), HEALTH_RULE_OFF[rule]
@@ -323,36 +364,51 @@ def rules_beyond_run(args, steps: int) -> list[tuple[str, str, int]]:
         if health_action_of(args, rule, "warn") == "off" or not _int(value) or turned_off \
                 or (rule == "one_token" and one_token_by_construction(args)):
             continue
-        if value > steps:
-            found.append((rule, setting, value))
+        observed = generating_steps(args, steps) if rule in PER_GENERATION_RULES else steps
+        if value > observed:
+            found.append((rule, setting, value, observed))
     return found
 
 
-def check_patience_fits(args, steps: int, run: str, defaults: dict) -> None:
+def patience_span(args, steps: int, observed: int) -> str:
+    """What a rule's patience counts in a run of ``steps`` optimizer steps of which ``observed`` observe its
+    signal, as ``rules_beyond_run`` found it: the consecutive optimizer steps where every step observes it, else
+    the consecutive generation batches, with the schedule that makes them fewer."""
+    if observed == steps:
+        return f"consecutive optimizer steps, so in a run of {steps} steps"
+    return (f"consecutive generation batches (its signal is logged once per generation batch), and a run of {steps} "
+            f"optimizer steps has {observed} ({generation_schedule(args)}), so")
+
+
+def check_patience_fits(args, steps: int, run: str) -> None:
     """Raise ``InputError`` where a rule that can never fire in a run of ``steps`` optimizer steps
-    (``rules_beyond_run``) was asked for: ``health_rule_actions`` sets it to 'stop' or 'warn', or its patience setting
-    is not that setting's default (``defaults``: setting -> default; a setting missing there counts as its default).
-    ``run`` says where ``steps`` comes from, as the user wrote it (``max_steps=3``). A rule at its default patience
-    under ``health_action`` alone is taken: it is off for this run (``health.callbacks`` says so in one line)."""
+    (``rules_beyond_run``: too few steps observe its signal) was asked for: ``health_rule_actions`` sets it to 'stop'
+    or 'warn', or its patience setting is not that setting's default (``PATIENCE_DEFAULTS``). ``run`` says where ``steps`` comes from, as the user wrote it
+    (``max_steps=3``). A rule at its default patience under ``health_action`` alone is taken: it is off for this run
+    (``health.callbacks`` says so in one line)."""
     beyond = rules_beyond_run(args, steps)
     actions = args.health_rule_actions or {}
-    for rule, setting, value in beyond:
+    for rule, setting, value, observed in beyond:
         action = actions.get(rule)
         if action in ("stop", "warn"):
             raise InputError(f"health_rule_actions={{'{rule}': '{action}'}} with {setting}={value} and {run}: the rule "
-                             f"fires once its condition held on {value} consecutive optimizer steps, so in a run of "
-                             f"{steps} steps it can never {action}. Set {setting} to at most {steps}, train for more "
-                             f"steps, or set health_rule_actions' {rule} to 'off'.")
-    for setting in dict.fromkeys(s for _, s, _ in beyond):
+                             f"fires once its condition held on {value} {patience_span(args, steps, observed)} it can "
+                             f"never {action}. Set {setting} to at most {observed}, train for more steps, or set "
+                             f"health_rule_actions' {rule} to 'off'.")
+    for setting in dict.fromkeys(s for _, s, _, _ in beyond):
         value = getattr(args, setting)
-        if setting in defaults and value != defaults[setting]:
-            rules = [rule for rule, s, _ in beyond if s == setting]
-            one = len(rules) == 1
-            raise InputError(f"{setting}={value} with {run}: {' and '.join(rules)} fire{'s' if one else ''} once "
-                             f"{'its' if one else 'their'} condition held on {value} consecutive optimizer steps, so "
-                             f"in a run of {steps} steps {'it can never' if one else 'neither can ever'} fire. Set "
-                             f"{setting} to at most {steps} (its default is {defaults[setting]}), or train for more "
-                             "steps.")
+        if value != PATIENCE_DEFAULTS[setting]:
+            spans = {}  # observed steps -> the rules of this setting that the run has that many steps for
+            for rule, s, _, observed in beyond:
+                if s == setting:
+                    spans.setdefault(observed, []).append(rule)
+            parts = [f"{' and '.join(rules)} fire{'s' if len(rules) == 1 else ''} once "
+                     f"{'its' if len(rules) == 1 else 'their'} condition held on {value} "
+                     f"{patience_span(args, steps, observed)} "
+                     f"{'it can never' if len(rules) == 1 else 'neither can ever'} fire"
+                     for observed, rules in spans.items()]
+            raise InputError(f"{setting}={value} with {run}: {'; '.join(parts)}. Set {setting} to at most "
+                             f"{min(spans)} (its default is {PATIENCE_DEFAULTS[setting]}), or train for more steps.")
 
 
 PADDING_FREE = (True, False, "auto", "true", "false")

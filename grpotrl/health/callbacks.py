@@ -7,7 +7,8 @@ read the values of the optimizer step that just ended and act on them:
 * ``BoundaryReport``: prints ``trainer.boundary_report()`` after each of the first
   ``health_report_steps`` steps, as one checks a new run's first steps by eye.
 * ``RunLength``: at train start, refuses a rule that was asked for and whose patience exceeds the run's optimizer
-  steps (it could never fire), and says in one line which rules on by default are off for such a run.
+  steps that observe its signal (it could never fire), and says in one line which rules on by default are off for
+  such a run.
 * Health rules, each a ``HealthRule``. Three only fire on a broken run and stop it by default:
   ``NonFiniteRule`` (loss or grad norm NaN/inf), ``NonFiniteRewardRule`` (a reward function
   returned +-inf), ``HeaderRule`` (a completion starts with the chat header). Three may be the task itself (a task with one right answer sharpens entropy; a
@@ -17,9 +18,13 @@ read the values of the optimizer step that just ended and act on them:
   ``FlatRewardRule`` (every group's rewards equal).
 
 A rule fires when its condition held for ``patience`` consecutive steps that observed the
-signal. Its action (``rule_action``: ``health_rule_actions`` over ``health_action`` over the
-rule's default): ``'warn'`` logs a warning (again after every further ``patience`` steps while
-the condition holds); ``'stop'`` asks the Trainer to save a checkpoint of that step through its own
+signal: every optimizer step observes TRL's ``entropy`` (logged by each microbatch's loss), but only a step that
+generates observes a signal logged once per generation batch (``completions/*``, ``rewards/*``,
+``frac_reward_zero_std``): under ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``
+the steps that reuse a batch are skipped, and ``one_token`` or ``flat_rewards``' patience counts generation
+batches (``configs.checks.generating_steps``). Its action (``rule_action``: ``health_rule_actions`` over
+``health_action`` over the rule's default): ``'warn'`` logs a warning (again after every further ``patience`` steps
+while the condition holds); ``'stop'`` asks the Trainer to save a checkpoint of that step through its own
 ``_save_checkpoint`` and to stop, and once that checkpoint is on disk (``on_save``) raises
 ``grpotrl.HealthStop`` naming the rule, the values, the step and the checkpoint (rules that stop on the same
 step share that checkpoint and one ``HealthStop``, which names each of them with its reason; ``rules``: their
@@ -37,16 +42,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import last_complete_checkpoint
-from ..configs import HealthFields
-from ..configs.checks import (PATIENCE_SETTINGS, check_patience_fits, completion_cap_setting, health_action_of,
-                              one_token_by_construction, rules_beyond_run)
+from ..configs.checks import (check_patience_fits, completion_cap_setting, generating_steps,
+                              generation_schedule, health_action_of, one_token_by_construction, rules_beyond_run)
 from ..errors import HealthStop
 
 logger = logging.getLogger(__name__)
@@ -78,7 +82,9 @@ def _taken_level(args) -> int:
 
 class RunLength(TrainerCallback):
     """At train start, where the run's optimizer steps are known (``state.max_steps``, also under
-    ``num_train_epochs``): a rule whose patience exceeds them can never fire (``configs.checks.rules_beyond_run``).
+    ``num_train_epochs``): a rule whose patience exceeds the steps that observe its signal can never fire
+    (``configs.checks.rules_beyond_run``: every step for entropy_collapse, the steps that generate for one_token and
+    flat_rewards, fewer under ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``).
     One that was asked for (``health_rule_actions``, or a patience other than its default) is refused with an
     ``InputError`` before the first step (``check_patience_fits``; a grpotrl config with ``max_steps`` > 0 was
     refused when it was made); the others are off for this run, said in one line. A resumed run is judged on
@@ -91,14 +97,18 @@ class RunLength(TrainerCallback):
         steps = state.max_steps
         run = f"max_steps={args.max_steps}" if args.max_steps > 0 else \
             f"num_train_epochs={args.num_train_epochs} ({steps} optimizer steps)"
-        check_patience_fits(args, steps, run, {f.name: f.default for f in fields(HealthFields)
-                                               if f.name in PATIENCE_SETTINGS})
+        check_patience_fits(args, steps, run)
         beyond = rules_beyond_run(args, steps)
-        if beyond:
-            logger.log(_taken_level(args), "grpotrl health: %s cannot fire in this run of %d optimizer steps (%s "
-                       "consecutive steps needed), so %s off for it.", ", ".join(r for r, _, _ in beyond), steps,
-                       ", ".join(f"{s}={v}" for s, v in dict((s, v) for _, s, v in beyond).items()),
-                       "it is" if len(beyond) == 1 else "they are")
+        if not beyond:
+            return
+        sparse = [rule for rule, _, _, observed in beyond if observed < steps]  # they count the generating steps
+        generating = f", {generating_steps(args, steps)} of which generate" if sparse else ""
+        counted = f"; {' and '.join(sparse)} count{'s' if len(sparse) == 1 else ''} only the steps that generate: " \
+            f"{generation_schedule(args)}" if sparse else ""
+        logger.log(_taken_level(args), "grpotrl health: %s cannot fire in this run of %d optimizer steps%s (%s "
+                   "consecutive steps needed%s), so %s off for it.", ", ".join(r for r, _, _, _ in beyond), steps,
+                   generating, ", ".join(f"{s}={v}" for s, v in dict((s, v) for _, s, v, _ in beyond).items()),
+                   counted, "it is" if len(beyond) == 1 else "they are")
 
 
 class HealthRule(TrainerCallback):
@@ -222,6 +232,10 @@ class HeaderRule(HealthRule):
 
 
 class OneTokenRule(HealthRule):
+    """Share of 1-token completions above ``max_share`` (``health_max_one_token_share``). Its signal,
+    ``completions/one_token_share``, is logged once per generation batch: ``patience`` (``health_patience``) counts
+    the steps that generated, consecutive generation batches."""
+
     name = "one_token"
     advice = ("Completions stop at once (penalties that count prompt tokens make EOS relatively "
               "likely). Check logits processors and min_new_tokens, and that SFT trained the response before its "
@@ -279,6 +293,9 @@ class EntropyRule(HealthRule):
 
 
 class FlatRewardRule(HealthRule):
+    """Every group's rewards all equal. Its signal is logged once per generation batch: ``patience``
+    (``health_flat_reward_steps``) counts the steps that generated, consecutive generation batches."""
+
     name = "flat_rewards"
     advice = ("With every group's rewards equal GRPO has no policy gradient. Check the reward functions on a few "
               "completions (a judge failing to 0, a format no completion matches; see rewards/zero_share), or "
@@ -305,9 +322,10 @@ class NonFiniteRule(HealthRule):
     (DeepSpeed) the gradients live outside ``.grad`` and only the loss is checked; there DeepSpeed's engine
     has already stepped (inside ``accelerator.backward`` of the window's last microbatch), and what drops a
     non-finite update is DeepSpeed's own gradient check (fp16, fp32 ZeRO-1/2 by the gradient norm, bf16 with
-    ``check_grad_overflow``, its default; ``tests/health/test_nonfinite_zero.py``): with that check off the update
-    is applied before the stop, which then reads the weights and saves no checkpoint of non-finite ones
-    (``on_step_end``). What was not
+    ``check_grad_overflow``, its default; ZeRO-3 by the gradient norm in every precision;
+    ``tests/health/test_nonfinite_zero.py``, ``test_nonfinite_zero3.py``): with that check off the update is applied
+    before the stop, which then reads the weights (each process's shards under ZeRO-3) and saves no checkpoint of
+    non-finite ones (``on_step_end``). What was not
     recorded is not checked, and said so: a step with neither a loss (the trainer records each
     backpropagated one in ``step_findings``) nor a gradient in ``.grad`` is unchecked, never finite
     (a warning the first time), and a step with one of them is judged on that one alone. On several

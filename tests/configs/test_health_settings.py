@@ -137,3 +137,69 @@ def test_the_completion_cap_is_the_one_generation_uses():
 ])
 def test_short_runs_and_one_token_completions_at_the_defaults_are_taken(overrides, tmp_path):
     grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
+
+
+# one generation batch of 8 rows every 2 optimizer steps (num_iterations 2, steps_per_generation =
+# gradient_accumulation_steps = 1): 6 steps generate on steps 1, 3, 5, 3 batches; and one every 3 microbatches, 2 a
+# step (steps_per_generation 3 of 4 rows, gradient_accumulation_steps 2): 12 microbatches generate at microbatches
+# 0, 3, 6, 9, in steps 1, 2, 4, 5: 4 batches
+SPARSE = [({"num_iterations": 2}, 3),
+          ({"per_device_train_batch_size": 4, "num_generations": 4, "gradient_accumulation_steps": 2,
+            "steps_per_generation": 3}, 4)]
+
+
+@pytest.mark.parametrize("schedule, batches", SPARSE, ids=["iterations2", "spg3_gas2"])
+def test_the_steps_that_generate_are_counted_as_trl_schedules_them(schedule, batches, tmp_path):
+    from grpotrl.configs.checks import generating_steps
+
+    args = grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=6, **schedule)
+    assert generating_steps(args, 6) == batches
+    assert generating_steps(args, 1) == 1  # the first microbatch always generates
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+@pytest.mark.parametrize("rule, setting", ASKED_PATIENCE[1:])
+@pytest.mark.parametrize("schedule, batches", SPARSE, ids=["iterations2", "spg3_gas2"])
+def test_a_generation_batch_rule_asked_for_with_more_patience_than_the_run_has_batches_is_refused(
+        rule, setting, action, schedule, batches, tmp_path):
+    """one_token and flat_rewards read a signal logged once per generation batch: the 6-step run observes it on
+    ``batches`` steps only, so a patience of batches + 1 can never fire; batches is taken."""
+    def make(patience):
+        return grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=6,
+                                  health_rule_actions={rule: action}, **{setting: patience}, **schedule)
+
+    with pytest.raises(InputError) as err:
+        make(batches + 1)
+    text = str(err.value)
+    assert text.startswith(f"health_rule_actions={{'{rule}': '{action}'}} with {setting}={batches + 1} and "
+                           f"max_steps=6: the rule fires once its condition held on {batches + 1} consecutive "
+                           f"generation batches (its signal is logged once per generation batch), and a run of 6 "
+                           f"optimizer steps has {batches} (TRL generates once every"), text
+    assert f"it can never {action}. Set {setting} to at most {batches}, train for more steps" in text, text
+    make(batches)
+
+
+def test_a_patience_set_beyond_the_runs_generation_batches_is_refused_naming_what_each_rule_counts(tmp_path):
+    """max_steps 6, num_iterations 2: 3 generation batches. health_patience 4 fits entropy_collapse (read on every
+    step) but not one_token (read once per generation batch); 8 fits neither. 3 is taken."""
+    def make(**kw):
+        return grpotrl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=6, num_iterations=2, **kw)
+
+    with pytest.raises(InputError) as err:
+        make(health_patience=4)
+    assert str(err.value) == (
+        "health_patience=4 with max_steps=6: one_token fires once its condition held on 4 consecutive generation "
+        "batches (its signal is logged once per generation batch), and a run of 6 optimizer steps has 3 (TRL "
+        "generates once every steps_per_generation x num_iterations = 1 x 2 = 2 microbatches, and an optimizer step "
+        "is gradient_accumulation_steps=1 of them), so it can never fire. Set health_patience to at most 3 (its "
+        "default is 5), or train for more steps."), str(err.value)
+    with pytest.raises(InputError) as err:
+        make(health_patience=8)
+    assert str(err.value).startswith("health_patience=8 with max_steps=6: entropy_collapse fires once its condition "
+                                     "held on 8 consecutive optimizer steps, so in a run of 6 steps it can never "
+                                     "fire; one_token fires once its condition held on 8 consecutive generation "
+                                     "batches"), str(err.value)
+    assert str(err.value).endswith("Set health_patience to at most 3 (its default is 5), or train for more steps.")
+    make(health_patience=3)
+    make(health_patience=4, health_rule_actions={"one_token": "off"})
+    make()  # the defaults: one_token and flat_rewards are off for this run, said at train start
