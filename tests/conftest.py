@@ -2,7 +2,8 @@
 OpenMP reads ``OMP_WAIT_POLICY`` once, and a busy neighbour process slows an active-wait
 torch 30-100x on 2 cores (see grpotrl/_threads.py). The whole session is offline against a Hugging
 Face cache of its own (``HF_HUB_CACHE``, filled by ``tests/hub_cache.py``): Hub ids resolve through
-the real loading code, and nothing a user has cached leaks in. ``serve`` is the real judge server of
+the real loading code, and nothing a user has cached leaks in (``HF_DATASETS_CACHE`` too: ``datasets``'
+prepared tables). ``serve`` is the real judge server of
 tests/rewards/test_judges.py and tests/cli/test_cli_pipeline.py (one per module)."""
 
 import os
@@ -13,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["HF_HUB_CACHE"] = HUB_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-hub-")
+os.environ["HF_DATASETS_CACHE"] = DATASETS_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-datasets-")
 
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -31,10 +33,11 @@ import pytest  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The session's HF cache goes with it (one directory a run; its large blobs are links)."""
+    """The session's HF caches go with it (a directory each a run; the Hub cache's large blobs are links)."""
     import shutil
 
-    shutil.rmtree(HUB_CACHE, ignore_errors=True)
+    for cache in (HUB_CACHE, DATASETS_CACHE):
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
