@@ -25,6 +25,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+from trl.data_utils import maybe_convert_to_chatml
 
 from ..errors import InputError, InvariantError
 
@@ -254,22 +255,21 @@ def _vocab_difference(saved: dict, tok) -> str:
     return said
 
 
-def save_fingerprint(output_dir: str, tokenizer, chat_template: str | None = None,
-                     chat_template_kwargs: list[dict] | None = None, trained_on_template: bool = True,
-                     tools: list[list[dict] | None] | None = None, trained_template: str | None = None) -> None:
-    """Write ``grpotrl_template.json``: the template's ``sha256``, ``specials`` and ``template``, plus
-    keys older files lack, which readers then treat as "not recorded": ``vocab_sha256``, ``vocab_size`` and
-    ``added_tokens`` (the vocabulary, ``template_fingerprint``), ``chat_template_kwargs``
-    (every distinct set of kwargs the prompts were rendered with; written only when known), ``tools``
-    (every distinct set of tool schemas the prompts were rendered with, null for none; written only
-    when known), ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized rows,
-    which no template rendered) and ``trained_template`` with its ``trained_sha256`` (``_template_sha256``): the
-    template that rendered the rows' prompts where it is not the recorded one (TRL's ``{% generation %}`` variant
-    under ``assistant_only_loss``; written only then)."""
+def save_fingerprint(output_dir: str, tokenizer, *, chat_template_kwargs: list[dict] | None = None,
+                     trained_on_template: bool = True, tools: list[list[dict] | None] | None = None, trained_template: str | None = None) -> None:
+    """Write ``grpotrl_template.json`` for ``tokenizer``, the one saved beside the weights (what a run from the
+    checkpoint loads): its template's ``sha256``, ``specials`` and ``template``, plus keys older files lack, which
+    readers then treat as "not recorded": ``vocab_sha256``, ``vocab_size`` and ``added_tokens`` (the vocabulary,
+    ``template_fingerprint``), ``chat_template_kwargs`` (every distinct set of kwargs the prompts were rendered with;
+    written only when known), ``tools`` (every distinct set of tool schemas the prompts were rendered with, null for
+    none; written only when known), ``trained_on_template`` (False when SFT trained on plain text or pre-tokenized
+    rows, which no template rendered) and ``trained_template`` with its ``trained_sha256`` (``_template_sha256``):
+    the template that rendered the data where it is not the tokenizer's (written only then: SFT's TRL
+    ``{% generation %}`` variant under ``assistant_only_loss``, GRPO's ``self.chat_template``, TRL's prefix-preserving
+    variant for tools); TRL never writes it into the tokenizer, so the record's own template stays the tokenizer's."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = os.path.join(output_dir, FINGERPRINT_FILE + ".tmp")
-    record = {**template_fingerprint(tokenizer, chat_template),
-              "template": chat_template or _tok(tokenizer).chat_template or "",
+    record = {**template_fingerprint(tokenizer), "template": _tok(tokenizer).chat_template or "",
               "trained_on_template": trained_on_template}
     if chat_template_kwargs is not None:
         record["chat_template_kwargs"] = chat_template_kwargs
@@ -338,21 +338,53 @@ def grpo_prompt_template(processing_class, tool_sets: list[list | None] | None) 
         ) from e
 
 
-PROMPTS_RENDERED = 4096  # the prompts check_prompts_render_alike renders (a warning names those past it)
+PROMPTS_RENDERED = 4096  # the prompts (SFT: rows) the render-alike checks render (a warning names those past it)
+# where the template a checkpoint was trained on is not its tokenizer's (the fingerprint's ``trained_template``)
+TRAINED_VARIANT = ("TRL's training template (grpotrl.SFTTrainer renders its rows with it under `assistant_only_loss` "
+                   "on a chat template without `{% generation %}` markers, trl.GRPOTrainer its prompts with tools on "
+                   "one that is not prefix-preserving; the checkpoint's tokenizer keeps the original)")
+
+
+def _rows_ahead(dataset, columns: tuple[str, ...], what: str, why: str) -> dict | None:
+    """The first ``PROMPTS_RENDERED`` rows of ``dataset``, those of its ``columns`` it has (``dataset[:n]``), a warning
+    (``why``) naming the rows past them; None, with a warning, where the rows cannot be read ahead (a stream, none
+    of ``columns``)."""
+    present = [c for c in columns if c in (getattr(dataset, "column_names", None) or [])]
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "select_columns") or not present:
+        logger.warning(why + "; the %s cannot be read ahead, so I2 does not compare how the two render them.", what)
+        return None
+    if len(dataset) > PROMPTS_RENDERED:
+        logger.warning(why + ": I2 compares how the two render the first %d %s of %d only.",
+                       PROMPTS_RENDERED, what, len(dataset))
+    return dataset.select_columns(present)[:PROMPTS_RENDERED]
+
+
+def _rendering_difference(tok, conversation: list[dict], first: str | None, second: str | None, kwargs: dict,
+                          add_generation_prompt: bool) -> tuple[str, str] | None:
+    """``conversation`` rendered under the templates ``first`` and ``second`` (None: the tokenizer's own): None when
+    the texts are equal, else each one's differing part (from 40 characters before the first difference to the common
+    end, cut to 300)."""
+    a, b = (tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                    chat_template=t, **kwargs) for t in (first, second))
+    if a == b:
+        return None
+    n = _common_prefix(list(a), list(b))
+    m = _common_prefix(list(a[n:])[::-1], list(b[n:])[::-1])
+    return a[max(0, n - 40):len(a) - m][:300], b[max(0, n - 40):len(b) - m][:300]
 
 
 def check_prompts_render_alike(tokenizer, rl_template: str | None, dataset, tool_sets: list[list | None],
                                kwargs: dict, model_dir: str | None = None, sft_template: str | None = None) -> None:
-    """I2 where GRPO renders its prompts with another template than the one SFT rendered its rows with: TRL's
+    """I2 where GRPO renders its prompts with another template than the one the checkpoint was trained on: TRL's
     prefix-preserving training template for tools (``rl_template``, ``grpo_prompt_template``; None: the tokenizer's
-    own), or SFT rendered them with TRL's ``{% generation %}`` variant under ``assistant_only_loss``
-    (``sft_template``, the fingerprint's ``trained_template``; None: the tokenizer's own). Every conversational prompt
-    of ``dataset`` (its ``prompt`` column, the first ``PROMPTS_RENDERED`` rows; a stream's: none, a warning says so),
-    with each tool set and ``kwargs``, must render to the same text under both (TRL's variants differ in earlier
-    turns: Qwen3's keeps an earlier assistant turn's reasoning, which the original drops).
+    own), or the checkpoint was trained on ``TRAINED_VARIANT`` (``sft_template``, the fingerprint's
+    ``trained_template``; None: the tokenizer's own). Every conversational prompt of ``dataset`` (its ``prompt``
+    column, the first ``PROMPTS_RENDERED`` rows; a stream's: none, a warning says so), with each tool set and
+    ``kwargs``, must render to the same text under both (TRL's variants differ in earlier turns: Qwen3's keeps an
+    earlier assistant turn's reasoning, which the original drops).
 
     Raises:
-        InvariantError: a prompt SFT saw otherwise (I2).
+        InvariantError: a prompt the checkpoint was trained on otherwise (I2).
     """
     tok = _tok(tokenizer)
     if sft_template is None:  # GRPO swaps in TRL's variant for the tools
@@ -361,33 +393,23 @@ def check_prompts_render_alike(tokenizer, rl_template: str | None, dataset, tool
         fix = ("Fine-tune on the template GRPO renders with (`tokenizer.chat_template = trl.chat_template_utils."
                "get_training_chat_template(tokenizer)` before SFT; GRPO then takes the tokenizer with its original "
                "template, which TRL swaps for that one)")
-    else:  # SFT rendered its rows with TRL's variant, the tokenizer saved beside the weights keeps the original
-        why = ("The model was fine-tuned on rows rendered with TRL's training template (assistant_only_loss), not "
-               "with the template this run renders its prompts with")
-        fix = ("Render GRPO's prompts with the template SFT rendered with: `tokenizer.chat_template = trl."
+    else:  # the checkpoint was trained on TRL's variant, the tokenizer saved beside the weights keeps the original
+        why = ("The model was trained on conversations rendered with TRL's training template (SFT's under "
+               "assistant_only_loss, GRPO's for tools), not with the template this run renders its prompts with")
+        fix = ("Render GRPO's prompts with the template the checkpoint was trained on: `tokenizer.chat_template = trl."
                "chat_template_utils.get_training_chat_template(tokenizer)` on the checkpoint's tokenizer, passed as "
                "`processing_class` (the fingerprint's `trained_template`; set it before SFT too and the checkpoint's "
                "tokenizer carries it); or fine-tune on prompt/completion rows without assistant_only_loss (grpotrl "
                "renders their prompts with the tokenizer's own template, as GRPO does)")
-    if not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None) or []):
-        logger.warning(why + "; the prompts cannot be read ahead, so I2 does not compare how the two render them.")
-        return
-    if len(dataset) > PROMPTS_RENDERED:
-        logger.warning(why + ": I2 compares how the two render the first %d prompts of %d only.",
-                       PROMPTS_RENDERED, len(dataset))
-    for i, prompt in enumerate(dataset[:PROMPTS_RENDERED]["prompt"]):
+    rows = _rows_ahead(dataset, ("prompt",), "prompts", why)
+    for i, prompt in enumerate((rows or {}).get("prompt", [])):
         if not isinstance(prompt, list):
             continue
         for tools in tool_sets:
-            kw = {**kwargs, "tools": tools or None}
-            sft = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
-                                          chat_template=sft_template, **kw)
-            rl = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
-                                         chat_template=rl_template, **kw)
-            if sft == rl:
+            diff = _rendering_difference(tok, prompt, sft_template, rl_template, {**kwargs, "tools": tools or None},
+                                         add_generation_prompt=True)
+            if diff is None:
                 continue
-            n = _common_prefix(list(sft), list(rl))
-            m = _common_prefix(list(sft[n:])[::-1], list(rl[n:])[::-1])
             model = model_dir or "the model"
             if sft_template is None:
                 head = (f"trl.GRPOTrainer renders prompts with its prefix-preserving training template (tools are "
@@ -395,15 +417,80 @@ def check_prompts_render_alike(tokenizer, rl_template: str | None, dataset, tool
                         f"preserving), and it renders prompt {i} otherwise than the template {model!r} was fine-tuned "
                         "on:\n")
             else:
-                head = (f"grpotrl.SFTTrainer rendered the rows {model!r} was fine-tuned on with TRL's training "
-                        "template (`assistant_only_loss` on a chat template without `{% generation %}` markers; the "
-                        f"checkpoint's tokenizer keeps the original), and this run renders prompt {i} otherwise:\n")
+                head = (f"grpotrl rendered the rows {model!r} was trained on with {TRAINED_VARIANT}, and this run "
+                        f"renders prompt {i} otherwise:\n")
             raise InvariantError(
                 "I2",
-                head + f"  SFT's template:  ...{sft[max(0, n - 40):len(sft) - m][:300]!r}\n"
-                f"  GRPO's template: ...{rl[max(0, n - 40):len(rl) - m][:300]!r}\n"
-                f"RL would train on a context SFT never showed the model. {fix}, or set `check_template=False` if the "
-                "difference is deliberate.",
+                head + f"  checkpoint's template: ...{diff[0]!r}\n  GRPO's template:       ...{diff[1]!r}\n"
+                f"RL would train on a context the model was never trained on. {fix}, or set `check_template=False` if "
+                "the difference is deliberate.",
+            )
+
+
+def _sft_conversation(row: dict) -> tuple[list | None, dict]:
+    """What ``trl.SFTTrainer`` renders of an SFT row: its conversation (``messages``, ``conversations`` in
+    ChatML after TRL's conversion, or ``prompt`` + ``completion``; None for text rows) and its ``tools`` (a list or
+    its JSON) as template kwargs."""
+    row = maybe_convert_to_chatml(dict(row))
+    messages = row.get("messages")
+    if messages is None and isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+        messages = row["prompt"] + row["completion"]
+    tools = row.get("tools")
+    return (messages if isinstance(messages, list) else None), {"tools": json.loads(tools) if isinstance(tools, str)
+                                                                else tools}
+
+
+def check_rows_render_alike(tokenizer, row_template: str | None, dataset, config_kwargs: dict | None,
+                            model_dir: str | None, trained_template: str | None) -> None:
+    """I2 for SFT from a grpotrl checkpoint: each conversational row of ``dataset`` (the first ``PROMPTS_RENDERED``;
+    a stream's: none, a warning says so), whole, with its ``tools`` and ``chat_template_kwargs`` over
+    ``config_kwargs`` (what TRL renders it with), must render to the same text under ``row_template`` (the template
+    this SFT renders its rows with: TRL's ``{% generation %}`` variant under ``assistant_only_loss``; None: the
+    tokenizer's own) as under ``trained_template`` (the one the checkpoint was trained on: the fingerprint's
+    ``trained_template``, else its ``template``; None: the tokenizer's own). A second SFT on rows rendered otherwise
+    would train the model on other contexts than it was trained on, and its own fingerprint would record only them,
+    so GRPO after it could not tell.
+
+    Raises:
+        InvariantError: a row the checkpoint would have been trained on otherwise (I2).
+    """
+    tok = _tok(tokenizer)
+    model = model_dir or "the model"
+    if row_template is None:  # the checkpoint was trained on TRL's variant, this run renders the tokenizer's own
+        why = f"{model} was trained on conversations rendered with TRL's training template, this SFT renders its rows "\
+              "with the tokenizer's own"
+        theirs = f"grpotrl rendered the rows {model!r} was trained on with {TRAINED_VARIANT}"
+        fix = ("Train on the template the checkpoint was trained on: `assistant_only_loss=True` (TRL then renders the "
+               "rows with the same training template), or `tokenizer.chat_template = trl.chat_template_utils."
+               "get_training_chat_template(tokenizer)` on the checkpoint's tokenizer, passed as `processing_class`")
+    else:  # this run renders with TRL's variant, the checkpoint was trained on the tokenizer's own
+        why = f"This SFT renders its rows with TRL's training template (assistant_only_loss), {model} was trained " \
+              "on the tokenizer's own"
+        theirs = (f"This run renders its rows with TRL's training template (`assistant_only_loss` on a chat template "
+                  f"without `{{% generation %}}` markers) and {model!r} was trained on the template its tokenizer "
+                  "carries")
+        fix = ("Train on the template the checkpoint was trained on: drop assistant_only_loss (on prompt/completion "
+               "rows completion_only_loss trains the response and its end-of-turn token only), or give the "
+               "checkpoint's template `{% generation %}` markers around each assistant turn (`chat_template_path`, "
+               "for both stages)")
+    rows = _rows_ahead(dataset, ("messages", "conversations", "prompt", "completion", "tools", "chat_template_kwargs"),
+                       "rows", why)
+    if rows is None:
+        return
+    for i, row in enumerate(dict(zip(rows, values)) for values in zip(*rows.values())):
+        conversation, kw = _sft_conversation(row)
+        if conversation is None:
+            continue
+        kw.update({**(config_kwargs or {}), **(row.get("chat_template_kwargs") or {})})
+        diff = _rendering_difference(tok, conversation, trained_template, row_template, kw,
+                                     add_generation_prompt=False)
+        if diff is not None:
+            raise InvariantError(
+                "I2",
+                f"{theirs}, and row {i} renders otherwise under the two:\n  checkpoint's template: ...{diff[0]!r}\n"
+                f"  this run's template:   ...{diff[1]!r}\nThis SFT would train the model on contexts it was not "
+                f"trained on, and GRPO after it could not tell. {fix}; or set `check_template=False` if the change is "
+                "deliberate.",
             )
 
 
@@ -420,27 +507,32 @@ def _kwargs_rendering(tokenizer, chat_template: str | None, kwargs: dict) -> lis
 def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | None = None,
                       revision: str | None = None, chat_template_kwargs: dict | None = None,
                       tool_sets: list[list | None] | None = None, vocabulary_may_grow: bool = False,
-                      rl_template: str | None = None, prompts=None) -> bool:
-    """I2 at RL start: a checkpoint (a local directory or a Hub repo) trained with another template is
+                      rl_template: str | None = None, prompts=None, tools_unknown: bool = False,
+                      rows=None, row_template: str | None = None, row_kwargs: dict | None = None) -> bool:
+    """I2 when a run starts from a checkpoint (a local directory or a Hub repo): one trained with another template is
     an error, and so are ``chat_template_kwargs`` (given: this run's; None: not compared) that render
     prompts differently from every set the checkpoint recorded, and ``tool_sets`` (given: this run's
     tools, one list or None per way its prompts are rendered, ``grpo_tool_sets``; None: not compared) of which
     one renders prompts (with this run's kwargs) differently from every set of tools the checkpoint
     recorded. A tokenizer whose vocabulary differs from the checkpoint's (where it recorded one) is an error
     too, whatever SFT trained on; with ``vocabulary_may_grow`` (SFT, which trains the tokens it adds) one that
-    keeps every token of the checkpoint's at its id and appends others passes. Where GRPO renders its prompts
-    with another template than the tokenizer's (``rl_template``, ``grpo_prompt_template``), SFT on that template
-    passes. Where SFT rendered its rows with another template than its tokenizer's (the fingerprint's
-    ``trained_template``: TRL's ``{% generation %}`` variant under ``assistant_only_loss``), this run's tokenizer
-    may carry either, and GRPO rendering with the trained one passes. Otherwise, where GRPO (given ``prompts``, the
-    dataset whose prompts it renders) renders with another template than SFT rendered with, each prompt must render
-    alike under both (``check_prompts_render_alike``; tools known only once TRL calls an ``environment_factory``
-    that is not a class: not compared, a warning says so). Returns whether a
-    fingerprint was found (a base model without one passes). A checkpoint whose SFT trained on no template (plain
-    text, pre-tokenized rows) has no template to compare: a warning says so.
+    keeps every token of the checkpoint's at its id and appends others passes. Where this run renders with another
+    template than the tokenizer's (GRPO's prompts: ``rl_template``, ``grpo_prompt_template``; SFT's rows:
+    ``row_template``, TRL's ``{% generation %}`` variant under ``assistant_only_loss``), a checkpoint trained on that
+    template passes. Where the checkpoint was trained on another template than its tokenizer's (the fingerprint's
+    ``trained_template``: ``TRAINED_VARIANT``), this run's tokenizer may carry either, and rendering with the trained
+    one passes. Otherwise, where this run renders with another template than the checkpoint was trained on, what it
+    renders must render alike under both: GRPO's ``prompts`` (the dataset whose prompts it renders), each with each
+    of ``tool_sets`` (None: with no tools; ``check_prompts_render_alike``); SFT's ``rows`` (its train dataset), each
+    with its tools and ``chat_template_kwargs`` over ``row_kwargs`` (``check_rows_render_alike``).
+    ``tools_unknown``: GRPO's tools are known only once TRL calls an ``environment_factory`` that is not a class;
+    neither they nor the prompts' rendering are compared, and one warning says so. Returns whether a fingerprint was
+    found (a base model without one passes). A checkpoint whose SFT trained on no template (plain text, pre-tokenized
+    rows) has no template to compare: a warning says so.
 
     Raises:
-        InvariantError: another template, vocabulary, kwargs rendering or tools rendering than the checkpoint's (I2).
+        InvariantError: another template, vocabulary, kwargs rendering, tools rendering, prompt or row rendering than
+            the checkpoint's (I2).
     """
     from ..models.sources import model_file
 
@@ -465,12 +557,13 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         logger.warning("%s was fine-tuned on plain text or pre-tokenized rows, not on a chat template: I2 cannot "
                        "tell whether this run's chat template is the one the model learned.", model_dir)
         return True
-    # what SFT rendered its prompts with: the recorded template, or TRL's {% generation %} variant where SFT rendered
-    # with that (trained_sha256; older files record none); what this run renders them with: TRL's variant for tools
-    # (rl_template), else the tokenizer's own. Either may be one of the checkpoint's: where the two differ, each
-    # prompt must render alike under both (checked below)
+    # what the checkpoint was trained on: the recorded template, or TRL's variant where its trainer rendered with that
+    # (trained_sha256; older files record none); what this run renders with: TRL's variant for GRPO's tools
+    # (rl_template) or SFT's assistant_only_loss (row_template), else the tokenizer's own. Either may be one of the
+    # checkpoint's: where the two differ, each prompt (GRPO) or row (SFT) must render alike under both (checked below)
     trained = saved.get("trained_sha256") or saved.get("sha256")
-    renders = _template_sha256(_tok(tokenizer), rl_template) if rl_template is not None else now["sha256"]
+    this = rl_template if rl_template is not None else row_template
+    renders = _template_sha256(_tok(tokenizer), this) if this is not None else now["sha256"]
     if not {now["sha256"], renders} & {saved.get("sha256"), trained}:
         old, new = saved.get("template", ""), chat_template or _tok(tokenizer).chat_template or ""
         n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
@@ -500,15 +593,20 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
     recorded_tools = saved.get("tools")
     if tool_sets is not None and recorded_tools:
         _check_tools(model_dir, tokenizer, chat_template, chat_template_kwargs or {}, recorded_tools, tool_sets)
-    if renders != trained and (rl_template is not None or prompts is not None):  # GRPO, which renders ``prompts``
-        if tool_sets is None:  # rl_template is None then: SFT rendered with TRL's variant, this run with the original
-            logger.warning("%s was fine-tuned on rows rendered with TRL's training template (assistant_only_loss), and "
-                           "this run renders its prompts with the tokenizer's own; the tools they are rendered with "
-                           "are known only once TRL calls environment_factory, so I2 does not compare how the two "
-                           "render them.", model_dir)
-        else:
-            check_prompts_render_alike(tokenizer, rl_template, prompts, tool_sets, chat_template_kwargs or {},
-                                       model_dir, sft_template=saved.get("trained_template"))
+    if tools_unknown:  # GRPO with an environment_factory that is not a class
+        logger.warning(
+            "environment_factory is not a class, so the tools its environments expose are known only once TRL calls "
+            "it: I2 does not compare them with the tools %s's prompts were rendered with%s. Pass the environment "
+            "class itself to have them compared.", model_dir,
+            "" if renders == trained else "; and, as the model was trained on conversations rendered with TRL's "
+            "training template, which this run renders its prompts with only where the environments expose tools "
+            "(else with the tokenizer's own), it does not compare how the two render them either")
+    elif renders != trained and (rl_template is not None or prompts is not None):  # GRPO, which renders ``prompts``
+        check_prompts_render_alike(tokenizer, rl_template, prompts, tool_sets or [None], chat_template_kwargs or {},
+                                   model_dir, sft_template=saved.get("trained_template"))
+    elif renders != trained and rows is not None:  # SFT, which renders ``rows``
+        check_rows_render_alike(tokenizer, row_template, rows, row_kwargs, model_dir,
+                                saved.get("trained_template") or saved.get("template") or None)
     return True
 
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..chat import templates
-from ..chat.sft_rows import data_format, first_row, tokenize_i2_row
+from ..chat.sft_rows import assistant_only_template, data_format, first_row, tokenize_i2_row
 from ..checkpoints import check_output_dir, check_resume_architecture, read_config, resume_checkpoint
 from ..configs import GADConfig, sft_option
 from ..configs.checks import (BEAMS_UNRECORDED, CUT_SHORT, NO_OFF, SAMPLING_CHANGES, UNRUNNABLE_GENERATION,
@@ -228,7 +228,8 @@ def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwarg
                  given=_NOT_GIVEN, model=None, peft_config=None, tool_sets: list | None = None) -> ResumeCheck:
     """Step 5: the resume checkpoint checked complete, written by a model of this run's architecture
     (``model``: its path or Hub id, or the loaded model; None: not compared) and on this run's
-    template (with ``chat_template_kwargs`` and ``tool_sets``, where given); ``given`` defaults to
+    template (with ``chat_template_kwargs`` and ``tool_sets``, where given, and the template GRPO renders prompts
+    with for those tools: ``templates.grpo_prompt_template``); ``given`` defaults to
     ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
     given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
@@ -236,7 +237,8 @@ def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwarg
         _check_resume_architecture(checkpoint, model, args, peft_config)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
         templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs,
-                                    tool_sets=tool_sets)
+                                    tool_sets=tool_sets,
+                                    rl_template=templates.grpo_prompt_template(tokenizer, tool_sets))
     return ResumeCheck(given, checkpoint, kind, chat_template_kwargs, tool_sets)
 
 
@@ -278,16 +280,11 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     template_kwargs = args.chat_template_kwargs or {}
     # the tools TRL will render prompts with (None: a factory's, known only once TRL calls it)
     tool_sets = templates.grpo_tool_sets(kwargs.get("tools"), kwargs.get("environment_factory"))
-    if getattr(args, "check_template", True):
-        found = templates.check_fingerprint(model_id, processing_class, chat_template_kwargs=template_kwargs,
-                                            revision=(args.model_init_kwargs or {}).get("revision"),
-                                            tool_sets=tool_sets,
-                                            rl_template=templates.grpo_prompt_template(processing_class, tool_sets),
-                                            prompts=train_dataset)
-        if found and tool_sets is None:
-            logger.warning("environment_factory is not a class, so the tools its environments expose are known only "
-                           "once TRL calls it: I2 does not compare them with the tools %s's prompts were rendered "
-                           "with. Pass the environment class itself to have them compared.", model_id)
+    if getattr(args, "check_template", True):  # a factory's unknown tools: one warning there
+        templates.check_fingerprint(model_id, processing_class, chat_template_kwargs=template_kwargs,
+                                    revision=(args.model_init_kwargs or {}).get("revision"), tool_sets=tool_sets,
+                                    rl_template=templates.grpo_prompt_template(processing_class, tool_sets),
+                                    prompts=train_dataset, tools_unknown=tool_sets is None)
     if isinstance(reward_funcs, RewardNames):  # a recipe's names (the CLI): resolved once model and rows passed
         reward_funcs = reward_funcs.resolve()
     check_reward_callables(reward_funcs, getattr(train_dataset, "column_names", None),  # callable as TRL calls them
@@ -633,8 +630,9 @@ def _check_discriminator(model, args) -> None:
 def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs: dict):
     """Every check of ``SFTTrainer.__init__`` before TRL loads anything: the datasets as TRL takes
     them, ``padding_free`` without packing under ``max_length``, model and tokenizer, and on chat data a
-    template, the checkpoint's fingerprint and I2 on the first prompt-completion row. Returns ``(model,
-    processing_class, stop_token_ids, data format, ResumeCheck)``."""
+    template, the checkpoint's fingerprint (the rows rendered as TRL will render them, compared with the rendering
+    the checkpoint was trained on: ``templates.check_rows_render_alike``) and I2 on the first prompt-completion row.
+    Returns ``(model, processing_class, stop_token_ids, data format, ResumeCheck)``."""
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
@@ -657,10 +655,12 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
     if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later
         templates.require_chat_template(processing_class)
-        if model_id and sft_option(args, "check_template"):
+        if model_id and sft_option(args, "check_template"):  # the rows as TRL renders them (with TRL's variant)
+            row_template = assistant_only_template(processing_class, stop_ids) if args.assistant_only_loss else None
             templates.check_fingerprint(model_id, processing_class,  # SFT trains the tokens it adds
                                         revision=(args.model_init_kwargs or {}).get("revision"),
-                                        vocabulary_may_grow=True)
+                                        vocabulary_may_grow=True, rows=None if skip_prepare else train_dataset,
+                                        row_template=row_template, row_kwargs=sft_option(args, "chat_template_kwargs"))
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
     resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")),

@@ -980,9 +980,10 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                 self._save_fingerprint(output_dir or self.args.output_dir)
 
     def _save_fingerprint(self, output_dir: str) -> None:
-        """The fingerprint of the template this run rendered its prompts with, its ``chat_template_kwargs`` and
+        """The fingerprint of the saved tokenizer's template, the one this run rendered its prompts with where that
+        differs (TRL's prefix-preserving variant for tools: ``trained_template``), its ``chat_template_kwargs`` and
         tool sets (``_common.CheckedResume._push_from_checkpoint`` calls it too)."""
-        templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self), self.chat_template,
+        templates.save_fingerprint(output_dir, _intercept.read_tokenizer(self), trained_template=self.chat_template,
                                    chat_template_kwargs=[self.chat_template_kwargs or {}],
                                    tools=templates.tool_schema_sets(_intercept.read_tool_sets(self)))
 

@@ -80,7 +80,8 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
     Overrides (everything else is TRL's):
       * ``__init__``: checks model path, tokenizer, ``eos_token`` and datasets before TRL loads anything (what
         TRL accepts passes, ``data.checks.check_dataset``); on chat data, a template, the first I2 row's
-        tokenization and, from a grpotrl checkpoint, its template fingerprint (``check_template``); under
+        tokenization and, from a grpotrl checkpoint, its template fingerprint, the train rows rendered as TRL will
+        render them compared with the rendering the checkpoint was trained on (``check_template``); under
         ``assistant_only_loss``, that TRL can mark assistant turns, that the first I2 row's loss keeps its
         end-of-turn token and that the first ``messages`` row's assistant mask covers only the assistant replies
         and their end-of-turn tokens (``chat.sft_rows.assistant_only_template``; not with ``guard_steps=0``).
