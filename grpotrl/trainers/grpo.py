@@ -585,7 +585,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         rows = torch.stack([health.per_sample_mean(entropies.detach().float(), mask), mask.sum(-1).float()], -1)
         rows = self.accelerator.gather(rows)  # [B_global, 2]: per-sample entropy, loss tokens
         per_sample = rows[:, 0]  # [B_global]
-        metrics = {**health.summarise_samples(per_sample), "entropy/loss_tokens": rows[:, 1].sum().item()}
+        summary = torch.cat([health.sample_summary(per_sample), rows[:, 1].sum().reshape(1)]).tolist()  # one sync
+        metrics = {**dict(zip(health.SAMPLE_SUMMARY, summary)), "entropy/loss_tokens": summary[-1]}
         if task is not None:
             tasks = [self.task_names[i] for i in self.accelerator.gather(task).tolist()]
             metrics.update(health.task_means(tasks, per_sample, "entropy"))
