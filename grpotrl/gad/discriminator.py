@@ -27,8 +27,9 @@ most of each sequence (SmolLM2's template alone is ~45 tokens). ``scoring_batch`
 each prompt once, then the responses to it, in rows of at most 1024 tokens and no padding
 between sequences, with an attention mask under which every token sees only its own prompt and
 its own response (``packed_attention``) and position ids of the whole sequence. One forward and
-backward, scores equal to the whole sequences' up to float rounding; the I9 guard compares one
-with the same sequence scored alone on guard steps. In bench/bench_gad.py (8 students + 2
+backward, scores equal to the whole sequences' up to float rounding; on guard steps the I9 guard compares
+the hidden state the score head read for two of them with the backbone's at the last token of the same
+sequence run alone (``state_gap``, ``state_tolerance``). In bench/bench_gad.py (8 students + 2
 teachers, 2 prompts of ~45 tokens) D reads 220-310 tokens instead of 10 rows padded to ~78, and
 its forward and backward take ~40% of the CPU time they took.
 """
@@ -54,28 +55,43 @@ def pool_last(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return hidden[torch.arange(hidden.size(0), device=hidden.device), index]
 
 
-def score_tolerance(score: float, dtype: torch.dtype, scale: float = 0.0) -> float:
-    """Largest ``|D(x alone) - D(x in its batch)|`` that I9 takes for batch-shape rounding, for a score read
-    from the head's dot product ``sum_i w_i h_i`` whose terms sum to ``scale = sum_i |w_i h_i|`` in size
-    (``Discriminator.reading_scale``; 0: unknown). With ``size = max(1, |score|, scale / 4)``: in fp32 ``2e-5 x
-    size`` (measured on CPU), in bf16/fp16 four machine epsilons of that dtype ``x size`` (bf16: 0.031 each),
-    so at least one epsilon per unit of ``scale``. The two forwards differ only in batch shape, so their kernels
-    round the hidden state differently, and the score carries that rounding at the size of its terms, not of
-    their sum: SmolLM2 with a fresh head scores within [-0.4, 2] from terms of size 9-14, and on CPU in bf16
-    (400 sequences, packed and padded batches of 8 responses + 2 teachers) a score moved by up to 0.52 eps x
-    scale (median 0.08), past four epsilons of the score alone (0.031). On an H100 in bf16 SmolLM2's scores
-    differed by 0.0078, one bf16 epsilon. A score read at the wrong token differs by the whole signal, not by
-    a rounding step: read one token early, SmolLM2's fresh D moved by 0.14-0.46 (tolerance there 0.11).
+def state_gap(read: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Relative distance ``||read - reference|| / ||reference||`` of hidden states, in fp32; [N, H], [N, H] -> [N].
+    NaN where either holds a NaN or the reference is 0: nothing a tolerance can pass.
 
-    >>> score_tolerance(0.5, torch.float32), score_tolerance(3.0, torch.bfloat16)
-    (2e-05, 0.09375)
-    >>> score_tolerance(0.4, torch.bfloat16, scale=12.0)  # 4 x 2^-7 x 12 / 4
-    0.09375
+    >>> state_gap(torch.tensor([[3.0, 4.0], [0.0, 5.0]]), torch.tensor([[3.0, 4.0], [3.0, 4.0]])).tolist()
+    [0.0, 0.6324555277824402]
     """
-    size = max(1.0, abs(score), scale / 4)
+    read, reference = read.float(), reference.float()
+    norm = reference.norm(dim=-1)  # [N]
+    return (read - reference).norm(dim=-1) / torch.where(norm > 0, norm, torch.nan)  # [N]
+
+
+def state_tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
+    """Largest ``state_gap`` that I9 takes for batch-shape rounding between the hidden state D's head reads for a
+    sequence inside its batch and the backbone's at the sequence's last token alone, for forwards in ``dtype``: in
+    fp32 ``1e-4``, in bf16/fp16 ten machine epsilons of that dtype (bf16: 0.078, fp16: 0.0098). The two forwards
+    differ only in batch shape (padding, packing), so their kernels round differently; a read at another token
+    reads another token's state. Measured on CPU, SmolLM2-135M-Instruct with a fresh head, 200-400 sequences in
+    packed, right- and left-padded batches of 8 responses + 2 teachers (largest gap of a correct read / smallest of
+    a read one token early): fp32 2.6e-6 / 0.15; bf16 autocast over fp32 weights (the torch engine's D) 0.023
+    (median 0.008) / 0.147; bf16 weights (DeepSpeed's D) 0.044 (median 0.015) / 0.156. Reads at a pad, a
+    left-padded row read at its length and a packed batch under a plain causal mask gave 0.09 or more. The score
+    is no such measure: ``sum_i w_i h_i`` over terms far larger than their sum, in bf16 it moved by up to 0.07 for
+    rounding alone, and 12% of the reads one token early moved it by less than eps x ``sum_i |w_i h_i|``
+    (0.07-0.11), the bound rounding took there.
+
+    fp32 matmuls on TF32 (``tf32``: CUDA with ``torch.backends.cuda.matmul.allow_tf32``, e.g. TrainingArguments'
+    ``tf32=True``) round to fp16's 10-bit mantissa: fp16's tolerance (not measured on a GPU).
+
+    >>> state_tolerance(torch.float32), state_tolerance(torch.bfloat16), state_tolerance(torch.float16)
+    (0.0001, 0.078125, 0.009765625)
+    >>> state_tolerance(torch.float32, tf32=True)
+    0.009765625
+    """
     if dtype in (torch.bfloat16, torch.float16):
-        return 4 * torch.finfo(dtype).eps * size
-    return 2e-5 * size
+        return 10 * torch.finfo(dtype).eps
+    return 10 * torch.finfo(torch.float16).eps if tf32 else 1e-4
 
 
 def bradley_terry_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -250,19 +266,23 @@ class Discriminator(nn.Module):
         return inner.score(hidden).squeeze(-1).float()  # [N]
 
     @contextlib.contextmanager
-    def reading_scale(self):
-        """Within: each forward appends to the yielded list ``sum_i |w_i h_i|`` (+ ``|bias|``) of each row's score
-        [N] (fp32), read inside the head's own forward from its input ``h`` and weights ``w`` (so under DeepSpeed
-        ZeRO-3 its gathered weights, under PEFT the copy that runs): the size of the terms the score head sums,
-        which its rounding in low precision follows (``score_tolerance``)."""
-        seen: list[torch.Tensor] = []
+    def reading(self):
+        """Within: each forward appends to the yielded dict's lists what it read, detached, in fp32:
+        ``head_input`` [N, H], the score head's input (each scored sequence's pooled hidden state), ``scores``
+        [N], the head's output, and ``last_position`` [R, H], the backbone's hidden state at the last position of
+        each row it ran (in a row of one unpadded sequence: its last token, whatever the pooling). Hooks on the
+        ``score`` head and the backbone themselves, so under DDP, DeepSpeed or PEFT the copies that run."""
+        seen: dict[str, list[torch.Tensor]] = {"head_input": [], "scores": [], "last_position": []}
 
-        def read(module, args, output):
-            terms = (args[0].detach().float().abs() * module.weight.detach().float().abs()[0]).sum(-1)  # [N]
-            seen.append(terms + (module.bias.detach().float().abs()[0] if module.bias is not None else 0.0))
+        def head(module, args, output):
+            seen["head_input"].append(args[0].detach().float())  # [N, H]
+            seen["scores"].append(output.detach().float().reshape(-1))  # [N]
 
-        handles = [m.register_forward_hook(read, prepend=True) for m in self.hf_model.score.modules()
-                   if isinstance(m, nn.Linear)]
+        def backbone(module, args, output):
+            seen["last_position"].append(output[0][:, -1].detach().float())  # [R, H]
+
+        inner = self.hf_model
+        handles = [inner.score.register_forward_hook(head), inner.base_model.register_forward_hook(backbone)]
         try:
             yield seen
         finally:

@@ -36,9 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoints import D_OPTIMIZER, D_WEIGHTS, DS_TAG
 from ..errors import InputError, InvariantError
-from ..gad.discriminator import Discriminator, bradley_terry_loss, score_tolerance
+from ..gad.discriminator import Discriminator, bradley_terry_loss, state_gap, state_tolerance
 from ..models.dropout import has_dropout
-from ..ops.masking import pad_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -92,23 +91,25 @@ class _Engine:
             pair = [needed.index(teacher_of[r]) for r in rows]  # [rows] each row's teacher among needed
             parts = [student_parts[r] for r in rows] + [teacher_parts[t] for t in needed]
             read = None
+            watch = self._reading() if j == 0 and check_alone else contextlib.nullcontext()
             if read_apart:
                 d.eval()
-                with torch.no_grad(), self.accelerator.autocast():
+                with torch.no_grad(), self.accelerator.autocast(), watch as seen:
                     read = d(**reward.batch(parts, device=device))  # [rows + teachers] D itself, no dropout
                 d.train()
+                watch = contextlib.nullcontext(seen)
             batch = reward.batch(parts, device=device)  # a prompt several rows share runs once
             last = j == len(starts) - 1
             sync = self.accumulate(last) if update else contextlib.nullcontext()
             grad = torch.enable_grad() if update else torch.no_grad()
-            with sync, grad, self.accelerator.autocast():
+            with sync, grad, self.accelerator.autocast(), watch as seen:
                 scores = d(**batch)  # [rows + teachers]
                 loss = bradley_terry_loss(scores[len(rows):][pair], scores[: len(rows)]) * len(rows) / n
                 if update:  # this chunk's share of the mean over pairs
                     self.backward(loss)
             read = scores.detach() if read is None else read
             if j == 0 and check_alone:
-                self.check_score_alone([p + r for p, r in parts], read, reward.tokenizer)
+                self.check_score_alone([p + r for p, r in parts], read, seen, reward.tokenizer)
             s, t = read[: len(rows)], read[len(rows):][pair]  # [rows], [rows]
             student_scores[rows] = s
             teacher_scores[needed] = read[len(rows):]
@@ -123,33 +124,66 @@ class _Engine:
             metrics["gad/d_step_skipped"] = float(not self.step(finite=math.isfinite(total[0])))
         return student_scores, metrics
 
-    def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, tokenizer) -> None:
-        """I9 at run time: the most padded sequence of the batch, and its last one (the furthest
-        from its prompt when the batch is packed, ``scoring_batch``), score the same alone, in eval
-        mode (``batched`` holds D's scores without dropout), within ``score_tolerance`` of the score
-        and of the size of its head's terms (``Discriminator.reading_scale``; a custom discriminator: the score's)."""
+    def _reading(self):
+        """``Discriminator.reading`` of D under any DDP or DeepSpeed wrapper."""
+        d = self.model.module if isinstance(getattr(self.model, "module", None), Discriminator) else self.model
+        if not isinstance(d, Discriminator):
+            raise InvariantError("I9", f"The discriminator is a {type(d).__name__}, not a grpotrl Discriminator: the "
+                                       "I9 guard cannot read the hidden state its score head reads.")
+        return d.reading()
+
+    def check_score_alone(self, seqs: list[list[int]], batched: torch.Tensor, seen: dict, tokenizer) -> None:
+        """I9 at run time, on the most padded sequence of the batch and its last one (the furthest from its prompt
+        when the batch is packed, ``scoring_batch``): the hidden state D's score head read for it inside the
+        batch equals, within ``state_tolerance`` of the compute dtype (``state_gap``, relative), the backbone's
+        hidden state at the last position of the sequence run alone, unpadded, in eval mode: its last token,
+        found without D's pooling or mask. And the score the batch used (``batched``, D's scores without
+        dropout) is its head's output on that state, exactly. ``seen``: ``Discriminator.reading`` of the forward
+        that gave ``batched``. A sequence whose batch score is not finite is left to the non-finite reward
+        handling (counted, its row missing: ``nonfinite_reward``); any other NaN stops the run."""
+        head_input, head_scores = self._one_forward(seen, "head_input"), self._one_forward(seen, "scores")
+        if head_input.size(0) != batched.numel() or head_scores.numel() != batched.numel():
+            raise InvariantError("I9", f"The discriminator's score head read {head_input.size(0)} rows for "
+                                       f"{batched.numel()} scores: the guard cannot tell which state gave which score.")
         shortest = min(range(len(seqs)), key=lambda i: len(seqs[i]))
         last = len(seqs) - 1 if len(seqs) - 1 != shortest else 0
         training = self.model.training
         self.model.eval()
-        d = self.model.module if isinstance(getattr(self.model, "module", None), Discriminator) else self.model
+        dtype = self._compute_dtype()
+        tf32 = dtype == torch.float32 and batched.is_cuda and torch.backends.cuda.matmul.allow_tf32
+        tol = state_tolerance(dtype, tf32)
         for k in (shortest, last):  # always two forwards (ZeRO-3: every process must run as many)
-            ids, mask = pad_sequences([seqs[k]], tokenizer.pad_token_id, device=batched.device)
-            reading = d.reading_scale() if isinstance(d, Discriminator) else contextlib.nullcontext([])
-            with torch.no_grad(), self.accelerator.autocast(), reading as scales:
-                alone = self.model(ids, mask)[0]
-            scale = scales[-1][0].item() if scales else 0.0
-            gap = (alone - batched[k]).abs().item()
-            tol = score_tolerance(alone.item(), self._compute_dtype(), scale)
-            if gap > tol:
+            ids = torch.tensor([seqs[k]], dtype=torch.long, device=batched.device)  # [1, L], no padding
+            with torch.no_grad(), self.accelerator.autocast(), self._reading() as alone:
+                alone_score = self.model(ids, torch.ones_like(ids))[0]
+            if not torch.isfinite(batched[k]):
+                continue
+            reference = self._one_forward(alone, "last_position")  # [1, H] the sequence's last token
+            gap = state_gap(head_input[k:k + 1], reference).item()
+            end = repr(tokenizer.decode(seqs[k][-12:]))
+            if not gap <= tol:
                 raise InvariantError(
-                    "I9", f"The discriminator scores a sequence {alone.item():.6f} alone but {batched[k].item():.6f} "
-                    f"inside its batch (padded, or packed with shared prompts; gap {gap:.2e} > {tol:.1e}): it does "
-                    f"not read the last real token of the sequence alone. Sequence end: "
-                    f"{tokenizer.decode(seqs[k][-12:])!r}. A custom discriminator must pool by the attention mask "
-                    "(grpotrl.discriminator.Discriminator does); a packed batch needs an attention that takes its 4D "
-                    "mask as given (sdpa, eager).")
+                    "I9", f"For a sequence inside its batch (padded, or packed with shared prompts) the "
+                    f"discriminator's score head read a hidden state {gap:.3g} away (relative; > {tol:.1e}) from the "
+                    f"backbone's at the sequence's last token alone (score {batched[k].item():.6f} in the batch, "
+                    f"{alone_score.item():.6f} alone): it does not read the last real token. Sequence end: {end}. "
+                    "A custom discriminator must pool by the attention mask (grpotrl.gad.discriminator.Discriminator "
+                    "does); a packed batch needs an attention that takes its 4D mask as given (sdpa, eager).")
+            if not torch.equal(batched[k], head_scores[k]):
+                raise InvariantError(
+                    "I9", f"The discriminator's batch scored a sequence {batched[k].item():.6f}, but its score head "
+                    f"gave {head_scores[k].item():.6f} for the state read for it: the scores used are not the "
+                    f"head's at the last real token. Sequence end: {end}.")
         self.model.train(training)
+
+    @staticmethod
+    def _one_forward(seen: dict, key: str) -> torch.Tensor:
+        """What the one forward watched read (``Discriminator.reading``): none, or several, cannot be paired."""
+        if len(seen[key]) != 1:
+            part = "backbone" if key == "last_position" else "score head"
+            raise InvariantError("I9", f"The discriminator's {part} ran {len(seen[key])} times in one forward: the "
+                                       "I9 guard cannot tell which run read the scored sequences.")
+        return seen[key][0]
 
     def _compute_dtype(self) -> torch.dtype:
         """The precision D's forward runs in: the mixed-precision setting, else its weights' dtype."""

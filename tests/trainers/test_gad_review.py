@@ -1,16 +1,16 @@
 """GADTrainer: what a review of the trainer found and pinned (on the real SmolLM2 tokenizer, pad == eos)."""
 
+import functools
 import json
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 
 import grpotrl
 from grpotrl import guards
-from grpotrl.ops.masking import pad_sequences
 from test_gad import gad_args, toy_rows  # noqa: F401  (gad_args is a fixture)
+from test_run_identity import PlantedBest
 
 
 def test_loss_guards_run_on_the_students_first_steps_after_discriminator_warmup(tiny_llama, gad_args, monkeypatch):
@@ -47,21 +47,38 @@ def _bf16_engine(smollm2_path, tok):
 
     torch.manual_seed(0)
     disc = gd.load_discriminator(smollm2_path, tok.pad_token_id, dtype=torch.float32)
-    accelerator = SimpleNamespace(prepare_model=lambda m: m, device=torch.device("cpu"),
+    accelerator = SimpleNamespace(prepare_model=lambda m: m, device=torch.device("cpu"), gather=lambda t: t,
                                   autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     trainer = SimpleNamespace(accelerator=accelerator, args=SimpleNamespace(
         bf16=True, fp16=False, optim="adamw_torch", max_grad_norm=1.0, per_device_train_batch_size=8))
     return TorchDiscriminator(trainer, disc, 1e-5)
 
 
-def test_I9_guard_takes_bf16_rounding_of_the_score_heads_terms(smollm2_path, smollm2_tokenizer):
-    """In bf16 the score is the rounding of ``sum_i w_i h_i``, whose terms (SmolLM2, fresh head: 9-14 in
-    ``sum_i |w_i h_i|``) are far larger than the score (-0.4 .. 1.1). Packed batches of 8 responses + 2
-    teachers moved scores by up to 0.033 against the same sequence alone, past 4 eps x max(1, |score|) = 4 x
-    2^-7 = 0.031: I9 stopped a correct discriminator. Now the bound is at least eps x scale (~0.07-0.11 here),
-    and every sequence of these batches passes alone."""
+WORDS = "the answer is 27 hope this helps ! I think it 31 maybe sum of and".split()
+
+
+def _generation_batches(tok, n: int):
+    """``n`` generation batches as GAD's D step takes them (``score_and_step``'s ``inputs``, ``prompts``,
+    ``completion_ids``): 2 prompts x 4 student responses of 1-25 random words, half of them cut before their
+    end-of-turn (no stop id), with each prompt's teacher response."""
     import random
 
+    rows, rng = toy_rows(2 * n), random.Random(0)
+    for b in range(n):
+        group = rows[2 * b:2 * b + 2]
+        prompts = [r["prompt"] for r in group for _ in range(4)]
+        texts = [" ".join(rng.choices(WORDS, k=rng.randint(1, 25))) for _ in prompts]
+        stops = [rng.random() < 0.5 for _ in prompts]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * s for t, s in zip(texts, stops)]
+        yield [{"teacher_response": r["teacher_response"]} for r in group for _ in range(4)], prompts, ids
+
+
+def test_I9_guard_takes_bf16_rounding_of_the_read_hidden_state(smollm2_path, smollm2_tokenizer):
+    """Control. In bf16 the score is the rounding of ``sum_i w_i h_i``, whose terms (SmolLM2, fresh head: 9-14 in
+    ``sum_i |w_i h_i|``) are far larger than the score (-0.4 .. 2): batch shape alone moved scores by up to 0.07,
+    past 4 bf16 epsilons of the score, and a bound on the score wide enough for that let reads one token early
+    through. The guard compares the hidden state the head reads (``state_gap``, bound 10 eps = 0.078), which
+    rounding moves by at most ~3 eps here. Every sequence of these packed and right-padded batches passes alone."""
     from grpotrl.errors import InvariantError
     from grpotrl.gad import discriminator as gd
 
@@ -69,57 +86,99 @@ def test_I9_guard_takes_bf16_rounding_of_the_score_heads_terms(smollm2_path, smo
     engine = _bf16_engine(smollm2_path, tok)
     engine.model.eval()
     reward = gd.DiscriminatorReward(engine.model, tok, [tok.eos_token_id])
-    rows, rng = toy_rows(16), random.Random(0)
-    words = "the answer is 27 hope this helps ! I think it 31 maybe sum of and".split()
-    failures = []
-    for b in range(5):
-        group = rows[3 * b:3 * b + 2]
-        prompts = [r["prompt"] for r in group for _ in range(4)]
-        texts = [" ".join(rng.choices(words, k=rng.randint(1, 25))) for _ in prompts]
-        parts = reward.parts(prompts, texts, [rng.random() < 0.5 for _ in prompts])
-        parts += reward.parts([r["prompt"] for r in group], [r["teacher_response"] for r in group])
-        with torch.no_grad(), engine.accelerator.autocast():
-            batched = engine.model(**reward.batch(parts))  # [10], packed: each prompt once
+    failures, gaps = [], []
+    for j, (inputs, prompts, ids) in enumerate(_generation_batches(tok, 6)):
+        parts = reward.parts(prompts, reward.texts(ids), reward.finished(ids))
+        parts += reward.parts(prompts[::4], [x["teacher_response"] for x in inputs[::4]])
+        batch = gd.scoring_batch(parts, tok.pad_token_id, pack=j % 2 == 0)  # packed, then padded
+        assert ("block" in batch) == (j % 2 == 0)
+        with torch.no_grad(), engine.accelerator.autocast(), engine.model.reading() as seen:
+            batched = engine.model(**batch)  # [10]
         for k, (p, r) in enumerate(parts):
+            one = {"head_input": [seen["head_input"][0][k:k + 1]], "scores": [seen["scores"][0][k:k + 1]]}
             try:
-                engine.check_score_alone([p + r], batched[k:k + 1], tok)
+                engine.check_score_alone([p + r], batched[k:k + 1], one, tok)
             except InvariantError as e:
-                failures.append(str(e)[:160])
+                failures.append(str(e)[:200])
     assert not failures, failures
 
 
-def test_I9_guard_in_bf16_still_stops_a_score_read_one_token_early(smollm2_path, smollm2_tokenizer):
-    """The wider bf16 bound still catches the trap I9 exists for: HF's pooling with pad == eos reads a finished
-    response at its last content token, not at its end-of-turn. Read so, these scores move by 0.14-0.46;
-    the bound (eps x scale, scale ~14.2) is 0.11."""
+def _hf_pooling(d):
+    """D's forward with transformers' own pooling rule for plain batches: the rightmost token that is not
+    ``pad_token_id``. SmolLM2's pad is its end-of-turn, so a finished response is read at its last content
+    token, alone as in any batch."""
+    from grpotrl.ops.masking import position_ids_from_mask
+
+    inner, pad = d.hf_model, d.hf_model.config.pad_token_id
+
+    def forward(input_ids, attention_mask):
+        hidden = inner.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+        last = ((input_ids != pad) * torch.arange(input_ids.size(1))).argmax(-1)  # [B]
+        return inner.score(hidden[torch.arange(input_ids.size(0)), last]).squeeze(-1).float()
+
+    return forward
+
+
+def test_I9_guard_in_bf16_stops_transformers_pooling_that_reads_one_token_early(smollm2_path, smollm2_tokenizer):
+    """The trap I9 exists for: HF's pooling with pad == eos reads a finished response at its last content token,
+    not at its end-of-turn. It reads so alone too, so comparing D's score alone with D's score in the batch
+    cannot see it. The guard's reference is the backbone's state at the last position of the sequence alone,
+    found without D's pooling: in D's steps on these batches (the last sequence checked is a teacher's, always
+    finished) the guard stops it."""
     from grpotrl.errors import InvariantError
     from grpotrl.gad import discriminator as gd
 
     tok = smollm2_tokenizer
     engine = _bf16_engine(smollm2_path, tok)
-    engine.model.eval()
-    reward = gd.DiscriminatorReward(engine.model, tok, [tok.eos_token_id])
+    d = engine.model
+    d.forward, d.can_pack = _hf_pooling(d), lambda: False  # plain padded rows
+    reward = gd.DiscriminatorReward(d, tok, [tok.eos_token_id])
     caught = 0
-    for row in toy_rows(6):
-        seq = reward.sequences([row["prompt"]], [row["teacher_response"]])[0]
-        with torch.no_grad(), engine.accelerator.autocast():
-            early = engine.model(*pad_sequences([seq[:-1]], tok.pad_token_id))  # read one token early
+    for inputs, prompts, ids in _generation_batches(tok, 3):
         try:
-            engine.check_score_alone([seq], early, tok)
-        except InvariantError:
+            engine.score_and_step(reward, inputs, prompts, ids, update=False, check_alone=True)
+        except InvariantError as e:
+            assert "[I9]" in str(e) and "last real token" in str(e)
             caught += 1
-    assert caught == 6
+    assert caught == 3
 
 
-class PlantedBest(TrainerCallback):
-    """Adds ``eval_planted`` to each evaluation's metrics, highest at step ``best``: with
-    ``metric_for_best_model="planted"`` the best checkpoint is ``checkpoint-<best>``, whatever D scores."""
+# finished responses whose score moves by under 0.03 when read one token early (fresh head, torch.manual_seed(0))
+BARELY_MOVED = [("What is 13 + 3?", "of it the ! this it the it"), ("What is 10 + 12?", "27 answer ! answer"),
+                ("What is 6 + 6?", "sum of sum helps is ! hope"),
+                ("What is 13 + 14?", "maybe and I 31 think is answer answer sum this I this this it 27 I ! I the of")]
 
-    def __init__(self, best: int):
-        self.best = best
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        metrics["eval_planted"] = -abs(state.global_step - self.best)
+@pytest.mark.parametrize("question,text", BARELY_MOVED, ids=range(len(BARELY_MOVED)))
+def test_I9_guard_in_bf16_stops_a_packed_read_one_token_early_the_score_hides(question, text, smollm2_path,
+                                                                              smollm2_tokenizer, monkeypatch):
+    """A packed batch whose score index is one token early (each response read at its previous token: the last
+    content token of a finished one). For these responses that moved D's score by under 0.03, less than batch
+    shape alone moves a score in bf16 (up to 0.056 over 400 sequences of batches as the control's) and than the
+    0.10-0.11 a bound on the score took: comparing scores passed them, as it passed 12% of those 400 sequences
+    read one token early. The state the head read moved by 75% or more; the guard's bound is 7.8%."""
+    from grpotrl.errors import InvariantError
+    from grpotrl.gad import discriminator as gd
+
+    real = gd.scoring_batch
+
+    def early(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        return {**batch, "score_index": batch["score_index"] - 1} if "score_index" in batch else batch
+
+    tok = smollm2_tokenizer
+    engine = _bf16_engine(smollm2_path, tok)
+    reward = gd.DiscriminatorReward(engine.model, tok, [tok.eos_token_id])
+    prompts = [[{"role": "user", "content": f"{question} Answer with just the number."}]] * 4
+    ids = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 4  # 4 finished students
+    step = functools.partial(engine.score_and_step, reward, [{"teacher_response": text}] * 4, prompts, ids,
+                             update=False)  # one packed row: the prompt, 4 students, the teacher
+    right = step(check_alone=False)[0]  # [4]
+    monkeypatch.setattr(gd, "scoring_batch", early)
+    assert (step(check_alone=False)[0] - right).abs().max() < 0.03
+    with pytest.raises(InvariantError, match=r"\[I9\].*last real token"):
+        step(check_alone=True)
 
 
 def _d_weights(trainer) -> dict[str, torch.Tensor]:
@@ -169,7 +228,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from test_gad_review import PlantedBest, toy_rows
+from test_gad import toy_rows
+from test_run_identity import PlantedBest
 
 model, out = sys.argv[1], Path(sys.argv[2])
 args = grpotrl.GADConfig(
@@ -211,7 +271,7 @@ def test_best_model_at_end_restores_the_discriminator_under_deepspeed(config, ti
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(root / "tests"),
-                                          os.environ.get("PYTHONPATH", "")])}
+                                          str(root / "tests" / "checkpoints"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
            f"recipes/accelerate/{config}.yaml", "--num_processes", "1", "--main_process_port", str(free_port()),
            str(script), str(tiny_llama), str(out)]
