@@ -49,7 +49,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import last_complete_checkpoint
-from ..configs.checks import (check_patience_fits, completion_cap_setting, generating_steps,
+from ..configs.checks import (PER_GENERATION_RULES, check_patience_fits, completion_cap_setting, generating_steps,
                               generation_schedule, health_action_of, one_token_by_construction, rules_beyond_run)
 from ..errors import HealthStop
 
@@ -158,7 +158,8 @@ class HealthRule(TrainerCallback):
         if len(self.streak) < self.patience:
             return
         values = ", ".join(f"{v:.4g}" for v in self.streak[-self.patience:])
-        span = f" for {self.patience} consecutive steps (values {values})" if self.patience > 1 else f" ({values})"
+        span = f" for {self.patience} consecutive {self.counted()} (values {values})" if self.patience > 1 \
+            else f" ({values})"
         message = f"{condition}{span}. {self.advice}"
         self.streak = []
         if self.action == "warn":
@@ -167,6 +168,15 @@ class HealthRule(TrainerCallback):
             control.should_save = True  # the step's save, unless save_strategy='best' resets it (on_epoch_end)
             control.should_training_stop = True
             self._stop = (state.global_step, message)
+
+    def counted(self) -> str:
+        """What ``patience`` counts, as the message names it: optimizer steps, or generation batches for a rule whose
+        signal is logged once per generation batch where one spans more than a step
+        (``configs.checks.PER_GENERATION_RULES``)."""
+        args = self.trainer.args
+        spans = ((getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps)
+                 * getattr(args, "num_iterations", 1) > args.gradient_accumulation_steps)
+        return "generation batches" if self.name in PER_GENERATION_RULES and spans else "steps"
 
     @property
     def stopping(self) -> bool:

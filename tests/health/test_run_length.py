@@ -105,6 +105,7 @@ def test_generation_batch_rules_count_the_steps_that_generate(tiny_llama, grpo_a
     with caplog.at_level(logging.INFO, logger=HEALTH_LOG), pytest.raises(grpotrl.HealthStop) as err:
         trainer.train()
     assert err.value.rules == ("flat_rewards",) and err.value.step == generating[-1] == 5
+    assert f"for {len(generating)} consecutive generation batches (values" in str(err.value), str(err.value)
     assert [h["step"] for h in trainer.state.log_history if "frac_reward_zero_std" in h] == generating
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == HEALTH_LOG]
     assert lines == [(logging.INFO, f"grpotrl health: one_token cannot fire in this run of 6 optimizer steps, "
