@@ -573,7 +573,8 @@ def check_fingerprint(model_dir: str | None, tokenizer, chat_template: str | Non
         raise InvariantError(
             "I2",
             f"The checkpoint {model_dir!r} was trained with another chat template than the one this run "
-            f"would use ({where}). RL on it would train on prompts the model never saw in SFT. Load the "
+            f"would use ({where}). Training on it would show the model contexts rendered otherwise than the ones it "
+            "was trained on. Load the "
             "tokenizer saved with the checkpoint, or set `check_template=False` if the change is deliberate.",
         )
     recorded = saved.get("chat_template_kwargs")
