@@ -4,8 +4,9 @@ once, before any weights are read, each an ``InputError`` (or a warning) naming 
 * ``check_dataset``: GRPO needs a ``prompt`` column, each row a non-empty list of chat messages
   whose last user message (or, without one, some message) has content, or a non-blank string, all
   one kind (``check_prompt_kinds``, a stream on its first rows: TRL
-  formats a batch by its first row and fails at the first step on a mix); SFT takes what
-  ``trl.SFTTrainer`` takes (``check_sft_dataset``); the first bad row is named by its index. A
+  formats a batch by its first row and fails at the first step on a mix), chat messages with an
+  ``environment_factory``; SFT takes what ``trl.SFTTrainer`` takes, except rows whose answer is empty
+  (``check_sft_dataset``); the first bad row is named by its index. A
   dataset object that passed is not read again with the same settings.
 * ``check_data_file`` / ``load_error_cause``: a local json/jsonl/csv file that is empty or not
   UTF-8 (``datasets`` raised ``StopIteration``, or loaded it and failed at the first row read),
@@ -209,8 +210,8 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional:
 
     GRPO: ``prompt``, each row a non-empty list of chat messages whose last user message has content (with no
     user message, some message must), or a non-blank string; with ``prompt_optional`` (an
-    ``environment_factory`` supplies prompts) rows may have none, and a chat prompt may be empty (TRL appends
-    the environment's ``reset()`` text to its last message). An
+    ``environment_factory`` supplies prompts) rows may have none, a chat prompt may be empty (TRL appends
+    the environment's ``reset()`` text to its last message), and a plain-text prompt is refused. An
     ``IterableDataset`` (streaming) is checked on its first ``ITERABLE_ROWS_CHECKED`` rows.
     SFT: see ``check_sft_dataset`` (``sft_options`` go there). A dataset object that passed with
     the same settings returns at once (``datasets`` objects do not change in place).
@@ -247,6 +248,15 @@ def _check_grpo_dataset(dataset, split_name: str, prompt_optional: bool) -> None
             'is a list of chat messages such as [{"role": "user", "content": "What is 7 + 5?"}]. Rename your '
             "question column (`dataset.rename_column(old, 'prompt')`) or map your rows into that shape."
         )
+    if prompt_optional and isinstance(rows[0]["prompt"], str):  # a mix of kinds is check_prompt_kinds' to name
+        raise InputError(
+            f"The {split_name!r} split has plain-text prompts (row 0: {rows[0]['prompt'][:60]!r}), but with an "
+            "environment_factory TRL appends each environment's reset() text to the prompt's last chat message "
+            "(`prompt[-1]['content']`) and reads the completions as chat messages for tool calls: a plain-text prompt "
+            "fails at the first step, after the model loaded (TypeError: string indices must be integers). Make "
+            "every prompt a list of chat messages, e.g. "
+            '`dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})`.'
+        )
     bad = _first_bad_row(rows, "prompt",
                          lambda v: _text_or_messages_problem(v, "prompt", filled_by_environment=prompt_optional))
     if bad is not None:
@@ -275,39 +285,64 @@ def _sft_messages_problem(value, what: str) -> str | None:
     return None
 
 
-def _sft_column(dataset, first: dict, column: str) -> list:
-    """A map-style dataset's whole column; a stream's first value (a stream is read lazily)."""
-    return dataset[column] if hasattr(dataset, "__len__") else [first[column]]
+MODEL_ROLES = ("assistant", "gpt")  # the model's turn: chat messages' role, ShareGPT's "from"
+ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")  # what a turn holds besides content
+
+
+def _empty_answer(value, what: str) -> str | None:
+    """Why the SFT target ``value`` holds no answer, or None: a blank string, or (messages that passed
+    ``_sft_messages_problem``) a model turn whose content is blank with no tool calls or reasoning. Its whole
+    trained completion is then the end-of-turn token (or nothing, for a text row): the model learns to stop at once."""
+    if isinstance(value, str):
+        return f"{what!r} is {value!r}" if not value.strip() else None
+    for j, message in enumerate(value):
+        role, content = message.get("role", message.get("from")), message.get("content", message.get("value"))
+        if role in MODEL_ROLES and _blank(content) and not any(message.get(k) for k in ANSWER_FIELDS):
+            return f"{what}[{j}] (role {role!r}) has content {content!r} and no tool_calls"
+    return None
+
+
+def _keep_answered(column: str, chat: bool) -> str:
+    """The ``dataset.filter`` function, as text, that keeps the rows whose ``column`` has an answer."""
+    if not chat:
+        return f'lambda row: row[{column!r}].strip() != ""'
+    role, content = ("from", "value") if column == "conversations" else ("role", "content")
+    return (f'lambda row: all((m["{content}"] or "").strip() or any(m.get(k) for k in {ANSWER_FIELDS}) '
+            f'for m in row[{column!r}] if m["{role}"] in {MODEL_ROLES})')
+
+
+def _sft_column(rows, column: str) -> list:
+    """A map-style dataset's whole column, or the column of the rows read from a stream (``_rows_to_check``)."""
+    return [row.get(column) for row in rows] if isinstance(rows, list) else rows[column]
 
 
 def check_sft_dataset(dataset, split_name: str, text_field: str = "text", formatting_func=None,
                       skip_prepare: bool = False) -> None:
-    """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly; accept what it accepts.
+    """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly, or would train rows with no
+    answer; accept everything else it accepts.
 
-    A ``Dataset`` or ``IterableDataset`` (streams: their first row), not empty, in one of TRL's layouts:
-    ``text_field`` (language modelling, a string in every row), ``messages`` or ``conversations``
+    A ``Dataset`` or ``IterableDataset`` (streams: their first ``ITERABLE_ROWS_CHECKED`` rows), not empty, in one of
+    TRL's layouts: ``text_field`` (language modelling, a string in every row), ``messages`` or ``conversations``
     (conversational language modelling), ``prompt`` + ``completion`` (both strings or both non-empty
-    message lists; an empty completion has nothing to train on), or ``input_ids``
-    (pre-tokenized). With a ``formatting_func`` or ``skip_prepare`` (``dataset_kwargs``), the columns
-    are the function's or the collator's business and only emptiness is checked.
+    message lists), or ``input_ids`` (pre-tokenized). A row whose answer is empty (``_empty_answer``: a blank
+    text or completion, an assistant turn with blank content and no tool calls) is refused, naming the rows: TRL
+    trains its end-of-turn token alone, the one-token completion. With a ``formatting_func`` or ``skip_prepare``
+    (``dataset_kwargs``), the columns are the function's or the collator's business and only emptiness is checked.
     """
     if not hasattr(dataset, "column_names") or getattr(dataset, "format", {}).get("type") == "custom":
         return  # not a datasets object, or a with_transform one: trl.SFTTrainer says what it needs
-    try:
-        first = next(iter(dataset))
-    except StopIteration:
+    rows, columns = _rows_to_check(dataset, split_name)
+    if len(rows) == 0:
         raise InputError(
-            f"The {split_name!r} split is empty (columns {dataset.column_names}). Point the recipe at a split "
-            "with rows."
-        ) from None
-    columns = dataset.column_names or list(first)
+            f"The {split_name!r} split is empty (columns {columns}). Point the recipe at a split with rows."
+        )
     if formatting_func is not None or skip_prepare or "input_ids" in columns:
         return
     example = _EXAMPLE
     bad = None
     if "prompt" in columns and "completion" in columns:
-        pairs = zip(_sft_column(dataset, first, "prompt"), _sft_column(dataset, first, "completion"))
-        for i, (prompt, completion) in enumerate(pairs):
+        column, answers = "completion", _sft_column(rows, "completion")
+        for i, (prompt, completion) in enumerate(zip(_sft_column(rows, "prompt"), answers)):
             if isinstance(prompt, str) != isinstance(completion, str):
                 bad = (i, "prompt and completion must both be message lists or both strings, got a "
                           f"{type(prompt).__name__} and a {type(completion).__name__}")
@@ -318,12 +353,12 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
                 break
     elif "messages" in columns or "conversations" in columns:
         column = "messages" if "messages" in columns else "conversations"
-        values = _sft_column(dataset, first, column)
-        bad = next(((i, why) for i, v in enumerate(values) if (why := _sft_messages_problem(v, column))), None)
+        answers = _sft_column(rows, column)
+        bad = next(((i, why) for i, v in enumerate(answers) if (why := _sft_messages_problem(v, column))), None)
     elif text_field in columns:
-        values = _sft_column(dataset, first, text_field)
+        column, answers = text_field, _sft_column(rows, text_field)
         example = json.dumps({text_field: "The number after 7 is 8."})
-        bad = next(((i, f"{text_field!r} is a {type(v).__name__}, not a string") for i, v in enumerate(values)
+        bad = next(((i, f"{text_field!r} is a {type(v).__name__}, not a string") for i, v in enumerate(answers)
                     if not isinstance(v, str)), None)
     else:
         raise InputError(
@@ -337,6 +372,15 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
         raise InputError(
             f"Row {index} of the {split_name!r} split (SFT): {why}. A valid row looks like {example}. "
             "Fix or drop that row."
+        )
+    empty = [(i, why) for i, v in enumerate(answers) if (why := _empty_answer(v, column))]
+    if empty:
+        chat = not isinstance(answers[empty[0][0]], str)
+        raise InputError(
+            f"The {split_name!r} split (SFT) has rows with an empty answer ({row_list([i for i, _ in empty])}); "
+            f"row {empty[0][0]}: {empty[0][1]}. TRL trains such a row on its end-of-turn (for text, end-of-text) token "
+            "alone, which teaches the model to stop at once (a one-token completion). Drop or fill those rows, e.g. "
+            f"`dataset.filter({_keep_answered(column, chat)})`."
         )
 
 

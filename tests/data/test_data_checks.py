@@ -81,3 +81,108 @@ def test_a_chat_prompt_with_a_question_passes_whatever_else_is_empty():
         checks.check_dataset(_stream([row]), "train", kind="grpo")
     checks.check_dataset(Dataset.from_list([{"prompt": [{"role": "user", "content": ""}]}] * 2), "train",
                          kind="grpo", prompt_optional=True)
+
+
+# ---------------------------------------------------------------- SFT rows with no answer
+
+Q = {"role": "user", "content": "What is 7 + 5?"}
+A = {"role": "assistant", "content": "12"}
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 5}}}]}
+
+
+EMPTY_TURN = {"messages": [Q, {"role": "assistant", "content": ""}]}
+
+
+def _filter_in(message: str):
+    """The function the error's ``dataset.filter(...)`` advice names, evaluated."""
+    import re
+
+    return eval(re.search(r"`dataset\.filter\((.*)\)`", message).group(1))  # noqa: S307  our own message
+
+
+@pytest.mark.parametrize("answered, empty, why", [
+    ({"messages": [Q, A]}, {"messages": [Q, {"role": "assistant", "content": ""}]},
+     r"messages\[1\] \(role 'assistant'\) has content '' and no tool_calls"),
+    ({"messages": [Q, A, Q, A]}, {"messages": [Q, {"role": "assistant", "content": " \n"}, Q, A]},
+     r"messages\[1\] \(role 'assistant'\) has content ' \\n'"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+     {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
+     r"conversations\[1\] \(role 'gpt'\) has content ''"),
+    ({"prompt": [Q], "completion": [A]}, {"prompt": [Q], "completion": [{"role": "assistant", "content": ""}]},
+     r"completion\[0\] \(role 'assistant'\) has content ''"),
+    ({"prompt": "7 + 5 =", "completion": " 12"}, {"prompt": "7 + 5 =", "completion": ""}, r"'completion' is ''"),
+    ({"prompt": "7 + 5 =", "completion": " 12"}, {"prompt": "7 + 5 =", "completion": "  "}, r"'completion' is '  '"),
+    ({"text": "7 + 5 = 12"}, {"text": ""}, r"'text' is ''"),
+])
+def test_an_sft_row_whose_answer_is_empty_is_refused_naming_rows_column_and_the_filter(answered, empty, why):
+    """trl.SFTTrainer trains a row whose assistant turn (or completion) is empty on its end-of-turn token alone
+    (``<|im_end|>`` after the generation prompt, on SmolLM2): the one-token completion the health signals watch
+    for in RL, taught in SFT. A text row "" is the end-of-document token alone. The check refuses such rows
+    whatever their share, a map-style dataset's every row and a stream's first rows, naming the first rows, the
+    column and a ``dataset.filter`` that keeps the answered rows; that filter makes the dataset pass."""
+    rows = [answered] * 3 + [empty] + [answered] * 2 + [empty]
+    for dataset in (Dataset.from_list(rows), _stream(rows)):
+        with pytest.raises(InputError, match=rf"'train' split \(SFT\) has rows with an empty answer \(rows 3, 6\); "
+                                             rf"row 3: {why}.*one-token completion") as err:
+            checks.check_dataset(dataset, "train", kind="sft")
+        kept = dataset.filter(_filter_in(str(err.value)))
+        checks.check_dataset(kept, "train", kind="sft")
+        assert len(list(kept)) == 5
+
+
+def test_the_filter_an_empty_answer_error_suggests_keeps_every_turn_the_check_takes():
+    """A turn whose content is blank but that reasons (``reasoning_content``) or calls a tool has an answer: the
+    suggested filter keeps it and drops only the empty turn."""
+    reasoning = {"messages": [Q, {"role": "assistant", "content": "", "reasoning_content": "7 + 5 is 12."}]}
+    calling = {"messages": [Q, {**CALL, "content": ""}, {"role": "tool", "content": "12"}, A]}
+    dataset = Dataset.from_list([reasoning, EMPTY_TURN, calling])
+    with pytest.raises(InputError, match=r"empty answer \(row 1\)") as err:
+        checks.check_dataset(dataset, "train", kind="sft")
+    kept = dataset.filter(_filter_in(str(err.value)))["messages"]  # Arrow gives every message every key
+    assert [(m[1]["reasoning_content"], bool(m[1]["tool_calls"])) for m in kept] == [("7 + 5 is 12.", False),
+                                                                                     (None, True)]
+
+
+def test_one_stray_empty_answer_among_many_rows_is_refused():
+    """A share too small to see in the metrics is still refused: filtering it costs one line."""
+    rows = [{"prompt": "7 + 5 =", "completion": f" {i}"} for i in range(2_000)]
+    rows[1_997] = {"prompt": "7 + 5 =", "completion": ""}
+    with pytest.raises(InputError, match=r"\(row 1997\); row 1997: 'completion' is ''"):
+        checks.check_dataset(Dataset.from_list(rows), "train", kind="sft")
+
+
+def test_an_sft_turn_with_tool_calls_or_reasoning_but_no_text_has_an_answer():
+    """Controls: an assistant turn that only calls a tool (content None or ""), one whose answer is its reasoning,
+    an image answer, and empty system or user messages train real tokens, and pass; so do rows with a
+    ``formatting_func`` (the function's text is its business)."""
+    reasoning = {"role": "assistant", "content": "", "reasoning_content": "7 + 5 is 12."}
+    image = {"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": ""}]}
+    for rows in ([{"messages": [Q, CALL, {"role": "tool", "content": "12"}, A]}],
+                 [{"messages": [Q, {**CALL, "content": ""}, {"role": "tool", "content": "12"}, A]}],
+                 [{"messages": [{"role": "system", "content": ""}, Q, reasoning]}],
+                 [{"messages": [{"role": "user", "content": ""}, A]}],
+                 [{"prompt": [Q], "completion": [CALL, {"role": "tool", "content": "12"}, A]}],
+                 [{"prompt": [Q], "completion": [image]}]):
+        checks.check_dataset(_stream(rows), "train", kind="sft")
+    checks.check_dataset(Dataset.from_list([{"text": ""}]), "train", kind="sft", formatting_func=lambda r: "x")
+
+
+# ---------------------------------------------------------------- GRPO environments need chat prompts
+
+@pytest.mark.parametrize("prompt", ["What is 7 + 5?", ""])
+def test_plain_text_prompts_with_an_environment_factory_are_refused_before_the_model_loads(prompt):
+    """With an environment_factory TRL 1.16 appends each environment's reset() text to ``prompt[-1]['content']``
+    (and reads completions as chat messages for tool calls): on a plain-text prompt that is a ``TypeError:
+    string indices must be integers`` (``IndexError`` on "") at the first step, after the model loaded. The check
+    refuses it (``prompt_optional`` is set exactly when an environment_factory is given), map-style or streamed;
+    the same rows without an environment pass (non-blank ones), as do chat prompts with one."""
+    rows = [{"prompt": prompt, "start": i} for i in range(3)]
+    for dataset in (Dataset.from_list(rows), _stream(rows)):
+        with pytest.raises(InputError, match=r"'train' split has plain-text prompts \(row 0: .*environment_factory"
+                                             r".*Make every prompt a list of chat messages"):
+            checks.check_dataset(dataset, "train", kind="grpo", prompt_optional=True)
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": prompt}], "start": i} for i in range(3)])
+    checks.check_dataset(chat, "train", kind="grpo", prompt_optional=True)
+    if prompt:
+        checks.check_dataset(Dataset.from_list(rows), "train", kind="grpo")
