@@ -16,6 +16,7 @@ the Liger loss (it bypasses TRL's ``_compute_loss``, whose forward the task term
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import namedtuple
@@ -34,6 +35,8 @@ from ..ops.task_losses import PolicyLoss, policy_loss_terms, regulariser
 from . import _intercept
 from .grpo import TASK_KEY, GRPOTrainer
 from .records import TaskGradients
+
+logger = logging.getLogger(__name__)
 
 
 class MultiTaskGRPOTrainer(GRPOTrainer):
@@ -110,7 +113,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         (``_combine_window``, ``_low_memory_loss``).
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef`` (over the gradients the task has rows in:
         in low-memory mode the microbatches that hold it), ``cagrad/min_cosine``,
-        ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` (exact, guard steps).
+        ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` and ``guards/bonus_alone_checked_share`` (exact,
+        guard steps with a bonus: the composed update's I7 check, ``_check_composed_update``).
     """
 
     _tag_names = ["trl", "grpo", "grpotrl", "multi-task"]
@@ -306,30 +310,63 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
             p.grad = d.clone() if p.grad is None else p.grad + d
 
     def _check_composed_update(self, params: list, coef: float) -> None:
-        """I7, exact mode: with the bonus acting alone (no task direction, ``.grad`` holding what
-        the backward of ``-c H`` gives), the update ``_compose_update`` applies must raise H to
-        first order: ``dH = -lr <u, dH/dtheta> > 0``. One extra backward of H (guard steps only)."""
-        entropies, mask = self.hook_record.loss.entropies, self.hook_record.loss.mask  # [B, C]
-        H = masked_mean(entropies, mask)
-        grad_h = torch.autograd.grad(H, params, retain_graph=True, allow_unused=True)
-        grad_h = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grad_h)]
+        """I7, exact mode: with the bonus acting alone (no task direction, ``.grad`` holding what the backward of
+        ``-c H`` gives, H over the tokens the bonus averages over), the update ``_compose_update`` applies must
+        raise H to first order: ``dH = -lr <u, dH/dtheta> > 0``. One extra backward (guard steps only), of ``c H``
+        as the Trainer's backward takes the bonus (``_gradients``: at fp16's loss scale S, then unscaled; an unscaled
+        fp16 backward flushes the entropy's small gradient to 0). Logged: ``entropy/bonus_alone_dH_per_lr`` where
+        checked, and ``guards/bonus_alone_checked_share`` (1 checked, 0 not). Not checked, with a warning once per
+        cause: a gradient that overflowed at S >= 1 (the check changes nothing: the Trainer's backward carries the
+        bonus at the same S, so the scaler skips that update as a rule), or one that is 0 (the bonus acts on no token
+        of the microbatch, or its gradient rounds to 0 even at S). A NaN/inf gradient without a scaler or at S < 1,
+        and an update that does not raise H (a NaN change included), stop training."""
+        terms = self.hook_record.loss
+        H = masked_mean(terms.entropies, terms.bonus_mask)  # the entropy the bonus raises
+        scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
+        bonus = _gradients(coef * H, params, scale)  # d (c H) / dtheta
+        bonus = [torch.zeros_like(p) if g is None else g for p, g in zip(params, bonus)]
+        norm = sum(_dot(g, g) for g in bonus).item() / coef ** 2  # |dH/dtheta|^2
+        at = "" if scale is None else f" at fp16's loss scale {scale:g}"
+        if not math.isfinite(norm):
+            if not _overflowed_at_scale(torch.tensor([[norm]]), scale):  # (its 1 x 1 Gram) no scaler, or S < 1
+                raise InvariantError("I7", f"the entropy's gradient{at} is NaN/inf (|dH/dtheta|^2 = {norm:g}), so the "
+                                     f"update the CAGrad exact path applies with the entropy bonus c={coef:g} cannot "
+                                     "be checked to raise the entropy. Look for a NaN/inf logit or entropy in the "
+                                     "policy's forward (half precision), or lower the learning rate.")
+            return self._composed_update_unchecked(coef, "overflow", f"the entropy's gradient overflowed{at} (the "
+                                                   "Trainer's backward, which carries the bonus, overflows there too "
+                                                   "as a rule: the scaler then skips the update and halves its scale)")
+        if norm == 0:
+            return self._composed_update_unchecked(coef, "zero", f"the entropy's gradient{at} is 0 (the bonus acts on "
+                                                   "no token of this microbatch, or its gradient rounds to 0 in half "
+                                                   "precision)")
         saved = [p.grad for p in params]
         try:
-            for p, g in zip(params, grad_h):
-                p.grad = -coef * g
+            for p, g in zip(params, bonus):
+                p.grad = -g  # the backward of -c H
             self._compose_update(params, [torch.zeros_like(p) for p in params])
-            rise = -sum(_dot(p.grad, g) for p, g in zip(params, grad_h)).item()  # dH / lr, first order
+            rise = -sum(_dot(p.grad, g) for p, g in zip(params, bonus)).item() / coef  # dH / lr, first order
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
-        norm = sum(_dot(g, g) for g in grad_h).item()
-        self._record_metrics({"entropy/bonus_alone_dH_per_lr": rise}, "train")
-        if norm > 0 and rise <= 0:
+        self._record_metrics({"entropy/bonus_alone_dH_per_lr": rise, "guards/bonus_alone_checked_share": 1.0}, "train")
+        if not rise > 0:  # NaN is not
             raise InvariantError("I7", f"with the entropy bonus c={coef:g} acting alone, the update the CAGrad "
                                  f"exact path applies changes H by {rise:+.4g} x lr to first order (|dH/dtheta|^2 = "
                                  f"{norm:.4g}): it lowers entropy. The regulariser gradient must be added to the "
                                  "combined task direction with a + sign, outside the combination "
                                  "(`_compose_update`).")
+
+    def _composed_update_unchecked(self, coef: float, cause: str, why: str) -> None:
+        """The composed-update check (``_check_composed_update``) could not read this microbatch: counted in
+        ``guards/bonus_alone_checked_share`` as 0, and said once per ``cause``."""
+        self._record_metrics({"guards/bonus_alone_checked_share": 0.0}, "train")
+        if f"composed_update/{cause}" not in self._warned:
+            self._warned.add(f"composed_update/{cause}")
+            logger.warning("grpotrl guard I7: with the entropy bonus (c=%g) acting alone, the update the CAGrad exact "
+                           "path applies was not checked to raise the entropy on step %d: %s. Said once; "
+                           "guards/bonus_alone_checked_share counts the checked guard microbatches.",
+                           coef, self.state.global_step + 1, why)
 
     # ------------------------------------------------------------------ CAGrad low-memory
 
