@@ -114,21 +114,24 @@ def _holds_tokenizer(directory: str) -> bool:
                                                  for n in names)
 
 
-def check_tokenizer_source(name_or_path: str, revision: str | None = None) -> None:
+def check_tokenizer_source(name_or_path: str, revision: str | None = None,
+                           elsewhere: str = "from Python pass processing_class=") -> None:
     """Raise ``InputError`` when the model ``name_or_path`` has no tokenizer vocabulary to load the tokenizer
     from (a checkpoint saved, or a snapshot downloaded, without one): a local directory, or a Hub id's cached
     snapshot with ``HF_HUB_OFFLINE=1``, holds none of ``TOKENIZER_FILES`` (transformers would say
     "Unrecognized processing class", or to install sentencepiece or tiktoken). Call it only where the tokenizer
     is loaded from the model (no ``processing_class`` given). Online a Hub id passes: ``from_pretrained``
-    downloads what the repo has. A path that does not exist passes: ``check_model_source`` refuses it."""
+    downloads what the repo has. A path that does not exist passes: ``check_model_source`` refuses it.
+    ``elsewhere``: how this model's user gives a tokenizer loaded from elsewhere (the policy's ``processing_class``,
+    a reward model's ``reward_processing_classes[i]``, a judge's ``LocalJudge(model, tokenizer, ...)``)."""
     if is_local(name_or_path):
         directory = os.path.expanduser(name_or_path)
         if os.path.isdir(directory) and not _holds_tokenizer(directory):
             raise InputError(
                 f"Model dir {name_or_path!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}; found: "
                 f"{file_listing(directory)}): it was saved without its tokenizer. Save the tokenizer of the model it "
-                "was trained from into it (`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or from "
-                "Python pass processing_class=."
+                f"was trained from into it (`AutoTokenizer.from_pretrained(base).save_pretrained(dir)`), or {elsewhere} "
+                "(a tokenizer loaded from elsewhere)."
             )
         return
     if not looks_like_hub_id(name_or_path) or not _offline():
@@ -140,8 +143,7 @@ def check_tokenizer_source(name_or_path: str, revision: str | None = None) -> No
             f"snapshot {snapshot} holds none of {list(TOKENIZER_FILES)} (found: {file_listing(snapshot)}), and "
             "HF_HUB_OFFLINE=1 forbids downloading them. Run once with network (or `hf download "
             f"{name_or_path}{'' if revision in (None, 'main') else ' --revision ' + revision}`) to fetch them, point "
-            "HF_HUB_CACHE / HF_HOME at a cache that holds them, or from Python pass processing_class= (a tokenizer "
-            "loaded from elsewhere)."
+            f"HF_HUB_CACHE / HF_HOME at a cache that holds them, or {elsewhere} (a tokenizer loaded from elsewhere)."
         )
 
 

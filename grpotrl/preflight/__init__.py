@@ -20,7 +20,8 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
    builtin without TRL's keywords); the columns every
    reward function and judge reads (``rewards.resolve.check_reward_columns``, from Python too);
    multi-task: ``check_tasks`` (every task labelled and rewarded; CAGrad's needs); reward models
-   by path, I6 generation settings, the model's own generation_config.json on the transformers generate path
+   by path or Hub id (weights and tokenizer files: ``rewards.resolve.check_reward_sources``), I6 generation
+   settings, the model's own generation_config.json on the transformers generate path
    (beam search where the sampler's logprobs are recorded, fields under which generate cannot return one completion
    per prompt; a warning for fields that change the sampled distribution),
    settings this trainer would ignore, reward columns empty
@@ -54,7 +55,8 @@ from ..models.quantization import pin_quantized_kernels, quantized_bits
 from ..models.sources import check_model_source, check_tokenizer_source, generation_config, model_file
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
-from ..rewards.resolve import RewardNames, check_reward_callables, check_reward_columns, check_reward_signal
+from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
+                               check_reward_sources)
 from ..rewards.tasks import per_task
 from .model import check_discriminator_source, check_lora_targets
 
@@ -299,7 +301,9 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
         raise InputError(f"reward_funcs maps tasks to functions ({list(reward_funcs)}), which "
                          f"{trainer_name} does not read: use grpotrl.MultiTaskGRPOTrainer (rows labelled "
                          "in task_column), or pass one list of reward functions.")
-    _check_reward_models(reward_funcs, args)
+    # reward models by name (TRL loads them after the policy): weights and tokenizer files, named by index
+    check_reward_sources(reward_funcs, (args.model_init_kwargs or {}).get("revision"),
+                         kwargs.get("reward_processing_classes"))
     _check_kl_reference(model, args, peft_config)
     _check_generation_args(args, kwargs)
     if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate
@@ -335,16 +339,6 @@ def _check_kl_reference(model, args, peft_config) -> None:
                      f"only, set beta: {args.kl_in_reward_coef} (with use_kl_loss off it is the reward's coefficient), "
                      "use_kl_loss: false, and drop kl_in_reward_coef; or train a LoRA adapter (peft_config), whose "
                      "disabled adapter is the reference.")
-
-
-def _check_reward_models(reward_funcs, args) -> None:
-    """Reward models named by path or Hub id (TRL loads them with ``AutoModelForSequenceClassification``)
-    are checked like the policy, before anything loads."""
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    revision = (args.model_init_kwargs or {}).get("revision")
-    for func in funcs:
-        if isinstance(func, str):
-            check_model_source(func, revision, what="Reward model")
 
 
 def _check_generation_args(args, kwargs: dict) -> None:

@@ -980,10 +980,13 @@ class LocalJudge:
             torch.cuda.empty_cache()
 
     def _shrink_batch(self, rows: int) -> None:
-        """A forward of ``rows`` ran out of memory: half that many rows per forward (at least one) from now on."""
+        """A forward of ``rows`` ran out of memory: half that many rows per forward (at least one) from now on. The
+        warning says the size now used and the setting that starts the next run there (nothing else keeps it)."""
         was, self.batch_size = self.batch_size, max(rows // 2, 1)
         logger.warning("LocalJudge %r ran out of memory on a forward of %d rows: it scores %d rows per forward for "
-                       "the rest of the run (batch_size was %d).", self.name, rows, self.batch_size, was)
+                       "the rest of the run (batch_size was %d). To start there next time, set the judge's "
+                       "batch_size to %d (judges.%s.batch_size in a recipe, LocalJudge(batch_size=...) in Python).",
+                       self.name, rows, self.batch_size, was, self.batch_size, self.name)
 
     def _too_long(self, length: int) -> str:
         context = self.max_input_tokens + self.VERDICT_TOKENS

@@ -18,8 +18,9 @@ A judge with ``base_url`` is an ``HttpJudge`` (keys: ``HTTP_KEYS``), one with ``
 ``LocalJudge`` (``LOCAL_KEYS``). ``rubric`` is a built-in name (``RUBRICS``), a ``.yaml``/``.json``
 file or an inline mapping of ``Rubric`` fields, a ``.txt``/``.md`` file holding the criterion, or
 the criterion itself as text (graded 1-5 with the built-ins' answer format, no worked examples).
-Everything is checked here, before any model loads; a local judge's model is only checked
-(``LocalJudgeSpec``) and loaded by ``load_local_judges`` once every other check has passed.
+Everything is checked here, before any model loads; a local judge's model and tokenizer files are only checked
+(``models.sources.check_model_source`` and ``check_tokenizer_source``, the policy's checks) and loaded by
+``load_local_judges`` once every other check has passed, every judge's tokenizer before any judge's weights.
 No setting's value is ever written into an error message where it could be a secret.
 """
 
@@ -53,7 +54,8 @@ _CUSTOM_TEMPLATE = ("Question:\n{prompt}\n\nAnswer to grade:\n<response>\n{compl
 
 @dataclasses.dataclass
 class LocalJudgeSpec:
-    """A local judge, checked but not loaded: ``load`` reads the weights (after every other check)."""
+    """A local judge, checked (its model's files, by ``parse_judges``) but not loaded: ``load_tokenizer`` loads and
+    checks its tokenizer, ``load`` reads the weights (``load_local_judges``, after every other check)."""
 
     name: str
     rubric: Rubric
@@ -61,13 +63,25 @@ class LocalJudgeSpec:
     batch_size: int = 4
     max_failed_batches: int = 3
 
-    def load(self, device):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def load_tokenizer(self):
+        """The judge's tokenizer, loaded and checked (``LocalJudge.check_tokenizer``: pad token, one token per
+        score, a chat template that renders the rubric); no weights read."""
+        from transformers import AutoTokenizer
 
         from .judges import LocalJudge
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        LocalJudge.check_tokenizer(tokenizer, self.rubric, self.name)  # before the weights load
+        LocalJudge.check_tokenizer(tokenizer, self.rubric, self.name)
+        return tokenizer
+
+    def load(self, device, tokenizer=None):
+        """The ``LocalJudge``: its weights on ``device``, beside ``tokenizer`` (``load_tokenizer``'s; loaded and
+        checked here, before the weights, when not given)."""
+        from transformers import AutoModelForCausalLM
+
+        from .judges import LocalJudge
+
+        tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
         model = AutoModelForCausalLM.from_pretrained(self.model_path).to(device).eval()
         return LocalJudge(model, tokenizer, self.rubric, name=self.name, batch_size=self.batch_size,
                           max_failed_batches=self.max_failed_batches)
@@ -126,12 +140,17 @@ def _judge(name, settings):
         raise InputError(f"{where} has no `rubric`: give {list(RUBRICS)}, a rubric file or your criterion as text.")
     rubric = _rubric(settings["rubric"], settings.get("rubric_columns"), name, where)
     if "model_path" in settings:
-        from ..models.sources import check_model_source
+        from ..models.sources import check_model_source, check_tokenizer_source
         from ..models import resolve_model_path
 
         try:  # an alias, a local dir or a Hub id; the error names the judge and the path as written
             path = resolve_model_path(str(settings["model_path"]))
-            check_model_source(path)
+            check_model_source(path, what="Judge model")
+        except InputError as err:
+            raise InputError(f"{where}.model_path {settings['model_path']!r}: {err}") from None
+        try:  # the tokenizer loads from the same path (LocalJudgeSpec.load_tokenizer)
+            check_tokenizer_source(path, elsewhere="from Python build LocalJudge(model, tokenizer, rubric) (a "
+                                   "recipe's judge takes its tokenizer from model_path)")
         except InputError as err:
             raise InputError(f"{where}.model_path {settings['model_path']!r}: {err}") from None
         batch_size = _number(settings, "batch_size", 4, int, where)
@@ -290,18 +309,16 @@ def _is(value, kind) -> bool:
 
 def load_local_judges(reward_funcs, device):
     """``reward_funcs`` (one, a list, or task -> list) with every ``LocalJudgeSpec`` loaded, each once;
-    the trainers' preflight calls it once every other check has passed."""
-    loaded = {}
-
-    def load(funcs):
-        for f in funcs:
-            if isinstance(f, LocalJudgeSpec) and id(f) not in loaded:
-                loaded[id(f)] = f.load(device)
-        return [loaded.get(id(f), f) for f in funcs]
-
+    the trainers' preflight calls it once every other check has passed. Every judge's tokenizer is loaded and
+    checked (``LocalJudgeSpec.load_tokenizer``) before any judge's weights load, so a judge refused for its
+    tokenizer costs no other judge's load."""
+    lists = ([funcs if isinstance(funcs, (list, tuple)) else [funcs] for funcs in reward_funcs.values()]
+             if isinstance(reward_funcs, Mapping) else
+             [reward_funcs] if isinstance(reward_funcs, (list, tuple)) else [[reward_funcs]])
+    specs = {id(f): f for funcs in lists for f in funcs if isinstance(f, LocalJudgeSpec)}  # each once, in order
+    tokenizers = {key: spec.load_tokenizer() for key, spec in specs.items()}
+    loaded = {key: spec.load(device, tokenizers[key]) for key, spec in specs.items()}
+    swapped = [[loaded.get(id(f), f) for f in funcs] for funcs in lists]
     if isinstance(reward_funcs, Mapping):
-        return {task: load(funcs if isinstance(funcs, (list, tuple)) else [funcs])
-                for task, funcs in reward_funcs.items()}
-    if isinstance(reward_funcs, (list, tuple)):
-        return load(reward_funcs)
-    return load([reward_funcs])[0] if isinstance(reward_funcs, LocalJudgeSpec) else reward_funcs
+        return dict(zip(reward_funcs, swapped))
+    return swapped[0] if isinstance(reward_funcs, (list, tuple)) else swapped[0][0]

@@ -11,6 +11,9 @@ rewards come from a recipe (``RewardNames``) or from Python.
   ``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
   log_metric=..., **columns)``: not a class, not a non-callable, not a builtin whose signature
   cannot be read or does not take those keywords (TRL would fail after the model loaded and generated).
+* ``check_reward_sources``: every reward model given by name (a local directory or Hub id, which TRL loads after
+  the policy) has complete weights and, where TRL loads it from the name, tokenizer files: the policy's own checks
+  (``models.sources``), the error naming the entry (``reward_funcs[i]``).
 * ``check_reward_columns``: every required argument of a reward function, and every column a
   judge's rubric reads, is a column of the dataset (TRL would fail only after generation).
 * ``check_reward_signal``: a column a reward reads that is empty or None on every row it scores
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from ..data.checks import row_list
+from ..models.sources import check_model_source, check_tokenizer_source
 from . import rules
 
 logger = logging.getLogger(__name__)
@@ -236,6 +240,41 @@ def check_reward_callables(reward_funcs, columns: list[str] | None = None, envir
         problem = _uncallable(func, [*_trl_keywords(environments), *row])
         if problem:
             raise InputError(problem)
+
+
+def check_reward_sources(reward_funcs, revision: str | None = None, processing_classes=None) -> None:
+    """Every reward model given by name is checked as the policy's model is, before anything loads. TRL 1.16's
+    ``GRPOTrainer`` loads a ``str`` in ``reward_funcs`` (a local directory or Hub id) once the policy has loaded:
+    ``AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, **model_init_kwargs)``, then, where
+    ``reward_processing_classes`` gives none at its index, ``AutoTokenizer.from_pretrained(name, revision=...)``.
+    So its weights (``models.sources.check_model_source``) and, where TRL loads it from the name, its tokenizer
+    (``models.sources.check_tokenizer_source``) are checked at ``revision`` (``model_init_kwargs['revision']``,
+    which TRL uses for every reward model too), and an ``InputError`` names the entry (``reward_funcs[i]``).
+    ``processing_classes`` is TRL's ``reward_processing_classes``: None, one (for one reward), or a list with one
+    entry per reward (None where TRL loads it); another length is refused here, where TRL refuses it after the
+    policy has loaded. Per-task rewards (a mapping) hold no reward model (``tasks.per_task`` refuses one)."""
+    by_task = isinstance(reward_funcs, Mapping)
+    funcs = [f for fs in reward_funcs.values() for f in _listed(fs)] if by_task else _listed(reward_funcs)
+    classes = ([None] * len(funcs) if processing_classes is None else
+               processing_classes if isinstance(processing_classes, list) else [processing_classes])
+    if len(classes) != len(funcs):
+        raise InputError(f"reward_processing_classes has {len(classes)} entries for {len(funcs)} reward functions: "
+                         "give one per reward function, in reward_funcs' order (None where the reward is not a "
+                         "reward model, or where its tokenizer loads from its name).")
+    for i, (func, tokenizer) in enumerate(zip(funcs, classes)):
+        if by_task or not isinstance(func, str):
+            continue
+        entry = f"reward_funcs[{i}] (a reward model{'; from a recipe, reward_model_name_or_path' if i == 0 else ''})"
+        try:
+            check_model_source(func, revision, what="Reward model")
+        except InputError as err:
+            raise InputError(f"{entry}: {err}") from None
+        if tokenizer is None:
+            try:
+                check_tokenizer_source(func, revision, elsewhere=f"from Python pass reward_processing_classes[{i}] "
+                                                                 "(processing_class is the policy's)")
+            except InputError as err:
+                raise InputError(f"{entry}: {err}") from None
 
 
 def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:

@@ -200,7 +200,9 @@ def test_I8_local_judge_out_of_memory_is_asked_again_at_half_the_rows_and_keeps_
     assert metrics["judge/local_fairness/missing_share"] == 0.0
     warnings = [r.getMessage() for r in caplog.records if "ran out of memory" in r.getMessage()]
     assert warnings == ["LocalJudge 'local_fairness' ran out of memory on a forward of 4 rows: it scores 2 rows per "
-                        "forward for the rest of the run (batch_size was 4)."]
+                        "forward for the rest of the run (batch_size was 4). To start there next time, set the "
+                        "judge's batch_size to 2 (judges.local_fairness.batch_size in a recipe, "
+                        "LocalJudge(batch_size=...) in Python)."]
 
 
 def test_I8_local_judge_out_of_memory_down_to_one_row_gives_none_with_reason_model_error(tiny_llama, caplog):
