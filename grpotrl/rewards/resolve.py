@@ -258,9 +258,10 @@ def check_reward_sources(reward_funcs, revision: str | None = None, processing_c
     classes = ([None] * len(funcs) if processing_classes is None else
                processing_classes if isinstance(processing_classes, list) else [processing_classes])
     if len(classes) != len(funcs):
-        raise InputError(f"reward_processing_classes has {len(classes)} entries for {len(funcs)} reward functions: "
-                         "give one per reward function, in reward_funcs' order (None where the reward is not a "
-                         "reward model, or where its tokenizer loads from its name).")
+        raise InputError(f"The number of reward processing classes ({len(classes)}) must match the number of reward "
+                         f"functions ({len(funcs)}), as TRL requires: give reward_processing_classes one entry per "
+                         "reward function, in reward_funcs' order (None where the reward is not a reward model, or "
+                         "where its tokenizer loads from its name).")
     for i, (func, tokenizer) in enumerate(zip(funcs, classes)):
         if by_task or not isinstance(func, str):
             continue
