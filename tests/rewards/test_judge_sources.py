@@ -166,7 +166,8 @@ def test_a_reward_model_not_in_the_cache_is_named_by_its_index(grpo_args, tiny_l
 
 def test_reward_processing_classes_of_another_length_is_refused_before_trl_loads_the_policy(tiny_llama, grpo_args,
                                                                                             smollm2_tokenizer):
-    with pytest.raises(InputError, match=r"The number of reward processing classes \(1\) must match the number of reward functions \(2\)") as err:
+    with pytest.raises(InputError, match=r"The number of reward processing classes \(1\) must match the number of "
+                                         r"reward functions \(2\)") as err:
         grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=[length_reward, tiny_llama], args=grpo_args(),
                             train_dataset=arithmetic_prompts(8), reward_processing_classes=[smollm2_tokenizer])
     _not_in_trl(err)
