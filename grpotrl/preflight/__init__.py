@@ -56,7 +56,7 @@ from ..models.sources import check_model_source, check_tokenizer_source, generat
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
-                               check_reward_sources)
+                               check_reward_sources, check_reward_weights)
 from ..rewards.tasks import per_task
 from .model import check_discriminator_source, check_lora_targets
 
@@ -304,6 +304,8 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     # reward models by name (TRL loads them after the policy): weights and tokenizer files, named by index
     check_reward_sources(reward_funcs, (args.model_init_kwargs or {}).get("revision"),
                          kwargs.get("reward_processing_classes"))
+    if not getattr(args, "use_kl_in_reward", False):  # its KL column is counted where it is added
+        check_reward_weights(reward_funcs, args.reward_weights)
     _check_kl_reference(model, args, peft_config)
     _check_generation_args(args, kwargs)
     if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate

@@ -278,6 +278,28 @@ def check_reward_sources(reward_funcs, revision: str | None = None, processing_c
                 raise InputError(f"{entry}: {err}") from None
 
 
+def check_reward_weights(reward_funcs, weights) -> None:
+    """``reward_weights`` (given: one weight per reward function, in TRL's order: a per-task mapping's flattened,
+    ``tasks.per_task``) of another length than the reward functions is refused before anything loads, in TRL's
+    words; TRL 1.16 refuses it once the policy and every reward model have loaded. ``use_kl_in_reward``'s extra
+    column is counted where it is added (``trainers.reference_kl``), so call this without it.
+
+    >>> check_reward_weights([len, len], [1.0, 0.5]); check_reward_weights({"a": len, "b": [len, len]}, [1, 1, 1])
+    >>> check_reward_weights([len], [1.0, 2.0])
+    Traceback (most recent call last):
+    ...
+    grpotrl.errors.InputError: Number of reward weights (2) must match number of reward functions (1), as TRL requires: give reward_weights one weight per reward function, in reward_funcs' order.
+    """
+    if weights is None:
+        return
+    funcs = [f for fs in reward_funcs.values() for f in _listed(fs)] if isinstance(reward_funcs, Mapping) \
+        else _listed(reward_funcs)
+    if len(weights) != len(funcs):
+        raise InputError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                         f"({len(funcs)}), as TRL requires: give reward_weights one weight per reward function, in "
+                         "reward_funcs' order.")
+
+
 def check_reward_columns(reward_funcs, dataset, split_name: str) -> None:
     """Every required argument of every reward function must be a column of ``dataset``
     (TRL passes the columns as keyword arguments; a missing one fails only after generation), and so

@@ -651,3 +651,16 @@ def test_I5_beam_search_from_the_models_generation_config_is_refused_where_the_s
                                                  generation_kwargs={**bias, "num_beams": 1}))
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_reward_weights_of_another_length_than_the_reward_functions_is_refused_before_the_model_loads(
+        tiny_llama, grpo_args):
+    """TRL 1.16 refuses it with a ValueError once the policy (and every reward model) has loaded; grpotrl in TRL's
+    words, before anything loads (an InputError, which TRL never raises), for a list and for per-task rewards."""
+    args = grpo_args(reward_weights=[1.0])
+    with pytest.raises(InputError, match=r"Number of reward weights \(1\) must match number of reward functions \(2\)"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=[length_reward, length_reward], args=args,
+                            train_dataset=arithmetic_prompts())
+    resolve.check_reward_weights({"a": length_reward, "b": [length_reward, length_reward]}, [1.0, 1.0, 1.0])
+    with pytest.raises(InputError, match=r"\(2\) must match number of reward functions \(3\)"):
+        resolve.check_reward_weights({"a": length_reward, "b": [length_reward, length_reward]}, [1.0, 1.0])
