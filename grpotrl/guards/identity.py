@@ -210,13 +210,13 @@ def sampler_gap_causes(measured: dict, temperature: float, threshold: float) -> 
 
 
 def gate_sampler_gap(args, mean_gap: float, loss_tokens: int, step: int, temperature: float, said: set,
-                     measured: dict | None = None, mode: str = "train") -> None:
+                     measured: dict | None = None, mode: str = "train", unmeasured: int = 0) -> None:
     """``sampler_gap_action`` when the mean sampler/trainer gap passes ``sampler_gap_threshold``: 'stop'
     raises, 'warn' warns once per ``mode`` ("train" or "eval"; ``said`` remembers), 'off' does nothing.
     ``mean_gap``: the token mean of ``|logp_sampler - logp_trainer|`` over every process's loss tokens where it
-    is finite; ``loss_tokens``: every process's loss tokens. A gap that is NaN on loss tokens (not finite on
-    any of them: a logprob of -inf or NaN) cannot be verified and trips the gate like a gap above the
-    threshold. A microbatch with no loss token on any process (every completion masked: truncated under
+    is finite; ``loss_tokens``: every process's loss tokens, ``unmeasured`` of them with a gap that is not finite
+    (a sampler or trainer logprob of -inf or NaN on a token the sampler drew). Such a gap cannot be verified, on
+    one token or on all (``mean_gap`` NaN), and trips the gate like a gap above the threshold. A microbatch with no loss token on any process (every completion masked: truncated under
     ``mask_truncated_completions``, tool results) updates nothing and has no gap to gate: it warns once per
     ``mode`` that the gate was not checked, as I10 and I11 do, and passes, as TRL trains on it (loss 0).
     The message names the causes ``measured`` shows (``sampler_gap_causes``); without measurements, the
@@ -240,16 +240,17 @@ def gate_sampler_gap(args, mean_gap: float, loss_tokens: int, step: int, tempera
                            "mask_truncated_completions, or tool results). Said once.", args.sampler_gap_threshold,
                            where)
         return
-    if mean_gap <= args.sampler_gap_threshold:  # NaN is not: it trips the gate
+    if mean_gap <= args.sampler_gap_threshold and not unmeasured:  # NaN is not: it trips the gate
         return
     meaning = ("Measured on an evaluation batch, which updates nothing; training samples its completions the same "
                "way, and its update is computed for a distribution they were not sampled from. ") if mode == "eval" \
         else "The update is computed for a distribution the completions were not sampled from. "
-    if math.isnan(mean_gap):
-        head = (f"sampler/trainer mismatch: the |logp_sampler - logp_trainer| gap is not finite on any of the "
-                f"{loss_tokens} loss tokens ({where}): a sampler or trainer logprob is -inf or NaN there (the "
-                "sampler drew a token it gives probability 0, or a forward produced NaN), so the gap cannot be "
-                f"checked against sampler_gap_threshold={args.sampler_gap_threshold}. ")
+    if unmeasured or math.isnan(mean_gap):
+        share = f"any of the {loss_tokens}" if math.isnan(mean_gap) else f"{unmeasured} of the {loss_tokens}"
+        head = (f"sampler/trainer mismatch: the |logp_sampler - logp_trainer| gap is not finite on {share} loss "
+                f"tokens ({where}): a sampler or trainer logprob is -inf or NaN there (the sampler drew a token one "
+                "side gives probability 0, or a forward produced NaN), so the gap cannot be checked against "
+                f"sampler_gap_threshold={args.sampler_gap_threshold}. ")
     else:
         head = (f"sampler/trainer mismatch: the mean |logp_sampler - logp_trainer| over the loss's tokens is "
                 f"{mean_gap:.3f} nats > sampler_gap_threshold={args.sampler_gap_threshold} ({where}). {meaning}")

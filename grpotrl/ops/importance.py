@@ -109,7 +109,8 @@ def sampler_gap_metrics(stats: torch.Tensor) -> tuple[dict[str, float], int]:
     mean (seq/*: the row mean) over all of them, each process weighted by its count, so a process with no
     loss token contributes nothing; a min or max is over the processes with a value. A column measured on
     no process is left out (``sampling/sampler_trainer_logp_gap/mean`` too: no loss token anywhere, or no
-    finite gap on any). One host sync.
+    finite gap on any); ``sampling/sampler_trainer_logp_gap/unmeasured_tokens`` counts the loss tokens whose gap
+    is not finite (logged where there is a loss token). One host sync.
 
     >>> three = sampler_gap_local(torch.zeros(1, 3), torch.zeros(1, 3), -torch.ones(1, 3), torch.ones(1, 3))
     >>> one = sampler_gap_local(torch.zeros(1, 3), torch.zeros(1, 3), torch.full((1, 3), -3.0), torch.eye(3)[:1])
@@ -122,7 +123,10 @@ def sampler_gap_metrics(stats: torch.Tensor) -> tuple[dict[str, float], int]:
     pick = torch.tensor([0 if name.endswith("/min") else 1 if name.endswith("/max") else 2 for name in GAP_COLUMNS])
     values, counts = _across(per, pick).tolist()
     tokens = per[:, 1, GAP_COLUMNS.index("raw_ratio/token/outside_share")].sum()  # every process's mask.sum()
-    return {f"sampling/{name}": v for name, v, n in zip(GAP_COLUMNS, values, counts) if n}, int(tokens)
+    out = {f"sampling/{name}": v for name, v, n in zip(GAP_COLUMNS, values, counts) if n}
+    if tokens:  # loss tokens whose gap is not finite (a logprob of -inf or NaN): the gate cannot measure them
+        out["sampling/sampler_trainer_logp_gap/unmeasured_tokens"] = float(tokens - counts[0])
+    return out, int(tokens)
 
 
 CAUSES = ("kept_mass", "truncation_gap", "processor_gap", "forward_gap", "stale_gap")

@@ -852,7 +852,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
                          dtype=str(next((p.dtype for p in self.model.parameters() if p.is_floating_point()), "?")))
         identity.gate_sampler_gap(self.args, metrics.get("sampling/sampler_trainer_logp_gap/mean", float("nan")),
                                   loss_tokens, self.state.global_step, self.temperature, self._warned, found,
-                                  "train" if self.model.training else "eval")
+                                  "train" if self.model.training else "eval",
+                                  int(metrics.get("sampling/sampler_trainer_logp_gap/unmeasured_tokens", 0)))
 
     # ------------------------------------------------------------------ the loss's own denominator (I11)
 

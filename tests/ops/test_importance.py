@@ -101,7 +101,8 @@ def test_no_loss_token_anywhere_leaves_every_statistic_out():
     drawn_at_minus_inf = importance.sampler_gap_local(z, z, torch.full((2, 3), -math.inf), torch.eye(2, 3))
     m, tokens = importance.sampler_gap_metrics(drawn_at_minus_inf[None])
     assert tokens == 2 and "sampling/sampler_trainer_logp_gap/mean" not in m
-    assert m == {"sampling/raw_ratio/token/outside_share": 1.0, "sampling/raw_ratio/seq/outside_share": 1.0}
+    assert m == {"sampling/raw_ratio/token/outside_share": 1.0, "sampling/raw_ratio/seq/outside_share": 1.0,
+                 "sampling/sampler_trainer_logp_gap/unmeasured_tokens": 2.0}
 
 
 def test_I5_sampler_gap_causes_are_token_means_over_every_processs_loss_tokens():

@@ -14,6 +14,7 @@ from conftest import arithmetic_prompts, length_reward
 import grpotrl
 from grpotrl.errors import InvariantError
 from grpotrl.guards.identity import gate_sampler_gap
+from grpotrl.ops import importance
 
 
 def _args(action: str) -> SimpleNamespace:
@@ -79,3 +80,26 @@ def test_I5_the_trainer_stops_on_loss_tokens_the_sampler_gave_minus_inf(trainer)
               "sampling_per_token_logps": torch.full((2, 4), -math.inf)}
     with pytest.raises(InvariantError, match="not finite on any of the 3 loss tokens"):
         trainer._log_sampler_gap(used, inputs)
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+def test_I5_a_gap_that_is_not_finite_on_some_loss_tokens_trips_the_gate(action, caplog):
+    """One loss token of 12 with a -inf logprob on one side: the finite tokens' mean (0.01) is under the threshold,
+    but the gap on that token is not measured, so the gate cannot pass it (before, it was left out of the mean and
+    the gate passed); the count is logged by ``importance.sampler_gap_metrics``."""
+    z, sampler, mask = torch.zeros(1, 12), torch.full((1, 12), -0.01), torch.ones(1, 12)
+    sampler[0, 5] = -math.inf
+    m, tokens = importance.sampler_gap_metrics(importance.sampler_gap_local(z, z, sampler, mask)[None])
+    assert tokens == 12 and m["sampling/sampler_trainer_logp_gap/unmeasured_tokens"] == 1.0
+    assert abs(m["sampling/sampler_trainer_logp_gap/mean"] - 0.01) < 1e-6
+    args = SimpleNamespace(sampler_gap_action=action, sampler_gap_threshold=0.1, presence_penalty=0.0, frequency_penalty=0.0,
+              min_new_tokens=0, repetition_penalty=1.0)
+    call = lambda: gate_sampler_gap(args, m["sampling/sampler_trainer_logp_gap/mean"], tokens, 3, 1.0, set(),
+                                    unmeasured=1)  # noqa: E731
+    if action == "stop":
+        with pytest.raises(InvariantError, match=r"not finite on 1 of the 12 loss tokens"):
+            call()
+    else:
+        with caplog.at_level(logging.WARNING):
+            call()
+        assert "not finite on 1 of the 12 loss tokens" in caplog.text
