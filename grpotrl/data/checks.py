@@ -234,6 +234,21 @@ def check_dataset(dataset, split_name: str, kind: str = "grpo", prompt_optional:
         pass
 
 
+def check_chat_prompts_for_tools(dataset, split_name: str) -> None:
+    """GRPO with ``tools`` on plain-text prompts: TRL 1.16 decodes the completions of plain-text prompts as strings
+    and its tool loop reads each as chat messages (``completion[0].get("tool_calls")``), so the first step fails
+    after the model loaded. Refused on the split's first row (a mix of kinds is ``check_prompt_kinds``')."""
+    rows, columns = _rows_to_check(dataset, split_name)
+    if len(rows) and "prompt" in columns and isinstance(rows[0]["prompt"], str):
+        raise InputError(
+            f"The {split_name!r} split has plain-text prompts (row 0: {rows[0]['prompt'][:60]!r}), but with tools TRL "
+            "reads each completion as chat messages for its tool calls: a plain-text prompt's completion is text, "
+            "and the first step fails after the model loaded (AttributeError: 'str' object has no attribute "
+            "'get'). Make every prompt a list of chat messages, e.g. "
+            '`dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})`.'
+        )
+
+
 def _check_grpo_dataset(dataset, split_name: str, prompt_optional: bool) -> None:
     rows, columns = _rows_to_check(dataset, split_name)
     if len(rows) == 0:

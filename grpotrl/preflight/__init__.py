@@ -47,7 +47,7 @@ from ..configs.checks import (BEAMS_UNRECORDED, CUT_SHORT, NO_OFF, SAMPLING_CHAN
                               recorded_settings)
 from ..configs.launch import sharded_launch
 from ..data import SPLIT_NAMES
-from ..data.checks import check_dataset, check_prompt_lengths
+from ..data.checks import check_chat_prompts_for_tools, check_dataset, check_prompt_lengths
 from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
@@ -279,6 +279,9 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
         quantization_config=kwargs.get("quantization_config"),
     )
+    if kwargs.get("tools"):  # TRL's tool loop reads completions as chat messages
+        for name, dataset in named_splits(train_dataset, eval_dataset):
+            check_chat_prompts_for_tools(dataset, name)
     template_kwargs = args.chat_template_kwargs or {}
     # the tools TRL will render prompts with (None: a factory's, known only once TRL calls it)
     tool_sets = templates.grpo_tool_sets(kwargs.get("tools"), kwargs.get("environment_factory"))

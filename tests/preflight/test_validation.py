@@ -664,3 +664,31 @@ def test_reward_weights_of_another_length_than_the_reward_functions_is_refused_b
     resolve.check_reward_weights({"a": length_reward, "b": [length_reward, length_reward]}, [1.0, 1.0, 1.0])
     with pytest.raises(InputError, match=r"\(2\) must match number of reward functions \(3\)"):
         resolve.check_reward_weights({"a": length_reward, "b": [length_reward, length_reward]}, [1.0, 1.0])
+
+
+def _add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def test_plain_text_prompts_with_tools_are_refused_before_the_model_loads(tiny_llama, grpo_args, no_model_load):
+    """TRL 1.16 decodes a plain-text prompt's completions as strings and its tool loop reads each as chat messages
+    (``completion[0].get("tool_calls")``): an AttributeError at the first step, after the model loaded. Refused
+    before any weights load (``no_model_load``), for train and eval; the same rows as chat prompts get past it."""
+    plain = Dataset.from_list([{"prompt": "What is 7 + 5?"}] * 4)
+    with pytest.raises(InputError, match=r"'train' split has plain-text prompts .* with tools TRL reads each "
+                                         r"completion as chat messages"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(), train_dataset=plain,
+                            tools=[_add])
+    with pytest.raises(InputError, match=r"'eval' split has plain-text prompts"):
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward,
+                            args=grpo_args(eval_strategy="steps", eval_steps=1), train_dataset=arithmetic_prompts(),
+                            eval_dataset=plain, tools=[_add])
+    with pytest.raises(AssertionError, match="the model was loaded"):  # chat prompts pass every check
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(),
+                            train_dataset=arithmetic_prompts(), tools=[_add])
