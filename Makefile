@@ -1,6 +1,6 @@
 # make setup       create .venv and install grpotrl (scripts/setup.sh; GRPOTRL_EXTRAS=deepspeed,...)
 # make test        the test suite, as CI runs it (.ci/run): all but the tests marked slow
-# make test-all    every test, the slow ones included (about 7 minutes more)
+# make test-all    every test, the slow ones included (about 10 minutes more)
 # make quickstart  a tiny end-to-end run on SmolLM2-135M-Instruct
 # make docs        build the documentation site (mkdocs.yml, docs/) and serve it at http://127.0.0.1:8000
 # make notebooks   re-execute notebooks/ and store them with their outputs (scripts/run_notebooks.py)

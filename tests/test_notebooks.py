@@ -33,7 +33,8 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 REPO = NOTEBOOKS.parent
-SLOW = {"01_sft_then_grpo", "03_judges", "04_multitask_cagrad", "05_gad"}  # 65-101 s each on 2 cores; 00 in the default run
+SLOW = {"01_sft_then_grpo", "02_guards", "03_judges", "04_multitask_cagrad", "05_gad"}  # 27-101 s each on 2 cores; 00 in
+# the default run (02's guards are tests/guards')
 CELL_TIMEOUT_S = 600
 MAX_STORED_BYTES = 1_000_000  # PNG plots at the inline backend's default size are ~30-60 KB each
 

@@ -136,7 +136,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(where)], check=True)
 
 
-@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("steps", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: a later checkpoint, the same path
 def test_full_disk_while_a_checkpoint_is_written_names_the_file_and_the_last_complete_checkpoint(
         small_disk, tiny_llama, steps):
     """Sized so that the checkpoints before step ``steps`` fit and the model of step ``steps`` fits too,

@@ -111,6 +111,7 @@ def held_elsewhere(directory: Path) -> bool:
 # One run per output_dir
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 28 s: two CLI runs; the lock's refusal is also test_python_train_into_a_locked_output_dir_...
 def test_a_second_cli_run_into_a_running_runs_output_dir_is_refused_naming_it(tmp_path, tiny_llama):
     """Two runs started seconds apart into one output_dir both exited 0; every file on disk was the
     second's. The first run here also replaces a finished run with the recipe key `overwrite_output_dir: true`,

@@ -216,6 +216,7 @@ def test_bf16_I5_stops_a_loss_forward_with_other_positions_or_attention(cls, smo
         _train(cls, smollm2_path, _bf16_args(tmp_path, padding_free=True))
 
 
+@pytest.mark.slow  # 36 s; padding_free bf16 training with every guard on is test_bf16_trains_with_every_guard_on's
 def test_bf16_planted_loss_hooks_are_harmless_when_off(smollm2_path, tmp_path):
     """The controls of the two hooks above: the same subclasses with the edit off train."""
     for cls in (ShiftedCompletionPositions, PackedRowsSeeEachOther):

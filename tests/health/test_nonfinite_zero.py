@@ -78,6 +78,7 @@ def _run(tiny_llama, tmp_path, precision: str) -> tuple[dict, Path]:
     return ev, out
 
 
+@pytest.mark.slow  # 10 s; a NaN loss under ZeRO-2 stopping with its checkpoint is also test_distributed's, on 2 ranks
 def test_a_nan_loss_under_zero2_stops_with_the_last_finite_weights(tiny_llama, tmp_path):
     ev, out = _run(tiny_llama, tmp_path, "fp32")
     assert ev["error"] is not None and "[health: non_finite] step 2" in ev["error"] and "loss nan" in ev["error"], ev

@@ -471,7 +471,7 @@ def _loss_and_grads(trainer, inputs):
     return _rel(l1, l0), _rel(flat1, flat0)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta", [pytest.param(0.0, marks=pytest.mark.slow), 0.04])  # 0.04 adds the KL to the same loss
 def test_loss_and_gradients_equal_padded_for_every_loss_type(beta, tiny_llama, grpo_args):
     """Same batch, same old/ref logprobs: the loss and the gradient of every parameter, packed vs padded,
     for each of TRL's loss types (luspo at the sequence level, as TRL requires). With beta > 0 the
