@@ -841,7 +841,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             causes = importance.sampler_causes_local(used, old, untruncated, raw, log_mass, mask)  # [2 * len(CAUSES)]
         else:  # not measured: every cause over 0 tokens
             causes = used.new_zeros((2 * len(importance.CAUSES),), dtype=torch.float32)
-        world = self.accelerator.gather(torch.cat([local, causes])).view(-1, local.numel() + causes.numel())
+        # one host sync for both summaries (their own .cpu() is then a no-op)
+        world = self.accelerator.gather(torch.cat([local, causes])).view(-1, local.numel() + causes.numel()).cpu()
         metrics, loss_tokens = importance.sampler_gap_metrics(world[:, :local.numel()])
         found = importance.sampler_causes_metrics(world[:, local.numel():])
         self._record_metrics({**metrics, **{f"sampling/causes/{k}": v for k, v in found.items()}})
