@@ -13,8 +13,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ["HF_HUB_CACHE"] = HUB_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-hub-")
-os.environ["HF_DATASETS_CACHE"] = DATASETS_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-datasets-")
+# A test's child process that imports this module (a worker script's ``from conftest import ...``) keeps the
+# session's caches: it inherits them, and a fresh pair would be left behind (no session end removes it).
+_OWNER = "GRPOTRL_TEST_CACHES_OWNER"
+if os.environ.get(_OWNER) and os.path.isdir(os.environ.get("HF_HUB_CACHE", "")):
+    HUB_CACHE, DATASETS_CACHE = os.environ["HF_HUB_CACHE"], os.environ["HF_DATASETS_CACHE"]
+else:
+    os.environ["HF_HUB_CACHE"] = HUB_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-hub-")
+    os.environ["HF_DATASETS_CACHE"] = DATASETS_CACHE = tempfile.mkdtemp(prefix="grpotrl-test-datasets-")
+    os.environ[_OWNER] = str(os.getpid())
 
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -36,6 +43,8 @@ def pytest_sessionfinish(session, exitstatus):
     """The session's HF caches go with it (a directory each a run; the Hub cache's large blobs are links)."""
     import shutil
 
+    if os.environ.get(_OWNER) != str(os.getpid()):  # a pytest run inside a test's child: the parent's caches
+        return
     for cache in (HUB_CACHE, DATASETS_CACHE):
         shutil.rmtree(cache, ignore_errors=True)
 
