@@ -143,6 +143,7 @@ def parse_args(command: str, argv: list[str]):
     from grpotrl.configs import recipe_types
 
     parser = make_parser(command)
+    recipe_types.take_false_from_command_line(parser)  # --trackio_static_space_id false: False, not 'false'
     parser.error = _argparse_error  # one `grpotrl CMD: error:` line instead of argparse's usage block
     _refuse_repeated_flags(argv, parser._option_string_actions)
     if "--config" in argv:  # YAML syntax, env: variables read at import, each value against its field's type

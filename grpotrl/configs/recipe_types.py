@@ -13,7 +13,8 @@ the list's or mapping's item, takes an integer: ``write 1000`` for ``1.0e+3`` or
 A field's default passes both, a default of None where the annotation lacks None too. An error writes a value
 as its user wrote it: a recipe's as YAML does (``true``, ``false``, ``null``), a Python call's as Python does
 (``True``, ``None``). The command line never reaches these checks with a wrong type: argparse converts each
-flag's text to its field's type, and its error quotes the text as typed (``invalid int value: 'true'``).
+flag's text to its field's type, and its error quotes the text as typed (``invalid int value: 'true'``); a field
+that takes ``False`` beside a string reads ``false`` as False (``take_false_from_command_line``).
 
 pydantic checks each value against its field's annotation (``pydantic.TypeAdapter``), in its lax
 mode (a tuple is a list, an enum's value is the enum) except for the plain types, which
@@ -509,6 +510,31 @@ def _fields(dataclass_types) -> dict:
         for f in dataclasses.fields(cls):
             out.setdefault(f.name, _annotation(f.name, hints))
     return out
+
+
+def _false_or_text(text: str):
+    """A command-line value for a field that takes ``False`` besides a string: ``false`` (any case) is False."""
+    return False if text.lower() == "false" else text
+
+
+def take_false_from_command_line(parser) -> None:
+    """A field annotated with ``Literal[False]`` beside ``str`` (``trackio_static_space_id``: False means no
+    static Space) gets its command-line text as HfArgumentParser registers it, a string, so ``--FIELD false``
+    would name a Space ``'false'``: its flag is made to read ``false`` as False (a recipe's YAML ``false`` is
+    already False). Other text passes as typed."""
+    for name, tp in _fields(parser.dataclass_types).items():
+        action = parser._option_string_actions.get(f"--{name}")
+        if action is not None and False in _literal_values(tp):
+            action.type = _false_or_text
+
+
+def _literal_values(tp) -> tuple:
+    """The values of every ``Literal`` in ``tp`` (a union's members included)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return tuple(v for member in typing.get_args(tp) for v in _literal_values(member))
+    return ()
 
 
 def _default(f: dataclasses.Field):

@@ -1021,3 +1021,17 @@ def test_cli_resuming_another_runs_checkpoint_does_not_replace_a_finished_run(tm
                               "--resume_from_checkpoint", str(tmp_path / "other" / "checkpoint-1")])
     assert "already holds a finished run of 5 steps" in line and "lies outside it" in line, line
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("command", ["grpo", "sft", "gad"])
+def test_command_line_false_reaches_a_field_that_takes_false_as_false(command, tmp_path):
+    """``trackio_static_space_id`` takes a Space id or False (no static Space); HfArgumentParser hands the
+    command line's ``false`` in as the string 'false', a Space of that name. It is False, as a recipe's
+    ``false`` is; a Space id and any other text pass as typed."""
+    out = str(tmp_path / "o")
+    for typed, expected in (("false", False), ("False", False), ("me/dashboard", "me/dashboard")):
+        args = cli.parse_args(command, ["--output_dir", out, "--trackio_static_space_id", typed])[1]
+        assert args.trackio_static_space_id == expected and type(args.trackio_static_space_id) is type(expected)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {out}\ntrackio_static_space_id: false\n")
+    assert cli.parse_args(command, ["--config", str(recipe)])[1].trackio_static_space_id is False
