@@ -339,10 +339,13 @@ class _YamlWord:
 
 
 def _as_yaml_words(value):
-    """``value`` with each bool and None in it, at any depth of lists, tuples and mappings (keys too), a
-    ``_YamlWord`` (``true``, ``false``, ``null``), so that its repr reads as a recipe writes it."""
+    """``value`` with each bool, None and non-finite float in it, at any depth of lists, tuples and mappings (keys
+    too), a ``_YamlWord`` (``true``, ``false``, ``null``, ``.nan``, ``.inf``, ``-.inf``), so that its repr reads as
+    a recipe writes it."""
     if isinstance(value, bool) or value is None:
         return _YamlWord({True: "true", False: "false", None: "null"}[value])
+    if isinstance(value, float) and not math.isfinite(value):
+        return _YamlWord(".nan" if math.isnan(value) else ".inf" if value > 0 else "-.inf")
     if isinstance(value, dict):
         return {_as_yaml_words(k): _as_yaml_words(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
