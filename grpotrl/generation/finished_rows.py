@@ -39,11 +39,12 @@ can then flip where two tokens' draws are that close, as between any two machine
 
 It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not
 beam search or assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
-sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), no batch-shaped
-model input other than the three above, and each of those holding the B rows on its batch axis (a ``[1, L]``
-``position_ids`` broadcast over the rows is not cut). Elsewhere the call runs as transformers wrote it. Where a
-decoding step's inputs stop being such after rows have left the cache, the call stops with a ``RuntimeError``:
-the rows cannot be put back.
+sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), no other model input
+with B entries on any axis (a tensor, or one in a dict, list or tuple: ``mm_token_type_ids [B, L]``, a ``[k, B]``
+layout; one whose size equals B by chance keeps every row too), and each of the three above holding the B rows on
+its batch axis (a ``[1, L]`` ``position_ids`` broadcast over the rows is not cut). Elsewhere the call runs as
+transformers wrote it. Where a decoding step's inputs stop being such after rows have left the cache, the call
+stops with a ``RuntimeError``: the rows cannot be put back.
 At least one row always stays in the forward, so a process whose rows have all stopped but that keeps
 running forwards for the others (ZeRO-3's ``synced_gpus``) runs a forward of one row.
 """
@@ -174,13 +175,32 @@ def _batch_dim(name: str, value: torch.Tensor) -> int:
 
 
 def _plain_inputs(kwargs: dict, rows: int) -> bool:
-    """Every ``BATCH_INPUTS`` tensor holds the ``rows`` rows on its batch axis (``_batch_dim``; not a ``[1, L]``
-    broadcast), and no other batch-shaped tensor is among a forward's inputs (images, token types, embeddings:
-    this class would not know to cut them)."""
-    cuttable = all(v.ndim >= (2 if name == "position_ids" else 1) and v.size(_batch_dim(name, v)) == rows
-                   for name, v in kwargs.items() if name in BATCH_INPUTS and isinstance(v, torch.Tensor))
-    return cuttable and not any(isinstance(v, torch.Tensor) and v.ndim and v.size(0) == rows
-                                for name, v in kwargs.items() if name not in BATCH_INPUTS and name != "cache_position")
+    """Every ``BATCH_INPUTS`` entry is absent, ``None`` or a tensor holding the ``rows`` rows on its batch axis
+    (``_batch_dim``; not a ``[1, L]`` broadcast), and no other tensor among a forward's inputs, nor in the dicts,
+    lists and tuples among them, has ``rows`` entries on any axis (images, token types, embeddings, a ``[k, B]`` or
+    ``[1, B, L]`` layout: this class would not know to cut them; a size that equals ``rows`` by chance keeps every
+    row in the forward, which costs only the rows' compute). ``cache_position`` ``[S]`` holds positions, not rows."""
+    for name, value in kwargs.items():
+        if name in BATCH_INPUTS:
+            least = 2 if name == "position_ids" else 1  # position ids [B, L] or [k, B, L]; the others [B, ...]
+            if value is not None and not (isinstance(value, torch.Tensor) and value.ndim >= least
+                                          and value.size(_batch_dim(name, value)) == rows):
+                return False
+        elif name != "cache_position" and any(rows in t.shape for t in _tensors_in(value)):
+            return False
+    return True
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors ``value`` is or holds in its dicts, lists and tuples (a ``ModelOutput`` is a dict), at any
+    depth; other objects (the cache) hold none here."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
 
 
 def _droppable(cache, kwargs: dict, rows: int) -> bool:

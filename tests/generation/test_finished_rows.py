@@ -169,30 +169,90 @@ def test_a_decoding_step_whose_inputs_cannot_be_cut_after_rows_left_is_an_error(
                              "position_ids": torch.tensor([[3]]), "cache": cache})
 
 
-def test_qwen2_vl_text_rollout_without_finished_rows_samples_what_the_full_batch_samples(smollm2_tokenizer):
-    """A (randomly initialised, tiny) Qwen2-VL generating text: transformers hands its forward position ids of
-    shape [4, B, L]. The finished rows leave the forward and the repeated prompt runs its prefill once, and the
-    sequences are the full batch's."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _tiny_multimodal_rope_model(name: str, tok):
+    """A randomly initialised 2-layer text model of a multimodal-rope family (position ids ``[4, B, L]`` in
+    ``generate``), its vision tower of one tiny layer (the prompts are text: it never runs)."""
+    import transformers
 
-    tok = smollm2_tokenizer  # pad == eos
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
-    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, in_channels=3, patch_size=2,
+                num_key_value_heads=2, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}  # sums to the rotary dims / 2
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                   spatial_merge_size=1, temporal_patch_size=1)
+    text, vision, family = {
+        "qwen2_vl": (dict(text, rope_parameters=rope), dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2,
+                     patch_size=2, spatial_merge_size=1, temporal_patch_size=1), "Qwen2VL"),
+        "qwen2_5_vl": (dict(text, rope_parameters=rope), dict(vision, window_size=4, fullatt_block_indexes=[0]),
+                       "Qwen2_5_VL"),
+        "qwen3_vl": (dict(text, head_dim=8, rope_parameters=dict(rope, mrope_interleaved=True)),
+                     dict(vision, num_position_embeddings=16, deepstack_visual_indexes=[0]), "Qwen3VL"),
+        # head_dim 16, half of it rotary: 4 frequencies, as above
+        "glm4v": (dict(text, hidden_size=64, rope_parameters=dict(rope, partial_rotary_factor=0.5)),
+                  dict(vision, image_size=8), "Glm4v"),
+        # one linear-attention layer (gated delta net), one full-attention layer
+        "qwen3_5": (dict(text, head_dim=8, rope_parameters=dict(rope, mrope_interleaved=True), linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
+                         layer_types=["linear_attention", "full_attention"]),
+                    dict(vision, num_position_embeddings=16), "Qwen3_5"),
+    }[name]
+    config = getattr(transformers, f"{family}Config")(text_config=text, vision_config=vision)
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).eval()
+    return getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
+
+
+@pytest.mark.parametrize("name, token_types, forward_rows", [
+    # the prefill runs 3 distinct rows; step t's forward the rows whose eos step is >= t: 4, 3, 2, 1, 1 (steps 1-5)
+    pytest.param("qwen2_vl", False, [3, 4, 3, 2, 1, 1], id="qwen2_vl"),
+    pytest.param("qwen2_5_vl", False, [3, 4, 3, 2, 1, 1], id="qwen2_5_vl"),
+    pytest.param("qwen3_vl", False, [3, 4, 3, 2, 1, 1], id="qwen3_vl"),
+    pytest.param("glm4v", False, [3, 4, 3, 2, 1, 1], id="glm4v"),
+    # mm_token_type_ids [B, L], as a processor returns them with text: not cut, so every row runs
+    pytest.param("qwen2_vl", True, [4], id="qwen2_vl_token_types"),
+    # a linear-attention layer's cache is not one whose rows are cut: every row runs
+    pytest.param("qwen3_5", False, [4], id="qwen3_5"),
+])
+def test_multimodal_rope_text_rollout_without_finished_rows_samples_what_the_full_batch_samples(
+        smollm2_tokenizer, name, token_types, forward_rows):
+    """A (randomly initialised, tiny) multimodal-rope model generating text: transformers hands its forward position
+    ids of shape [4, B, L] (and a rope_deltas [B, 1] stays on the model, unread while position ids are passed). The
+    finished rows leave the forward and the repeated prompt runs its prefill once, or, where an input or the cache
+    cannot be cut, every row runs; either way the sequences are the full batch's."""
+    tok = smollm2_tokenizer  # pad == eos
+    model = _tiny_multimodal_rope_model(name, tok)
     shapes = []
     model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["position_ids"].shape)), with_kwargs=True)
     batch = tok(["1 + 1 =", "What is two plus three, in words?", "1 + 1 =", "Hi"], padding=True, padding_side="left",
                 return_tensors="pt")  # rows 0 and 2: one prompt
+    if token_types:
+        batch["mm_token_type_ids"] = torch.zeros_like(batch["input_ids"])  # 0: text
     full, _, _ = _generate(model, tok, batch, drop=False, stops=(1, 3, 2, 5), do_sample=True, top_k=0)
     assert shapes[0] == (4, 4, batch["input_ids"].size(1))  # the prefill's: [text + 3 rope axes, B, P]
     cut, _, calls = _generate(model, tok, batch, drop=True, stops=(1, 3, 2, 5), do_sample=True, top_k=0)
     assert torch.equal(cut, full)
-    # the prefill runs 3 distinct rows; step t's forward the rows whose eos step is >= t: 4, 3, 2, 1, 1 (steps 1-5)
-    assert [c.forward_rows for c in calls] == [[3, 4, 3, 2, 1, 1]]
+    assert [c.forward_rows for c in calls] == [forward_rows] and calls[0].off == (len(forward_rows) == 1)
+
+
+@pytest.mark.parametrize("extra", ["k_B", "1_B_L", "dict_L_B"])  # [2, B], [1, B, L], {"rows": [L, B]}
+def test_a_forward_input_with_the_rows_on_another_axis_keeps_every_row(model_and_batch, extra, monkeypatch):
+    """A forward input this class does not cut, holding the B rows on an axis other than 0 (``[k, B]``, ``[1, B, L]``
+    as a multimodal layout may lay them out, or inside a dict): no row leaves the forward, and the sequences are the
+    full batch's. (The model ignores the input; cutting the three inputs it knows would leave this one's rows
+    behind.)"""
+    model, tok, batch = model_and_batch
+    prepare = model.prepare_inputs_for_generation
+
+    def with_extra(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        rows, length = inputs["input_ids"].shape  # B, S
+        inputs["row_codes"] = {"k_B": lambda: torch.zeros(2, rows), "1_B_L": lambda: torch.zeros(1, rows, length),
+                               "dict_L_B": lambda: {"rows": torch.zeros(length, rows)}}[extra]()
+        return inputs
+
+    monkeypatch.setattr(model, "prepare_inputs_for_generation", with_extra)
+    full, _, _ = _generate(model, tok, batch, drop=False)
+    cut, _, calls = _generate(model, tok, batch, drop=True)
+    assert torch.equal(cut, full)
+    assert len(calls) == 1 and calls[0].off and calls[0].forward_rows == [4]  # the prefill's 4 rows, then off
 
 
 def test_padding_free_rollout_samples_what_the_full_batch_samples(tiny_llama, grpo_args):
