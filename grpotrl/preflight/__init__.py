@@ -332,18 +332,33 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     return model, processing_class, reward_funcs, stop_ids, resume
 
 
+def no_kl_reference(beta, kl_in_reward_coef) -> str:
+    """The error for ``use_kl_in_reward`` with ``beta`` 0 and no PEFT adapter, from the run's ``beta`` and
+    ``kl_in_reward_coef`` (None: the reward's coefficient is ``beta``): what is missing and the two remedies
+    ``GRPOConfig`` accepts. Raised before the model loads (``check_grpo``) and by the trainer where it finds no
+    reference to compute the KL column with (``trainers.reference_kl.ReferenceKL._ref_context``).
+
+    >>> message = no_kl_reference(0.0, 0.01)
+    >>> "set beta: 0.01 (with use_kl_loss off" in message and "drop kl_in_reward_coef" in message
+    True
+    """
+    coef = beta if kl_in_reward_coef is None else kl_in_reward_coef
+    return (f"use_kl_in_reward with beta={beta} and no PEFT adapter: trl.GRPOTrainer loads a reference model only "
+            "when beta > 0 (with PEFT, the policy with its adapter disabled is the reference), so the reward's KL "
+            f"would have no reference. For a KL in the reward only, set beta: {coef} (with use_kl_loss off, beta is "
+            "the reward's coefficient), use_kl_loss: false, and drop kl_in_reward_coef; or train a LoRA adapter "
+            "(peft_config), whose disabled adapter is the reference.")
+
+
 def _check_kl_reference(model, args, peft_config) -> None:
     """``use_kl_in_reward`` with ``beta`` 0 and no PEFT (a ``peft_config``, a PEFT model, a local adapter
     checkpoint): TRL loads a reference model only when beta > 0 (with PEFT the disabled adapter is the
-    reference), so the KL column would find none at the first reward: refused before compute."""
+    reference), so the KL column would find none at the first reward: refused before compute
+    (``no_kl_reference``)."""
     adapter = isinstance(model, str) and os.path.isfile(os.path.join(model, "adapter_config.json"))
     if not getattr(args, "use_kl_in_reward", False) or args.beta or adapter or _uses_peft(model, peft_config):
         return
-    raise InputError(f"use_kl_in_reward with beta={args.beta} and no PEFT adapter: trl.GRPOTrainer loads a reference "
-                     "model only when beta > 0, so the reward's KL would have no reference. For a KL in the reward "
-                     f"only, set beta: {args.kl_in_reward_coef} (with use_kl_loss off it is the reward's coefficient), "
-                     "use_kl_loss: false, and drop kl_in_reward_coef; or train a LoRA adapter (peft_config), whose "
-                     "disabled adapter is the reference.")
+    raise InputError(no_kl_reference(args.beta, args.kl_in_reward_coef))
 
 
 def _check_generation_args(args, kwargs: dict) -> None:

@@ -791,9 +791,11 @@ class LocalJudge:
     distribution restricted to the scale's digits, read at each row's last real token (I9).
     Logs ``judge/<name>/verdict_mass``: the probability the judge put on the scale at all (low
     means it would not have answered in format), ``judge/<name>/missing_share``,
-    ``judge/<name>/failed/<reason>`` (share of rows per ``LOCAL_FAILURE_REASONS``) and
-    ``judge/<name>/oom_retries`` (forwards asked again after running out of memory), and through
-    ``log_extra`` the failure per row.
+    ``judge/<name>/failed/<reason>`` (share of rows per ``LOCAL_FAILURE_REASONS``),
+    ``judge/<name>/oom_retries`` (forwards asked again after running out of memory) and
+    ``judge/<name>/batch_size`` (rows per forward once the call is done: the size the next call starts at; TRL
+    averages it over a log step's calls and the processes, so a value between two sizes means it shrank within
+    that step or on some ranks only), and through ``log_extra`` the failure per row.
 
     Refused when it is built (``InputError``), before any compute: a tokenizer without a chat template, and a
     template that raises on the rubric's messages (a system message, then the worked examples as turns, then the
@@ -981,7 +983,8 @@ class LocalJudge:
 
     def _shrink_batch(self, rows: int) -> None:
         """A forward of ``rows`` ran out of memory: half that many rows per forward (at least one) from now on. The
-        warning says the size now used and the setting that starts the next run there (nothing else keeps it)."""
+        warning says the size now used and the setting that starts the next run there (nothing else keeps it; the
+        size in force is the metric ``judge/<name>/batch_size``)."""
         was, self.batch_size = self.batch_size, max(rows // 2, 1)
         logger.warning("LocalJudge %r ran out of memory on a forward of %d rows: it scores %d rows per forward for "
                        "the rest of the run (batch_size was %d). To start there next time, set the judge's "
@@ -1038,6 +1041,7 @@ class LocalJudge:
             for reason in LOCAL_FAILURE_REASONS:  # every reason every call: TRL averages each over the steps it got
                 log_metric(f"judge/{self.name}/failed/{reason}", reasons[reason] / n)
             log_metric(f"judge/{self.name}/oom_retries", retries)
+            log_metric(f"judge/{self.name}/batch_size", self.batch_size)  # halved for the rest of the run on OOM
         if log_extra is not None:
             log_extra(f"judge/{self.name}", [v.note if v is not None else "row lacks a rubric column"
                                              for v in verdicts])

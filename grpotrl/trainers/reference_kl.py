@@ -23,6 +23,7 @@ from ..errors import InputError, InvariantError
 from ..ops.losses import kl_full, kl_loss_term, kl_penalty
 from ..ops.masking import pad_sequences, position_ids_from_mask
 from ..ops.reduction import aggregate_like_trl
+from ..preflight import no_kl_reference
 from . import _intercept
 
 
@@ -82,15 +83,15 @@ class ReferenceKL:
         return logits, ref_logits
 
     def _ref_context(self):
-        """(model, context) computing the reference policy, as TRL does (PEFT: adapter off)."""
+        """(model, context) computing the reference policy, as TRL does (PEFT: adapter off). With neither a
+        reference model nor a PEFT adapter (beta 0 without PEFT: ``check_grpo`` refuses it before the model loads)
+        the preflight's own ``InputError`` (``preflight.no_kl_reference``): kept as the guard of a trainer whose
+        reference is gone after ``__init__`` (``ref_model`` set to None, an adapter merged away)."""
         if self.ref_model is not None:
             return self.ref_model, contextlib.nullcontext()
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if not hasattr(unwrapped, "peft_config"):  # beta 0 (TRL loads no reference), KL in the reward only
-            raise InputError(f"use_kl_in_reward with beta={self.args.beta} needs a reference model, but TRL created "
-                             "none: it loads one only when beta > 0 (PEFT: the adapter disabled). For a KL in the "
-                             f"reward only, set beta: {self.kl_reward_coef} (the reward's coefficient), use_kl_loss: "
-                             "false, and drop kl_in_reward_coef (with use_kl_loss off, beta is the reward's).")
+        if not hasattr(unwrapped, "peft_config"):
+            raise InputError(no_kl_reference(self.args.beta, self.args.kl_in_reward_coef))
         return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
 
     def _completion_logits(self, model, ids: torch.Tensor, attn: torch.Tensor, width: int) -> torch.Tensor:

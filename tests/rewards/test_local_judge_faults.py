@@ -10,7 +10,8 @@ and logged, never an exception out of the reward function and never a made-up sc
   and ``max_failed_batches`` calls in a row without a score raise ``JudgeError``, as for ``HttpJudge``;
 * a forward that runs out of memory (CUDA's error, or the CPU allocator's ``RuntimeError``, planted by a hook that
   raises it on forwards of more than N rows) is asked again at half its rows, down to one; the smaller batch size
-  stays, is warned about once and counted (``oom_retries``); out of memory on one row is ``model_error``;
+  stays, is warned about once, counted (``oom_retries``) and logged (``batch_size``, in TRL's log history too);
+  out of memory on one row is ``model_error``;
 * a tokenizer without a chat template, or a template that raises on the rubric's messages (Mistral v0.1's
   alternating roles, Gemma's "no system role"), is refused when the judge is built; a template that raises on
   one row's text leaves that row ``None`` with reason ``template_error``, its note without the row's text.
@@ -32,6 +33,7 @@ from email.utils import formatdate
 
 import pytest
 import torch
+from conftest import arithmetic_prompts
 from test_judge_faults import ScriptedJudge, completion, judge_call
 
 from grpotrl.errors import InputError
@@ -203,6 +205,47 @@ def test_I8_local_judge_out_of_memory_is_asked_again_at_half_the_rows_and_keeps_
                         "forward for the rest of the run (batch_size was 4). To start there next time, set the "
                         "judge's batch_size to 2 (judges.local_fairness.batch_size in a recipe, "
                         "LocalJudge(batch_size=...) in Python)."]
+
+
+def test_I8_local_judge_logs_its_batch_size_in_force_halved_after_out_of_memory(tiny_llama):
+    """``judge/<name>/batch_size`` is the rows per forward once each call is done. Room for 2 rows, batch_size 4:
+    a call of 2 rows fits (4 logged, the configured size); a call of 8 runs out on its first forward of 4 and
+    scores the rest 2 at a time (2 logged); the next call starts there (2 again)."""
+    model, tokenizer = load(tiny_llama)
+    planted = RaiseOverRows(2)
+    hook = model.register_forward_pre_hook(planted, with_kwargs=True)
+    try:
+        judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=4)
+        logged = [local_call(judge, texts)[1] for texts in (TEXTS[:2], TEXTS, TEXTS)]
+    finally:
+        hook.remove()
+    assert planted.seen == [2] + [4] + [2] * 4 + [2] * 4
+    assert [m["judge/local_fairness/batch_size"] for m in logged] == [4, 2, 2]
+    assert [m["judge/local_fairness/oom_retries"] for m in logged] == [0, 1, 0]
+
+
+def test_I8_local_judge_batch_size_after_out_of_memory_reaches_trls_logs(tiny_llama, grpo_args):
+    """The judge as a GRPO reward function (TRL's ``log_metric``): room for 4 rows, batch_size 8, 8 completions a
+    step. Step 1's first forward (8 rows) runs out of memory, its rows are scored 4 at a time, and every later
+    forward has 4 rows: the run's log history shows ``judge/local_fairness/batch_size`` 4 at both steps, beside
+    the retry counted at step 1."""
+    import grpotrl
+
+    model, tokenizer = load(tiny_llama)
+    planted = RaiseOverRows(4)
+    hook = model.register_forward_pre_hook(planted, with_kwargs=True)
+    try:
+        judge = LocalJudge(model, tokenizer, FAIRNESS, batch_size=8)
+        trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=judge, args=grpo_args(max_steps=2),
+                                      train_dataset=arithmetic_prompts())
+        trainer.train()
+    finally:
+        hook.remove()
+    assert planted.seen == [8, 4, 4, 4, 4]  # step 1: 8 failed, then 2 x 4; step 2: 2 x 4
+    logs = [h for h in trainer.state.log_history if "judge/local_fairness/batch_size" in h]
+    assert [h["judge/local_fairness/batch_size"] for h in logs] == [4.0, 4.0]
+    assert [h["judge/local_fairness/oom_retries"] for h in logs] == [1.0, 0.0]
+    assert all(h["judge/local_fairness/missing_share"] == 0.0 for h in logs)
 
 
 def test_I8_local_judge_out_of_memory_down_to_one_row_gives_none_with_reason_model_error(tiny_llama, caplog):

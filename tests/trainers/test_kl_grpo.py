@@ -5,6 +5,7 @@ and its gradient NaN. grpotrl's own term (``GRPOTrainer._kl_loss``) clamps as ve
 TRL's loss to rounding wherever the clamp is not active (the default: k3 in the loss).
 """
 import logging
+import re
 
 import pytest
 import torch
@@ -223,15 +224,53 @@ def test_kl_in_reward_without_a_reference_names_a_remedy_the_config_accepts(tiny
     with monkeypatch.context() as m:
         m.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                   lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model loaded before the check")))
-        with pytest.raises(InputError, match=r"set beta: 0\.01 .*use_kl_loss: false, and drop kl_in_reward_coef"):
+        with pytest.raises(InputError) as refused:
             grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
                                 train_dataset=arithmetic_prompts())
+    _assert_names_the_missing_reference_and_both_remedies(str(refused.value))
     grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args, train_dataset=arithmetic_prompts(),
                         peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(InputError, match="beta would be unused"):  # the remedy without dropping the coefficient
         grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True, kl_in_reward_coef=0.01)
     remedy = grpo_args(beta=0.01, use_kl_loss=False, use_kl_in_reward=True)
     assert (remedy.beta, remedy.kl_in_reward_coef) == (0.01, None)
+
+
+def _assert_names_the_missing_reference_and_both_remedies(message: str) -> None:
+    """The error for beta 0, use_kl_in_reward, kl_in_reward_coef 0.01 and no PEFT: the settings as given, why there
+    is no reference, and both remedies (beta at the reward's coefficient with use_kl_loss off and the coefficient
+    dropped; a LoRA adapter, whose disabled adapter is the reference)."""
+    assert message.startswith("use_kl_in_reward with beta=0.0 and no PEFT adapter: "), message
+    assert "loads a reference model only when beta > 0" in message, message
+    assert "with PEFT, the policy with its adapter disabled is the reference" in message, message
+    assert re.search(r"set beta: 0\.01 \(with use_kl_loss off, beta is the reward's coefficient\), use_kl_loss: "
+                     r"false, and drop kl_in_reward_coef", message), message
+    assert "or train a LoRA adapter (peft_config), whose disabled adapter is the reference" in message, message
+
+
+def test_kl_reward_that_finds_no_reference_after_init_raises_the_preflights_own_error(tiny_llama, grpo_args):
+    """beta 0 with use_kl_in_reward and kl_in_reward_coef 0.01 on a LoRA adapter passes the preflight (the disabled
+    adapter is the reference). With the adapter merged away after ``__init__`` the reward column ``kl_penalty``
+    finds neither a reference model nor an adapter to disable: it raises the preflight's error, word for word
+    (``preflight.no_kl_reference``), with every fact and both remedies, never a KL against nothing."""
+    from peft import LoraConfig
+
+    args = grpo_args(beta=0.0, use_kl_in_reward=True, kl_in_reward_coef=0.01, max_steps=1)
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=args,
+                                  train_dataset=arithmetic_prompts(),
+                                  peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    assert trainer.ref_model is None  # beta 0: TRL loaded none; the adapter disabled is the reference
+    prompt = [{"role": "user", "content": "What is 1 + 2?"}]
+    # control: computed against it. LoRA's B starts at 0, so the adapter adds exactly 0 and the policy is its
+    # reference bit for bit (I10): KL exactly 0 (a B moved by 0.5 gives -2.5e-7 on this tiny model)
+    assert trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]]) == [0.0]
+    trainer.model = trainer.model.merge_and_unload()
+    with pytest.raises(InputError) as missing:
+        trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]])
+    _assert_names_the_missing_reference_and_both_remedies(str(missing.value))
+    from grpotrl.preflight import no_kl_reference
+
+    assert str(missing.value) == no_kl_reference(0.0, 0.01)
 
 
 def test_logged_kl_is_trls_token_mean_over_every_process_for_microbatches_of_other_token_counts(
