@@ -106,11 +106,18 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         S in fp32 (``_gradients``), as the Trainer's backward is scaled: unscaled, a backward through fp16
         activations flushes small gradients to 0. Under bf16 and fp32 it is ``autograd.grad`` of ``L_k``.
         A task present in the microbatch whose loss reaches none of the parameters its gradient is taken on
-        (``_check_reached``) stops training: its weight would silently be 0. So does a task whose gradient is
-        NaN/inf (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
+        (``_check_reached``) stops training: its weight would silently be 0. A loss value that is NaN/inf in the
+        forward (a task's ``L_k``, or the regulariser: KL, entropy bonus, aux loss) stops training on that
+        microbatch, before any backward, whatever S is and with no scaler (``_check_losses_finite``, naming the
+        tasks, the step and that the loss itself is non-finite): a loss scale multiplies the backward only, so
+        no scale makes a loss value NaN/inf, and read as the scaler's overflow it would skip every step and halve
+        S until S < 1. The values are read once per microbatch (one host read of K + 1 scalars, which on guard
+        steps also carries the terms-add-up check's). A finite loss whose gradient is NaN/inf stops training too
+        (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
         loss-scaler overflow (any gradient here, taken at a scale S >= 1): the scaler skips that update and
         halves S, the combination is skipped with it, and ``.grad`` holds an inf for the scaler to find
-        (``_combine_window``, ``_low_memory_loss``).
+        (``_combine_window``, ``_low_memory_loss``). (A finite loss with a NaN gradient at S >= 1 reads as that
+        overflow as well: the scaler halves S until S < 1, where it stops.)
         Logged: ``tasks/<task>/grad_norm``, ``tasks/<task>/cagrad_coef`` (over the gradients the task has rows in:
         in low-memory mode the microbatches that hold it), ``cagrad/min_cosine``,
         ``cagrad/deviation_from_sum``, ``entropy/bonus_alone_dH_per_lr`` and ``guards/bonus_alone_checked_share`` (exact,
@@ -135,12 +142,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ the loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """GRPO's loss with CAGrad off or in evaluation. In training with CAGrad on: the loss split into the
-        per-task policy losses and the regulariser (``_loss_terms``), each task's loss checked to hold no entropy
-        bonus (I7: CAGrad rescales it), then exact CAGrad's accumulation (``_exact_step``) or low-memory CAGrad's
-        combined loss, whose ``d loss / d H`` is checked to be ``-c`` (0 where the bonus acts on no token of the
-        microbatch: ``GRPOTrainer._check_entropy_sign``); the composed update is checked to raise the entropy on
-        guard steps.
+        """GRPO's loss with CAGrad off or in evaluation. In training with CAGrad on: the loss split into the per-task
+        policy losses and the regulariser (``_loss_terms``: a NaN/inf value among them stops training, whatever fp16's
+        loss scale), each task's loss checked to hold no entropy bonus (I7: CAGrad rescales it), then exact CAGrad's
+        accumulation (``_exact_step``) or low-memory CAGrad's combined loss, whose ``d loss / d H`` is checked to be
+        ``-c`` (0 where the bonus acts on no token of the microbatch: ``GRPOTrainer._check_entropy_sign``); the
+        composed update is checked to raise the entropy on guard steps.
 
         Returns:
             loss (torch.Tensor): the loss the Trainer backpropagates for this microbatch.
@@ -172,7 +179,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``ops.task_losses.policy_loss_terms``, TRL's per-token policy loss of the task's rows reduced
         with the microbatch's normaliser. The regulariser is what remains, ``full - sum_k L_k`` =
         ``beta * KL - c * H (+ aux)``. Every task gets a term, present in this microbatch or not
-        (an absent task's is 0, attached to the loss's forward)."""
+        (an absent task's is 0, attached to the loss's forward).
+
+        The terms' values are read to the host once (``K + 1`` scalars; on guard steps with TRL's policy loss
+        restated from tensors, which ``_check_terms_add_up`` compares to their sum, I7): a NaN/inf among them
+        stops training before any backward, naming the tasks (or the regulariser) and the step
+        (``_check_losses_finite``), at any fp16 loss scale: it is the loss itself, never the scaler's overflow."""
         rows = _task_rows(inputs, len(self.task_names))  # task -> its rows [n_k]
         split = {k: r for k, r in rows.items() if r.numel()}
         if self.accelerator.num_processes > 1:  # one forward: ranks hold different tasks, and a DDP forward is a
@@ -184,16 +196,23 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         own = {k: forward.pieces[k][0] if k in forward.pieces else logps[r] for k, r in rows.items()}  # [n_k, C]
         entropy_mask = entropy_masks[0] if entropy_masks else None  # [B, C]: TRL's own top-entropy mask
         task_losses = self._policy_terms(own, rows, inputs, entropy_mask)
+        reg = full - sum(task_losses.values())
+        values = [loss.detach().double() for loss in (*task_losses.values(), reg)]
         if self._guard_now():  # TRL's policy loss: its full loss less the regulariser, from the same tensors
             trl_loss = self._trl_loss_fields(inputs)
             with torch.no_grad():
-                reg = regulariser(logps, inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
-                                      entropies, _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
-                                      entropy_coef=coef, entropy_mask=entropy_mask, aux_loss=aux,
-                                      **trl_loss.regulariser)
-                whole = full.detach().double() - reg.double()
-            _check_terms_add_up(task_losses, whole, self.task_names)
-        return full, task_losses, full - sum(task_losses.values())
+                restated = regulariser(logps, inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"),
+                                       entropies, _loss_mask(inputs), trl_loss.settings, trl_loss.reduction,
+                                       entropy_coef=coef, entropy_mask=entropy_mask, aux_loss=aux,
+                                       **trl_loss.regulariser)
+                values.append(full.detach().double() - restated.double())
+        host = torch.stack(values).cpu()  # [K + 1] (+ TRL's policy loss on guard steps): the one host read
+        K = len(task_losses)
+        _check_losses_finite(host[:K + 1], [self.task_names[k] for k in task_losses], self.state.global_step + 1,
+                             self.args.cagrad)
+        if host.numel() > K + 1:
+            _check_terms_add_up(dict(zip(task_losses, host[:K])), host[K + 1], self.task_names)
+        return full, task_losses, reg
 
     def _policy_terms(self, logps: dict, rows: dict, inputs: dict, entropy_mask: torch.Tensor | None) -> dict:
         """``{task: L_k}`` from each task's logprobs ``logps[k]`` [n_k, C] (its rows ``rows[k]``) and the
@@ -237,11 +256,11 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ CAGrad exact
 
     def _exact_step(self, model, task_losses: dict, reg: torch.Tensor, coef: float, present: set) -> torch.Tensor:
-        """Accumulate each task's gradient over the window (``_gradients``: at fp16's loss scale, as the
-        Trainer's backward takes it, then unscaled); returns what the Trainer's backward carries into ``.grad``:
-        the regulariser, or, when it has no gradient (``beta = 0``, no entropy bonus, no aux loss), the last
-        task's loss, which saves one backward pass. ``training_step`` combines the window after its last
-        backward."""
+        """Accumulate each task's gradient over the window (``_gradients``: at fp16's loss scale, as the Trainer's
+        backward takes it, then unscaled; every loss value is finite here, ``_loss_terms``); returns what the
+        Trainer's backward carries into ``.grad``: the regulariser, or, when it has no gradient (``beta = 0``, no
+        entropy bonus, no aux loss), the last task's loss, which saves one backward pass. ``training_step`` combines
+        the window after its last backward."""
         params = _trainable(model)
         window = self.task_gradients
         window.carrier = None if (self._kl_in_loss or coef or self.aux_loss_enabled) else len(self.task_names) - 1
@@ -278,7 +297,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         Under fp16's loss scaler every gradient here was taken at its scale S: ``.grad`` holds the Trainer's
         backward times S, and the task sums are of ``autograd.grad(L_k * S) / S`` (``_gradients``: unscaled, the
         backward through fp16 activations was not). The carrier's gradient is read as ``.grad / S`` and the
-        direction is added times S, so that the scaler's unscaling leaves the CAGrad update. A gradient that
+        direction is added times S, so that the scaler's unscaling leaves the CAGrad update. Every loss value of
+        the window was finite (``_loss_terms`` stops on a NaN/inf one, at any S), so a gradient that
         overflowed at S >= 1 (NaN/inf: the carrier's, or any task's sum) is the scaler's overflow: the scaler skips
         this update and halves S (``health.callbacks.NonFiniteRule`` lets it), so the combination is skipped with
         it; ``.grad`` is left as the scaler reads it where it holds the overflow (the carrier's), and otherwise
@@ -373,7 +393,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
     def _low_memory_loss(self, task_losses: dict, reg: torch.Tensor, present: set) -> torch.Tensor:
         """``sum_k coef_k L_k + regulariser`` with CAGrad coefficients from the last block's
         per-task gradients (this microbatch; ``_gradients``: at fp16's loss scale S, as the Trainer's backward
-        takes it, then unscaled). A gradient that overflowed at S >= 1 is the scaler's overflow: the proxy's
+        takes it, then unscaled). The loss values are finite (``_loss_terms`` stops on a NaN/inf one, at any S), so
+        a gradient that overflowed at S >= 1 is the scaler's overflow: the proxy's
         ``.grad`` is given an inf before the Trainer's backward (``_leave_to_scaler``), so the scaler skips the
         optimizer step this microbatch is in and halves S; the coefficients are then 1 (that update is not
         applied) and nothing is logged. Otherwise a non-finite Gram entry stops training (``_cagrad_weights``)."""
@@ -498,12 +519,44 @@ def _check_gram_finite(gram: torch.Tensor, names: list[str], step: int, mode: st
                              "a NaN/inf advantage or logprob), or lower the learning rate.")
 
 
+def _check_losses_finite(values: torch.Tensor, names: list[str], step: int, mode: str) -> None:
+    """The forward's loss values [K + 1], on the host: each task's policy loss ``L_k`` (``names[k]``), then the
+    regulariser (``full - sum_k L_k``). A NaN/inf among them is an error naming the tasks whose loss is
+    non-finite (the regulariser where none is: a NaN task loss makes it NaN too), their values and the optimizer
+    step, whatever fp16's loss scale S is: a loss scale multiplies the backward only, so its overflow is of a
+    finite loss's gradient (the scaler's skipped step), never of a loss value. Read as overflow, a NaN loss at
+    S >= 1 would skip every step and halve S until S < 1. All finite: nothing.
+
+    >>> _check_losses_finite(torch.tensor([0.5, -0.2, 0.01]), ["a", "b"], 1, "exact")
+    >>> try:
+    ...     _check_losses_finite(torch.tensor([0.5, math.nan, math.nan]), ["a", "b"], 3, "exact")
+    ... except InvariantError as e:
+    ...     print(str(e)[:81])
+    [multi-task] step 3, cagrad='exact': the loss of task(s) 'b' (L = nan) is NaN/inf
+    """
+    if bool(torch.isfinite(values).all()):
+        return
+    bad = [k for k, v in enumerate(values[:len(names)].tolist()) if not math.isfinite(v)]
+    if bad:
+        what = f"the loss of task(s) {', '.join(f'{names[k]!r} (L = {float(values[k]):g})' for k in bad)}"
+        look = "a NaN/inf advantage (a NaN/inf reward or reward weight) or logprob in that task's rows"
+    else:
+        what = (f"the regulariser (beta * KL - c * H, plus an MoE aux loss: the full loss less the task terms; "
+                f"{float(values[-1]):g})")
+        look = "a NaN/inf reference logprob (the KL), entropy (the bonus) or MoE aux loss"
+    raise InvariantError("multi-task", f"step {step}, cagrad={mode!r}: {what} is NaN/inf in the forward: the loss "
+                         "value itself, not its gradient at fp16's loss scale (a loss scale multiplies the backward "
+                         "only: its overflow, which the scaler skips, is of a finite loss's gradient). Every update "
+                         f"would carry the NaN, at any scale. Look for {look}.")
+
+
 def _gradients(loss: torch.Tensor, params: list, scale: float | None) -> list:
     """``autograd.grad`` of ``loss`` w.r.t. ``params`` (the graph kept; None for a parameter it does not reach), as
     the Trainer's backward takes it: under fp16's loss scaler (``scale``, None without one) the gradient of
     ``loss * scale``, divided by ``scale`` in fp32, so that a backward through fp16 activations does not flush a
     small loss's gradient to 0 (what the scaler exists to prevent). An overflow at ``scale`` stays NaN/inf: the
-    scaler's case (``_overflowed_at_scale``)."""
+    scaler's case (``_overflowed_at_scale``), for a finite ``loss`` (the task terms and the regulariser, which
+    carries the entropy bonus, are checked finite first: ``_check_losses_finite``)."""
     if scale is None:
         return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
     grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
@@ -511,9 +564,10 @@ def _gradients(loss: torch.Tensor, params: list, scale: float | None) -> list:
 
 
 def _overflowed_at_scale(gram: torch.Tensor, scale: float | None) -> list[int]:
-    """The tasks whose gradient, taken at fp16's loss scale ``scale`` >= 1, holds a NaN/inf (``_non_finite_tasks``
-    of the Gram matrix [K, K]): the scaler's overflow, whose update it skips. Empty without a scaler (None), at a
-    scale < 1 (where the unscaled gradient overflows as well: a broken gradient, ``_check_gram_finite``), or when
+    """The tasks whose gradient, taken at fp16's loss scale ``scale`` >= 1, holds a NaN/inf (``_non_finite_tasks`` of
+    the Gram matrix [K, K]): the scaler's overflow, whose update it skips. The gradients must be of finite loss values
+    (``_check_losses_finite`` ran first): a NaN/inf loss is no overflow at any scale. Empty without a scaler (None),
+    at a scale < 1 (where the unscaled gradient overflows as well: a broken gradient, ``_check_gram_finite``), or when
     every entry is finite."""
     return _non_finite_tasks(gram) if scale is not None and scale >= 1 else []
 

@@ -5,6 +5,8 @@ small gradient to 0. The per-task gradients CAGrad weighs (``autograd.grad`` of 
 same way, at S, then divided by S in fp32. The model here runs under CPU fp16 autocast, as the Trainer's forward does
 on GPU, and a CPU GradScaler is set on the accelerator (there is none on a CPU run), as the backward would have used.
 The same for the entropy's gradient the exact path's composed update is checked on (I7, ``_check_composed_update``).
+A loss whose VALUE is NaN/inf in the forward (a task's, the regulariser's) is no overflow at any scale and stops
+training; a finite loss whose gradient overflows at S >= 1 stays the scaler's skipped step (full training runs).
 """
 
 import logging
@@ -12,10 +14,11 @@ import math
 
 import pytest
 import torch
-from test_multitask import FlippedComposition, _rel, longer, mode_args, shorter, two_tasks
+from test_multitask import FlippedComposition, _rel, longer, mode_args, shorter, two_task_prompts, two_tasks
 
 import grpotrl
 from grpotrl.errors import InvariantError
+from grpotrl.trainers.grpo import TASK_KEY
 from grpotrl.trainers.multitask import _trainable
 from grpotrl.trainers.records import LossTerms
 
@@ -241,3 +244,120 @@ def test_I7_composed_update_with_a_nan_entropy_gradient_stops(scale, tiny_llama,
     trainer.hook_record.loss = bonus_terms(entropies(trainer.model, fp16=True))
     with pytest.raises(InvariantError, match=r"I7.*the entropy's gradient.* is NaN/inf"):
         trainer._check_composed_update(_trainable(trainer.model), COEF)
+
+
+# ------------------------------------------------------------------ a NaN loss is no overflow
+
+
+class NaNAdvantage(grpotrl.MultiTaskGRPOTrainer):
+    """Each training microbatch: every row of its first row's task gets a NaN advantage (what a NaN reward or reward
+    weight gives), so that task's loss VALUE is NaN in the forward, and its gradient with it, at any loss scale."""
+
+    poisoned: list
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training:
+            task = inputs[TASK_KEY]  # [B]
+            inputs = {**inputs, "advantages": inputs["advantages"].masked_fill(task == task[0], math.nan)}
+            self.poisoned = getattr(self, "poisoned", []) + [self.task_names[int(task[0])]]
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def train_args(grpo_args, mode: str, precision: str):
+    """One optimizer step of CAGrad ``mode`` with KL in the loss (exact mode: no carrier), guards and health rules off
+    (as a user may set them), ``precision`` fp16 (fp32 on the CPU, the scaler set on the accelerator by the test) or
+    bf16."""
+    return mode_args(grpo_args, mode, beta=0.04, entropy_coef=0.0, max_steps=1, guard_steps=0,
+                     per_device_train_batch_size=16, bf16=precision == "bf16")
+
+
+def weights(trainer) -> list:
+    return [p.detach().clone() for p in _trainable(trainer.model)]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_a_task_loss_that_is_nan_in_the_forward_stops_at_the_first_step_at_any_loss_scale(mode, precision, tiny_llama,
+                                                                                          grpo_args):
+    """A NaN advantage makes its task's loss value NaN in the forward. Under fp16's loss scaler at S = 2^16 its
+    gradient at S is NaN too, and was read as the scaler's overflow: the update skipped, S halved, the run went on
+    (at every step, until S < 1). No loss scale makes a loss value NaN: it stops on the first microbatch, before any
+    backward, naming the task, the step and that the loss itself is non-finite; S stays as it was, no weight moves.
+    The same under bf16 (no scaler). Guards off: on guard steps the I11 guard in the full loss stops a NaN loss
+    first."""
+    scale = 2.0 ** 16
+    trainer = NaNAdvantage(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                           args=train_args(grpo_args, mode, precision), train_dataset=two_task_prompts())
+    if precision == "fp16":
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    before = weights(trainer)
+    stop = (rf"\[multi-task\] step 1, cagrad='{mode}': the loss of task\(s\) '(\w+)' \(L = nan\) is NaN/inf in the "
+            r"forward: the loss value itself, not its gradient at fp16's loss scale")
+    with pytest.raises(InvariantError, match=stop) as e:
+        trainer.train()
+    assert trainer.poisoned and len(set(trainer.poisoned)) == 1 and f"'{trainer.poisoned[0]}'" in str(e.value)
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
+    if precision == "fp16":
+        assert trainer.accelerator.scaler.get_scale() == scale  # never halved
+
+
+
+class NaNReference(grpotrl.MultiTaskGRPOTrainer):
+    """Each training microbatch: a NaN reference logprob on its first row's first token, so the KL, in the regulariser
+    only (no task's policy loss reads the reference), is NaN in the forward."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training:
+            ref = inputs["ref_per_token_logps"].clone()  # [B, C]
+            ref[0, 0] = math.nan
+            inputs = {**inputs, "ref_per_token_logps": ref}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_a_regulariser_that_is_nan_in_the_forward_stops_at_the_first_step_at_the_loss_scale(tiny_llama, grpo_args):
+    """The regulariser's share of the loss (here a NaN KL) under fp16's loss scaler at S = 2^16, exact mode: every task
+    gradient is finite, the Trainer's backward of the regulariser puts a NaN in ``.grad``, and the scaler skipped the
+    step and halved S, at every step. It stops on the first microbatch, naming the regulariser, the tasks' losses
+    finite; S stays as it was, no weight moves."""
+    scale = 2.0 ** 16
+    trainer = NaNReference(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                           args=train_args(grpo_args, "exact", "fp16"), train_dataset=two_task_prompts())
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    before = weights(trainer)
+    with pytest.raises(InvariantError, match=r"\[multi-task\] step 1, cagrad='exact': the regulariser \(beta \* KL "
+                                             r"- c \* H.*; nan\) is NaN/inf in the forward: the loss value itself"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
+    assert trainer.accelerator.scaler.get_scale() == scale
+
+class RecordedLossValues(grpotrl.MultiTaskGRPOTrainer):
+    """Each training microbatch's loss values as the forward computed them: the full loss, each task's, the
+    regulariser."""
+
+    values: list
+
+    def _loss_terms(self, model, inputs, coef):
+        full, tasks, reg = super()._loss_terms(model, inputs, coef)
+        self.values = getattr(self, "values", []) + [float(v.detach()) for v in (full, *tasks.values(), reg)]
+        return full, tasks, reg
+
+
+@pytest.mark.parametrize("mode", ["exact", "low_memory"])
+def test_a_finite_loss_whose_gradient_overflows_at_the_loss_scale_is_still_the_scalers_skipped_step(mode, tiny_llama,
+                                                                                                     grpo_args):
+    """The control of the NaN loss above: the loss's forward under CPU fp16 autocast (the Trainer's on GPU) at
+    S = 2^60, where every loss value is finite and the backward at S overflows. That is the scaler's overflow: the
+    loss check passes it, nothing stops, the real GradScaler's step leaves every weight as it was and halves S."""
+    scale = 2.0 ** 60
+    trainer = RecordedLossValues(tiny_llama, reward_funcs={"fairness": longer, "hallucination": shorter},
+                                 args=train_args(grpo_args, mode, "fp16"), train_dataset=two_task_prompts())
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    trainer.autocast_smart_context_manager = lambda cache_enabled=True: torch.autocast("cpu", dtype=torch.float16)
+    before = weights(trainer)
+    trainer.train()
+    assert trainer.values and all(math.isfinite(v) for v in trainer.values), trainer.values
+    assert trainer.state.global_step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))  # skipped
+    assert trainer.accelerator.scaler.get_scale() == scale / 2
