@@ -468,7 +468,7 @@ def test_recipe_values_argparse_would_convert_pass(tmp_path):
 @pytest.mark.parametrize("value, expected", [
     ({"reward_weights": [1.0, "x"]}, r"reward_weights: \[1\.0, 'x'\] is a list, but reward_weights takes a list of "
                                      r"numbers or null \(reward_weights\[1\] is 'x', a str\)"),
-    ({"reward_weights": [1, float("nan")]}, r"reward_weights: \[1, nan\] is a list, .* \(reward_weights\[1\] is nan, "
+    ({"reward_weights": [1, float("nan")]}, r"reward_weights: \[1, \.nan\] is a list, .* \(reward_weights\[1\] is \.nan, "
                                             r"a NaN\)"),
     ({"report_to": ["wandb", 3]}, r"report_to: \['wandb', 3\] is a list, but report_to takes null or a string or a list "
                                   r"of strings \(report_to\[1\] is 3, an int\)"),
