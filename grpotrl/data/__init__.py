@@ -88,7 +88,8 @@ def load_splits(name: str, config: str | None = None):
     A dataset that cannot be found or read is one ``InputError``; so is a ``config`` the dataset does not have
     (naming those it has, as ``datasets`` lists them), no ``config`` for a Hub dataset or folder with several and no
     default, and a ``config`` for a source that has none (a shipped name, a ``save_to_disk`` folder, a single data
-    file), where ``datasets`` would ignore it.
+    file), where ``datasets`` would ignore it. A ``load_dataset`` source's splits come as ``ConfigSplits`` (they
+    remember the config), so that ``pick_split`` can name the other configs that hold a split this one lacks.
     """
     import datasets
 
@@ -129,7 +130,7 @@ def load_splits(name: str, config: str | None = None):
                                  f"{sorted(_EXTENSION_TO_MODULE)} (json/jsonl/parquet/csv), or a folder of them.")
             builder, kwargs = _EXTENSION_TO_MODULE[ext]
             return dict(datasets.load_dataset(builder, data_files=path, **kwargs))
-        return dict(datasets.load_dataset(name, name=config))
+        return ConfigSplits(datasets.load_dataset(name, name=config), config)
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as err:
         where = (f"the local path {os.path.abspath(path)}" if os.path.exists(path)
                  else "a local path (none exists there) or a dataset on the Hugging Face Hub")
@@ -174,18 +175,93 @@ def _config_message(err: ValueError) -> str:
     return " ".join(line.removesuffix(", e.g.").rstrip(".") + "." for line in kept).rstrip(".")[:600]
 
 
+class ConfigSplits(dict):
+    """Split name -> ``datasets.Dataset`` of one config of a ``datasets.load_dataset`` source, with the ``config`` it
+    was loaded with (None: the dataset's only or default config)."""
+
+    def __init__(self, splits, config: str | None):
+        super().__init__(splits)
+        self.config = config
+
+
+def _configs_with_split(name: str, config: str | None, split: str) -> str:
+    """A sentence for a refusal of ``split``, which config ``config`` of the ``load_dataset`` source ``name`` lacks:
+    the other configs that hold it ("split 'test' is in config 'b', not 'a': set dataset_config: b"), and those whose
+    splits cannot be known without loading data; "" when there is no other config. Metadata only, no rows read: each
+    config's ``data_files`` as the builder resolved them (a README's ``configs``, or a folder's files by name). A Hub
+    id offline loads through the datasets cache, whose builder lists no configs: their names come from the README in
+    the Hugging Face cache, and each one's splits from the ``dataset_info.json`` written when it was prepared."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(name, config)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        return f" The other configs of {name!r} cannot be listed ({_first_line(err)})."
+    current = builder.config.name
+    others = [c for c in (list(builder.builder_configs) or _cached_card_configs(name)) if c != current]
+    if not builder.builder_configs and not others:
+        return (f" Other configs of {name!r}, if any, cannot be listed: it loaded from the datasets cache, and no "
+                "README in the Hugging Face cache names its configs.")
+    found, unknown = [], []
+    for other in others:
+        files = getattr(builder.builder_configs.get(other), "data_files", None)
+        splits, why = ([str(s) for s in files], None) if files else _prepared_splits(name, other)
+        if splits is None:
+            unknown.append(f"{other!r} ({why})")
+        elif split in splits:
+            found.append(other)
+    text = ""
+    if found:
+        text += (f" Split {split!r} is in config{'s' if len(found) > 1 else ''} {', '.join(map(repr, found))}, not "
+                 f"{current!r}: set dataset_config: {found[0]} (`--dataset_config {found[0]}`).")
+    if unknown:
+        text += (f" Config{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} may hold it: "
+                 f"{'their' if len(unknown) > 1 else 'its'} splits cannot be known without loading data.")
+    return text
+
+
+def _prepared_splits(name: str, config: str) -> tuple[list[str] | None, str | None]:
+    """``(split names, None)`` of ``config`` from the dataset info ``datasets`` holds without reading rows (offline: the
+    ``dataset_info.json`` of its prepared cache), or ``(None, why not)``."""
+    import datasets
+
+    try:
+        info_splits = datasets.load_dataset_builder(name, config).info.splits
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        return None, _first_line(err)
+    return ([str(s) for s in info_splits], None) if info_splits else (None, "its dataset info names no splits")
+
+
+def _cached_card_configs(name: str) -> list[str]:
+    """The config names in the README (dataset card) of the Hub dataset ``name`` in the Hugging Face cache; [] when
+    there is none there, or it does not parse."""
+    import yaml
+    from huggingface_hub import DatasetCard, try_to_load_from_cache
+
+    try:
+        readme = try_to_load_from_cache(name, "README.md", repo_type="dataset")  # ValueError: not a Hub id
+        configs = DatasetCard.load(readme).data.to_dict().get("configs") if isinstance(readme, str) else None
+    except (OSError, ValueError, yaml.YAMLError):
+        return []
+    configs = configs if isinstance(configs, list) else []
+    return [c["config_name"] for c in configs if isinstance(c, dict) and isinstance(c.get("config_name"), str)]
+
+
 # The split each dataset was picked as, for error messages (``Dataset.split`` is None for data files
 # and save_to_disk folders): dataset -> its split name, as long as the dataset lives.
 SPLIT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pick_split(splits, split: str, name: str):
-    """``splits[split]``, or an ``InputError`` naming the splits there are; the name is remembered
+    """``splits[split]``, or an ``InputError`` naming the splits there are (for ``ConfigSplits``, also the other
+    configs that hold ``split``: ``_configs_with_split``); the name is remembered
     (``SPLIT_NAMES``) so that later errors about its rows name the split as the recipe does."""
     if split not in splits:
         single = " (a single data file is the 'train' split only)" if os.path.isfile(os.path.expanduser(name)) else ""
+        elsewhere = _configs_with_split(name, splits.config, split) if isinstance(splits, ConfigSplits) else ""
         raise InputError(f"Dataset {name!r} has splits {list(splits)}, not {split!r}{single}. Set "
-                         "dataset_train_split / dataset_test_split to one of those (or eval_strategy: 'no').")
+                         "dataset_train_split / dataset_test_split to one of those (or eval_strategy: 'no')."
+                         + elsewhere)
     SPLIT_NAMES[splits[split]] = split  # a datasets.Dataset / IterableDataset: weak-referenceable
     return splits[split]
 

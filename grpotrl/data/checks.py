@@ -317,13 +317,15 @@ def _empty_answer(value, what: str) -> str | None:
     return None
 
 
-def _keep_answered(column: str, chat: bool) -> str:
-    """The ``dataset.filter`` function, as text, that keeps the rows whose ``column`` has an answer."""
+def _keep_answered(columns: tuple[str, ...], chat: bool) -> str:
+    """The ``dataset.filter`` function, as text, that keeps the rows whose trained ``columns`` (one, or a chat
+    row's prompt and completion) have an answer in every model turn."""
     if not chat:
-        return f'lambda row: row[{column!r}].strip() != ""'
-    role, content = ("from", "value") if column == "conversations" else ("role", "content")
+        return f'lambda row: row[{columns[0]!r}].strip() != ""'
+    role, content = ("from", "value") if columns == ("conversations",) else ("role", "content")
+    turns = " + ".join(f"row[{column!r}]" for column in columns)
     return (f'lambda row: all((m["{content}"] or "").strip() or any(m.get(k) for k in {ANSWER_FIELDS}) '
-            f'for m in row[{column!r}] if m["{role}"] in {MODEL_ROLES})')
+            f'for m in {turns} if m["{role}"] in {MODEL_ROLES})')
 
 
 def _sft_column(rows, column: str) -> list:
@@ -332,7 +334,7 @@ def _sft_column(rows, column: str) -> list:
 
 
 def check_sft_dataset(dataset, split_name: str, text_field: str = "text", formatting_func=None,
-                      skip_prepare: bool = False) -> None:
+                      skip_prepare: bool = False, completion_only_loss: bool | None = None) -> None:
     """Raise ``InputError`` where ``trl.SFTTrainer`` would fail later and less clearly, or would train rows with no
     answer; accept everything else it accepts.
 
@@ -341,7 +343,10 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
     (conversational language modelling), ``prompt`` + ``completion`` (both strings or both non-empty
     message lists), or ``input_ids`` (pre-tokenized). A row whose answer is empty (``_empty_answer``: a blank
     text or completion, an assistant turn with blank content and no tool calls) is refused, naming the rows: TRL
-    trains its end-of-turn token alone, the one-token completion. With a ``formatting_func`` or ``skip_prepare``
+    trains its end-of-turn token alone, the one-token completion. With ``completion_only_loss=False`` (SFTConfig's;
+    TRL then labels the whole prompt + completion) a chat prompt's assistant turns are trained too, and one with blank
+    content and no tool calls is refused the same way; None (TRL's default, True for prompt-completion rows) and
+    True mask the prompt, which is then not checked for answers. With a ``formatting_func`` or ``skip_prepare``
     (``dataset_kwargs``), the columns are the function's or the collator's business and only emptiness is checked.
     """
     if not hasattr(dataset, "column_names") or getattr(dataset, "format", {}).get("type") == "custom":
@@ -388,14 +393,27 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
             f"Row {index} of the {split_name!r} split (SFT): {why}. A valid row looks like {example}. "
             "Fix or drop that row."
         )
-    empty = [(i, why) for i, v in enumerate(answers) if (why := _empty_answer(v, column))]
+    trained = {column: answers}  # the columns TRL puts in the loss: their model turns must hold an answer
+    if column == "completion" and completion_only_loss is False:  # TRL labels prompt + completion: chat prompts too
+        trained = {"prompt": _sft_column(rows, "prompt"), **trained}
+    empty = []
+    for i, values in enumerate(zip(*trained.values())):  # a text prompt is the context, never an answer
+        why = next((w for c, v in zip(trained, values)
+                    if (c != "prompt" or isinstance(v, list)) and (w := _empty_answer(v, c))), None)
+        if why:
+            empty.append((i, why))
     if empty:
         chat = not isinstance(answers[empty[0][0]], str)
+        in_prompt = any(why.startswith("prompt[") for _, why in empty)
         raise InputError(
             f"The {split_name!r} split (SFT) has rows with an empty answer ({row_list([i for i, _ in empty])}); "
             f"row {empty[0][0]}: {empty[0][1]}. TRL trains such a row on its end-of-turn (for text, end-of-text) token "
-            "alone, which teaches the model to stop at once (a one-token completion). Drop or fill those rows, e.g. "
-            f"`dataset.filter({_keep_answered(column, chat)})`."
+            "alone, which teaches the model to stop at once (a one-token completion)."
+            + (" With completion_only_loss=False TRL trains the prompt's tokens too, its assistant turns included "
+               "(None, TRL's default, or true masks the prompt)." if in_prompt else "")
+            + " Drop or fill those rows, e.g. "
+            f"`dataset.filter({_keep_answered(tuple(trained) if chat else (column,), chat)})`"
+            + (", or leave completion_only_loss at its default." if in_prompt else ".")
         )
 
 

@@ -652,7 +652,8 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind="sft", text_field=args.dataset_text_field,
-                      formatting_func=formatting_func, skip_prepare=skip_prepare)
+                      formatting_func=formatting_func, skip_prepare=skip_prepare,
+                      completion_only_loss=args.completion_only_loss)
     row = first_row(train_dataset) or {}
     if args.padding_free and not args.packing and args.max_length is not None \
             and "image" not in row and "images" not in row:  # TRL's condition; vision rows it refuses otherwise

@@ -168,6 +168,43 @@ def test_an_sft_turn_with_tool_calls_or_reasoning_but_no_text_has_an_answer():
     checks.check_dataset(Dataset.from_list([{"text": ""}]), "train", kind="sft", formatting_func=lambda r: "x")
 
 
+def test_an_empty_assistant_turn_in_a_trained_prompt_is_refused_only_when_the_prompt_is_trained():
+    """With ``completion_only_loss=False`` TRL 1.16 labels the whole prompt + completion (its labels take the
+    completion mask only when completion_only_loss is true; None resolves to true for prompt-completion rows), so an
+    assistant turn of the prompt with blank content and no tool calls trains its end-of-turn token alone, as an empty
+    completion does: refused with the completion's empty answers, naming the rows and a ``dataset.filter`` over prompt
+    and completion that makes the dataset pass. Under the default (None) and true the prompt is masked: accepted."""
+    import inspect
+
+    import trl
+
+    assert 'self.completion_only_loss = "prompt" in dataset_sample and "completion" in dataset_sample' in \
+        inspect.getsource(trl.SFTTrainer.__init__)  # None: True exactly for prompt-completion rows
+    assert 'if self.completion_only_loss and "completion_mask" in column_names' in \
+        inspect.getsource(trl.SFTTrainer._prepare_dataset)  # False: the prompt's tokens are labelled
+
+    answered = {"prompt": [Q, A, Q], "completion": [A]}
+    calling = {"prompt": [Q, CALL, {"role": "tool", "content": "12"}, Q], "completion": [A]}  # a tool call answers
+    empty_turn = {"prompt": [Q, {"role": "assistant", "content": ""}, Q], "completion": [A]}
+    empty_completion = {"prompt": [Q], "completion": [{"role": "assistant", "content": " "}]}
+    rows = [answered, calling, answered, empty_turn, answered, answered, empty_completion]
+    for dataset in (Dataset.from_list(rows), _stream(rows)):
+        with pytest.raises(InputError, match=r"'train' split \(SFT\) has rows with an empty answer \(rows 3, 6\); "
+                                             r"row 3: prompt\[1\] \(role 'assistant'\) has content '' and no "
+                                             r"tool_calls\..*one-token completion\)\. With completion_only_loss=False "
+                                             r"TRL trains the prompt's tokens too") as err:
+            checks.check_dataset(dataset, "train", kind="sft", completion_only_loss=False)
+        kept = dataset.filter(_filter_in(str(err.value)))
+        checks.check_dataset(kept, "train", kind="sft", completion_only_loss=False)
+        assert len(list(kept)) == 5
+        with pytest.raises(InputError, match=r"empty answer \(row 6\); row 6: completion\[0\]"):
+            checks.check_dataset(dataset, "train", kind="sft")  # the default masks the prompt: its completion only
+    masked = Dataset.from_list([answered, calling, empty_turn])
+    for completion_only_loss in (None, True):
+        checks.check_dataset(masked, "train", kind="sft", completion_only_loss=completion_only_loss)
+    checks.check_dataset(_stream([answered, calling, empty_turn]), "train", kind="sft")
+
+
 # ---------------------------------------------------------------- GRPO environments need chat prompts
 
 @pytest.mark.parametrize("prompt", ["What is 7 + 5?", ""])

@@ -166,3 +166,69 @@ def test_the_cli_reads_dataset_config_and_split_before_the_model_loads(two_confi
     with pytest.raises(AssertionError, match="a model was loaded"):
         cli.run("grpo", [*args, "--dataset_config", "easy", "--dataset_train_split", "extra",
                          "--output_dir", str(tmp_path / "o2")])
+
+
+def test_a_split_that_only_another_config_has_names_that_config(two_config_folder, tmp_path):
+    """A Hub-layout folder (README ``configs``): the refusal of a split the chosen config lacks names the config(s)
+    whose README data_files hold it, and the setting that picks one; a split no config has names none."""
+    with pytest.raises(InputError, match=r"has splits \['train'\], not 'extra'\. Set dataset_train_split .*\. Split "
+                                         r"'extra' is in config 'easy', not 'hard': set dataset_config: easy"):
+        pick_split(load_splits(two_config_folder, "hard"), "extra", two_config_folder)
+    with pytest.raises(InputError, match=r"not 'validation'\. Set dataset_train_split") as err:
+        pick_split(load_splits(two_config_folder, "hard"), "validation", two_config_folder)
+    assert "dataset_config" not in str(err.value)  # control: no config holds it
+    three = tmp_path / "three"
+    for path, data in two_configs().items():
+        (three / path).parent.mkdir(parents=True, exist_ok=True)
+        (three / path).write_bytes(data)
+    (three / "mid").mkdir()
+    (three / "mid" / "train.jsonl").write_text(json.dumps(_rows("mid", 1)[0]) + "\n")
+    (three / "mid" / "extra.jsonl").write_text(json.dumps(_rows("midx", 1)[0]) + "\n")
+    (three / "README.md").write_text(README.replace("- config_name: hard", "- config_name: mid\n  data_files:\n"
+                                                    "  - split: train\n    path: mid/train.jsonl\n  - split: extra\n"
+                                                    "    path: mid/extra.jsonl\n- config_name: hard"))
+    with pytest.raises(InputError, match=r"Split 'extra' is in configs 'easy', 'mid', not 'hard': set dataset_config: "
+                                         r"easy"):
+        pick_split(load_splits(str(three), "hard"), "extra", str(three))
+
+
+def test_a_hub_split_that_only_another_config_has_names_it_online_and_offline_or_says_it_cannot_know(tmp_path):
+    """The Hub id ``tester/two-configs`` over the loopback Hub, then offline, through datasets' own loading: online
+    the README's data_files name the config that holds the split; offline (datasets loads from its cache, whose
+    builder lists no configs) the config names come from the README in the Hugging Face cache and each config's
+    splits from the dataset_info.json of its prepared cache: a config never prepared is said to be unknown, not
+    guessed; without the README, the refusal says the other configs cannot be listed."""
+    import shutil
+
+    from hub_server import LoopbackHub
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+           "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"), "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PACKAGE_ROOT)}
+
+    def load(*cases, offline):
+        env["HF_HUB_OFFLINE"] = env["HF_DATASETS_OFFLINE"] = "1" if offline else "0"
+        out = subprocess.run([sys.executable, "-c", HUB_LOAD, *cases], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()
+
+    named = "Split 'extra' is in config 'easy', not 'hard': set dataset_config: easy"
+    with LoopbackHub({"tester/two-configs": two_configs()}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        [online] = load("tester/two-configs@hard:extra", offline=False)  # prepares 'hard' only
+    assert "has splits ['train'], not 'extra'" in online and named in online
+    [only_hard] = load("tester/two-configs@hard:extra", offline=True)
+    assert "has splits ['train'], not 'extra'" in only_hard and "is in config" not in only_hard
+    assert "Config 'easy' (ValueError: Couldn't find cache for tester/two-configs for config 'easy') may hold it: " \
+           "its splits cannot be known without loading data" in only_hard
+    with LoopbackHub({"tester/two-configs": two_configs()}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        assert json.loads(load("tester/two-configs@easy:extra", offline=False)[0]) == ["extra0", "extra1"]
+    both, nowhere = load("tester/two-configs@hard:extra", "tester/two-configs@hard:validation", offline=True)
+    assert named in both and "cannot be known" not in both
+    assert "not 'validation'" in nowhere and "dataset_config" not in nowhere
+    shutil.rmtree(tmp_path / "hf" / "hub")  # the README goes; datasets' cache still loads 'hard'
+    [no_card] = load("tester/two-configs@hard:extra", offline=True)
+    assert "not 'extra'" in no_card and "Other configs of 'tester/two-configs', if any, cannot be listed: it loaded " \
+        "from the datasets cache, and no README in the Hugging Face cache names its configs" in no_card

@@ -1025,3 +1025,16 @@ def test_I2_grpo_on_checkpoint_with_other_template_stops_before_loading(tiny_lla
                                   train_dataset=arithmetic_prompts())
     trainer.train()
     assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
+
+
+def test_an_empty_assistant_turn_in_a_prompt_trl_trains_is_refused_before_the_model_loads(tmp_path, tiny_llama):
+    """With ``completion_only_loss=False`` TRL labels prompt + completion, so an empty assistant turn inside a
+    prompt is trained on its end-of-turn token alone: refused before any weights load (the model path does not
+    exist, and the error is the data's). TRL's default masks the prompt: the same rows build a trainer."""
+    rows = _sft_rows(4)
+    rows[2]["prompt"] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  "},
+                         {"role": "user", "content": "What is 2 + 1?"}]
+    with pytest.raises(grpotrl.InputError, match=r"row 2: .*completion_only_loss=False TRL trains the prompt"):
+        grpotrl.SFTTrainer(model=str(tmp_path / "not-loaded"), train_dataset=Dataset.from_list(rows),
+                           args=_sft_args(tmp_path, completion_only_loss=False))
+    grpotrl.SFTTrainer(model=tiny_llama, train_dataset=Dataset.from_list(rows), args=_sft_args(tmp_path))
