@@ -17,7 +17,8 @@ that libraries read at import, before the recipe (``recipe_types``), a key the r
 a flag the command line gives twice (YAML and argparse would keep the last silently).
 
 Order, as open-r1's ``grpo.py``: parse (every key and value type) -> the model path and its load
-settings (``model_init_kwargs``; the recipe's quantization needs LoRA) -> the dataset splits and
+settings (``model_init_kwargs``; the recipe's quantization needs LoRA; a PEFT adapter as the model, such as a
+LoRA SFT's output, is trained on with ``use_peft: true`` and its own LoRA settings) -> the dataset splits and
 the reward names and judges (parsed, not resolved) -> the output dir (locked: one run at a time;
 then checked: nothing replaced unless asked) -> the trainer, whose
 preflight (``grpotrl/preflight/``) checks rows, model, tokenizer, chat template, stop tokens,
@@ -256,6 +257,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.checkpoints import check_output_dir
     from grpotrl.data import load_splits, pick_split
     from grpotrl.models import resolve_model_path
+    from grpotrl.models.sources import adapter_config
     from grpotrl.preflight.model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
@@ -266,6 +268,8 @@ def run(command: str, argv: list[str]) -> None:
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
     check_model_args(model_args, model_path)  # the recipe's quantization needs LoRA; LoRA targets exist
+    # a PEFT adapter (a LoRA SFT's output) is trained on with its own settings, which check_model_args compared
+    adapter = adapter_config(model_path, model_args.model_revision) if model_path else None
     training_args.model_init_kwargs = {  # as `trl grpo` sets them; device_map None: the Trainer places the model
         "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype, "device_map": None,
@@ -311,7 +315,7 @@ def run(command: str, argv: list[str]) -> None:
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
+        peft_config=None if adapter is not None else get_peft_config(model_args),
         **rewards,
     )
 

@@ -12,6 +12,10 @@ bad input stops before a weight is read:
   directory; offline and not cached is one ``InputError`` naming the id, the cache directory and
   ``HF_HUB_OFFLINE``. Online, the weights are downloaded by ``from_pretrained`` as in TRL.
 
+A PEFT adapter (a directory or Hub repo holding ``adapter_config.json``, as a LoRA SFT saves it): ``adapter_config``
+reads its config, ``adapter_base`` the base model it names, ``adapter_tokenizer_source`` where its tokenizer loads
+from; ``generation_config`` falls back to the base model's.
+
 Where the tokenizer is loaded from the model (no ``processing_class`` given), ``check_tokenizer_source`` asks for a
 tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in the Hub id's cached snapshot.
 """
@@ -74,11 +78,51 @@ def model_file(name_or_path: str | None, filename: str, revision: str | None = N
 
 
 def generation_config(name_or_path: str, revision: str | None = None):
-    """The model's ``GenerationConfig`` (its stop ids matter to I4), or None when it has none."""
+    """The model's ``GenerationConfig`` (its stop ids matter to I4), or None when it has none. A PEFT adapter
+    without its own is its base model's, which the loaded model generates with."""
     from transformers import GenerationConfig
 
     path = model_file(name_or_path, "generation_config.json", revision)
+    adapter = adapter_config(name_or_path, revision) if path is None else None
+    if adapter is not None and adapter_base(adapter):
+        path = model_file(adapter_base(adapter), "generation_config.json", adapter.get("revision"))
     return GenerationConfig.from_pretrained(os.path.dirname(path)) if path else None
+
+
+def adapter_config(name_or_path: str | None, revision: str | None = None) -> dict | None:
+    """The ``adapter_config.json`` of a PEFT adapter (a local directory or Hub repo that holds one, as
+    ``check_model_dir`` reads it), None for a model or a name that cannot be reached (``check_model_source`` says
+    why); ``InputError`` when the file is not a JSON object."""
+    path = model_file(name_or_path, "adapter_config.json", revision)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise InputError(f"PEFT adapter {name_or_path!r}: {path} is not valid JSON ({err}). Copy the adapter again "
+                         "or pick another checkpoint.") from None
+    if not isinstance(config, dict):
+        raise InputError(f"PEFT adapter {name_or_path!r}: {path} holds a {type(config).__name__}, not the JSON "
+                         "object PEFT writes. Copy the adapter again or pick another checkpoint.")
+    return config
+
+
+def adapter_base(adapter: dict) -> str | None:
+    """The base model a PEFT adapter's config (``adapter_config``) names, an alias resolved to its directory."""
+    base = adapter.get("base_model_name_or_path")
+    return resolve_model_path(base) if base else None
+
+
+def adapter_tokenizer_source(name_or_path: str, adapter: dict, revision: str | None = None) -> str:
+    """Where a PEFT adapter's tokenizer loads from: the adapter when it holds tokenizer files (grpotrl's SFT saves
+    its tokenizer beside the adapter), else its base model (transformers' ``AutoProcessor`` cannot load one from
+    an adapter that holds none)."""
+    if is_local(name_or_path):
+        own = _tokenizer_files_in(os.listdir(os.path.expanduser(name_or_path)))
+    else:
+        own = any(model_file(name_or_path, n, revision) for n in TOKENIZER_FILES)
+    return name_or_path if own or not adapter_base(adapter) else adapter_base(adapter)
 
 
 def check_model_source(name_or_path: str | None, revision: str | None = None, what: str = "Model") -> None:
@@ -110,8 +154,12 @@ def _holds_tokenizer(directory: str) -> bool:
     """Whether ``directory`` holds a tokenizer vocabulary (``TOKENIZER_FILES``, or any ``*.model`` / ``*.tiktoken``),
     or is a PEFT adapter's (its tokenizer may come from its base model)."""
     names = os.listdir(directory)
-    return "adapter_config.json" in names or any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model"))
-                                                 for n in names)
+    return "adapter_config.json" in names or _tokenizer_files_in(names)
+
+
+def _tokenizer_files_in(names: list[str]) -> bool:
+    """Whether the file ``names`` hold a tokenizer vocabulary (``TOKENIZER_FILES``, any ``*.model`` / ``*.tiktoken``)."""
+    return any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names)
 
 
 def check_tokenizer_source(name_or_path: str, revision: str | None = None,

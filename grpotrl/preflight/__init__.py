@@ -12,7 +12,8 @@ The order, each step an ``InputError`` (or ``InvariantError`` I2) saying what to
 1. ``output_dir`` not a file (the config's own ranges were checked once, by the config: ``configs.checks``);
 2. the datasets (``data.checks.check_dataset``; GAD: ``check_teacher_responses`` first);
 3. the model: its source (``models.sources.check_model_source``: a complete local dir, or a Hub id that is
-   reachable or cached), tokenizer files, the tokenizer (loaded as TRL loads it), a chat
+   reachable or cached; a PEFT adapter takes no ``peft_config``, its tokenizer and config may be its base's),
+   tokenizer files, the tokenizer (loaded as TRL loads it), a chat
    template where the data is conversational, the stop tokens; a loaded quantized model needs
    LoRA; prompts the context cannot hold; the checkpoint's template fingerprint (I2);
 4. GRPO: a recipe's reward names resolved (``rewards.resolve.RewardNames``); every reward callable
@@ -35,8 +36,8 @@ Then GRPO's local judges load (``rewards.recipe.LocalJudgeSpec``), last.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from ..chat import templates
@@ -52,13 +53,14 @@ from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
 from ..models.quantization import pin_quantized_kernels, quantized_bits
-from ..models.sources import check_model_source, check_tokenizer_source, generation_config, model_file
+from ..models.sources import (adapter_base, adapter_config, adapter_tokenizer_source, check_model_source,
+                              check_tokenizer_source, generation_config, model_file)
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
                                check_reward_sources, check_reward_weights)
 from ..rewards.tasks import per_task
-from .model import check_discriminator_source, check_lora_targets
+from .model import check_adapter_peft_config, check_discriminator_source, check_lora_targets
 
 logger = logging.getLogger(__name__)
 _NOT_GIVEN = object()
@@ -129,16 +131,23 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind=kind, prompt_optional=prompt_optional)
     revision = None
+    tokenizer_source = config_source = base_revision = None  # an adapter's: where its tokenizer, config come from
     if model is None or isinstance(model, str):
         model = resolve_model_path(model)
         init_kwargs = getattr(args, "model_init_kwargs", None) or {}
         revision = init_kwargs.get("revision")
         _check_init_dtype(init_kwargs)
-        _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), peft_config,
+        adapter = adapter_config(model, revision)  # a PEFT adapter: the trainer trains it (trainers._common)
+        trains = peft_config if adapter is None else adapter  # the adapter is this run's LoRA
+        _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), trains,
                                         "model_init_kwargs['quantization_config'] asks for")
-        _refuse_quantized_full_finetune(_config_bits(quantization_config), peft_config,
+        _refuse_quantized_full_finetune(_config_bits(quantization_config), trains,
                                         "The trainer's quantization_config asks for")
         check_model_source(model, revision)
+        if adapter is not None:
+            check_adapter_peft_config(model, None if peft_config is _NOT_GIVEN else peft_config)
+            tokenizer_source, config_source = adapter_tokenizer_source(model, adapter, revision), adapter_base(adapter)
+            base_revision = adapter.get("revision")  # the base's, as PEFT loads it
         targets = getattr(peft_config, "target_modules", None) if peft_config is not _NOT_GIVEN else None
         if targets:  # PEFT trains the names that match and ignores a misspelled one
             check_lora_targets(sorted(targets) if isinstance(targets, (set, frozenset)) else targets, model, revision,
@@ -152,16 +161,19 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     if processing_class is None:
         if model_id is None:
             raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
-        check_tokenizer_source(model_id, revision)  # not transformers' "Unrecognized processing class"
+        source = tokenizer_source or model_id
+        source_revision = revision if source == model_id else base_revision
+        check_tokenizer_source(source, source_revision)  # not transformers' "Unrecognized processing class"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
-        processing_class = AutoProcessor.from_pretrained(model_id, revision=revision,
+        processing_class = AutoProcessor.from_pretrained(source, revision=source_revision,
                                                          trust_remote_code=args.trust_remote_code, **sides)
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args))
     if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
         check_prompt_lengths(train_dataset, split_name(train_dataset, "train"),
-                             getattr(processing_class, "tokenizer", processing_class), model_id, revision,
+                             getattr(processing_class, "tokenizer", processing_class), config_source or model_id,
+                             base_revision if config_source else revision,
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
     return model, processing_class, stop_ids, model_id
@@ -249,6 +261,10 @@ def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> Non
     by name (no weights) for a path or Hub id, ``model.config`` for a loaded model."""
     if isinstance(model, str):
         revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        adapter = _adapter_of(model, args)
+        if adapter is not None:  # the base's config, and the adapter's shape as this run's LoRA settings
+            revision, model = adapter.get("revision"), adapter_base(adapter) or model
+            peft_config = SimpleNamespace(r=adapter.get("r"), target_modules=adapter.get("target_modules"))
         config = read_config(model_file(model, "config.json", revision))
         if config is not None:
             check_resume_architecture(checkpoint, config, model, peft_config)
@@ -257,8 +273,16 @@ def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> Non
                                   peft_config)
 
 
-def _uses_peft(model, peft_config) -> bool:
-    return peft_config not in (None, _NOT_GIVEN) or hasattr(model, "peft_config")
+def _uses_peft(model, peft_config, args) -> bool:
+    """Whether the run trains a PEFT adapter: a ``peft_config``, a PEFT model, or a PEFT adapter named by path or
+    Hub id (at ``args.model_init_kwargs``' revision), which the trainer loads and trains."""
+    return peft_config not in (None, _NOT_GIVEN) or hasattr(model, "peft_config") or (
+        isinstance(model, str) and _adapter_of(model, args) is not None)
+
+
+def _adapter_of(model: str, args) -> dict | None:
+    """The ``adapter_config.json`` of the model named ``model`` (resolved), None for a plain model."""
+    return adapter_config(model, (getattr(args, "model_init_kwargs", None) or {}).get("revision"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +298,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     trainer kind whose checkpoints a resume must hold ("grpo", "gad"). Returns ``(model, processing_class,
     reward_funcs, stop_token_ids, ResumeCheck)``."""
     peft_config = kwargs.get("peft_config")
-    model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
+    model, processing_class, stop_ids, model_id = prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
         quantization_config=kwargs.get("quantization_config"),
@@ -324,7 +348,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
                          "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
     # a reward column empty everywhere (per task: on the task's own rows)
     check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
-    resume = check_resume(args, resume_kind, processing_class, _uses_peft(model_in, peft_config),
+    resume = check_resume(args, resume_kind, processing_class, _uses_peft(model, peft_config, args),
                           template_kwargs, model=model, peft_config=peft_config, tool_sets=tool_sets)
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
@@ -351,14 +375,26 @@ def no_kl_reference(beta, kl_in_reward_coef) -> str:
 
 
 def _check_kl_reference(model, args, peft_config) -> None:
-    """``use_kl_in_reward`` with ``beta`` 0 and no PEFT (a ``peft_config``, a PEFT model, a local adapter
-    checkpoint): TRL loads a reference model only when beta > 0 (with PEFT the disabled adapter is the
+    """``use_kl_in_reward`` with ``beta`` 0 and no PEFT (a ``peft_config``, a PEFT model, a PEFT adapter by path
+    or Hub id): TRL loads a reference model only when beta > 0 (with PEFT the disabled adapter is the
     reference), so the KL column would find none at the first reward: refused before compute
-    (``no_kl_reference``)."""
-    adapter = isinstance(model, str) and os.path.isfile(os.path.join(model, "adapter_config.json"))
-    if not getattr(args, "use_kl_in_reward", False) or args.beta or adapter or _uses_peft(model, peft_config):
+    (``no_kl_reference``). With ``beta`` 0 on a PEFT adapter by name (trained already: SFT's) it is refused too:
+    TRL copies a trained adapter as the reference (``ref``) only when beta > 0, and the disabled adapter would
+    be the base model, not the policy this run starts from."""
+    if not getattr(args, "use_kl_in_reward", False) or args.beta:
         return
-    raise InputError(no_kl_reference(args.beta, args.kl_in_reward_coef))
+    if isinstance(model, str) and _adapter_of(model, args) is not None:
+        coef = args.kl_in_reward_coef
+        raise InputError(
+            f"use_kl_in_reward with beta={args.beta} on the PEFT adapter {model!r}: trl.GRPOTrainer copies a trained "
+            "adapter as the KL's reference (adapter 'ref': the policy this run starts from) only when beta > 0; "
+            "with beta 0 the reference would be the base model with the adapter disabled, so the KL would measure "
+            f"the adapter's own training, not this run's. Set beta: {args.beta if coef is None else coef} (with "
+            "use_kl_loss: false, beta is the reward's coefficient and the loss has no KL) and drop "
+            "kl_in_reward_coef."
+        )
+    if not _uses_peft(model, peft_config, args):
+        raise InputError(no_kl_reference(args.beta, args.kl_in_reward_coef))
 
 
 def _check_generation_args(args, kwargs: dict) -> None:
@@ -663,7 +699,7 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
             "Set `max_length: null` (rows then keep their length: truncate them beforehand), or `packing: true` "
             "(e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
         )
-    model_in, (model, processing_class, stop_ids, model_id) = model, prepare_model_and_tokenizer(
+    model, processing_class, stop_ids, model_id = prepare_model_and_tokenizer(
         model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"),
         quantization_config=kwargs.get("quantization_config"))
     fmt = None if formatting_func is not None else data_format(train_dataset)
@@ -678,6 +714,6 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
                                         row_template=row_template, row_kwargs=sft_option(args, "chat_template_kwargs"))
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
-    resume = check_resume(args, "sft", processing_class, _uses_peft(model_in, kwargs.get("peft_config")),
+    resume = check_resume(args, "sft", processing_class, _uses_peft(model, kwargs.get("peft_config"), args),
                           model=model, peft_config=kwargs.get("peft_config"))
     return model, processing_class, stop_ids, fmt, resume

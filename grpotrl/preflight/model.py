@@ -4,7 +4,9 @@
 * ``check_model_args``: a recipe's quantization / LoRA fields (``trl.ModelConfig``; the CLI's):
   4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist; ``lora_*`` settings
   need ``use_peft``, and ``bnb_4bit_*`` / ``use_bnb_nested_quant`` need ``load_in_4bit`` (TRL ignores them
-  without it).
+  without it). A PEFT adapter as ``model_name_or_path`` needs ``use_peft: true`` and LoRA settings that are the
+  adapter's own (``check_adapter_settings``).
+* ``check_adapter_peft_config``: a PEFT adapter named as the model takes no ``peft_config`` (the Python API's).
 
 A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``, its tokenizer
 files ``models.sources.check_tokenizer_source``; a
@@ -20,7 +22,7 @@ import re
 
 from ..errors import InputError
 from ..models import resolve_model_path
-from ..models.sources import check_model_source
+from ..models.sources import adapter_config, check_model_source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,8 +74,68 @@ def check_model_args(model_args, model_path: str) -> None:
             "these would be ignored and every weight of the model trained. Add `use_peft: true` to train LoRA "
             "adapters, or drop the lora_* settings to fine-tune the whole model."
         )
-    if model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
+    adapter = adapter_config(model_path, model_args.model_revision) if model_path else None
+    if adapter is not None:  # the trainer continues training the adapter, with its own settings
+        check_adapter_settings(model_args, model_path, adapter)
+    elif model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
         check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
+
+
+# a recipe's LoRA field -> the adapter_config.json key PEFT writes it as (trl.get_peft_config's mapping)
+LORA_FIELDS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+               "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters",
+               "lora_modules_to_save": "modules_to_save", "lora_task_type": "task_type", "use_rslora": "use_rslora",
+               "use_dora": "use_dora"}
+
+
+def merge_advice(path: str) -> str:
+    """How to turn the PEFT adapter at ``path`` into a plain checkpoint that keeps I2's fingerprint: merged into its
+    base and saved with the adapter's tokenizer and ``grpotrl_template.json``."""
+    return (f"merge it into its base first: `m = peft.AutoPeftModelForCausalLM.from_pretrained({path!r}); "
+            "m.merge_and_unload().save_pretrained(MERGED)`, then copy the adapter's tokenizer files and "
+            "grpotrl_template.json (the template fingerprint, I2) into MERGED, and start from MERGED")
+
+
+def check_adapter_peft_config(path: str, peft_config) -> None:
+    """A model named by a PEFT adapter ``path`` takes no ``peft_config`` (None): grpotrl's trainers load base + adapter
+    and continue training that adapter with its own settings; a ``peft_config`` would ask for a second adapter on
+    a PEFT model, which TRL refuses after the load."""
+    if peft_config is None:
+        return
+    raise InputError(
+        f"model={path!r} is a PEFT adapter, which grpotrl loads onto its base model and continues training with the "
+        f"adapter's own settings (its adapter_config.json), and peft_config={type(peft_config).__name__}(...) asks "
+        "for a new adapter on top of it (TRL refuses a PEFT model with a peft_config). Drop peft_config to continue "
+        f"training this adapter; to train a new adapter on the weights it gives instead, {merge_advice(path)} with "
+        "this peft_config."
+    )
+
+
+def check_adapter_settings(model_args, path: str, adapter: dict) -> None:
+    """A recipe (``trl.ModelConfig``) whose ``model_name_or_path`` is a PEFT adapter (``adapter``: its
+    ``adapter_config.json``) continues training that adapter: it needs ``use_peft: true`` (``use_peft: false`` asks
+    for a full fine-tune, which an adapter cannot take unmerged: refused, not merged, so that the run trains and
+    saves what the recipe says), and each LoRA setting the recipe changes from its default must be the adapter's
+    own (``LORA_FIELDS``); settings left at their defaults take the adapter's."""
+    if not model_args.use_peft:
+        raise InputError(
+            f"model_name_or_path {path!r} is a PEFT adapter and this run has use_peft: false, which fine-tunes every "
+            "weight of a plain model; the adapter is not merged silently, since the run would then train and save "
+            "the whole model instead of an adapter. Set `use_peft: true` to continue training this adapter (with "
+            f"its own settings, from its adapter_config.json), or, for a full fine-tune, {merge_advice(path)}."
+        )
+    differing = []
+    for field, value in _changed_settings(model_args, tuple(LORA_FIELDS)).items():
+        saved = adapter.get(LORA_FIELDS[field])
+        same = sorted(value) == sorted(saved) if isinstance(value, list) and isinstance(saved, list) else value == saved
+        if not same:
+            differing.append(f"{field}: {value!r} (the adapter's {LORA_FIELDS[field]} is {saved!r})")
+    if differing:
+        raise InputError(
+            f"model_name_or_path {path!r} is a PEFT adapter, which this run continues training with its own settings "
+            f"(its adapter_config.json), and the recipe sets other ones: {'; '.join(differing)}. Drop these settings "
+            f"(or set the adapter's values); to train a new adapter with them instead, {merge_advice(path)}."
+        )
 
 
 def _changed_settings(model_args, prefixes: tuple[str, ...]) -> dict:
