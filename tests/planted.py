@@ -1,6 +1,8 @@
 """Faults planted in grpotrl's GRPOTrainer, for the tests that show a guard catches them (tests/guards/test_precision.py
 in bf16 on CPU, tests/test_gpu.py on CUDA). Each is a subclass whose loss forward does one thing wrong and
-everything else as grpotrl does; with ``factor = 1.0`` / ``active = False`` it is the control.
+everything else as grpotrl does; with ``factor = 1.0`` / ``active = False`` it is the control. ``PlantedBest``
+plants an evaluation metric instead, for the tests of which checkpoint is a run's best
+(tests/checkpoints/test_run_identity.py, tests/trainers/test_gad_review.py).
 
 * ``LossAtScaledTemperature``: the loss scores at ``factor`` x the sampling temperature.
 * ``ShiftedCompletionPositions``: the loss forward's position ids of the scored (completion) tokens are one
@@ -10,6 +12,7 @@ everything else as grpotrl does; with ``factor = 1.0`` / ``active = False`` it i
 """
 
 import torch
+from transformers import TrainerCallback
 from trl.trainer.utils import add_fused_lm_head
 
 import grpotrl
@@ -77,3 +80,14 @@ class PackedRowsSeeEachOther(_LossForwardHook):
         kwargs.pop("position_ids", None)
         kwargs.pop("attention_mask", None)
         return kwargs
+
+
+class PlantedBest(TrainerCallback):
+    """Adds ``eval_planted`` to each evaluation's metrics, highest at step ``best``: with
+    ``metric_for_best_model="planted"`` the best checkpoint is ``checkpoint-<best>``, whatever the loss."""
+
+    def __init__(self, best: int):
+        self.best = best
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_planted"] = -abs(state.global_step - self.best)

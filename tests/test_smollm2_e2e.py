@@ -28,7 +28,7 @@ def test_smollm2_sft_then_grpo_guarded_and_reloadable(smollm2_path, tmp_path):
     sft_dir = str(tmp_path / "sft")
     sft = grpotrl.SFTTrainer(
         model=smollm2_path, train_dataset=train.select_columns(["prompt", "completion"]),
-        args=grpotrl.SFTConfig(output_dir=sft_dir, per_device_train_batch_size=4, max_steps=2, learning_rate=2e-5,
+        args=grpotrl.SFTConfig(output_dir=sft_dir, per_device_train_batch_size=4, max_steps=1, learning_rate=2e-5,
                                logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", guard_steps=-1),
     )
     before = _weights(sft.model)
@@ -40,7 +40,7 @@ def test_smollm2_sft_then_grpo_guarded_and_reloadable(smollm2_path, tmp_path):
     grpo_dir = str(tmp_path / "grpo")
     grpo = grpotrl.GRPOTrainer(
         model=sft_dir, reward_funcs=[exact_answer_reward, brevity], train_dataset=train,
-        args=grpotrl.GRPOConfig(output_dir=grpo_dir, per_device_train_batch_size=8, num_generations=4,
+        args=grpotrl.GRPOConfig(output_dir=grpo_dir, per_device_train_batch_size=4, num_generations=2,
                                 max_completion_length=16, max_steps=2, learning_rate=1e-5, logging_steps=1,
                                 report_to="none", use_cpu=True, save_strategy="no", guard_steps=-1, seed=0),
     )

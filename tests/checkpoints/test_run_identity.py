@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import trl
 from conftest import arithmetic_prompts, free_port, length_reward
+from planted import PlantedBest
 from test_resume_paths import CtrlC, small, trainer_for
-from transformers import TrainerCallback
 
 from grpotrl import checkpoints
 from grpotrl.checkpoints import checkpoint_problems, find_last_checkpoint, resume_checkpoint, resume_files
@@ -153,17 +153,6 @@ def test_save_total_limit_keeps_the_checkpoint_just_saved_where_mtimes_are_not_r
     assert "checkpoint-1" not in checkpoints._checkpoints(str(out))  # rotated, as save_total_limit asks
     assert (out / "checkpoint-2").is_dir()
     assert checkpoint_problems(str(out / "checkpoint-2"), required) == []  # the state to resume from, kept
-
-
-class PlantedBest(TrainerCallback):
-    """Adds ``eval_planted`` to each evaluation's metrics, highest at step ``best``: with
-    ``metric_for_best_model="planted"`` the best checkpoint is ``checkpoint-<best>``, whatever the loss."""
-
-    def __init__(self, best: int):
-        self.best = best
-
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        metrics["eval_planted"] = -abs(state.global_step - self.best)
 
 
 def best_tracked(grpo_args, out: Path):

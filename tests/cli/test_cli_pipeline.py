@@ -1,9 +1,9 @@
 """Recipes that run end to end through the CLI, at tiny scale (a random 2-layer policy over the
 SmolLM2 tokenizer, 1-2 steps, 6-token completions):
 
-* the full pipeline: SFT (``sft_quickstart.yaml``), then multi-task GRPO on the shipped
-  fairness + hallucination rows scored by two HTTP judges on a real ``transformers serve``
-  (SmolLM2 at 127.0.0.1), CAGrad, entropy bonus, health rules
+* the full pipeline: SFT (``sft_quickstart.yaml``, through ``cli.main`` in this process), then
+  multi-task GRPO on the shipped fairness + hallucination rows scored by two HTTP judges on a real
+  ``transformers serve`` (SmolLM2 at 127.0.0.1), CAGrad, entropy bonus, health rules
   (``grpo_multitask_judges.yaml``), through ``python -m grpotrl.cli`` and through
   ``accelerate launch --config_file recipes/accelerate/single.yaml``;
 * a user's recipe: a local JSONL file, a dotted-path reward from a module on PYTHONPATH
@@ -32,6 +32,9 @@ TESTS = Path(__file__).resolve().parents[1]
 JUDGES_RECIPE = "recipes/smollm2/grpo_multitask_judges.yaml"
 TINY = ["--max_completion_length", "6", "--per_device_train_batch_size", "8", "--num_generations", "4",
         "--disable_tqdm", "true", "--health_report_steps", "0"]
+# the seeds pipeline's GRPO: the same 2 prompts a step as TINY, 2 completions each (each one a request to SmolLM2)
+JUDGED = ["--max_completion_length", "6", "--per_device_train_batch_size", "4", "--num_generations", "2",
+          "--disable_tqdm", "true", "--health_report_steps", "0"]
 SECRET = "sk-test-0123456789-must-not-leak"
 
 
@@ -85,15 +88,18 @@ def check_judged_run(logs: list[dict], proxy: LoopbackJudge, steps: int) -> None
 
 def test_seeds_pipeline_sft_then_judged_multitask_grpo_through_the_cli(serve, tiny_llama, tmp_path):
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
-    run([sys.executable, "-m", "grpotrl.cli", "sft", "--config", "recipes/smollm2/sft_quickstart.yaml",
-         "--model_name_or_path", tiny_llama, "--output_dir", str(sft), "--max_steps", "1",
-         "--per_device_train_batch_size", "4", "--disable_tqdm", "true"], tmp_path / "sft.log")
+    cli.main(["sft", "--config", str(ROOT / "recipes/smollm2/sft_quickstart.yaml"), "--model_name_or_path",
+              tiny_llama, "--output_dir", str(sft), "--max_steps", "1", "--per_device_train_batch_size", "4",
+              "--disable_tqdm", "true"])  # python -m grpotrl.cli: the GRPO run below
     assert (sft / "grpotrl_template.json").is_file()
     with LoopbackJudge(upstream=serve["url"]) as proxy:
         text = run([sys.executable, "-m", "grpotrl.cli", "grpo", "--config", JUDGES_RECIPE,
-                    "--model_name_or_path", str(sft), "--output_dir", str(grpo), "--max_steps", "2", *TINY,
+                    "--model_name_or_path", str(sft), "--output_dir", str(grpo), "--max_steps", "2", *JUDGED,
                     "--judges", judges_at(proxy.url, serve["model"])], tmp_path / "grpo.log")
         check_judged_run(history(grpo), proxy, steps=2)
+    judged = {task for h in history(grpo) for task in ("fairness", "hallucination")
+              if f"judge/{task}_judge/missing_share" in h}
+    assert judged == {"fairness", "hallucination"}  # both rubrics reached SmolLM2: the checks above read each
     assert "grpotrl grpo: 2 steps" in text
     assert "grpotrl: padding_free on (auto: measured faster" in text  # the trainer's startup line reaches the user
 

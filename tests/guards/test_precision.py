@@ -188,7 +188,8 @@ def _guard_metrics(trainer):
 
 @pytest.mark.parametrize("settings", [dict(),  # bf16 autocast over the checkpoint's fp32 weights
                                       dict(padding_free=True, bf16=False, model_init_kwargs={"dtype": "bfloat16"}),
-                                      dict(padding_free=False, beta=0.04, model_init_kwargs={"dtype": "bfloat16"})],
+                                      dict(padding_free=False, beta=0.04, model_init_kwargs={"dtype": "bfloat16"},
+                                           per_device_train_batch_size=8)],  # 2 prompts a step, still left-padded
                          ids=["default-config", "padding_free-bf16-weights-no-autocast", "padded-bf16-weights-kl"])
 def test_bf16_trains_with_every_guard_on(settings, smollm2_path, tmp_path):
     trainer = _train(grpotrl.GRPOTrainer, smollm2_path, _bf16_args(tmp_path, max_steps=2, **settings))

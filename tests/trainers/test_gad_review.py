@@ -9,8 +9,8 @@ from datasets import Dataset
 
 import grpotrl
 from grpotrl import guards
+from planted import PlantedBest
 from test_gad import gad_args, toy_rows  # noqa: F401  (gad_args is a fixture)
-from test_run_identity import PlantedBest
 
 
 def test_loss_guards_run_on_the_students_first_steps_after_discriminator_warmup(tiny_llama, gad_args, monkeypatch):
@@ -73,34 +73,46 @@ def _generation_batches(tok, n: int):
         yield [{"teacher_response": r["teacher_response"]} for r in group for _ in range(4)], prompts, ids
 
 
-def test_I9_guard_takes_bf16_rounding_of_the_read_hidden_state(smollm2_path, smollm2_tokenizer):
+def test_I9_guard_takes_bf16_rounding_of_the_read_hidden_state(smollm2_path, smollm2_tokenizer, monkeypatch):
     """Control. In bf16 the score is the rounding of ``sum_i w_i h_i``, whose terms (SmolLM2, fresh head: 9-14 in
     ``sum_i |w_i h_i|``) are far larger than the score (-0.4 .. 2): batch shape alone moved scores by up to 0.07,
     past 4 bf16 epsilons of the score, and a bound on the score wide enough for that let reads one token early
     through. The guard compares the hidden state the head reads (``state_gap``, bound 10 eps = 0.078), which
-    rounding moves by at most ~3 eps here. Every sequence of these packed and right-padded batches passes alone."""
+    rounding moves by at most ~3 eps here. Every sequence of these packed and right-padded batches (two of each,
+    40 sequences) passes alone, and the largest gap measured stays under half the bound. The guard checks two
+    sequences a call (the batch's shortest and its last), so each call here gets two: every sequence once."""
     from grpotrl.errors import InvariantError
     from grpotrl.gad import discriminator as gd
+    from grpotrl.trainers import gad_engine
 
+    failures, gaps = [], []
+
+    def measured(read, reference):
+        gap = gd.state_gap(read, reference)  # [1]
+        gaps.append(gap.item())
+        return gap
+
+    monkeypatch.setattr(gad_engine, "state_gap", measured)
     tok = smollm2_tokenizer
     engine = _bf16_engine(smollm2_path, tok)
     engine.model.eval()
     reward = gd.DiscriminatorReward(engine.model, tok, [tok.eos_token_id])
-    failures, gaps = [], []
-    for j, (inputs, prompts, ids) in enumerate(_generation_batches(tok, 6)):
+    for j, (inputs, prompts, ids) in enumerate(_generation_batches(tok, 4)):
         parts = reward.parts(prompts, reward.texts(ids), reward.finished(ids))
         parts += reward.parts(prompts[::4], [x["teacher_response"] for x in inputs[::4]])
         batch = gd.scoring_batch(parts, tok.pad_token_id, pack=j % 2 == 0)  # packed, then padded
         assert ("block" in batch) == (j % 2 == 0)
         with torch.no_grad(), engine.accelerator.autocast(), engine.model.reading() as seen:
             batched = engine.model(**batch)  # [10]
-        for k, (p, r) in enumerate(parts):
-            one = {"head_input": [seen["head_input"][0][k:k + 1]], "scores": [seen["scores"][0][k:k + 1]]}
+        for k in range(0, len(parts), 2):
+            two = {key: [seen[key][0][k:k + 2]] for key in ("head_input", "scores")}
             try:
-                engine.check_score_alone([p + r], batched[k:k + 1], one, tok)
+                engine.check_score_alone([p + r for p, r in parts[k:k + 2]], batched[k:k + 2], two, tok)
             except InvariantError as e:
                 failures.append(str(e)[:200])
     assert not failures, failures
+    assert len(gaps) == 40  # each sequence's read state compared with its own alone
+    assert max(gaps) < gd.state_tolerance(torch.bfloat16) / 2, max(gaps)
 
 
 def _hf_pooling(d):
@@ -228,8 +240,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
+from planted import PlantedBest
 from test_gad import toy_rows
-from test_run_identity import PlantedBest
 
 model, out = sys.argv[1], Path(sys.argv[2])
 args = grpotrl.GADConfig(
@@ -271,7 +283,7 @@ def test_best_model_at_end_restores_the_discriminator_under_deepspeed(config, ti
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(root / "tests"),
-                                          str(root / "tests" / "checkpoints"), os.environ.get("PYTHONPATH", "")])}
+                                          os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
            f"recipes/accelerate/{config}.yaml", "--num_processes", "1", "--main_process_port", str(free_port()),
            str(script), str(tiny_llama), str(out)]
