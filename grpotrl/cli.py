@@ -257,7 +257,6 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.checkpoints import check_output_dir
     from grpotrl.data import load_splits, pick_split
     from grpotrl.models import resolve_model_path
-    from grpotrl.models.sources import adapter_config
     from grpotrl.preflight.model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
@@ -267,9 +266,9 @@ def run(command: str, argv: list[str]) -> None:
     # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight/)
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
-    check_model_args(model_args, model_path)  # the recipe's quantization needs LoRA; LoRA targets exist
-    # a PEFT adapter (a LoRA SFT's output) is trained on with its own settings, which check_model_args compared
-    adapter = adapter_config(model_path, model_args.model_revision) if model_path else None
+    # the recipe's quantization needs LoRA; LoRA targets exist; a PEFT adapter as the model (a LoRA SFT's output,
+    # returned) is trained on with its own settings, which the recipe's LoRA fields must not contradict
+    adapter = check_model_args(model_args, model_path, getattr(training_args, "disable_dropout", False))
     training_args.model_init_kwargs = {  # as `trl grpo` sets them; device_map None: the Trainer places the model
         "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype, "device_map": None,

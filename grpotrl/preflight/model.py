@@ -41,8 +41,11 @@ def check_discriminator_source(path: str) -> None:
 # A recipe's quantization and LoRA settings
 # ---------------------------------------------------------------------------------------------
 
-def check_model_args(model_args, model_path: str) -> None:
-    """A recipe's quantization and LoRA fields (``trl.ModelConfig``), before any weights are read."""
+def check_model_args(model_args, model_path: str, dropout_disabled: bool = False) -> dict | None:
+    """A recipe's quantization and LoRA fields (``trl.ModelConfig``), before any weights are read. Returns the
+    ``adapter_config.json`` of a PEFT adapter named as the model (None for a plain model), whose settings the
+    recipe's LoRA fields were compared with (``check_adapter_settings``; ``dropout_disabled``: the trainer zeroes
+    every dropout, ``disable_dropout``)."""
     bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
     if bits:
         flag = f"load_in_{bits}bit"
@@ -76,9 +79,10 @@ def check_model_args(model_args, model_path: str) -> None:
         )
     adapter = adapter_config(model_path, model_args.model_revision) if model_path else None
     if adapter is not None:  # the trainer continues training the adapter, with its own settings
-        check_adapter_settings(model_args, model_path, adapter)
+        check_adapter_settings(model_args, model_path, adapter, dropout_disabled)
     elif model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
         check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
+    return adapter
 
 
 # a recipe's LoRA field -> the adapter_config.json key PEFT writes it as (trl.get_peft_config's mapping)
@@ -111,12 +115,15 @@ def check_adapter_peft_config(path: str, peft_config) -> None:
     )
 
 
-def check_adapter_settings(model_args, path: str, adapter: dict) -> None:
+def check_adapter_settings(model_args, path: str, adapter: dict, dropout_disabled: bool = False) -> None:
     """A recipe (``trl.ModelConfig``) whose ``model_name_or_path`` is a PEFT adapter (``adapter``: its
     ``adapter_config.json``) continues training that adapter: it needs ``use_peft: true`` (``use_peft: false`` asks
     for a full fine-tune, which an adapter cannot take unmerged: refused, not merged, so that the run trains and
     saves what the recipe says), and each LoRA setting the recipe changes from its default must be the adapter's
-    own (``LORA_FIELDS``); settings left at their defaults take the adapter's."""
+    own (``LORA_FIELDS``); settings left at their defaults take the adapter's. Module names compare as sets of
+    their last parts (``_names``), one name as a list of it, and ``all-linear`` as the names PEFT expands it to on the adapter's base (the recipe that
+    trained the adapter passes); ``lora_dropout`` is not compared where the trainer zeroes every dropout
+    (``dropout_disabled``)."""
     if not model_args.use_peft:
         raise InputError(
             f"model_name_or_path {path!r} is a PEFT adapter and this run has use_peft: false, which fine-tunes every "
@@ -127,15 +134,52 @@ def check_adapter_settings(model_args, path: str, adapter: dict) -> None:
     differing = []
     for field, value in _changed_settings(model_args, tuple(LORA_FIELDS)).items():
         saved = adapter.get(LORA_FIELDS[field])
-        same = sorted(value) == sorted(saved) if isinstance(value, list) and isinstance(saved, list) else value == saved
+        if field == "lora_dropout" and dropout_disabled:
+            continue
+        if field in ("lora_target_modules", "lora_modules_to_save", "lora_target_parameters"):
+            same, theirs = _names(value, adapter, path) == (names := _names(saved, adapter, path)), names
+            shown = sorted(theirs) if isinstance(theirs, frozenset) else theirs  # the names' last parts
+        else:
+            same, shown = value == saved, saved
         if not same:
-            differing.append(f"{field}: {value!r} (the adapter's {LORA_FIELDS[field]} is {saved!r})")
+            differing.append(f"{field}: {value!r} (the adapter's {LORA_FIELDS[field]} is {shown!r})")
     if differing:
         raise InputError(
             f"model_name_or_path {path!r} is a PEFT adapter, which this run continues training with its own settings "
             f"(its adapter_config.json), and the recipe sets other ones: {'; '.join(differing)}. Drop these settings "
             f"(or set the adapter's values); to train a new adapter with them instead, {merge_advice(path)}."
         )
+
+
+def _names(value, adapter: dict, path: str):
+    """A PEFT name setting as compared: the set of the module names' last parts (PEFT matches a name against a
+    module's dotted name or its end: ``q_proj`` and the ``model.layers.0.self_attn.q_proj`` it saves for
+    ``all-linear`` are one; one name is a set of it; ``all-linear`` the linear layers PEFT targets with it on the
+    adapter's base, ``_all_linear``), or a regular expression as written."""
+    if value in ("all-linear", ["all-linear"]):
+        return _all_linear(adapter.get("base_model_name_or_path"), adapter.get("revision")) or "all-linear"
+    if isinstance(value, str) and not re.fullmatch(r"[\w.-]+", value):
+        return value  # a regular expression, which PEFT full-matches against each module's dotted name
+    return frozenset(name.rsplit(".", 1)[-1] for name in ([value] if isinstance(value, str) else value or ()))
+
+
+def _all_linear(base: str | None, revision: str | None) -> frozenset | None:
+    """The module names ``all-linear`` stands for on the model ``base`` (built on the meta device, no weights), as
+    PEFT expands it: the last name of every ``torch.nn.Linear`` (GPT-2's ``Conv1D``) but the output layer's; None
+    where its config cannot be read here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(base), revision=revision)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, TypeError):
+        return None
+    output = skeleton.get_output_embeddings()
+    return frozenset(name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()
+                     if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not output)
 
 
 def _changed_settings(model_args, prefixes: tuple[str, ...]) -> dict:

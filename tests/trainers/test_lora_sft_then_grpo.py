@@ -228,3 +228,39 @@ def test_cli_lora_settings_other_than_the_adapters_are_refused_before_the_load(s
         cli.run("grpo", ["--config", GRPO_RECIPE, "--model_name_or_path", sft_adapter, "--use_peft", "true",
                          "--lora_r", "8", "--lora_alpha", "8", "--lora_target_modules", "q_proj",
                          "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_the_recipe_that_trained_an_all_linear_adapter_passes_on_it_and_another_target_is_refused(arch, request,
+                                                                                                   tmp_path):
+    """PEFT saves ``all-linear`` as the module names it expanded to (GPT-2's ``Conv1D`` layers included, the
+    output layer left out): the recipe that trained the adapter (``all-linear``, ``lora_dropout`` its default) is
+    compared with those names and passes; a one-name list is one name; another target set is refused. With
+    ``disable_dropout`` (GRPO's default) a ``lora_dropout`` other than the adapter's is moot, else refused."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl import ModelConfig
+
+    from grpotrl.models.sources import adapter_config
+    from grpotrl.preflight.model import check_adapter_settings
+
+    base = request.getfixturevalue(arch)
+    adapter_dir = str(tmp_path / "adapter")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules="all-linear")) \
+        .save_pretrained(adapter_dir)
+    saved = adapter_config(adapter_dir)
+    assert isinstance(saved["target_modules"], list) and len(saved["target_modules"]) >= 2  # expanded by PEFT
+
+    def recipe(**kw):
+        return ModelConfig(model_name_or_path=adapter_dir, use_peft=True, lora_r=4, **kw)
+
+    check_adapter_settings(recipe(lora_target_modules=["all-linear"]), adapter_dir, saved)
+    check_adapter_settings(recipe(lora_target_modules=list(reversed(saved["target_modules"]))), adapter_dir, saved)
+    with pytest.raises(InputError, match=r"lora_target_modules: '(c_fc|q_proj)' \(the adapter's target_modules is "
+                                         r"\['(c_attn', 'c_fc', 'c_proj|down_proj', 'gate_proj', 'k_proj', 'o_proj', "
+                                         r"'q_proj', 'up_proj', 'v_proj)'\]\)"):
+        check_adapter_settings(recipe(lora_target_modules=["c_fc" if arch == "tiny_gpt2" else "q_proj"]),
+                               adapter_dir, saved)
+    check_adapter_settings(recipe(lora_dropout=0.1), adapter_dir, saved, dropout_disabled=True)
+    with pytest.raises(InputError, match=r"lora_dropout: 0.1 \(the adapter's lora_dropout is 0.0\)"):
+        check_adapter_settings(recipe(lora_dropout=0.1), adapter_dir, saved)
