@@ -39,9 +39,9 @@ can then flip where two tokens' draws are that close, as between any two machine
 
 It is used only where the loop's result stays the same (``usable``): the plain decoding loop (``_sample``; not
 beam search or assisted decoding), a loop that pads finished rows, a ``DynamicCache`` of full-attention or
-sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), no other model input
-with B entries on any axis (a tensor, or one in a dict, list or tuple: ``mm_token_type_ids [B, L]``, a ``[k, B]``
-layout; one whose size equals B by chance keeps every row too), and each of the three above holding the B rows on
+sliding-window layers, nothing returned beyond the sequences (no scores, logits or cache), no other tensor among
+the model's inputs (nor in a dict, list or tuple among them: ``mm_token_type_ids [B, L]``, a ``[k, B]`` layout,
+``pixel_values``), and each of the three above holding the B rows on
 its batch axis (a ``[1, L]`` ``position_ids`` broadcast over the rows is not cut). Elsewhere the call runs as
 transformers wrote it. Where a decoding step's inputs stop being such after rows have left the cache, the call
 stops with a ``RuntimeError``: the rows cannot be put back.
@@ -176,17 +176,18 @@ def _batch_dim(name: str, value: torch.Tensor) -> int:
 
 def _plain_inputs(kwargs: dict, rows: int) -> bool:
     """Every ``BATCH_INPUTS`` entry is absent, ``None`` or a tensor holding the ``rows`` rows on its batch axis
-    (``_batch_dim``; not a ``[1, L]`` broadcast), and no other tensor among a forward's inputs, nor in the dicts,
-    lists and tuples among them, has ``rows`` entries on any axis (images, token types, embeddings, a ``[k, B]`` or
-    ``[1, B, L]`` layout: this class would not know to cut them; a size that equals ``rows`` by chance keeps every
-    row in the forward, which costs only the rows' compute). ``cache_position`` ``[S]`` holds positions, not rows."""
+    (``_batch_dim``; not a ``[1, L]`` broadcast), and no other tensor is among a forward's inputs, nor in the dicts,
+    lists and tuples among them (images, token types, embeddings, a ``[k, B]`` or ``[1, B, L]`` layout, pixel values
+    whose first axis counts patches, not rows: this class would not know to cut them or which rows they belong to;
+    one that belongs to no row keeps every row in the forward, which costs only the rows' compute).
+    ``cache_position`` ``[S]`` holds positions, not rows."""
     for name, value in kwargs.items():
         if name in BATCH_INPUTS:
             least = 2 if name == "position_ids" else 1  # position ids [B, L] or [k, B, L]; the others [B, ...]
             if value is not None and not (isinstance(value, torch.Tensor) and value.ndim >= least
                                           and value.size(_batch_dim(name, value)) == rows):
                 return False
-        elif name != "cache_position" and any(rows in t.shape for t in _tensors_in(value)):
+        elif name != "cache_position" and _tensors_in(value):
             return False
     return True
 
