@@ -407,10 +407,12 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
         in_prompt = any(why.startswith("prompt[") for _, why in empty)
         raise InputError(
             f"The {split_name!r} split (SFT) has rows with an empty answer ({row_list([i for i, _ in empty])}); "
-            f"row {empty[0][0]}: {empty[0][1]}. TRL trains such a row on its end-of-turn (for text, end-of-text) token "
-            "alone, which teaches the model to stop at once (a one-token completion)."
-            + (" With completion_only_loss=False TRL trains the prompt's tokens too, its assistant turns included "
-               "(None, TRL's default, or true masks the prompt)." if in_prompt else "")
+            f"row {empty[0][0]}: {empty[0][1]}. "
+            + ("With completion_only_loss=False TRL trains the prompt's tokens too, its assistant turns included "
+               "(None, TRL's default, or true masks the prompt): an empty one teaches the model to answer with its "
+               "end-of-turn token alone (a one-token completion)." if in_prompt else
+               "TRL trains such a row on its end-of-turn (for text, end-of-text) token alone, which teaches the model "
+               "to stop at once (a one-token completion).")
             + " Drop or fill those rows, e.g. "
             f"`dataset.filter({_keep_answered(tuple(trained) if chat else (column,), chat)})`"
             + (", or leave completion_only_loss at its default." if in_prompt else ".")

@@ -191,8 +191,9 @@ def test_an_empty_assistant_turn_in_a_trained_prompt_is_refused_only_when_the_pr
     for dataset in (Dataset.from_list(rows), _stream(rows)):
         with pytest.raises(InputError, match=r"'train' split \(SFT\) has rows with an empty answer \(rows 3, 6\); "
                                              r"row 3: prompt\[1\] \(role 'assistant'\) has content '' and no "
-                                             r"tool_calls\..*one-token completion\)\. With completion_only_loss=False "
-                                             r"TRL trains the prompt's tokens too") as err:
+                                             r"tool_calls\. With completion_only_loss=False TRL trains the prompt's "
+                                             r"tokens too.*an empty one teaches the model to answer with its "
+                                             r"end-of-turn token alone") as err:
             checks.check_dataset(dataset, "train", kind="sft", completion_only_loss=False)
         kept = dataset.filter(_filter_in(str(err.value)))
         checks.check_dataset(kept, "train", kind="sft", completion_only_loss=False)
