@@ -60,7 +60,7 @@ from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
                                check_reward_sources, check_reward_weights)
 from ..rewards.tasks import per_task
-from .model import check_adapter_peft_config, check_discriminator_source, check_lora_targets
+from .model import check_adapter_peft_config, check_discriminator_source, check_lora_targets, merge_advice
 
 logger = logging.getLogger(__name__)
 _NOT_GIVEN = object()
@@ -137,7 +137,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         init_kwargs = getattr(args, "model_init_kwargs", None) or {}
         revision = init_kwargs.get("revision")
         _check_init_dtype(init_kwargs)
-        adapter = adapter_config(model, revision)  # a PEFT adapter: the trainer trains it (trainers._common)
+        adapter = adapter_config(model, revision)  # a PEFT adapter: the trainer trains it (trainers.adapter)
         trains = peft_config if adapter is None else adapter  # the adapter is this run's LoRA
         _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), trains,
                                         "model_init_kwargs['quantization_config'] asks for")
@@ -649,17 +649,32 @@ def discriminator_load_kwargs(model, args) -> dict:
     """How D loads besides its path, as TRL loads the student and reward models: ``trust_remote_code``
     (``model_init_kwargs``' own, else ``args.trust_remote_code``) and, where D starts from the student's
     checkpoint by name, the student's ``model_init_kwargs["revision"]`` (a loaded student's revision is
-    unknown: its config's path at the default revision)."""
+    unknown: its config's path at the default revision). Where that checkpoint is a PEFT adapter (a LoRA SFT's
+    output), D loads the adapter's base (its path: the student's base model's) at the base's revision
+    (``revision``: the adapter's record) and merges the adapter into it (``adapter``, its path, at the student's
+    revision, ``adapter_revision``: ``gad.discriminator.merged_adapter``); else both are None."""
     init = args.model_init_kwargs or {}
     own_path = args.discriminator_model_name_or_path or not isinstance(model, str)
-    return {"revision": None if own_path else init.get("revision"),
-            "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code)}
+    adapter = None if own_path else _student_adapter(model, init.get("revision"))
+    return {"revision": None if own_path else adapter[1].get("revision") if adapter else init.get("revision"),
+            "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code),
+            "adapter": adapter[0] if adapter else None, "adapter_revision": init.get("revision") if adapter else None}
+
+
+def _student_adapter(model: str, revision: str | None) -> tuple[str, dict] | None:
+    """``(path, adapter_config.json)`` where the student named ``model`` (resolved) is a PEFT adapter, else None."""
+    path = resolve_model_path(model)
+    adapter = adapter_config(path, revision)
+    return None if adapter is None else (path, adapter)
 
 
 def _check_discriminator(model, args) -> None:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
     student's own checkpoint at the student's revision (``discriminator_load_kwargs``), which must then be
-    loadable by name."""
+    loadable by name; a student's PEFT adapter, its base model (at the base's revision), the adapter merged into
+    D after the load (``gad.discriminator.merged_adapter``). That merge is refused where it cannot be made: a
+    prompt-learning adapter (no weights to merge), and under DeepSpeed ZeRO-3, where D's weights load
+    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights."""
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
@@ -669,8 +684,27 @@ def _check_discriminator(model, args) -> None:
     if not student_source:
         raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
                          "discriminator_model_name_or_path (a local directory or a Hub id).")
-    check_model_source(student_source, discriminator_load_kwargs(model, args)["revision"],
-                       what="Discriminator model (the student's own checkpoint)")
+    load = discriminator_load_kwargs(model, args)
+    if load["adapter"] is None:
+        check_model_source(student_source, load["revision"], what="Discriminator model (the student's own checkpoint)")
+        return
+    from peft import PeftConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    path, adapter = _student_adapter(model, load["adapter_revision"])
+    peft_config = PeftConfig.from_pretrained(path, revision=load["adapter_revision"])
+    why = ("it is a prompt-learning adapter, which holds no weights to merge"
+           if peft_config.is_prompt_learning or peft_config.is_adaption_prompt else
+           "this run is under DeepSpeed ZeRO-3, where the discriminator's weights load partitioned and PEFT merges "
+           "only whole weights" if is_deepspeed_zero3_enabled() else None)
+    if why is not None:
+        raise InputError(
+            f"The discriminator starts from the student's checkpoint {path!r}, a PEFT adapter "
+            f"({adapter.get('peft_type')}) that it would load merged into its base model, and {why}. To start it "
+            f"from this policy, {merge_advice(path)} as the student, or keep the adapter as the student and set "
+            "discriminator_model_name_or_path: MERGED; or set discriminator_model_name_or_path to another checkpoint.")
+    check_model_source(adapter_base(adapter), load["revision"],
+                       what="Discriminator model (the base model of the student's PEFT adapter)")
 
 
 # ---------------------------------------------------------------------------------------------

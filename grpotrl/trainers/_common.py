@@ -9,8 +9,6 @@
   an existing ``checkpoint-N`` cut short leaves it incomplete, never mixed; a health stop's checkpoint is
   full and deletes no earlier one (``health.callbacks.stop_save_settings``); ``save_total_limit``, during
   training and in transformers' end-of-training cleanup, deletes only this run's checkpoints.
-* ``adapter_loaded``: a PEFT adapter named by path or Hub id, loaded onto its base model as TRL loads a model
-  by name, its adapter trainable, for TRL to train as it trains a PEFT model passed in.
 * ``settle_collectives_at_exit``: a distributed process that trained lets torch's collective threads free
   their last work before the interpreter shuts down, however it exits (else a finished run can exit with
   SIGABRT).
@@ -32,7 +30,6 @@ from ..checkpoints import (check_finished_run, check_resume_architecture, curren
                            resume_files, resume_requested, rotate_run_checkpoints)
 from ..errors import InputError
 from ..health.callbacks import stop_save_settings
-from ..models.sources import adapter_base, adapter_config
 from ..preflight import check_resume
 from ..checkpoints.run_lock import add_run_record, lock_output_dir, release_output_dir
 from . import _intercept
@@ -63,59 +60,6 @@ def settle_collectives_at_exit() -> None:
 def _settle() -> None:
     logger.debug("grpotrl: %.1f s for torch's collective threads to free their last work before exit", SETTLE_S)
     time.sleep(SETTLE_S)
-
-
-@contextmanager
-def adapter_loaded(model, args, kwargs: dict):
-    """``(model, kwargs)`` for TRL's trainer ``__init__``, within which it is called. ``model`` naming a PEFT
-    adapter (a local directory or Hub repo holding ``adapter_config.json``, such as a LoRA SFT's output), which
-    transformers' ``from_pretrained`` and TRL cannot load with peft < 0.22 ("Unrecognized model"), and which
-    transformers' own PEFT integration (peft >= 0.22) loads as a plain model that TRL does not train as an
-    adapter: its base model (``base_model_name_or_path``, at the adapter's recorded revision) loads as TRL
-    loads a model by name (``trl.trainer.utils.create_model_from_path`` with ``args.model_init_kwargs``, the
-    trainer's ``quantization_config``, ``trust_remote_code``, no device map under DDP or DeepSpeed), then the
-    adapter onto it (``peft.PeftModel.from_pretrained``, at ``model_init_kwargs``' revision) trainable, the
-    base frozen; ``kwargs`` lose ``quantization_config`` (applied) and ``peft_config`` (None: the preflight
-    refused any other, ``preflight.model.check_adapter_peft_config``). TRL then trains that adapter, and with
-    ``beta`` > 0 copies it as its reference (adapter ``ref``: the policy at step 0, I10). Within the block,
-    TRL's warning that ``model_init_kwargs`` is ignored for a model passed in is dropped: they were used.
-    Anything else passes through unchanged."""
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
-    adapter = adapter_config(model, revision) if isinstance(model, str) else None
-    if adapter is None:
-        yield model, kwargs
-        return
-    from peft import PeftModel
-    from trl.trainer.utils import create_model_from_path
-
-    init_kwargs = {**(args.model_init_kwargs or {}), "revision": adapter.get("revision")}  # the base's revision
-    quantization_config = kwargs.get("quantization_config")
-    if quantization_config is not None:
-        if "quantization_config" in init_kwargs:  # TRL's refusal, which it would raise at its own load
-            raise InputError("quantization_config is set both as a trainer argument and in "
-                             "args.model_init_kwargs: set it in one place (the trainer argument).")
-        init_kwargs["quantization_config"] = quantization_config
-    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # TRL's: "auto" fails distributed
-        init_kwargs["device_map"] = None
-    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    base = create_model_from_path(adapter_base(adapter), **init_kwargs)
-    plugin = getattr(args, "deepspeed_plugin", None)
-    zero3 = plugin is not None and plugin.zero_stage == 3 and init_kwargs.get("quantization_config") is None
-    peft_kwargs = {"autocast_adapter_dtype": False} if zero3 else {}  # as TRL builds an adapter under ZeRO-3: one dtype
-    peft_model = PeftModel.from_pretrained(base, model, revision=revision, is_trainable=True, **peft_kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "peft_config")}
-
-    def quiet(record: logging.LogRecord) -> bool:  # accelerate's logger prefixes the rank ("[RANK 0] ")
-        return "You passed `model_init_kwargs`" not in str(record.msg)
-
-    loggers = [logging.getLogger(name) for name in ("trl.trainer.grpo_trainer", "trl.trainer.sft_trainer")]
-    for log in loggers:
-        log.addFilter(quiet)
-    try:
-        yield peft_model, kwargs
-    finally:
-        for log in loggers:
-            log.removeFilter(quiet)
 
 
 @contextmanager

@@ -68,9 +68,9 @@ class GADTrainer(GRPOTrainer):
 
     Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
     everything else is TRL's):
-      * ``__init__``: checks ``teacher_response`` before any model loads; loads D and its optimizer
-        after TRL, prepared under the student's launch (``gad_engine.py``: DDP by accelerate, or
-        ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
+      * ``__init__``: checks ``teacher_response`` before any model loads; loads D (a student's PEFT adapter merged
+        into its base) and its optimizer after TRL, prepared under the student's launch (``gad_engine.py``: DDP by
+        accelerate, or ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
         to 0 for good (TRL computes no reference logprobs; the KL is grpotrl.GRPOTrainer's, ``_kl_loss``).
       * ``_calculate_rewards``: the D step above (``gad_engine``), then grpotrl.GRPOTrainer's rewards with D's
         column served its scores, so they take TRL's and grpotrl's handling of any reward (a non-finite score,
@@ -116,7 +116,9 @@ class GADTrainer(GRPOTrainer):
         own checks (``preflight.check_gad``: teacher column, discriminator source, settings); then a warning
         where teacher responses are longer than the student can finish (``teacher_responses_over_cap``), and
         the discriminator D is built on the seeded student (``gad_engine``: torch or DeepSpeed), at the
-        student's revision where it starts from the student's checkpoint (``discriminator_load_kwargs``).
+        student's revision where it starts from the student's checkpoint (``discriminator_load_kwargs``); where
+        that checkpoint is a PEFT adapter (a LoRA SFT's output), from its base with the adapter merged and the
+        student's embedding rows (``gad.discriminator.merged_adapter``): the policy the student starts as.
 
         Raises:
             InputError: bad input, said before any weights load; FSDP (not supported).
@@ -151,9 +153,10 @@ class GADTrainer(GRPOTrainer):
         # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
         # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
         d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
+        load = discriminator_load_kwargs(model, args)  # the student's revision; its PEFT adapter, merged into D
+        rows = student.get_input_embeddings().num_embeddings if load["adapter"] else None  # as the adapter saved them
         disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype, lora_r=args.discriminator_lora_r,
-                                  freeze_embeddings=args.discriminator_freeze_embeddings,
-                                  **discriminator_load_kwargs(model, args))  # the student's revision
+                                  freeze_embeddings=args.discriminator_freeze_embeddings, embedding_rows=rows, **load)
         if args.disable_dropout:  # its layers and the attention modules' own dropout
             disable_dropout(disc)
         self._d = prepare_discriminator(self, disc, args.discriminator_learning_rate)  # DDP or DeepSpeed

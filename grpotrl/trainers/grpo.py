@@ -39,7 +39,8 @@ from ..ops.logprobs import entropy_from_logits, temperature_slope
 from ..ops.loss_types import named
 from ..preflight import check_grpo, task_labels
 from . import _intercept, dynamic_sampling, packed_attention, padding_free
-from ._common import CheckedResume, adapter_loaded
+from ._common import CheckedResume
+from .adapter import adapter_loaded
 from ._intercept import TRLGenerate
 from .records import BatchRecord, Generated, HookRecord, LossTerms
 from .reference_kl import ReferenceKL
@@ -55,7 +56,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
 
     Overrides (each hook's docstring has its contract; everything else is TRL's):
       * ``__init__``: every check that can fail before a model loads; a PEFT adapter named by path or Hub id loaded
-        onto its base for TRL to train (``_common.adapter_loaded``: TRL's ``ref`` copy of it is the reference); then
+        onto its base for TRL to train (``adapter.adapter_loaded``: TRL's ``ref`` copy of it is the reference); then
         grpotrl's settings (I2, I6, KL, ``padding_free``, the guards' precision, health callbacks, I12 on several
         ranks).
       * ``_generate``: observes ``generate`` (I6 processors, the sampler's logprobs, rows that stopped leave
@@ -171,7 +172,7 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs,
             trainer_name=type(self).__name__, multitask=self._multitask, resume_kind=self._resume_kind)
         reward_funcs = self._with_kl_reward_column(reward_funcs, args)
-        with adapter_loaded(model, args, kwargs) as (model, kwargs):  # a PEFT adapter by name: base + adapter
+        with adapter_loaded(model, args, kwargs, processing_class) as (model, kwargs):  # a PEFT adapter: base + it
             super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                              processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)

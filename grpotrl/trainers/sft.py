@@ -51,7 +51,8 @@ from ..guards.ranks import add_rank_agreement
 from ..preflight import check_sft
 from ..models.quantization import pin_quantized_kernels
 from . import _intercept
-from ._common import CheckedResume, adapter_loaded
+from ._common import CheckedResume
+from .adapter import adapter_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         ``assistant_only_loss``, that TRL can mark assistant turns, that the first I2 row's loss keeps its
         end-of-turn token and that the first ``messages`` row's assistant mask covers only the assistant replies
         and their end-of-turn tokens (``chat.sft_rows.assistant_only_template``; not with ``guard_steps=0``); a
-        PEFT adapter named by path or Hub id is loaded onto its base and trained on (``_common.adapter_loaded``).
+        PEFT adapter named by path or Hub id is loaded onto its base and trained on (``adapter.adapter_loaded``).
       * ``_prepare_dataset``: tokenizes I2 rows as above, then hands over to TRL's preparation
         (labels, truncation, packing), which takes them as pre-tokenized; the rows TRL drops because truncation
         left them no loss token are counted (a warning; all of them, an ``InputError``).
@@ -157,7 +158,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         self._template_tools = tool_variants(train_dataset, fmt)
         self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
         self._guard_setup: dict | None = None
-        with adapter_loaded(model, args, kwargs) as (model, kwargs):  # a PEFT adapter by name: base + adapter
+        with adapter_loaded(model, args, kwargs, processing_class) as (model, kwargs):  # a PEFT adapter: base + it
             super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)
