@@ -73,8 +73,11 @@ def adapter_loaded(model, args, kwargs: dict, processing_class=None):
     base = create_model_from_path(base_name, **init_kwargs)
     fit_embeddings(base, shapes, tokens, model, base_name)
     plugin = getattr(args, "deepspeed_plugin", None)
-    zero3 = plugin is not None and plugin.zero_stage == 3 and init_kwargs.get("quantization_config") is None
+    quantized = getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False)  # as TRL reads it
+    zero3 = plugin is not None and plugin.zero_stage == 3 and not quantized
     peft_kwargs = {"autocast_adapter_dtype": False} if zero3 else {}  # as TRL builds an adapter under ZeRO-3: one dtype
+    if init_kwargs.get("token") is not None:  # a private adapter on the Hub: the token the base loaded with
+        peft_kwargs["token"] = init_kwargs["token"]
     peft_model = PeftModel.from_pretrained(base, model, revision=revision, is_trainable=True, **peft_kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "peft_config")}
 
