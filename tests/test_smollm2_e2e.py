@@ -1,6 +1,6 @@
 """Real model, real tokenizer (pad == eos == <|im_end|>): a short SFT then GRPO on
 SmolLM2-135M-Instruct with every guard on every step; weights change and the checkpoint
-reloads into a trainer that passes the template check. About 30 s on 2 CPU cores: in the default run."""
+reloads into a trainer that passes the template check. About 23 s on 2 CPU cores: in the default run."""
 
 import os
 
