@@ -224,3 +224,23 @@ def test_plain_text_prompts_with_an_environment_factory_are_refused_before_the_m
     checks.check_dataset(chat, "train", kind="grpo", prompt_optional=True)
     if prompt:
         checks.check_dataset(Dataset.from_list(rows), "train", kind="grpo")
+
+
+def test_the_filter_an_empty_answer_error_suggests_takes_multimodal_parts():
+    """Multimodal messages hold their content as a list of parts: a turn whose text parts are all blank is empty
+    (the check refuses it), one with an image part or a non-blank text part answers. The suggested filter reads
+    parts too (a filter that called ``.strip()`` on the list would fail on the first row), and makes the dataset
+    pass, keeping exactly the answered rows."""
+    def turn(*parts):
+        return {"role": "assistant", "content": list(parts)}
+
+    question = {"role": "user", "content": [{"type": "text", "text": "What is 7 + 5?"}]}
+    text, blank, image = {"type": "text", "text": "12"}, {"type": "text", "text": " "}, {"type": "image"}
+    rows = [{"messages": [question, turn(text)]}, {"messages": [question, turn(blank)]},
+            {"messages": [question, turn(blank, image)]}, {"messages": [question, turn()]}]
+    dataset = Dataset.from_list(rows)
+    with pytest.raises(InputError, match=r"empty answer \(rows 1, 3\)") as err:
+        checks.check_dataset(dataset, "train", kind="sft")
+    kept = dataset.filter(_filter_in(str(err.value)))
+    checks.check_dataset(kept, "train", kind="sft")
+    assert [len(m[1]["content"]) for m in kept["messages"]] == [1, 2]
