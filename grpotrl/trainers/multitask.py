@@ -26,6 +26,7 @@ import torch
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
+from ..guards.ranks import gather_checksums
 from ..health.callbacks import loss_scale
 from ..ops.loss_types import named
 from ..ops.losses import cagrad_coefficients
@@ -99,7 +100,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         ``off_policy_mask_threshold``, ``use_vllm``, ``vllm_importance_sampling_correction``,
         ``aux_loss_enabled``, ``router_aux_loss_coef``, and ``args``' ``delta``, ``sapo_*``, ``vespo_*``,
         ``use_bias_correction_kl``, ``steps_per_generation``); TRL's ``current_gradient_accumulation_steps``,
-        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``); grpotrl's
+        ``accelerator`` (``sync_gradients``, ``reduce``, ``num_processes``, ``device``); grpotrl's
         ``entropy_coef_in_force``, ``_check_entropy_sign``, ``_guard_now``, ``hook_record.loss``, ``_record_metrics``
         (CAGrad's metrics onto TRL's, ``_intercept.set_metrics``).
         Under fp16's loss scaler each task's gradient is taken of ``L_k * S`` (S the scaler's scale) and divided by
@@ -112,7 +113,11 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         tasks, the step and that the loss itself is non-finite): a loss scale multiplies the backward only, so
         no scale makes a loss value NaN/inf, and read as the scaler's overflow it would skip every step and halve
         S until S < 1. The values are read once per microbatch (one host read of K + 1 scalars, which on guard
-        steps also carries the terms-add-up check's). A finite loss whose gradient is NaN/inf stops training too
+        steps also carries the terms-add-up check's).
+        Under DDP these checks decide on every process's values (``_every_rank``: one ``all_gather`` per check, fused
+        with its host read; none in a single process): every rank stops at the same point with one error naming the
+        failing rank(s), and logs the same ``guards/bonus_alone_checked_share``, rather than one rank raising while
+        the others wait in their next collective. A finite loss whose gradient is NaN/inf stops training too
         (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
         loss-scaler overflow (any gradient here, taken at a scale S >= 1): the scaler skips that update and
         halves S, the combination is skipped with it, and ``.grad`` holds an inf for the scaler to find
@@ -182,9 +187,10 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         (an absent task's is 0, attached to the loss's forward).
 
         The terms' values are read to the host once (``K + 1`` scalars; on guard steps with TRL's policy loss
-        restated from tensors, which ``_check_terms_add_up`` compares to their sum, I7): a NaN/inf among them
-        stops training before any backward, naming the tasks (or the regulariser) and the step
-        (``_check_losses_finite``), at any fp16 loss scale: it is the loss itself, never the scaler's overflow."""
+        restated from tensors, which ``_check_terms_add_up`` compares to their sum, I7), every process's under DDP
+        (one all_gather): a NaN/inf among them on any rank stops training on every rank before any backward, naming
+        the tasks (or the regulariser), the ranks and the step (``_check_losses_finite``), at any fp16 loss scale: it
+        is the loss itself, never the scaler's overflow."""
         rows = _task_rows(inputs, len(self.task_names))  # task -> its rows [n_k]
         split = {k: r for k, r in rows.items() if r.numel()}
         if self.accelerator.num_processes > 1:  # one forward: ranks hold different tasks, and a DDP forward is a
@@ -206,12 +212,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
                                        entropy_coef=coef, entropy_mask=entropy_mask, aux_loss=aux,
                                        **trl_loss.regulariser)
                 values.append(full.detach().double() - restated.double())
-        host = torch.stack(values).cpu()  # [K + 1] (+ TRL's policy loss on guard steps): the one host read
         K = len(task_losses)
-        _check_losses_finite(host[:K + 1], [self.task_names[k] for k in task_losses], self.state.global_step + 1,
-                             self.args.cagrad)
-        if host.numel() > K + 1:
-            _check_terms_add_up(dict(zip(task_losses, host[:K])), host[K + 1], self.task_names)
+        host = _check_losses_finite(torch.stack(values), [self.task_names[k] for k in task_losses],
+                                    self.state.global_step + 1, self.args.cagrad)  # [W, K + 1 (+ 1)]: the one read
+        for r in range(host.size(0) if host.size(1) > K + 1 else 0):  # every rank's, in one order: one verdict
+            _check_terms_add_up(dict(zip(task_losses, host[r, :K])), host[r, K + 1], self.task_names,
+                                _on_ranks([r], host.size(0)))
         return full, task_losses, reg
 
     def _policy_terms(self, logps: dict, rows: dict, inputs: dict, entropy_mask: torch.Tensor | None) -> dict:
@@ -269,14 +275,17 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
                            for k in range(len(self.task_names)) if k != window.carrier}
         window.present |= set(present)
         scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
+        missed = set()  # tasks whose loss reached no parameter
         for k, loss in task_losses.items():
             if k == window.carrier or k not in present:  # an absent task's gradient is 0
                 continue
             grads = _gradients(loss, params, scale)
-            _check_reached(grads, self.task_names[k], "every trainable parameter")
+            if _reaches_none(grads):
+                missed.add(k)
             for b, g in zip(window.sums[k], grads):
                 if g is not None:
                     b.add_(g)
+        _check_reached(missed, self.task_names, "every trainable parameter", self.accelerator.device)
         if self._guard_now() and coef:
             self._check_composed_update(params, coef)
         return task_losses.get(window.carrier, reg)  # reg has no gradient when it carries nothing
@@ -335,52 +344,72 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         raise H to first order: ``dH = -lr <u, dH/dtheta> > 0``. One extra backward (guard steps only), of ``c H``
         as the Trainer's backward takes the bonus (``_gradients``: at fp16's loss scale S, then unscaled; an unscaled
         fp16 backward flushes the entropy's small gradient to 0). Logged: ``entropy/bonus_alone_dH_per_lr`` where
-        checked, and ``guards/bonus_alone_checked_share`` (1 checked, 0 not). Not checked, with a warning once per
+        checked, and ``guards/bonus_alone_checked_share`` (1 checked, 0 not; under several processes the share of
+        ranks checked, and the rise their mean). Not checked, with a warning once per
         cause: a gradient that overflowed at S >= 1 (the check changes nothing: the Trainer's backward carries the
         bonus at the same S, so the scaler skips that update as a rule), or one that is 0 (the bonus acts on no token
         of the microbatch, or its gradient rounds to 0 even at S). A NaN/inf gradient without a scaler or at S < 1,
-        and an update that does not raise H (a NaN change included), stop training."""
+        and an update that does not raise H (a NaN change included), stop training.
+
+        Under several processes each rank checks its own microbatch and the verdict is every rank's
+        (``_every_rank``: one all_gather of |dH/dtheta|^2 and the rise, on ``accelerator.device``): a rank that fails
+        stops every rank with one error naming it, and every rank logs the same values."""
         terms = self.hook_record.loss
         H = masked_mean(terms.entropies, terms.bonus_mask)  # the entropy the bonus raises
         scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
         bonus = _gradients(coef * H, params, scale)  # d (c H) / dtheta
         bonus = [torch.zeros_like(p) if g is None else g for p, g in zip(params, bonus)]
         norm = sum(_dot(g, g) for g in bonus).item() / coef ** 2  # |dH/dtheta|^2
-        at = "" if scale is None else f" at fp16's loss scale {scale:g}"
-        if not math.isfinite(norm):
-            if not _overflowed_at_scale(torch.tensor([[norm]]), scale):  # (its 1 x 1 Gram) no scaler, or S < 1
-                raise InvariantError("I7", f"the entropy's gradient{at} is NaN/inf (|dH/dtheta|^2 = {norm:g}), so the "
-                                     f"update the CAGrad exact path applies with the entropy bonus c={coef:g} cannot "
-                                     "be checked to raise the entropy. Look for a NaN/inf logit or entropy in the "
-                                     "policy's forward (half precision), or lower the learning rate.")
-            return self._composed_update_unchecked(coef, "overflow", f"the entropy's gradient overflowed{at} (the "
-                                                   "Trainer's backward, which carries the bonus, overflows there too "
-                                                   "as a rule: the scaler then skips the update and halves its scale)")
-        if norm == 0:
-            return self._composed_update_unchecked(coef, "zero", f"the entropy's gradient{at} is 0 (the bonus acts on "
-                                                   "no token of this microbatch, or its gradient rounds to 0 in half "
-                                                   "precision)")
-        saved = [p.grad for p in params]
-        try:
-            for p, g in zip(params, bonus):
-                p.grad = -g  # the backward of -c H
-            self._compose_update(params, [torch.zeros_like(p) for p in params])
-            rise = -sum(_dot(p.grad, g) for p, g in zip(params, bonus)).item() / coef  # dH / lr, first order
-        finally:
-            for p, g in zip(params, saved):
-                p.grad = g
-        self._record_metrics({"entropy/bonus_alone_dH_per_lr": rise, "guards/bonus_alone_checked_share": 1.0}, "train")
-        if not rise > 0:  # NaN is not
+        rise = math.nan  # dH / lr, first order: read where the gradient is finite and not 0
+        if math.isfinite(norm) and norm != 0:
+            saved = [p.grad for p in params]
+            try:
+                for p, g in zip(params, bonus):
+                    p.grad = -g  # the backward of -c H
+                self._compose_update(params, [torch.zeros_like(p) for p in params])
+                rise = -sum(_dot(p.grad, g) for p, g in zip(params, bonus)).item() / coef
+            finally:
+                for p, g in zip(params, saved):
+                    p.grad = g
+        local = torch.tensor([norm, rise], dtype=torch.float64)  # [2], on the host
+        norms, rises = (local[None] if _world_size() == 1 else _every_rank(local.to(self.accelerator.device))).T
+        W, at = norms.numel(), "" if scale is None else f" at fp16's loss scale {scale:g}"
+        ranks = {cause: [r for r, n in enumerate(norms.tolist()) if test(n)] for cause, test in (
+            ("non-finite", lambda n: not math.isfinite(n)), ("zero", lambda n: n == 0),
+            ("checked", lambda n: math.isfinite(n) and n != 0))}
+        bad = ranks["non-finite"]  # the scaler's overflow at S >= 1 (one S on every rank), else a broken gradient
+        if bad and not _overflowed_at_scale(norms[bad[0]].reshape(1, 1), scale):  # (its 1 x 1 Gram)
+            raise InvariantError("I7", f"the entropy's gradient{at} is NaN/inf{_on_ranks(bad, W)} "
+                                 f"(|dH/dtheta|^2 = {float(norms[bad[0]]):g}), so the update the CAGrad exact path "
+                                 f"applies with the entropy bonus c={coef:g} cannot be checked to raise the entropy. "
+                                 "Look for a NaN/inf logit or entropy in the policy's forward (half precision), or "
+                                 "lower the learning rate.")
+        checked = ranks["checked"]
+        metrics = {"guards/bonus_alone_checked_share": len(checked) / W}
+        if checked:
+            metrics["entropy/bonus_alone_dH_per_lr"] = float(rises[checked].mean())
+        self._record_metrics(metrics, "train")
+        if bad:
+            self._composed_update_unchecked(coef, "overflow", f"the entropy's gradient overflowed{at}"
+                                            f"{_on_ranks(bad, W)} (the Trainer's backward, which "
+                                            "carries the bonus, overflows there too as a rule: the scaler then skips "
+                                            "the update and halves its scale)")
+        if ranks["zero"]:
+            self._composed_update_unchecked(coef, "zero", f"the entropy's gradient{at} is 0"
+                                            f"{_on_ranks(ranks['zero'], W)} (the bonus acts on no token of this "
+                                            "microbatch, or its gradient rounds to 0 in half precision)")
+        falls = [r for r in checked if not rises[r] > 0]  # NaN is not
+        if falls:
+            r = falls[0]
             raise InvariantError("I7", f"with the entropy bonus c={coef:g} acting alone, the update the CAGrad "
-                                 f"exact path applies changes H by {rise:+.4g} x lr to first order (|dH/dtheta|^2 = "
-                                 f"{norm:.4g}): it lowers entropy. The regulariser gradient must be added to the "
-                                 "combined task direction with a + sign, outside the combination "
-                                 "(`_compose_update`).")
+                                 f"exact path applies{_on_ranks(falls, W)} changes H by {float(rises[r]):+.4g} x lr "
+                                 f"to first order (|dH/dtheta|^2 = {float(norms[r]):.4g}): it lowers entropy. The "
+                                 "regulariser gradient must be added to the combined task direction with a + sign, "
+                                 "outside the combination (`_compose_update`).")
 
     def _composed_update_unchecked(self, coef: float, cause: str, why: str) -> None:
-        """The composed-update check (``_check_composed_update``) could not read this microbatch: counted in
-        ``guards/bonus_alone_checked_share`` as 0, and said once per ``cause``."""
-        self._record_metrics({"guards/bonus_alone_checked_share": 0.0}, "train")
+        """The composed-update check (``_check_composed_update``) could not read this microbatch (on some rank), for
+        ``cause``: said once per ``cause`` (``guards/bonus_alone_checked_share`` counts it)."""
         if f"composed_update/{cause}" not in self._warned:
             self._warned.add(f"composed_update/{cause}")
             logger.warning("grpotrl guard I7: with the entropy bonus (c=%g) acting alone, the update the CAGrad exact "
@@ -400,16 +429,17 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         applied) and nothing is logged. Otherwise a non-finite Gram entry stops training (``_cagrad_weights``)."""
         tasks = list(range(len(self.task_names)))  # every task, so processes reduce the same tensors
         scale = loss_scale(self.accelerator)  # None without fp16's loss scaler
-        flat = []
+        local, missed = [], set()  # this process's task gradients [N_proxy] each; tasks that reached no parameter
         with _intercept.skip_head_weight_grad([task_losses[k] for k in present], self._proxy):
             for k in tasks:
                 grads = (_gradients(task_losses[k], self._proxy, scale)
                          if k in present else [None] * len(self._proxy))
-                if k in present:
-                    _check_reached(grads, self.task_names[k], "the last block's trainable parameters")
-                flat.append(self._reduced(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
-                                                     for p, g in zip(self._proxy, grads)])))
-        G = torch.stack(flat).double()  # [K, N_proxy]
+                if k in present and _reaches_none(grads):
+                    missed.add(k)
+                local.append(torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                                        for p, g in zip(self._proxy, grads)]))
+        _check_reached(missed, self.task_names, "the last block's trainable parameters", self.accelerator.device)
+        G = torch.stack([self._reduced(g) for g in local]).double()  # [K, N_proxy]
         gram = (G @ G.T).cpu()  # [K, K]: the combination is solved on CPU, as on the exact path
         if _overflowed_at_scale(gram, scale):  # the same on every process: the gradients are reduced
             _leave_to_scaler(self._proxy)
@@ -473,11 +503,12 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         self._record_metrics(metrics, "train")
 
 
-def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str]) -> None:
+def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str], rank: str = "") -> None:
     """I7 (guard steps): the task terms must add up to TRL's policy loss of the whole microbatch
     (TRL's full loss less its KL, bonus and aux loss, ``ops.task_losses.regulariser``), or the
     regulariser ``full - sum_k L_k`` would silently carry policy loss (rows of no task, or a
-    restatement that drifted from TRL's) past CAGrad's combination. A NaN or inf fails."""
+    restatement that drifted from TRL's) past CAGrad's combination. A NaN or inf fails. ``rank``: which
+    process's microbatch the values are of, for the error (``_on_ranks``; empty in a single process)."""
     terms = torch.stack([loss.detach().double() for loss in task_losses.values()])  # [K]
     total, whole = float(terms.sum()), float(policy.detach())
     tolerance = 1e-6 + 1e-5 * float(terms.abs().sum())  # fp32 sums in another order
@@ -485,7 +516,7 @@ def _check_terms_add_up(task_losses: dict, policy: torch.Tensor, names: list[str
     if not (finite and abs(total - whole) <= tolerance):
         listed = ", ".join(f"{names[k]}: {float(v):+.6g}" for k, v in zip(task_losses, terms))
         raise InvariantError("I7", f"the CAGrad task terms add up to {total:+.8g} ({listed}), but the policy loss of "
-                             f"the whole microbatch is {whole:+.8g} (tolerance {tolerance:.2g}). The regulariser "
+                             f"the whole microbatch{rank} is {whole:+.8g} (tolerance {tolerance:.2g}). The regulariser "
                              "(full loss - the task terms) would carry the difference: policy loss on rows of no "
                              "task, or a NaN/inf, outside CAGrad's combination. Check the task labels "
                              "(task_column) and the rows of each term.")
@@ -519,30 +550,64 @@ def _check_gram_finite(gram: torch.Tensor, names: list[str], step: int, mode: st
                              "a NaN/inf advantage or logprob), or lower the learning rate.")
 
 
-def _check_losses_finite(values: torch.Tensor, names: list[str], step: int, mode: str) -> None:
-    """The forward's loss values [K + 1], on the host: each task's policy loss ``L_k`` (``names[k]``), then the
-    regulariser (``full - sum_k L_k``). A NaN/inf among them is an error naming the tasks whose loss is
-    non-finite (the regulariser where none is: a NaN task loss makes it NaN too), their values and the optimizer
-    step, whatever fp16's loss scale S is: a loss scale multiplies the backward only, so its overflow is of a
-    finite loss's gradient (the scaler's skipped step), never of a loss value. Read as overflow, a NaN loss at
-    S >= 1 would skip every step and halve S until S < 1. All finite: nothing.
+def _every_rank(local: torch.Tensor) -> torch.Tensor:
+    """``[W, *local.shape]`` on the host, row r rank r's ``local`` (on the collective's device: the accelerator's),
+    in one ``all_gather`` (I12's, ``guards.ranks.gather_checksums``) and one host read; in a single process
+    (``_world_size`` 1) ``local[None]`` read to the host, with no collective. Every process calls it at the
+    same point: the multi-task checks decide on every rank's values, so that all stop together, with one error. A
+    rank that raised alone would leave the others waiting in their next collective until the launcher, or NCCL's
+    timeout, kills them."""
+    return local[None].cpu() if _world_size() == 1 else gather_checksums(local).cpu()
 
-    >>> _check_losses_finite(torch.tensor([0.5, -0.2, 0.01]), ["a", "b"], 1, "exact")
+
+def _world_size() -> int:
+    """The processes of the default process group; 1 without one."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _on_ranks(ranks: list[int], world: int) -> str:
+    """`` on rank(s) r, s (of W processes)`` for an error, empty in a single process."""
+    return "" if world == 1 else f" on rank(s) {', '.join(map(str, ranks))} (of {world} processes)"
+
+
+def _check_losses_finite(values: torch.Tensor, names: list[str], step: int, mode: str) -> torch.Tensor:
+    """This process's loss values [K + 1 (+ n)], on the accelerator's device: each task's policy loss ``L_k``
+    (``names[k]``), then the regulariser (``full - sum_k L_k``), then any values read with them (TRL's policy loss,
+    restated on guard steps). They are read to the host once, every process's (``_every_rank``: one all_gather
+    where there are several), and a NaN/inf among any rank's K + 1 loss values is an error on every rank, the same
+    one: naming the tasks whose loss is non-finite and the ranks they are on (the regulariser where no task's is: a
+    NaN task loss makes it NaN too), their values and the optimizer step, whatever fp16's loss scale S is: a loss
+    scale multiplies the backward only, so its overflow is of a finite loss's gradient (the scaler's skipped step),
+    never of a loss value. Read as overflow, a NaN loss at S >= 1 would skip every step and halve S until S < 1.
+
+    Returns:
+        torch.Tensor: every rank's values as read, ``[W, K + 1 (+ n)]`` on the host (W = 1 in one process), for the
+        checks that share the read.
+
+    >>> _check_losses_finite(torch.tensor([0.5, -0.25, 0.125]), ["a", "b"], 1, "exact").tolist()  # one process
+    [[0.5, -0.25, 0.125]]
     >>> try:
     ...     _check_losses_finite(torch.tensor([0.5, math.nan, math.nan]), ["a", "b"], 3, "exact")
     ... except InvariantError as e:
     ...     print(str(e)[:81])
     [multi-task] step 3, cagrad='exact': the loss of task(s) 'b' (L = nan) is NaN/inf
     """
-    if bool(torch.isfinite(values).all()):
-        return
-    bad = [k for k, v in enumerate(values[:len(names)].tolist()) if not math.isfinite(v)]
+    world = _every_rank(values)  # [W, K + 1 (+ n)]
+    losses, W = world[:, :len(names) + 1], world.size(0)  # [W, K + 1]
+    if bool(torch.isfinite(losses).all()):
+        return world
+    bad = {r: ks for r in range(W) if (ks := [k for k in range(len(names)) if not math.isfinite(losses[r, k])])}
     if bad:
-        what = f"the loss of task(s) {', '.join(f'{names[k]!r} (L = {float(values[k]):g})' for k in bad)}"
+        what = "the loss of task(s) " + "; ".join(
+            ", ".join(f"{names[k]!r} (L = {float(losses[r, k]):g})" for k in ks) + _on_ranks([r], W)
+            for r, ks in bad.items())
         look = "a NaN/inf advantage (a NaN/inf reward or reward weight) or logprob in that task's rows"
     else:
+        at = "; ".join(f"{float(losses[r, -1]):g}{_on_ranks([r], W)}" for r in range(W)
+                       if not math.isfinite(losses[r, -1]))
         what = (f"the regulariser (beta * KL - c * H, plus an MoE aux loss: the full loss less the task terms; "
-                f"{float(values[-1]):g})")
+                f"{at})")
         look = "a NaN/inf reference logprob (the KL), entropy (the bonus) or MoE aux loss"
     raise InvariantError("multi-task", f"step {step}, cagrad={mode!r}: {what} is NaN/inf in the forward: the loss "
                          "value itself, not its gradient at fp16's loss scale (a loss scale multiplies the backward "
@@ -583,17 +648,33 @@ def _leave_to_scaler(params: list) -> None:
         p.grad.add_(math.inf)
 
 
-def _check_reached(grads, task: str, where: str) -> None:
-    """A task with rows in the microbatch whose loss reaches none of the parameters its gradient is taken on
-    (``autograd.grad`` gives None for every one; a zero gradient, from zero advantages, is a tensor) would get
-    CAGrad weight 0 and silently leave the update: an error naming the task and the likely causes."""
-    if grads and all(g is None for g in grads):
-        raise InvariantError("multi-task", f"the policy loss of task {task!r} has no gradient path to {where} "
-                             f"({len(grads)} tensors): CAGrad would read its gradient as 0 and drop the task from "
-                             "the update. Causes: reentrant activation checkpointing (use_reentrant=True: the "
-                             "layers' forward keeps no graph to their parameters; set use_reentrant: false), or, "
-                             "for cagrad='low_memory', a highest-numbered block the loss does not pass through (a "
-                             "vision tower's): use cagrad='exact'.")
+def _reaches_none(grads: list) -> bool:
+    """``autograd.grad`` (``allow_unused``) gave None for every parameter: the loss has no path to any of them (a
+    zero gradient, from zero advantages, is a tensor)."""
+    return bool(grads) and all(g is None for g in grads)
+
+
+def _check_reached(missed: set, names: list[str], where: str, device) -> None:
+    """``missed``: this process's tasks (indices into ``names``) with rows in the microbatch whose loss reaches
+    none of the parameters its gradient is taken on (``_reaches_none``): CAGrad would weigh its gradient as 0 and
+    silently leave it out of the update. Decided on every rank's (``_every_rank``: one all_gather of K flags on
+    ``device`` where there are several processes, none in one): an error on every rank, the same one, naming the
+    tasks, the ranks they missed on and the likely causes."""
+    local = torch.tensor([float(k in missed) for k in range(len(names))], dtype=torch.float64)  # [K], on the host
+    flags = local[None] if _world_size() == 1 else _every_rank(local.to(device))  # [W, K]
+    if not bool(flags.any()):
+        return
+    W = flags.size(0)
+    ranks = {k: _on_ranks(flags[:, k].nonzero().flatten().tolist(), W)
+             for k in flags.any(dim=0).nonzero().flatten().tolist()}  # task -> where it missed
+    (first, on), *rest = ranks.items()
+    also = f", nor that of task(s) {'; '.join(f'{names[k]!r}{r}' for k, r in rest)}" if rest else ""
+    raise InvariantError("multi-task", f"the policy loss of task {names[first]!r} has no gradient path to {where}"
+                         f"{on}{also}: "
+                         "CAGrad would read its gradient as 0 and drop the task from the update. Causes: reentrant "
+                         "activation checkpointing (use_reentrant=True: the layers' forward keeps no graph to their "
+                         "parameters; set use_reentrant: false), or, for cagrad='low_memory', a highest-numbered block "
+                         "the loss does not pass through (a vision tower's): use cagrad='exact'.")
 
 
 def _task_rows(inputs: dict, num_tasks: int) -> dict:
