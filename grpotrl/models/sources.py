@@ -12,9 +12,11 @@ bad input stops before a weight is read:
   directory; offline and not cached is one ``InputError`` naming the id, the cache directory and
   ``HF_HUB_OFFLINE``. Online, the weights are downloaded by ``from_pretrained`` as in TRL.
 
-A PEFT adapter (a directory or Hub repo holding ``adapter_config.json``, as a LoRA SFT saves it): ``adapter_config``
-reads its config, ``adapter_base`` the base model it names, ``adapter_tokenizer_source`` where its tokenizer loads
-from; ``generation_config`` falls back to the base model's.
+A PEFT adapter (a directory or Hub repo holding ``adapter_config.json``, as a LoRA SFT saves it): ``find_adapter``
+reads its config once per run start into a ``PeftAdapter``, which the preflight and the trainer's load are handed
+(each lookup of a Hub id is a ``cached_file`` request, a 404 for a plain model); ``adapter_config`` reads the
+config, ``adapter_base`` the base model it names, ``adapter_tokenizer_source`` where its tokenizer loads from;
+``generation_config`` falls back to the base model's.
 
 Where the tokenizer is loaded from the model (no ``processing_class`` given), ``check_tokenizer_source`` asks for a
 tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in the Hub id's cached snapshot.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import NamedTuple
 
 from ..errors import InputError
 from . import ALIASES, resolve_model_path, safetensors_problem
@@ -77,16 +80,43 @@ def model_file(name_or_path: str | None, filename: str, revision: str | None = N
         return None
 
 
-def generation_config(name_or_path: str, revision: str | None = None):
+def generation_config(name_or_path: str, revision: str | None, adapter: PeftAdapter | None):
     """The model's ``GenerationConfig`` (its stop ids matter to I4), or None when it has none. A PEFT adapter
-    without its own is its base model's, which the loaded model generates with."""
+    (``adapter``: what ``find_adapter`` found for ``name_or_path``, None for a plain model) without its own is its
+    base model's, which the loaded model generates with."""
     from transformers import GenerationConfig
 
     path = model_file(name_or_path, "generation_config.json", revision)
-    adapter = adapter_config(name_or_path, revision) if path is None else None
-    if adapter is not None and adapter_base(adapter):
-        path = model_file(adapter_base(adapter), "generation_config.json", adapter.get("revision"))
+    if path is None and adapter is not None and adapter.base:
+        path = model_file(adapter.base, "generation_config.json", adapter.base_revision)
     return GenerationConfig.from_pretrained(os.path.dirname(path)) if path else None
+
+
+class PeftAdapter(NamedTuple):
+    """A PEFT adapter named as the model, as ``find_adapter`` read it: ``name`` its directory or Hub id (an alias
+    resolved), ``revision`` the revision it was read at (``model_init_kwargs``'), ``config`` its
+    ``adapter_config.json``. Read once per run start and handed to every check and load that needs it."""
+
+    name: str
+    revision: str | None
+    config: dict
+
+    @property
+    def base(self) -> str | None:
+        """The base model it names (``adapter_base``)."""
+        return adapter_base(self.config)
+
+    @property
+    def base_revision(self) -> str | None:
+        """The base model's revision, as PEFT loads it: the adapter's record."""
+        return self.config.get("revision")
+
+
+def find_adapter(name_or_path: str | None, revision: str | None = None) -> PeftAdapter | None:
+    """The PEFT adapter ``name_or_path`` names (``adapter_config``: one lookup), None for a plain model or a name
+    that cannot be reached."""
+    config = adapter_config(name_or_path, revision)
+    return None if config is None else PeftAdapter(name_or_path, revision, config)
 
 
 def adapter_config(name_or_path: str | None, revision: str | None = None) -> dict | None:
@@ -114,15 +144,32 @@ def adapter_base(adapter: dict) -> str | None:
     return resolve_model_path(base) if base else None
 
 
-def adapter_tokenizer_source(name_or_path: str, adapter: dict, revision: str | None = None) -> str:
-    """Where a PEFT adapter's tokenizer loads from: the adapter when it holds tokenizer files (grpotrl's SFT saves
-    its tokenizer beside the adapter), else its base model (transformers' ``AutoProcessor`` cannot load one from
-    an adapter that holds none)."""
-    if is_local(name_or_path):
-        own = _tokenizer_files_in(os.listdir(os.path.expanduser(name_or_path)))
+def adapter_tokenizer_source(adapter: PeftAdapter) -> str:
+    """Where a PEFT adapter's tokenizer loads from: the adapter when it holds tokenizer files (``TOKENIZER_FILES``,
+    any ``*.model`` / ``*.tiktoken``: grpotrl's SFT saves its tokenizer beside the adapter), else its base model
+    (transformers' ``AutoProcessor`` cannot load one from an adapter that holds none). A Hub id's files are its
+    cached snapshot's offline, the Hub's listing online (``_hub_files``)."""
+    if is_local(adapter.name):
+        own = _tokenizer_files_in(os.listdir(os.path.expanduser(adapter.name)))
     else:
-        own = any(model_file(name_or_path, n, revision) for n in TOKENIZER_FILES)
-    return name_or_path if own or not adapter_base(adapter) else adapter_base(adapter)
+        names = _hub_files(adapter.name, adapter.revision)
+        own = _tokenizer_files_in(names) if names is not None else \
+            any(model_file(adapter.name, n, adapter.revision) for n in TOKENIZER_FILES)
+    return adapter.name if own or not adapter.base else adapter.base
+
+
+def _hub_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The top-level file names of the Hub repo ``repo_id`` at ``revision``: its cached snapshot's with
+    ``HF_HUB_OFFLINE=1`` (what can be loaded then), the Hub's listing online; None where neither can be read
+    (``adapter_tokenizer_source`` then asks for each of ``TOKENIZER_FILES``)."""
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    try:
+        if _offline():
+            return os.listdir(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        return [n for n in list_repo_files(repo_id, revision=revision) if "/" not in n]
+    except Exception:  # noqa: BLE001 (a listing refused or unreachable: the names are asked for one by one)
+        return None
 
 
 def check_model_source(name_or_path: str | None, revision: str | None = None, what: str = "Model") -> None:

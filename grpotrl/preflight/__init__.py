@@ -53,8 +53,8 @@ from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
 from ..models.quantization import pin_quantized_kernels, quantized_bits
-from ..models.sources import (adapter_base, adapter_config, adapter_tokenizer_source, check_model_source,
-                              check_tokenizer_source, generation_config, model_file)
+from ..models.sources import (PeftAdapter, adapter_tokenizer_source, check_model_source, check_tokenizer_source,
+                              find_adapter, generation_config, model_file)
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
@@ -114,9 +114,11 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
 
     ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
     honoured, as TRL does) or a loaded model. Returns ``(model, processing_class, stop_token_ids,
-    model_id)``: ``model`` is the resolved name when it was given as a string (an alias becomes its
-    cached directory), ``model_id`` the directory or Hub id its files come from (or None). A tokenizer
-    not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
+    model_id, adapter)``: ``model`` is the resolved name when it was given as a string (an alias becomes its
+    cached directory), ``model_id`` the directory or Hub id its files come from (or None), ``adapter`` the PEFT
+    adapter ``model`` names (``models.sources.find_adapter``, read here once for the run start; None for a plain
+    or loaded model), which the later checks and the trainer's load (``trainers.adapter.adapter_loaded``) take.
+    A tokenizer not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
     quantized model must come with one or be a PEFT model already, and so must a model TRL loads with the
     trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']``; ``model_init_kwargs``'
@@ -130,15 +132,15 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     check_output_dir(args.output_dir, overwrite=True)  # only a file where output_dir should be (the rest: train())
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind=kind, prompt_optional=prompt_optional)
-    revision = None
+    revision = adapter = None
     tokenizer_source = config_source = base_revision = None  # an adapter's: where its tokenizer, config come from
     if model is None or isinstance(model, str):
         model = resolve_model_path(model)
         init_kwargs = getattr(args, "model_init_kwargs", None) or {}
         revision = init_kwargs.get("revision")
         _check_init_dtype(init_kwargs)
-        adapter = adapter_config(model, revision)  # a PEFT adapter: the trainer trains it (trainers.adapter)
-        trains = peft_config if adapter is None else adapter  # the adapter is this run's LoRA
+        adapter = find_adapter(model, revision)  # a PEFT adapter: the trainer trains it (trainers.adapter)
+        trains = peft_config if adapter is None else adapter.config  # the adapter is this run's LoRA
         _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), trains,
                                         "model_init_kwargs['quantization_config'] asks for")
         _refuse_quantized_full_finetune(_config_bits(quantization_config), trains,
@@ -146,8 +148,8 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         check_model_source(model, revision)
         if adapter is not None:
             check_adapter_peft_config(model, None if peft_config is _NOT_GIVEN else peft_config)
-            tokenizer_source, config_source = adapter_tokenizer_source(model, adapter, revision), adapter_base(adapter)
-            base_revision = adapter.get("revision")  # the base's, as PEFT loads it
+            tokenizer_source, config_source = adapter_tokenizer_source(adapter), adapter.base
+            base_revision = adapter.base_revision  # the base's, as PEFT loads it
         targets = getattr(peft_config, "target_modules", None) if peft_config is not _NOT_GIVEN else None
         if targets:  # PEFT trains the names that match and ignores a misspelled one
             check_lora_targets(sorted(targets) if isinstance(targets, (set, frozenset)) else targets, model, revision,
@@ -169,14 +171,14 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
                                                          trust_remote_code=args.trust_remote_code, **sides)
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
-    stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args))
+    stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args, adapter))
     if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
         check_prompt_lengths(train_dataset, split_name(train_dataset, "train"),
                              getattr(processing_class, "tokenizer", processing_class), config_source or model_id,
                              base_revision if config_source else revision,
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
-    return model, processing_class, stop_ids, model_id
+    return model, processing_class, stop_ids, model_id, adapter
 
 
 TRL_DTYPES = ("bfloat16", "float16", "float32", "auto")  # the strings trl's create_model_from_path reads as dtype
@@ -200,12 +202,12 @@ def _check_init_dtype(init_kwargs: dict) -> None:
                          f"a torch.dtype{hint}.")
 
 
-def model_generation_config(model, args):
+def model_generation_config(model, args, adapter: PeftAdapter | None):
     """The model's own ``GenerationConfig``, where TRL's ``generate`` finds it: a directory's or Hub id's
-    ``generation_config.json`` (at ``args.model_init_kwargs``' revision), a loaded model's ``generation_config``;
-    None when it has none."""
+    ``generation_config.json`` (at ``args.model_init_kwargs``' revision; a PEFT adapter's, ``adapter``, else its
+    base's), a loaded model's ``generation_config``; None when it has none."""
     if isinstance(model, str):
-        return generation_config(model, (getattr(args, "model_init_kwargs", None) or {}).get("revision"))
+        return generation_config(model, (getattr(args, "model_init_kwargs", None) or {}).get("revision"), adapter)
     return getattr(model, "generation_config", None)
 
 
@@ -239,16 +241,18 @@ class ResumeCheck(NamedTuple):
 
 
 def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwargs: dict | None = None,
-                 given=_NOT_GIVEN, model=None, peft_config=None, tool_sets: list | None = None) -> ResumeCheck:
+                 given=_NOT_GIVEN, model=None, peft_config=None, tool_sets: list | None = None,
+                 adapter: PeftAdapter | None = None) -> ResumeCheck:
     """Step 5: the resume checkpoint checked complete, written by a model of this run's architecture
-    (``model``: its path or Hub id, or the loaded model; None: not compared) and on this run's
+    (``model``: its path or Hub id, the PEFT adapter it names in ``adapter``, or the loaded model; None: not
+    compared) and on this run's
     template (with ``chat_template_kwargs`` and ``tool_sets``, where given, and the template GRPO renders prompts
     with for those tools: ``templates.grpo_prompt_template``); ``given`` defaults to
     ``args.resume_from_checkpoint`` (``train(resume_from_checkpoint=...)`` passes its own)."""
     given = getattr(args, "resume_from_checkpoint", None) if given is _NOT_GIVEN else given
     checkpoint = resume_checkpoint(given, args, kind, use_peft)
     if checkpoint and model is not None:
-        _check_resume_architecture(checkpoint, model, args, peft_config)
+        _check_resume_architecture(checkpoint, model, args, peft_config, adapter)
     if checkpoint and getattr(args, "check_template", True):  # I2: the checkpoint's template is this run's
         templates.check_fingerprint(checkpoint, tokenizer, chat_template_kwargs=chat_template_kwargs,
                                     tool_sets=tool_sets,
@@ -256,15 +260,16 @@ def check_resume(args, kind: str, tokenizer, use_peft: bool, chat_template_kwarg
     return ResumeCheck(given, checkpoint, kind, chat_template_kwargs, tool_sets)
 
 
-def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> None:
+def _check_resume_architecture(checkpoint: str, model, args, peft_config, adapter: PeftAdapter | None) -> None:
     """``checkpoints.check_resume_architecture`` against the model's config: its ``config.json`` read
-    by name (no weights) for a path or Hub id, ``model.config`` for a loaded model."""
+    by name (no weights) for a path or Hub id (a PEFT adapter, ``adapter``: its base's), ``model.config`` for a
+    loaded model."""
     if isinstance(model, str):
         revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
-        adapter = _adapter_of(model, args)
         if adapter is not None:  # the base's config, and the adapter's shape as this run's LoRA settings
-            revision, model = adapter.get("revision"), adapter_base(adapter) or model
-            peft_config = SimpleNamespace(r=adapter.get("r"), target_modules=adapter.get("target_modules"))
+            revision, model = adapter.base_revision, adapter.base or model
+            peft_config = SimpleNamespace(r=adapter.config.get("r"),
+                                          target_modules=adapter.config.get("target_modules"))
         config = read_config(model_file(model, "config.json", revision))
         if config is not None:
             check_resume_architecture(checkpoint, config, model, peft_config)
@@ -273,16 +278,10 @@ def _check_resume_architecture(checkpoint: str, model, args, peft_config) -> Non
                                   peft_config)
 
 
-def _uses_peft(model, peft_config, args) -> bool:
+def _uses_peft(model, peft_config, adapter: PeftAdapter | None) -> bool:
     """Whether the run trains a PEFT adapter: a ``peft_config``, a PEFT model, or a PEFT adapter named by path or
-    Hub id (at ``args.model_init_kwargs``' revision), which the trainer loads and trains."""
-    return peft_config not in (None, _NOT_GIVEN) or hasattr(model, "peft_config") or (
-        isinstance(model, str) and _adapter_of(model, args) is not None)
-
-
-def _adapter_of(model: str, args) -> dict | None:
-    """The ``adapter_config.json`` of the model named ``model`` (resolved), None for a plain model."""
-    return adapter_config(model, (getattr(args, "model_init_kwargs", None) or {}).get("revision"))
+    Hub id (``adapter``: ``prepare_model_and_tokenizer``'s), which the trainer loads and trains."""
+    return peft_config not in (None, _NOT_GIVEN) or hasattr(model, "peft_config") or adapter is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,9 +295,10 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     task become TRL's flat list. ``trainer_name``: the trainer class, as errors name it; ``multitask``: the
     trainer reads task labels (rewards per task, CAGrad: ``MultiTaskGRPOTrainer``); ``resume_kind``: the
     trainer kind whose checkpoints a resume must hold ("grpo", "gad"). Returns ``(model, processing_class,
-    reward_funcs, stop_token_ids, ResumeCheck)``."""
+    reward_funcs, stop_token_ids, ResumeCheck, adapter)``: ``adapter`` the PEFT adapter ``model`` names, read once
+    (``prepare_model_and_tokenizer``), for ``trainers.adapter.adapter_loaded``."""
     peft_config = kwargs.get("peft_config")
-    model, processing_class, stop_ids, model_id = prepare_model_and_tokenizer(
+    model, processing_class, stop_ids, model_id, adapter = prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
         quantization_config=kwargs.get("quantization_config"),
@@ -333,10 +333,10 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
                          kwargs.get("reward_processing_classes"))
     if not getattr(args, "use_kl_in_reward", False):  # its KL column is counted where it is added
         check_reward_weights(reward_funcs, args.reward_weights)
-    _check_kl_reference(model, args, peft_config)
+    _check_kl_reference(model, args, peft_config, adapter)
     _check_generation_args(args, kwargs)
     if kwargs.get("rollout_func") is None:  # a rollout_func samples without generate
-        gen_config, source = model_generation_config(model, args), model if isinstance(model, str) else None
+        gen_config, source = model_generation_config(model, args, adapter), model if isinstance(model, str) else None
         _check_model_beams(args, gen_config, source)
         _check_model_generation_fields(args, gen_config, source, processing_class)
     if not multitask and (args.cagrad != "off" or args.cagrad_c != 0.5):
@@ -348,12 +348,12 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
                          "(datasets.Dataset), not an IterableDataset, or turn dynamic_sampling off.")
     # a reward column empty everywhere (per task: on the task's own rows)
     check_reward_signal(reward_funcs, train_dataset, split_name(train_dataset, "train"), args.task_column)
-    resume = check_resume(args, resume_kind, processing_class, _uses_peft(model, peft_config, args),
-                          template_kwargs, model=model, peft_config=peft_config, tool_sets=tool_sets)
+    resume = check_resume(args, resume_kind, processing_class, _uses_peft(model, peft_config, adapter),
+                          template_kwargs, model=model, peft_config=peft_config, tool_sets=tool_sets, adapter=adapter)
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
         reward_funcs = per_task(reward_funcs, args.task_column)
-    return model, processing_class, reward_funcs, stop_ids, resume
+    return model, processing_class, reward_funcs, stop_ids, resume, adapter
 
 
 def no_kl_reference(beta, kl_in_reward_coef) -> str:
@@ -374,27 +374,73 @@ def no_kl_reference(beta, kl_in_reward_coef) -> str:
             "(peft_config), whose disabled adapter is the reference.")
 
 
-def _check_kl_reference(model, args, peft_config) -> None:
+def _check_kl_reference(model, args, peft_config, adapter: PeftAdapter | None) -> None:
     """``use_kl_in_reward`` with ``beta`` 0 and no PEFT (a ``peft_config``, a PEFT model, a PEFT adapter by path
     or Hub id): TRL loads a reference model only when beta > 0 (with PEFT the disabled adapter is the
     reference), so the KL column would find none at the first reward: refused before compute
-    (``no_kl_reference``). With ``beta`` 0 on a PEFT adapter by name (trained already: SFT's) it is refused too:
-    TRL copies a trained adapter as the reference (``ref``) only when beta > 0, and the disabled adapter would
-    be the base model, not the policy this run starts from."""
+    (``no_kl_reference``). With ``beta`` 0 on a PEFT adapter that is trained already it is refused too: TRL copies
+    a PEFT model's adapter as the reference (``ref``) only when beta > 0, and the disabled adapter would be the
+    base model, not the policy this run starts from. An adapter by name (``adapter``: SFT's) counts as trained; a
+    ``peft.PeftModel`` passed in is trained where a LoRA B weight of its active adapter is not 0 (PEFT starts
+    every B at 0, so a fresh adapter adds nothing and the base is the policy), and is refused as well where that
+    cannot be read: weights partitioned by DeepSpeed ZeRO-3 or on the meta device, another PEFT type than LoRA,
+    or DoRA (whose magnitudes move the model with B at 0): ``_unverified_fresh_adapter``."""
     if not getattr(args, "use_kl_in_reward", False) or args.beta:
         return
-    if isinstance(model, str) and _adapter_of(model, args) is not None:
-        coef = args.kl_in_reward_coef
-        raise InputError(
-            f"use_kl_in_reward with beta={args.beta} on the PEFT adapter {model!r}: trl.GRPOTrainer copies a trained "
-            "adapter as the KL's reference (adapter 'ref': the policy this run starts from) only when beta > 0; "
-            "with beta 0 the reference would be the base model with the adapter disabled, so the KL would measure "
-            f"the adapter's own training, not this run's. Set beta: {args.beta if coef is None else coef} (with "
-            "use_kl_loss: false, beta is the reward's coefficient and the loss has no KL) and drop "
-            "kl_in_reward_coef."
-        )
-    if not _uses_peft(model, peft_config, args):
+    coef = args.beta if args.kl_in_reward_coef is None else args.kl_in_reward_coef
+    remedy = (f"Set beta: {coef} (with use_kl_loss: false, beta is the reward's coefficient and the loss has no KL) "
+              "and drop kl_in_reward_coef")
+    why = ("trl.GRPOTrainer copies a trained adapter as the KL's reference (adapter 'ref': the policy this run "
+           "starts from) only when beta > 0; with beta 0 the reference would be the base model with the adapter "
+           "disabled, so the KL would measure the adapter's own training, not this run's.")
+    if adapter is not None:
+        raise InputError(f"use_kl_in_reward with beta={args.beta} on the PEFT adapter {model!r}: {why} {remedy}.")
+    if hasattr(model, "peft_config"):
+        found = _unverified_fresh_adapter(model)
+        if found is not None:
+            raise InputError(
+                f"use_kl_in_reward with beta={args.beta} on the peft.PeftModel passed as model, whose adapter "
+                f"{found}: {why} {remedy}; or, for a new adapter, pass the base model with "
+                "peft_config=peft.LoraConfig(...) (its disabled adapter is then this run's starting policy).")
+        return
+    if not _uses_peft(model, peft_config, adapter):
         raise InputError(no_kl_reference(args.beta, args.kl_in_reward_coef))
+
+
+def _unverified_fresh_adapter(model) -> str | None:
+    """Why the active adapter of the PEFT model ``model`` is not known to be fresh (the base model is the
+    policy), said for an error; None where it is a LoRA adapter whose every B weight (``lora_B``,
+    ``lora_embedding_B``) reads 0, as PEFT initialises it. A weight that cannot be read (partitioned by DeepSpeed
+    ZeRO-3: 0 elements here, the real ones in ``ds_numel``; on the meta device) is not trusted to be 0."""
+    active = model.active_adapters if hasattr(model, "active_adapters") else [model.active_adapter]
+    active = [active] if isinstance(active, str) else list(active)
+    for name in active:
+        config = model.peft_config[name]
+        peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+        if peft_type != "LORA":
+            return (f"{name!r} is a {peft_type} adapter, whose start cannot be told from the base model's (only a "
+                    "LoRA adapter's B weights at 0 show that it adds nothing)")
+        if getattr(config, "use_dora", False):
+            return (f"{name!r} is a DoRA adapter, whose trained magnitudes would change the model with its B "
+                    "weights at 0, so B at 0 does not show that it adds nothing")
+    trained, unread = [], []
+    markers = [f".{kind}.{name}." for name in active for kind in ("lora_B", "lora_embedding_B")]
+    # PEFT's names: "...q_proj.lora_B.default.weight", "...embed_tokens.lora_embedding_B.default"
+    for param_name, param in model.named_parameters():
+        if not any(marker in f".{param_name}." for marker in markers):
+            continue
+        if param.numel() == 0 or param.is_meta:  # ZeRO-3's partitioned parameter, or not materialised
+            unread.append(param_name)
+        elif bool(param.detach().any()):
+            trained.append(param_name)
+    if trained:
+        return (f"has trained LoRA B weights ({len(trained)} not 0, e.g. {trained[0]}; PEFT starts every B at 0): "
+                "it was trained before this run")
+    if unread:
+        return (f"has LoRA B weights that cannot be read here ({len(unread)}, e.g. {unread[0]}: partitioned by "
+                "DeepSpeed ZeRO-3 or on the meta device), so whether it was trained before this run cannot be "
+                "checked, and an unchecked adapter is not taken as fresh")
+    return None
 
 
 def _check_generation_args(args, kwargs: dict) -> None:
@@ -624,9 +670,10 @@ def teacher_responses_over_cap(dataset, tokenizer, max_completion_length: int | 
             f"add_special_tokens=False)['input_ids']) < {max_completion_length}).")
 
 
-def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
+def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> dict:
     """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
-    every row with the teacher's response, the discriminator's starting point."""
+    every row with the teacher's response, the discriminator's starting point. Returns how D loads besides its
+    path (``discriminator_load_kwargs``; a student's PEFT adapter looked up once here)."""
     if not isinstance(args, GADConfig):
         raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
                          "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
@@ -642,7 +689,7 @@ def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> None:
     for name, ds in named_splits(train_dataset, eval_dataset):
         check_dataset(ds, name, kind="grpo")  # GRPO's rows first (found checked by GRPO's preflight)
         check_teacher_responses(ds, name)
-    _check_discriminator(model, args)
+    return _check_discriminator(model, args)
 
 
 def discriminator_load_kwargs(model, args) -> dict:
@@ -653,45 +700,45 @@ def discriminator_load_kwargs(model, args) -> dict:
     output), D loads the adapter's base (its path: the student's base model's) at the base's revision
     (``revision``: the adapter's record) and merges the adapter into it (``adapter``, its path, at the student's
     revision, ``adapter_revision``: ``gad.discriminator.merged_adapter``); else both are None."""
+    return _discriminator_load(model, args)[0]
+
+
+def _discriminator_load(model, args) -> tuple[dict, PeftAdapter | None]:
+    """``(discriminator_load_kwargs, the student's PEFT adapter or None)``, the adapter looked up once."""
     init = args.model_init_kwargs or {}
     own_path = args.discriminator_model_name_or_path or not isinstance(model, str)
-    adapter = None if own_path else _student_adapter(model, init.get("revision"))
-    return {"revision": None if own_path else adapter[1].get("revision") if adapter else init.get("revision"),
+    adapter = None if own_path else find_adapter(resolve_model_path(model), init.get("revision"))
+    return {"revision": None if own_path else adapter.base_revision if adapter else init.get("revision"),
             "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code),
-            "adapter": adapter[0] if adapter else None, "adapter_revision": init.get("revision") if adapter else None}
+            "adapter": adapter.name if adapter else None,
+            "adapter_revision": init.get("revision") if adapter else None}, adapter
 
 
-def _student_adapter(model: str, revision: str | None) -> tuple[str, dict] | None:
-    """``(path, adapter_config.json)`` where the student named ``model`` (resolved) is a PEFT adapter, else None."""
-    path = resolve_model_path(model)
-    adapter = adapter_config(path, revision)
-    return None if adapter is None else (path, adapter)
-
-
-def _check_discriminator(model, args) -> None:
+def _check_discriminator(model, args) -> dict:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
     student's own checkpoint at the student's revision (``discriminator_load_kwargs``), which must then be
     loadable by name; a student's PEFT adapter, its base model (at the base's revision), the adapter merged into
     D after the load (``gad.discriminator.merged_adapter``). That merge is refused where it cannot be made: a
     prompt-learning adapter (no weights to merge), and under DeepSpeed ZeRO-3, where D's weights load
-    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights."""
+    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights. Returns
+    ``discriminator_load_kwargs``."""
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
-        return
+        return discriminator_load_kwargs(model, args)
     student_source = resolve_model_path(model) if isinstance(model, str) else \
         getattr(getattr(model, "config", None), "_name_or_path", None)
     if not student_source:
         raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
                          "discriminator_model_name_or_path (a local directory or a Hub id).")
-    load = discriminator_load_kwargs(model, args)
-    if load["adapter"] is None:
+    load, adapter = _discriminator_load(model, args)
+    if adapter is None:
         check_model_source(student_source, load["revision"], what="Discriminator model (the student's own checkpoint)")
-        return
+        return load
     from peft import PeftConfig
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    path, adapter = _student_adapter(model, load["adapter_revision"])
+    path = adapter.name
     peft_config = PeftConfig.from_pretrained(path, revision=load["adapter_revision"])
     why = ("it is a prompt-learning adapter, which holds no weights to merge"
            if peft_config.is_prompt_learning or peft_config.is_adaption_prompt else
@@ -700,11 +747,12 @@ def _check_discriminator(model, args) -> None:
     if why is not None:
         raise InputError(
             f"The discriminator starts from the student's checkpoint {path!r}, a PEFT adapter "
-            f"({adapter.get('peft_type')}) that it would load merged into its base model, and {why}. To start it "
-            f"from this policy, {merge_advice(path)} as the student, or keep the adapter as the student and set "
+            f"({adapter.config.get('peft_type')}) that it would load merged into its base model, and {why}. To start "
+            f"it from this policy, {merge_advice(path)} as the student, or keep the adapter as the student and set "
             "discriminator_model_name_or_path: MERGED; or set discriminator_model_name_or_path to another checkpoint.")
-    check_model_source(adapter_base(adapter), load["revision"],
+    check_model_source(adapter.base, load["revision"],
                        what="Discriminator model (the base model of the student's PEFT adapter)")
+    return load
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,7 +764,8 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     them, ``padding_free`` without packing under ``max_length``, model and tokenizer, and on chat data a
     template, the checkpoint's fingerprint (the rows rendered as TRL will render them, compared with the rendering
     the checkpoint was trained on: ``templates.check_rows_render_alike``) and I2 on the first prompt-completion row.
-    Returns ``(model, processing_class, stop_token_ids, data format, ResumeCheck)``."""
+    Returns ``(model, processing_class, stop_token_ids, data format, ResumeCheck, adapter)``: ``adapter`` as
+    ``check_grpo``'s."""
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
@@ -733,7 +782,7 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
             "Set `max_length: null` (rows then keep their length: truncate them beforehand), or `packing: true` "
             "(e.g. with packing_strategy 'bfd', as TRL suggests), or drop padding_free."
         )
-    model, processing_class, stop_ids, model_id = prepare_model_and_tokenizer(
+    model, processing_class, stop_ids, model_id, adapter = prepare_model_and_tokenizer(
         model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"),
         quantization_config=kwargs.get("quantization_config"))
     fmt = None if formatting_func is not None else data_format(train_dataset)
@@ -748,6 +797,6 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
                                         row_template=row_template, row_kwargs=sft_option(args, "chat_template_kwargs"))
         if i2 and not args.assistant_only_loss:  # I2 on the first row, before any weights load
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
-    resume = check_resume(args, "sft", processing_class, _uses_peft(model, kwargs.get("peft_config"), args),
-                          model=model, peft_config=kwargs.get("peft_config"))
-    return model, processing_class, stop_ids, fmt, resume
+    resume = check_resume(args, "sft", processing_class, _uses_peft(model, kwargs.get("peft_config"), adapter),
+                          model=model, peft_config=kwargs.get("peft_config"), adapter=adapter)
+    return model, processing_class, stop_ids, fmt, resume, adapter

@@ -20,13 +20,14 @@ import torch
 
 from ..checkpoints import read_config
 from ..errors import InputError
-from ..models.sources import adapter_base, adapter_config, adapter_tokenizer_source, model_file
+from ..models.sources import PeftAdapter, adapter_tokenizer_source, model_file
 
 
 @contextmanager
-def adapter_loaded(model, args, kwargs: dict, processing_class=None):
+def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, processing_class=None):
     """``(model, kwargs)`` for TRL's trainer ``__init__``, within which it is called. ``model`` naming a PEFT
-    adapter (a local directory or Hub repo holding ``adapter_config.json``, such as a LoRA SFT's output), which
+    adapter (``adapter``: the preflight's ``models.sources.find_adapter`` of it, read once per run start; a local
+    directory or Hub repo holding ``adapter_config.json``, such as a LoRA SFT's output), which
     transformers' ``from_pretrained`` and TRL cannot load with peft < 0.22 ("Unrecognized model"), and which
     transformers' own PEFT integration (peft >= 0.22) loads as a plain model that TRL does not train as an
     adapter: its base model (``base_model_name_or_path``, at the adapter's recorded revision) loads as TRL
@@ -46,15 +47,14 @@ def adapter_loaded(model, args, kwargs: dict, processing_class=None):
             no embedding that long (``unsaved_rows``); after it, where the embeddings it saved are too short or
             the untied output embedding is missing (``fit_embeddings``).
     """
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
-    adapter = adapter_config(model, revision) if isinstance(model, str) else None
     if adapter is None:
         yield model, kwargs
         return
     from peft import PeftModel
     from trl.trainer.utils import create_model_from_path
 
-    init_kwargs = {**(args.model_init_kwargs or {}), "revision": adapter.get("revision")}  # the base's revision
+    revision = adapter.revision  # model_init_kwargs', the adapter's own
+    init_kwargs = {**(args.model_init_kwargs or {}), "revision": adapter.base_revision}  # the base's revision
     quantization_config = kwargs.get("quantization_config")
     if quantization_config is not None:
         if "quantization_config" in init_kwargs:  # TRL's refusal, which it would raise at its own load
@@ -65,9 +65,9 @@ def adapter_loaded(model, args, kwargs: dict, processing_class=None):
         init_kwargs["device_map"] = None
     init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     shapes = adapter_tensor_shapes(model, revision)
-    tokens = _tokenizer_length(processing_class, model, adapter, revision, init_kwargs["trust_remote_code"])
-    base_name = adapter_base(adapter)
-    base_rows = _config_vocab_size(read_config(model_file(base_name, "config.json", adapter.get("revision"))))
+    tokens = _tokenizer_length(processing_class, adapter, init_kwargs["trust_remote_code"])
+    base_name = adapter.base
+    base_rows = _config_vocab_size(read_config(model_file(base_name, "config.json", adapter.base_revision)))
     if base_rows is not None and tokens > base_rows and not any(s and s[0] >= tokens for s in shapes.values()):
         raise InputError(unsaved_rows(model, base_name, tokens, base_rows))  # no tensor saved that long
     base = create_model_from_path(base_name, **init_kwargs)
@@ -173,15 +173,16 @@ def fit_embeddings(base, shapes: dict[str, tuple[int, ...]], tokens: int, path: 
     base.resize_token_embeddings(rows, mean_resizing=False)
 
 
-def _tokenizer_length(processing_class, path: str, adapter: dict, revision: str | None, trust_remote_code) -> int:
+def _tokenizer_length(processing_class, adapter: PeftAdapter, trust_remote_code) -> int:
     """The tokens of ``processing_class`` (its tokenizer), else of the tokenizer the preflight loads for the PEFT
-    adapter ``path`` (its own, else its base's: ``adapter_tokenizer_source``)."""
+    ``adapter`` (its own, else its base's: ``adapter_tokenizer_source``)."""
     if processing_class is None:
         from transformers import AutoTokenizer
 
-        source = adapter_tokenizer_source(path, adapter, revision)
-        processing_class = AutoTokenizer.from_pretrained(source, revision=revision if source == path else
-                                                         adapter.get("revision"), trust_remote_code=trust_remote_code)
+        source = adapter_tokenizer_source(adapter)
+        processing_class = AutoTokenizer.from_pretrained(
+            source, revision=adapter.revision if source == adapter.name else adapter.base_revision,
+            trust_remote_code=trust_remote_code)
     return len(getattr(processing_class, "tokenizer", processing_class))
 
 

@@ -55,7 +55,7 @@ from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
 from ..guards import due
 from ..models.dropout import disable_dropout
-from ..preflight import check_gad, discriminator_load_kwargs, split_name, teacher_responses_over_cap
+from ..preflight import check_gad, split_name, teacher_responses_over_cap
 from . import _intercept
 from .gad_engine import prepare_discriminator
 from .grpo import GRPOTrainer
@@ -125,7 +125,7 @@ class GADTrainer(GRPOTrainer):
         """
         if args is None:
             args = GADConfig(output_dir="grpotrl-gad-output")
-        check_gad(model, args, train_dataset, eval_dataset, kwargs)  # then GRPO's (grpotrl/preflight.py)
+        load = check_gad(model, args, train_dataset, eval_dataset, kwargs)  # how D loads; then GRPO's checks
 
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
@@ -153,7 +153,6 @@ class GADTrainer(GRPOTrainer):
         # update below bf16's resolution rounds away). Mixed precision still runs its forward in bf16 (accelerate's
         # autocast from prepare_model). DeepSpeed keeps its own fp32 master copy, so D takes the student's dtype.
         d_dtype = student.dtype if self.is_deepspeed_enabled else torch.float32
-        load = discriminator_load_kwargs(model, args)  # the student's revision; its PEFT adapter, merged into D
         rows = student.get_input_embeddings().num_embeddings if load["adapter"] else None  # as the adapter saved them
         disc = load_discriminator(path, tok.pad_token_id, dtype=d_dtype, lora_r=args.discriminator_lora_r,
                                   freeze_embeddings=args.discriminator_freeze_embeddings, embedding_rows=rows, **load)

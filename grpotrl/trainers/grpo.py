@@ -168,11 +168,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
-        model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume = check_grpo(
+        model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume, adapter = check_grpo(
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs,
             trainer_name=type(self).__name__, multitask=self._multitask, resume_kind=self._resume_kind)
         reward_funcs = self._with_kl_reward_column(reward_funcs, args)
-        with adapter_loaded(model, args, kwargs, processing_class) as (model, kwargs):  # a PEFT adapter: base + it
+        with adapter_loaded(model, adapter, args, kwargs, processing_class) as (model, kwargs):  # an adapter: base + it
             super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                              processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)

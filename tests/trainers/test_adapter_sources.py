@@ -1,0 +1,209 @@
+"""A PEFT adapter as the model: its ``adapter_config.json`` read once per run start, a Hub id's adapter (offline,
+against the session's Hugging Face cache: ``tests/hub_cache.py``), its tokenizer files found as a local
+directory's are, and the KL in the reward at beta 0 on a ``peft.PeftModel`` passed in (its reference is the base,
+adapter disabled: refused where the adapter was trained before the run). On a tiny Llama over the SmolLM2 tokenizer.
+"""
+
+import pytest
+import torch
+from conftest import HUB_CACHE, arithmetic_prompts, length_reward
+from datasets import Dataset
+from hub_cache import add_to_cache
+from peft import LoraConfig, PeftModel, get_peft_model
+from test_lora_sft_then_grpo import LORA
+from transformers import AutoModelForCausalLM
+
+import grpotrl
+from grpotrl import InputError
+from grpotrl.models import sources
+from grpotrl.preflight import no_kl_reference
+
+HUB_ADAPTER = "grpotrl-test/tiny-lora"  # a fresh LoRA adapter on the cached grpotrl-test/tiny-llama
+KL_AT_BETA_0 = dict(beta=0.0, use_kl_in_reward=True, kl_in_reward_coef=0.01, max_steps=1)
+
+
+@pytest.fixture
+def adapter_dir(tiny_llama, tmp_path) -> str:
+    """A fresh LoRA adapter (``LORA``) on ``tiny_llama``, saved: adapter_config.json and its weights only."""
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(**LORA)).save_pretrained(
+        tmp_path / "adapter")
+    return str(tmp_path / "adapter")
+
+
+@pytest.fixture(scope="module")
+def hub_adapter(hub_tiny_llama, tmp_path_factory) -> str:
+    """``HUB_ADAPTER`` in the session's offline Hub cache: its adapter_config.json names the base by its Hub id."""
+    base = AutoModelForCausalLM.from_pretrained(hub_tiny_llama)  # offline, from the cache: PEFT records the id
+    saved = tmp_path_factory.mktemp("hub-lora")
+    get_peft_model(base, LoraConfig(**LORA)).save_pretrained(saved)
+    add_to_cache(HUB_CACHE, HUB_ADAPTER, str(saved))
+    assert sources.adapter_config(HUB_ADAPTER)["base_model_name_or_path"] == hub_tiny_llama
+    return HUB_ADAPTER
+
+
+def _count_adapter_lookups(monkeypatch) -> list[str]:
+    """Every lookup of an ``adapter_config.json`` from here on (``models.sources.model_file``, through which each
+    goes: on a Hub id online, one ``cached_file`` request each, a 404 for a plain model), by model name."""
+    looked_up, real = [], sources.model_file
+
+    def counted(name_or_path, filename, revision=None):
+        if filename == "adapter_config.json":
+            looked_up.append(name_or_path)
+        return real(name_or_path, filename, revision)
+
+    monkeypatch.setattr(sources, "model_file", counted)
+    return looked_up
+
+
+def _sft_rows(n=8):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# adapter_config.json: read once per run start
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("start", ["grpo on an adapter dir", "grpo on a plain model, LoRA, KL in the reward at beta 0",
+                                   "sft on an adapter dir"])
+def test_adapter_config_is_looked_up_once_per_run_start(start, adapter_dir, tiny_llama, grpo_args, tmp_path,
+                                                         monkeypatch):
+    """The preflight reads it once (``preflight.prepare_model_and_tokenizer``) and hands it on: to the KL-reference,
+    generation-config and resume checks and to the trainer's load (``trainers.adapter.adapter_loaded``); each
+    looked it up itself before (5 for GRPO on an adapter dir, 3 for the LoRA run, 4 for SFT; 5 on a Hub id)."""
+    looked_up = _count_adapter_lookups(monkeypatch)
+    if start.startswith("sft"):
+        grpotrl.SFTTrainer(model=adapter_dir, train_dataset=Dataset.from_list(_sft_rows()),
+                           args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, report_to="none",
+                                                  use_cpu=True, guard_steps=-1))
+        model = adapter_dir
+    elif "plain" in start:
+        grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
+                            train_dataset=arithmetic_prompts(8), peft_config=LoraConfig(**LORA))
+        model = tiny_llama
+    else:
+        grpotrl.GRPOTrainer(model=adapter_dir, reward_funcs=length_reward, args=grpo_args(max_steps=1),
+                            train_dataset=arithmetic_prompts(8))
+        model = adapter_dir
+    assert looked_up == [model]
+
+
+def test_a_changed_directory_is_read_again_by_the_next_run(tiny_llama, adapter_dir, grpo_args, monkeypatch):
+    """Nothing is kept from one run start to the next (no memo keyed on the path): a run on the directory, then
+    the same directory holding a plain model, which the second run trains as one."""
+    first = grpotrl.GRPOTrainer(model=adapter_dir, reward_funcs=length_reward, args=grpo_args(max_steps=1),
+                                train_dataset=arithmetic_prompts(8))
+    assert isinstance(first.model, PeftModel)
+    import shutil
+
+    shutil.rmtree(adapter_dir)
+    shutil.copytree(tiny_llama, adapter_dir)
+    second = grpotrl.GRPOTrainer(model=adapter_dir, reward_funcs=length_reward, args=grpo_args(max_steps=1),
+                                 train_dataset=arithmetic_prompts(8))
+    assert not isinstance(second.model, PeftModel)
+
+
+# ---------------------------------------------------------------------------------------------
+# A Hub id's adapter, offline
+# ---------------------------------------------------------------------------------------------
+
+def test_grpo_on_a_hub_adapter_trains_that_adapter_on_its_frozen_hub_base(hub_adapter, hub_tiny_llama, grpo_args,
+                                                                          monkeypatch):
+    """``model="org/adapter"``, with HF_HUB_OFFLINE=1 (the session's): the base loads by the Hub id its
+    adapter_config.json names, the adapter onto it; one step moves the adapter's weights and no base weight.
+    adapter_config.json is looked up once."""
+    looked_up = _count_adapter_lookups(monkeypatch)
+    trainer = grpotrl.GRPOTrainer(model=hub_adapter, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                                  args=grpo_args(max_steps=1, learning_rate=1e-2))
+    assert looked_up == [hub_adapter]
+    model = trainer.model
+    assert isinstance(model, PeftModel) and model.peft_config["default"].base_model_name_or_path == hub_tiny_llama
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable), sorted(trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(after[n], before[n]) for n in trainable), "the adapter did not move"
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in trainable), "a base weight moved"
+
+
+def test_a_hub_adapters_own_tokenizer_is_found_by_any_sentencepiece_or_tiktoken_file(hub_tiny_llama, tmp_path,
+                                                                                      grpo_args, monkeypatch):
+    """A Hub adapter whose tokenizer vocabulary is a ``*.model`` file of another name than ``TOKENIZER_FILES``'
+    (as a local directory's is recognised) is the tokenizer's source, not its base."""
+    from transformers import AutoProcessor
+
+    from grpotrl.preflight import prepare_model_and_tokenizer
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(hub_tiny_llama), LoraConfig(**LORA)).save_pretrained(tmp_path)
+    add_to_cache(HUB_CACHE, "grpotrl-test/tiny-lora-spm", str(tmp_path), extra={"custom_spm.model": "spm"})
+    sources_asked = []
+
+    def asked(source, *args, **kwargs):  # records where the tokenizer would load from; loads nothing
+        sources_asked.append(source)
+        raise RuntimeError("tokenizer source recorded")
+
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", asked)
+    with pytest.raises(RuntimeError, match="tokenizer source recorded"):
+        prepare_model_and_tokenizer("grpotrl-test/tiny-lora-spm", None, grpo_args(), None, "grpo")
+    assert sources_asked == ["grpotrl-test/tiny-lora-spm"]
+
+
+# ---------------------------------------------------------------------------------------------
+# KL in the reward at beta 0 on a peft.PeftModel passed in
+# ---------------------------------------------------------------------------------------------
+
+def _peft_model(tiny_llama) -> PeftModel:
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(**LORA))
+
+
+def test_a_kl_in_the_reward_at_beta_0_on_a_trained_peft_model_is_refused(tiny_llama, grpo_args):
+    """Its reference would be the base (TRL copies no ``ref`` adapter at beta 0), not the policy it starts as."""
+    model = _peft_model(tiny_llama)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if ".lora_B.default." in n)[0, 0] = 0.5  # trained before
+    with pytest.raises(InputError, match=r"use_kl_in_reward with beta=0.0 on the peft.PeftModel passed as model, "
+                                         r"whose adapter has trained LoRA B weights \(1 not 0, e.g. .*lora_B.*\).* "
+                                         r"the reference would be the base model .* Set beta: 0.01 \(with "
+                                         r"use_kl_loss: false.*peft_config=peft.LoraConfig"):
+        grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
+                            train_dataset=arithmetic_prompts(8))
+
+
+def test_a_kl_in_the_reward_at_beta_0_on_a_peft_model_whose_b_cannot_be_read_is_refused(tiny_llama, grpo_args):
+    """A B weight partitioned as DeepSpeed ZeRO-3 holds it (0 elements here, the real count in ``ds_numel``)
+    cannot show that the adapter is fresh: refused, saying so, never taken as 0."""
+    model = _peft_model(tiny_llama)
+    partitioned = next(p for n, p in model.named_parameters() if ".lora_B.default." in n)
+    partitioned.ds_numel = partitioned.numel()
+    partitioned.data = torch.empty(0)
+    with pytest.raises(InputError, match=r"whose adapter has LoRA B weights that cannot be read here \(1, .*"
+                                         r"partitioned by DeepSpeed ZeRO-3.* Set beta: 0.01"):
+        grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
+                            train_dataset=arithmetic_prompts(8))
+
+
+def test_I10_a_kl_in_the_reward_at_beta_0_on_a_fresh_peft_model_is_kept(tiny_llama, grpo_args):
+    """Control: B at 0 (PEFT's start), the disabled adapter is the policy bit for bit: the KL column is 0."""
+    trainer = grpotrl.GRPOTrainer(model=_peft_model(tiny_llama), reward_funcs=length_reward,
+                                  args=grpo_args(**KL_AT_BETA_0), train_dataset=arithmetic_prompts(8))
+    assert trainer.ref_model is None
+    prompt = [{"role": "user", "content": "What is 1 + 2?"}]
+    assert trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]]) == [0.0]
+
+
+def test_the_kl_reference_error_with_no_kl_in_reward_coef_names_beta_as_the_coefficient(tiny_llama, grpo_args):
+    """``kl_in_reward_coef`` is grpotrl's own ``GRPOConfig`` field (TRL 1.16's has none), None by default: the
+    reward's coefficient is then ``beta``. At beta 0 the config refuses None (a coefficient of 0), so
+    ``no_kl_reference`` meets None where beta > 0 and the reference is gone after ``__init__`` (the run-time guard,
+    ``trainers.reference_kl``): its advice names beta's value."""
+    trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                                  args=grpo_args(beta=0.04, use_kl_in_reward=True, max_steps=1),
+                                  peft_config=LoraConfig(**LORA))
+    assert trainer.args.kl_in_reward_coef is None
+    trainer.model = trainer.model.merge_and_unload()
+    prompt = [{"role": "user", "content": "What is 1 + 2?"}]
+    with pytest.raises(InputError) as missing:
+        trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]])
+    assert str(missing.value) == no_kl_reference(0.04, None)
+    assert "set beta: 0.04 (with use_kl_loss off" in str(missing.value)
