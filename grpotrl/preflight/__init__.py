@@ -362,10 +362,22 @@ def no_kl_reference(beta, kl_in_reward_coef) -> str:
     ``GRPOConfig`` accepts. Raised before the model loads (``check_grpo``) and by the trainer where it finds no
     reference to compute the KL column with (``trainers.reference_kl.ReferenceKL._ref_context``).
 
+    With ``beta`` > 0 TRL did build a reference (a model, or the PEFT adapter disabled): only a trainer whose
+    reference went away after ``__init__`` (``ref_model`` set to None, the adapter merged) meets it, and the error
+    says so instead.
+
     >>> message = no_kl_reference(0.0, 0.01)
     >>> "set beta: 0.01 (with use_kl_loss off" in message and "drop kl_in_reward_coef" in message
     True
+    >>> "set beta" in no_kl_reference(0.04, None)
+    False
     """
+    if beta:
+        return (f"use_kl_in_reward with beta={beta}: the trainer has no reference model (ref_model is None) and its "
+                "model no PEFT adapter to disable, so the reward's KL has no reference. trl.GRPOTrainer built one "
+                "with the trainer (beta > 0): it was removed afterwards (ref_model set to None, or the adapter "
+                "merged into the model, e.g. merge_and_unload). Keep the trainer's reference, and merge an adapter "
+                "only after training.")
     coef = beta if kl_in_reward_coef is None else kl_in_reward_coef
     return (f"use_kl_in_reward with beta={beta} and no PEFT adapter: trl.GRPOTrainer loads a reference model only "
             "when beta > 0 (with PEFT, the policy with its adapter disabled is the reference), so the reward's KL "

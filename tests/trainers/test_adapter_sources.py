@@ -192,11 +192,12 @@ def test_I10_a_kl_in_the_reward_at_beta_0_on_a_fresh_peft_model_is_kept(tiny_lla
     assert trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]]) == [0.0]
 
 
-def test_the_kl_reference_error_with_no_kl_in_reward_coef_names_beta_as_the_coefficient(tiny_llama, grpo_args):
+def test_the_kl_reference_error_at_beta_above_0_says_the_reference_was_removed(tiny_llama, grpo_args):
     """``kl_in_reward_coef`` is grpotrl's own ``GRPOConfig`` field (TRL 1.16's has none), None by default: the
     reward's coefficient is then ``beta``. At beta 0 the config refuses None (a coefficient of 0), so
     ``no_kl_reference`` meets None where beta > 0 and the reference is gone after ``__init__`` (the run-time guard,
-    ``trainers.reference_kl``): its advice names beta's value."""
+    ``trainers.reference_kl``): TRL built a reference there, so the error says it was removed (here: the adapter
+    merged away), not to set beta, which is set."""
     trainer = grpotrl.GRPOTrainer(model=tiny_llama, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
                                   args=grpo_args(beta=0.04, use_kl_in_reward=True, max_steps=1),
                                   peft_config=LoraConfig(**LORA))
@@ -206,4 +207,4 @@ def test_the_kl_reference_error_with_no_kl_in_reward_coef_names_beta_as_the_coef
     with pytest.raises(InputError) as missing:
         trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]])
     assert str(missing.value) == no_kl_reference(0.04, None)
-    assert "set beta: 0.04 (with use_kl_loss off" in str(missing.value)
+    assert "removed afterwards" in str(missing.value) and "set beta" not in str(missing.value)  # beta is 0.04
