@@ -8,8 +8,9 @@ parameters, and GAD's discriminator trained under the same launch, agrees across
 restored exactly (weights and this rank's optimizer shard) by a resume.
 
 The multi-node recipe runs as two launches on localhost, one process per "machine". One launch
-per config, 13-22 s each on 2 lightly loaded cores; the first DeepSpeed launch on a machine also
-JIT-compiles DeepSpeed's shm comm op (25 s there; ~80 s seen on busier machines), cached in
+per config (ZeRO-2's and ZeRO-3's also run the faulty discriminator and ZeRO-2's the NaN loss on one
+rank, after the runs the other tests read), 30-45 s each on 2 lightly loaded cores; the first DeepSpeed
+launch on a machine also JIT-compiles DeepSpeed's shm comm op (25 s there; ~80 s seen on busier machines), cached in
 ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR). ZeRO-3 with CPU offload runs only with
 GRPOTRL_TEST_DIST_ALL=1: its first run compiles DeepSpeed's cpu_adam op (37 s to 5 min on 2 cores).
 """
@@ -75,18 +76,37 @@ def read_evidence(out: Path, methods: str, world_size: int = 2) -> dict:
             for m in methods.split(",") for r in range(world_size)}
 
 
-# zero2 first: its launch pays the one-time JIT compile.
-CONFIGS = {"zero2": ("sft,grpo,gad", 2), "zero3": ("sft,grpo,gad", 3), "ddp": ("grpo,gad", None)}
+# zero2 first: its launch pays the one-time JIT compile. Per config: the methods every test of ``launched`` reads,
+# its ZeRO stage, then the fault runs of the same launch (one launch per config: each start of 2 ranks costs ~10 s
+# of imports and process-group setup). A fault run comes after the methods the other tests read, each writes its
+# own evidence (dist_worker records an error and goes on to the next method), and grpo_nan_rank1, which stops
+# both ranks mid-training, is the launch's last.
+CONFIGS = {"zero2": ("sft,grpo,gad", 2, "gad_nonfinite,grpo_nan_rank1"), "zero3": ("sft,grpo,gad", 3, "gad_nonfinite"),
+           "ddp": ("grpo,gad", None, "")}
+
+
+@pytest.fixture(scope="module")
+def launch(tiny_llama, tmp_path_factory):
+    """``launch(config)``: the config's one launch (all its methods and fault runs), run the first time a test
+    asks for it; later tests of the module read the same evidence."""
+    done = {}
+
+    def get(config: str) -> dict:
+        if config not in done:
+            methods, stage, faults = CONFIGS[config]
+            out = tmp_path_factory.mktemp(f"dist-{config}")
+            accelerate_launch(config, out, tiny_llama, ",".join(filter(None, [methods, faults])))
+            done[config] = {"config": config, "stage": stage, "out": out, "model": tiny_llama,
+                            "evidence": read_evidence(out, methods),
+                            "faults": read_evidence(out, faults) if faults else {}}
+        return done[config]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def launched(request, tiny_llama, tmp_path_factory):
-    config = request.param
-    methods, stage = CONFIGS[config]
-    out = tmp_path_factory.mktemp(f"dist-{config}")
-    accelerate_launch(config, out, tiny_llama, methods)
-    return {"config": config, "stage": stage, "out": out, "model": tiny_llama,
-            "evidence": read_evidence(out, methods)}
+def launched(request, launch):
+    return launch(request.param)
 
 
 def trained(launched):
@@ -193,14 +213,15 @@ def test_gad_resume_restores_the_discriminator_and_its_optimizer(launched):
 
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_gad_nonfinite_discriminator_step_is_skipped_on_every_rank_under_deepspeed(config, tiny_llama, tmp_path):
+def test_gad_nonfinite_discriminator_step_is_skipped_on_every_rank_under_deepspeed(config, launch):
     """D goes non-finite on rank 1 only (``dist_worker.NonFiniteDGADTrainer``): an inf loss with finite gradients
     in its first step (DeepSpeed steps on it: weight decay, Adam's moments), a NaN gradient with a finite loss in
     its second (DeepSpeed's own overflow check drops it, but nothing said so). Both are skipped on both ranks:
     D's weights and this rank's optimizer state stay as they started, gad/d_step_skipped reads 1 and the warning
-    is logged; the third step, finite, trains D."""
-    accelerate_launch(config, tmp_path, tiny_llama, "gad_nonfinite")
-    ev = read_evidence(tmp_path, "gad_nonfinite")
+    is logged; the third step, finite, trains D. It runs in the config's launch, after the methods the tests
+    above read (from the student GAD saved; D is built from the student as in any GAD run)."""
+    launched = launch(config)
+    ev = launched["faults"]
     for rank in (0, 1):
         e = ev["gad_nonfinite", rank]
         assert e["error"] is None, e["error"]
@@ -213,7 +234,8 @@ def test_gad_nonfinite_discriminator_step_is_skipped_on_every_rank_under_deepspe
         assert math.isfinite(third["weights"]) and third["weights"] != start["weights"], rank
         assert math.isfinite(third["optimizer"]) and third["optimizer_tensors"] > start["optimizer_tensors"], rank
     assert ev["gad_nonfinite", 0]["d_steps"][2]["weights"] == ev["gad_nonfinite", 1]["d_steps"][2]["weights"]
-    assert Path(tmp_path / "launch0.log").read_text().count("its step is skipped") == 4  # 2 steps x 2 ranks
+    # 2 steps x 2 ranks; the log is the whole launch's: no other run of it skipped a D step
+    assert (launched["out"] / "launch0.log").read_text().count("its step is skipped") == 4
 
 
 def test_gad_refuses_fsdp_before_loading_a_model(tmp_path, monkeypatch):
@@ -243,12 +265,13 @@ def test_zero3_with_cpu_offload_trains_and_guards(tiny_llama, tmp_path):
         assert gad["d_resumed"]["optimizer"] == pytest.approx(gad["d_end"]["optimizer"], rel=1e-12)
 
 
-def test_a_nan_loss_on_one_rank_under_zero2_stops_every_rank_with_its_checkpoint(tiny_llama, tmp_path):
+def test_a_nan_loss_on_one_rank_under_zero2_stops_every_rank_with_its_checkpoint(launch):
     """Rank 1's loss is NaN, rank 0's finite; under ZeRO the gradients are not in ``.grad``, so each rank sees
     only its own loss. The ``non_finite`` rule's verdict is one for both: both stop at step 1 with the same
-    checkpoint, and the launch ends (a rank stopping alone would leave the other waiting until the timeout)."""
-    accelerate_launch("zero2", tmp_path, tiny_llama, "grpo_nan_rank1")
-    ev = read_evidence(tmp_path, "grpo_nan_rank1")
+    checkpoint, and the launch ends (a rank stopping alone would leave the other waiting until the timeout).
+    The last run of the zero2 launch (``CONFIGS``)."""
+    launched = launch("zero2")
+    ev, tmp_path = launched["faults"], launched["out"]
     for rank in (0, 1):
         assert ev["grpo_nan_rank1", rank]["kind"] == "HealthStop", ev["grpo_nan_rank1", rank]
         assert "[health: non_finite] step 1" in ev["grpo_nan_rank1", rank]["error"]

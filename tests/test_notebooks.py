@@ -17,7 +17,8 @@ Times on 2 CPU cores (2026-11-27): 00, 01, 03, 04 and 05 train SmolLM2-135M for 
 101 and 76 s; 03 also starts ``transformers serve`` as its judge; 04 runs 3 CAGrad steps on two tasks; 05
 runs SFT, then GAD with its discriminator); 02 runs tiny random models (29 s). 01, 03, 04 and 05 are
 marked slow: ``make test-all`` runs them, ``make test`` (CI) does not; what they train is tested apart
-(tests/cli, tests/trainers, tests/rewards).
+(tests/cli, tests/trainers, tests/rewards). 00 runs in the default run with 2 GRPO steps instead of its 5
+(``SHORTER``), and as stored in ``make test-all``.
 """
 
 import copy
@@ -56,8 +57,30 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# The default run executes 00_quickstart with its GRPO run shortened (the stored notebook is unchanged: its outputs
+# are a full run's, from `make notebooks`): every cell runs, on 2 training steps instead of 5 (~4 s a step on 2
+# cores). Each edit must match the code cells exactly once, or the test fails: it never silently runs the notebook
+# as stored. The ``-as-stored`` parameter, slow, runs it unedited (`make test-all`).
+SHORTER = {"00_quickstart": [("    max_steps=5,\n", "    max_steps=2,\n")]}
+
+
 def _params():
-    return [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW else []) for p in _notebooks()]
+    params = [pytest.param(p, False, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW else [])
+              for p in _notebooks()]
+    # slow: the shortened run above executes every cell of the same code in the default run
+    params += [pytest.param(NOTEBOOKS / f"{stem}.ipynb", True, id=f"{stem}-as-stored", marks=[pytest.mark.slow])
+               for stem in SHORTER]
+    return params
+
+
+def _shorten(nb, stem: str) -> None:
+    """Applies ``SHORTER[stem]`` to ``nb``'s code cells in place; each edit must match exactly once."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for old, new in SHORTER.get(stem, []):
+        hits = [c for c in code if old in c.source]
+        assert len(hits) == 1 and hits[0].source.count(old) == 1, \
+            f"{stem}: the test's edit {old!r} -> {new!r} (SHORTER) matches {len(hits)} code cells: update SHORTER"
+        hits[0].source = hits[0].source.replace(old, new)
 
 
 def test_notebooks_exist():
@@ -172,6 +195,20 @@ def test_home_directory_is_stored_as_tilde(tmp_path, monkeypatch):
     assert outputs[1]["data"]["text/plain"] == "~\nx"
 
 
+def test_the_shortened_quickstart_is_the_stored_one_with_fewer_steps():
+    """The edit the default run makes to 00_quickstart hits its one GRPOConfig, and a notebook where it does not
+    match is refused, not run as stored."""
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOKS / "00_quickstart.ipynb", as_version=4)
+    before = [c.source for c in nb.cells]
+    _shorten(nb, "00_quickstart")
+    changed = [(b, c.source) for b, c in zip(before, nb.cells) if b != c.source]
+    assert len(changed) == 1 and "GRPOConfig(" in changed[0][1] and "max_steps=2," in changed[0][1]
+    with pytest.raises(AssertionError, match="matches 0 code cells"):
+        _shorten(nb, "00_quickstart")  # already edited: max_steps=5 is gone
+
+
 @pytest.fixture(scope="module")
 def kernel_manager_factory(tmp_path_factory):
     """Kernel managers for a kernel spec that runs sys.executable (ipykernel's own launcher)."""
@@ -190,8 +227,8 @@ def kernel_manager_factory(tmp_path_factory):
     return lambda: KernelManager(kernel_name="grpotrl-test", kernel_spec_manager=specs)
 
 
-@pytest.mark.parametrize("path", _params())
-def test_notebook_runs(path, kernel_manager_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("path, as_stored", _params())
+def test_notebook_runs(path, as_stored, kernel_manager_factory, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
@@ -205,6 +242,8 @@ def test_notebook_runs(path, kernel_manager_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
     nb = nbformat.read(path, as_version=4)
+    if not as_stored:
+        _shorten(nb, path.stem)
     km = kernel_manager_factory()
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(path.parent)}})
     start, cpu = time.perf_counter(), _children_cpu_s()

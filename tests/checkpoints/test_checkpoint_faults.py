@@ -49,6 +49,14 @@ def sft(*args: str, no_load: bool = False) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def sft_here(*args: str) -> None:
+    """``sft(*args)`` in this process (``cli.main``): for the runs that only write the checkpoint a test resumes
+    (a subprocess would pay torch's, transformers' and TRL's imports again, ~5 s on 2 cores)."""
+    from grpotrl import cli
+
+    cli.main(["sft", *SFT, *args])
+
+
 def one_error_line(run: subprocess.CompletedProcess) -> str:
     """The run's ``grpotrl sft: error:`` line, checked to be the whole failure (exit 2, no traceback)."""
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
@@ -65,8 +73,7 @@ def one_error_line(run: subprocess.CompletedProcess) -> str:
 def llama_checkpoint(tmp_path_factory, tiny_llama) -> Path:
     """checkpoint-1 of a 1-step SFT run of ``tiny_llama`` (full weights)."""
     out = tmp_path_factory.mktemp("llama-run")
-    run = sft("--model_name_or_path", tiny_llama, "--max_steps", "1", "--output_dir", str(out / "run"))
-    assert run.returncode == 0, run.stderr[-3000:]
+    sft_here("--model_name_or_path", tiny_llama, "--max_steps", "1", "--output_dir", str(out / "run"))
     return out / "run" / "checkpoint-1"
 
 
@@ -98,9 +105,8 @@ def test_cli_refuses_a_checkpoint_of_another_architecture_before_the_model_loads
 
 def test_lora_checkpoint_of_another_rank_is_refused_before_the_model_loads(tiny_llama, tmp_path):
     lora = ["--use_peft", "true", "--lora_target_modules", "q_proj", "v_proj", "--lora_alpha", "8"]
-    first = sft("--model_name_or_path", tiny_llama, *lora, "--lora_r", "4", "--max_steps", "1",
-                "--output_dir", str(tmp_path / "run"))
-    assert first.returncode == 0, first.stderr[-3000:]
+    sft_here("--model_name_or_path", tiny_llama, *lora, "--lora_r", "4", "--max_steps", "1",
+             "--output_dir", str(tmp_path / "run"))
     checkpoint = tmp_path / "run" / "checkpoint-1"
     assert (checkpoint / "adapter_config.json").is_file()
     run = sft("--model_name_or_path", tiny_llama, *lora, "--lora_r", "8", "--max_steps", "2", "--output_dir",

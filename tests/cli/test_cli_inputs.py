@@ -354,13 +354,39 @@ def test_judge_columns_are_checked_against_the_dataset():
                                     "train")
 
 
-@pytest.mark.parametrize("module", ["grpotrl.cli", "grpotrl"])
-def test_help_describes_datasets_rewards_and_judges(module):
-    """``python -m grpotrl`` is the ``grpotrl`` command too (it was 'No module named grpotrl.__main__')."""
-    out = subprocess.run([sys.executable, "-m", module, "grpo", "--help"], capture_output=True, text=True,
+# ``python -m MODULE grpo --help`` for each module, in one fresh interpreter: runpy.run_module(run_name="__main__")
+# is what ``-m`` runs (a package without __main__ fails it the same way); the second pays no torch/TRL import.
+HELP_OF_EACH = """
+import contextlib, io, json, runpy, sys
+
+results = {}
+for module in sys.argv[1:]:
+    sys.argv, out, code = [module, "grpo", "--help"], io.StringIO(), None
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            code = exit_.code
+    results[module] = {"code": code, "stdout": out.getvalue()}
+print(json.dumps(results))
+"""
+HELP_MODULES = ["grpotrl.cli", "grpotrl"]
+
+
+@pytest.fixture(scope="module")
+def help_of_each() -> dict:
+    out = subprocess.run([sys.executable, "-c", HELP_OF_EACH, *HELP_MODULES], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
-    text = " ".join(out.stdout.split())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", HELP_MODULES)
+def test_help_describes_datasets_rewards_and_judges(module, help_of_each):
+    """``python -m grpotrl`` is the ``grpotrl`` command too (it was 'No module named grpotrl.__main__')."""
+    out = help_of_each[module]
+    assert out["code"] == 0, out
+    text = " ".join(out["stdout"].split())
     for phrase in ("--dataset_config", "save_to_disk", "Hugging Face Hub dataset id", "--reward_model_name_or_path",
                    "dotted import path", "--judges", "api_key_env", "rubric_columns"):
         assert phrase in text, phrase
