@@ -317,18 +317,19 @@ def _empty_answer(value, what: str) -> str | None:
     return None
 
 
-def _keep_answered(columns: tuple[str, ...], chat: bool, parts: bool = False) -> str:
+def _keep_answered(columns: tuple[str, ...], chat: bool) -> str:
     """The ``dataset.filter`` function, as text, that keeps the rows whose trained ``columns`` (one, or a chat
-    row's prompt and completion) have an answer in every model turn. ``parts``: the turns' content is a list of
-    parts (multimodal messages), of which an image or any non-blank text is an answer (``_blank``)."""
+    row's prompt and completion) have an answer in every model turn. A turn's content is a string, or a list of
+    parts (multimodal messages), of which an image or any non-blank text is an answer (``_blank``): decided per
+    message, since a prompt and its completion may hold their content either way."""
     if not chat:
         return f'lambda row: row[{columns[0]!r}].strip() != ""'
     role, content = ("from", "value") if columns == ("conversations",) else ("role", "content")
     turns = " + ".join(f"row[{column!r}]" for column in columns)
-    answered = (f'any(p.get("type") != "text" or (p.get("text") or "").strip() for p in m["{content}"] or [])'
-                if parts else f'(m["{content}"] or "").strip()')
+    answered = ('(c.strip() if isinstance(c, str) else any(p.get("type") != "text" or (p.get("text") or "").strip() '
+                'for p in c or []))')
     return (f'lambda row: all({answered} or any(m.get(k) for k in {ANSWER_FIELDS}) '
-            f'for m in {turns} if m["{role}"] in {MODEL_ROLES})')
+            f'for m in {turns} if m["{role}"] in {MODEL_ROLES} for c in [m["{content}"]])')
 
 
 def _sft_column(rows, column: str) -> list:
@@ -407,8 +408,6 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
             empty.append((i, why))
     if empty:
         chat = not isinstance(answers[empty[0][0]], str)
-        turns = [m for v in trained.values() if isinstance(v[empty[0][0]], list) for m in v[empty[0][0]]]
-        parts = any(isinstance(m.get("content", m.get("value")), list) for m in turns)  # multimodal messages
         in_prompt = any(why.startswith("prompt[") for _, why in empty)
         raise InputError(
             f"The {split_name!r} split (SFT) has rows with an empty answer ({row_list([i for i, _ in empty])}); "
@@ -419,7 +418,7 @@ def check_sft_dataset(dataset, split_name: str, text_field: str = "text", format
                "TRL trains such a row on its end-of-turn (for text, end-of-text) token alone, which teaches the model "
                "to stop at once (a one-token completion).")
             + " Drop or fill those rows, e.g. "
-            f"`dataset.filter({_keep_answered(tuple(trained) if chat else (column,), chat, parts)})`"
+            f"`dataset.filter({_keep_answered(tuple(trained) if chat else (column,), chat)})`"
             + (", or leave completion_only_loss at its default." if in_prompt else ".")
         )
 

@@ -244,3 +244,19 @@ def test_the_filter_an_empty_answer_error_suggests_takes_multimodal_parts():
     kept = dataset.filter(_filter_in(str(err.value)))
     checks.check_dataset(kept, "train", kind="sft")
     assert [len(m[1]["content"]) for m in kept["messages"]] == [1, 2]
+
+
+def test_the_filter_an_empty_answer_error_suggests_reads_each_turn_as_it_is_stored():
+    """With completion_only_loss=False the prompt's assistant turns are trained too, and a prompt may hold its
+    content as strings while the completion holds parts: the suggested filter reads each message as it is stored
+    (a string's characters are not parts), and keeps exactly the answered rows."""
+    prompt = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an earlier answer"},
+              {"role": "user", "content": "q2"}]
+    rows = [{"prompt": prompt, "completion": [{"role": "assistant", "content": [{"type": "text", "text": a}]}]}
+            for a in ("ok", " ", "yes")]
+    dataset = Dataset.from_list(rows)
+    with pytest.raises(InputError, match=r"empty answer \(row 1\)") as err:
+        checks.check_sft_dataset(dataset, "train", completion_only_loss=False)
+    kept = dataset.filter(_filter_in(str(err.value)))
+    checks.check_sft_dataset(kept, "train", completion_only_loss=False)
+    assert [m[0]["content"][0]["text"] for m in kept["completion"]] == ["ok", "yes"]
