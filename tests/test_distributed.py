@@ -219,7 +219,7 @@ def test_gad_nonfinite_discriminator_step_is_skipped_on_every_rank_under_deepspe
     its second (DeepSpeed's own overflow check drops it, but nothing said so). Both are skipped on both ranks:
     D's weights and this rank's optimizer state stay as they started, gad/d_step_skipped reads 1 and the warning
     is logged; the third step, finite, trains D. It runs in the config's launch, after the methods the tests
-    above read (from the student GAD saved; D is built from the student as in any GAD run)."""
+    above read."""
     launched = launch(config)
     ev = launched["faults"]
     for rank in (0, 1):

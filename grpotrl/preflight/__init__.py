@@ -425,6 +425,7 @@ def _unverified_fresh_adapter(model) -> str | None:
     ``lora_embedding_B``) reads 0, as PEFT initialises it. A weight that cannot be read (partitioned by DeepSpeed
     ZeRO-3: 0 elements here, the real ones in ``ds_numel``; on the meta device) is not trusted to be 0."""
     active = model.active_adapters if hasattr(model, "active_adapters") else [model.active_adapter]
+    active = active() if callable(active) else active  # transformers' own PEFT integration: a method
     active = [active] if isinstance(active, str) else list(active)
     for name in active:
         config = model.peft_config[name]
@@ -435,6 +436,16 @@ def _unverified_fresh_adapter(model) -> str | None:
         if getattr(config, "use_dora", False):
             return (f"{name!r} is a DoRA adapter, whose trained magnitudes would change the model with its B "
                     "weights at 0, so B at 0 does not show that it adds nothing")
+        if getattr(config, "trainable_token_indices", None):
+            return (f"{name!r} trains token embeddings (trainable_token_indices), whose trained rows replace the "
+                    "base's with the adapter on, so B at 0 does not show that it adds nothing")
+    for module_name, module in model.named_modules():  # modules_to_save: a trained copy replaces the base's module
+        copies = getattr(module, "modules_to_save", None)
+        original = getattr(module, "original_module", None)
+        for name in (active if copies is not None and original is not None and hasattr(copies, "keys") else []):
+            if name in copies and not _same_weights(copies[name], original):
+                return (f"{name!r} has a modules_to_save copy of {module_name} that differs from the base's "
+                        "(trained before this run, or unreadable: partitioned by DeepSpeed ZeRO-3)")
     trained, unread = [], []
     markers = [f".{kind}.{name}." for name in active for kind in ("lora_B", "lora_embedding_B")]
     # PEFT's names: "...q_proj.lora_B.default.weight", "...embed_tokens.lora_embedding_B.default"
@@ -446,13 +457,21 @@ def _unverified_fresh_adapter(model) -> str | None:
         elif bool(param.detach().any()):
             trained.append(param_name)
     if trained:
-        return (f"has trained LoRA B weights ({len(trained)} not 0, e.g. {trained[0]}; PEFT starts every B at 0): "
-                "it was trained before this run")
+        return (f"has LoRA B weights that are not 0 ({len(trained)}, e.g. {trained[0]}; PEFT starts every B at 0): "
+                "trained before this run, or not initialised at 0 (init_lora_weights), so the base model with the "
+                "adapter disabled is not the policy this run starts from")
     if unread:
         return (f"has LoRA B weights that cannot be read here ({len(unread)}, e.g. {unread[0]}: partitioned by "
                 "DeepSpeed ZeRO-3 or on the meta device), so whether it was trained before this run cannot be "
                 "checked, and an unchecked adapter is not taken as fresh")
     return None
+
+
+def _same_weights(copy, original) -> bool:
+    """Whether two modules hold equal, readable parameters (a ZeRO-3-partitioned one, 0 elements, is unreadable)."""
+    pairs = list(zip(copy.parameters(), original.parameters()))
+    return all(a.numel() and not a.is_meta and a.shape == b.shape and a.detach().equal(b.detach())
+               for a, b in pairs) and len(pairs) == len(list(original.parameters()))
 
 
 def _check_generation_args(args, kwargs: dict) -> None:

@@ -163,7 +163,7 @@ def test_a_kl_in_the_reward_at_beta_0_on_a_trained_peft_model_is_refused(tiny_ll
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if ".lora_B.default." in n)[0, 0] = 0.5  # trained before
     with pytest.raises(InputError, match=r"use_kl_in_reward with beta=0.0 on the peft.PeftModel passed as model, "
-                                         r"whose adapter has trained LoRA B weights \(1 not 0, e.g. .*lora_B.*\).* "
+                                         r"whose adapter has LoRA B weights that are not 0 \(1, e.g. .*lora_B.*\).* "
                                          r"the reference would be the base model .* Set beta: 0.01 \(with "
                                          r"use_kl_loss: false.*peft_config=peft.LoraConfig"):
         grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
@@ -181,6 +181,27 @@ def test_a_kl_in_the_reward_at_beta_0_on_a_peft_model_whose_b_cannot_be_read_is_
                                          r"partitioned by DeepSpeed ZeRO-3.* Set beta: 0.01"):
         grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
                             train_dataset=arithmetic_prompts(8))
+
+
+def test_a_kl_in_the_reward_at_beta_0_on_a_peft_model_with_a_trained_modules_to_save_copy_is_refused(
+        tiny_llama, grpo_args):
+    """A ``modules_to_save`` copy (here the LM head) replaces the base's module with the adapter on: trained, the
+    disabled adapter is not the policy though every B is 0. A fresh copy (equal to the base's) is taken."""
+    def model_with_head(trained: bool):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                               LoraConfig(**LORA, modules_to_save=["lm_head"]))
+        if trained:
+            with torch.no_grad():
+                next(p for n, p in model.named_parameters() if ".modules_to_save.default." in n).add_(0.01)
+        return model
+
+    with pytest.raises(InputError, match=r"whose adapter 'default' has a modules_to_save copy of .*lm_head that "
+                                         r"differs from the base's .* Set beta: 0.01"):
+        grpotrl.GRPOTrainer(model=model_with_head(True), reward_funcs=length_reward, args=grpo_args(**KL_AT_BETA_0),
+                            train_dataset=arithmetic_prompts(8))
+    trainer = grpotrl.GRPOTrainer(model=model_with_head(False), reward_funcs=length_reward,
+                                  args=grpo_args(**KL_AT_BETA_0), train_dataset=arithmetic_prompts(8))
+    assert trainer.ref_model is None
 
 
 def test_I10_a_kl_in_the_reward_at_beta_0_on_a_fresh_peft_model_is_kept(tiny_llama, grpo_args):
