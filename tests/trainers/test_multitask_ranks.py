@@ -4,9 +4,9 @@ point: a NaN/inf task loss in the forward (``_check_losses_finite``), a task los
 ``guards/bonus_alone_checked_share`` it logs). A rank that raised alone left the others waiting in their next
 all-reduce until the launcher, or NCCL's timeout (10-30 min), killed them, with nothing said on those ranks.
 
-A real 2-process gloo group on CPU (forked, 127.0.0.1, a free port) calls the checks with rank-dependent inputs:
+A real 2-process gloo group on CPU (spawned, 127.0.0.1, a free port) calls the checks with rank-dependent inputs:
 rank 1 fails, rank 0 passes, and both must raise the same error naming rank 1. Every collective has a 15 s timeout
-(the group's), and the parent waits at most 60 s for the children, so a rank left waiting fails the test instead of
+(the group's), and the parent waits at most 120 s for the children, so a rank left waiting fails the test instead of
 hanging it. A single process makes no collective call."""
 
 import math
@@ -101,13 +101,15 @@ def child(rank: int, port: int, results) -> None:
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     """case -> (rank 0's outcome, rank 1's): ("returned", value) or ("raised", message, metrics logged first)."""
-    ctx = multiprocessing.get_context("fork")  # the test process's imports: no second import of torch/transformers
+    # spawn, not fork: a process forked from the suite's (its threads, and locks they held at the fork) can hang
+    # before it reaches the group; each child imports torch and grpotrl afresh (a few seconds, in parallel)
+    ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=child, args=(rank, port, results), daemon=True) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=60) for _ in procs)
+        got = dict(results.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=10)
