@@ -372,7 +372,7 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
                 for p, g in zip(params, saved):
                     p.grad = g
         local = torch.tensor([norm, rise], dtype=torch.float64)  # [2], on the host
-        norms, rises = (local[None] if _world_size() == 1 else _every_rank(local.to(self.accelerator.device))).T
+        norms, rises = _every_rank(local, self.accelerator.device).T
         W, at = norms.numel(), "" if scale is None else f" at fp16's loss scale {scale:g}"
         ranks = {cause: [r for r, n in enumerate(norms.tolist()) if test(n)] for cause, test in (
             ("non-finite", lambda n: not math.isfinite(n)), ("zero", lambda n: n == 0),
@@ -550,14 +550,17 @@ def _check_gram_finite(gram: torch.Tensor, names: list[str], step: int, mode: st
                              "a NaN/inf advantage or logprob), or lower the learning rate.")
 
 
-def _every_rank(local: torch.Tensor) -> torch.Tensor:
-    """``[W, *local.shape]`` on the host, row r rank r's ``local`` (on the collective's device: the accelerator's),
-    in one ``all_gather`` (I12's, ``guards.ranks.gather_checksums``) and one host read; in a single process
+def _every_rank(local: torch.Tensor, device=None) -> torch.Tensor:
+    """``[W, *local.shape]`` on the host, row r rank r's ``local`` (moved to ``device``, the collective's: the
+    accelerator's, where given and there are several processes), in one ``all_gather`` (I12's,
+    ``guards.ranks.gather_checksums``) and one host read; in a single process
     (``_world_size`` 1) ``local[None]`` read to the host, with no collective. Every process calls it at the
     same point: the multi-task checks decide on every rank's values, so that all stop together, with one error. A
     rank that raised alone would leave the others waiting in their next collective until the launcher, or NCCL's
     timeout, kills them."""
-    return local[None].cpu() if _world_size() == 1 else gather_checksums(local).cpu()
+    if _world_size() == 1:
+        return local[None].cpu()
+    return gather_checksums(local if device is None else local.to(device)).cpu()
 
 
 def _world_size() -> int:
@@ -661,7 +664,7 @@ def _check_reached(missed: set, names: list[str], where: str, device) -> None:
     ``device`` where there are several processes, none in one): an error on every rank, the same one, naming the
     tasks, the ranks they missed on and the likely causes."""
     local = torch.tensor([float(k in missed) for k in range(len(names))], dtype=torch.float64)  # [K], on the host
-    flags = local[None] if _world_size() == 1 else _every_rank(local.to(device))  # [W, K]
+    flags = _every_rank(local, device)  # [W, K]
     if not bool(flags.any()):
         return
     W = flags.size(0)
