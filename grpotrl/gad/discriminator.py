@@ -46,6 +46,7 @@ from torch import nn
 from ..chat import templates
 from ..errors import InputError
 from ..models.dropout import has_dropout
+from ..models.sources import PeftAdapter
 from ..ops.masking import last_token_index, pad_sequences, position_ids_from_mask
 
 
@@ -309,22 +310,22 @@ class Discriminator(nn.Module):
 
 def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0,
                        freeze_embeddings: bool = False, revision: str | None = None,
-                       trust_remote_code: bool = False, adapter: str | None = None,
-                       adapter_revision: str | None = None, embedding_rows: int | None = None) -> Discriminator:
+                       trust_remote_code: bool = False, adapter: PeftAdapter | None = None,
+                       embedding_rows: int | None = None) -> Discriminator:
     """``AutoModelForSequenceClassification`` with one output from ``path`` at ``revision`` (a causal
     LM checkpoint works: the backbone is reused, the ``score`` head is new); with ``adapter``, a PEFT adapter of
-    that causal LM (``path`` its base), that adapter merged into the backbone first (``merged_adapter``: D starts
-    from the policy base + adapter is, such as a LoRA SFT's); optionally with a LoRA adapter of its own, of rank
-    ``lora_r``, on every linear layer (the head stays fully trainable). ``freeze_embeddings`` keeps the input token
-    embeddings as loaded (``requires_grad=False``: no gradient, no optimizer state;
-    GADConfig.discriminator_freeze_embeddings)."""
+    that causal LM (``path`` its base; as ``models.sources.find_adapter`` read it), that adapter merged into the
+    backbone first (``merged_adapter``: D starts from the policy base + adapter is, such as a LoRA SFT's);
+    optionally with a LoRA adapter of its own, of rank ``lora_r``, on every linear layer (the head stays fully
+    trainable). ``freeze_embeddings`` keeps the input token embeddings as loaded (``requires_grad=False``: no
+    gradient, no optimizer state; GADConfig.discriminator_freeze_embeddings)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, revision=revision,
                                                                trust_remote_code=trust_remote_code)
     model.config.pad_token_id = pad_token_id  # only for HF's own pooling; ours reads the mask
     if adapter is not None:
-        model = merged_adapter(model, adapter, adapter_revision, embedding_rows)
+        model = merged_adapter(model, adapter, embedding_rows)
     if freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
     if lora_r:
@@ -335,10 +336,10 @@ def load_discriminator(path: str, pad_token_id: int, dtype=None, lora_r: int = 0
     return Discriminator(model)
 
 
-def merged_adapter(model: nn.Module, adapter: str, revision: str | None = None,
-                   embedding_rows: int | None = None) -> nn.Module:
+def merged_adapter(model: nn.Module, adapter: PeftAdapter, embedding_rows: int | None = None) -> nn.Module:
     """``model`` (a ``*ForSequenceClassification`` over the base of the PEFT adapter ``adapter``, weights whole: not
-    ZeRO-3-partitioned) with that adapter merged into its backbone (``merge_and_unload``), its score head as it
+    ZeRO-3-partitioned) with that adapter merged into its backbone (``merge_and_unload``; its weights read at
+    ``adapter.revision``, its config as the preflight read it: ``PeftAdapter.peft_config``), its score head as it
     was: the backbone of the causal LM base + adapter, to the float rounding of ``model``'s dtype. The input
     embedding first takes ``embedding_rows`` rows where given and other (the student's, resized to the rows the
     adapter saved: an SFT that added tokens), then the adapter's saved rows. Every tensor the adapter saved for
@@ -347,11 +348,11 @@ def merged_adapter(model: nn.Module, adapter: str, revision: str | None = None,
     head, which D replaces by its score head. Each parameter is trainable as it was before the merge.
     ``InputError`` otherwise, and where the embedding was resized but the adapter saved none (its new rows would
     be unset)."""
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
     from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
 
-    config = PeftConfig.from_pretrained(adapter, revision=revision)
+    config = adapter.peft_config()
     config.task_type, config.inference_mode = None, True  # a plain PeftModel: the head is D's, not a causal LM's
     embed = model.get_input_embeddings()
     resized = bool(embedding_rows) and embedding_rows != embed.num_embeddings
@@ -360,7 +361,7 @@ def merged_adapter(model: nn.Module, adapter: str, revision: str | None = None,
     names = {id(module): name for name, module in model.named_modules()}
     embed_key = f"base_model.model.{names[id(model.get_input_embeddings())]}."
     backbone = f"base_model.model.{model.base_model_prefix}."
-    weights = load_peft_weights(adapter, device="cpu", revision=revision)  # {saved key: tensor}
+    weights = load_peft_weights(adapter.name, device="cpu", revision=adapter.revision)  # {saved key: tensor}
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}  # PEFT freezes the base
     peft_model = PeftModel(model, config)
     result = set_peft_model_state_dict(peft_model, weights)
@@ -369,7 +370,7 @@ def merged_adapter(model: nn.Module, adapter: str, revision: str | None = None,
     unplaced = [k for k in result.unexpected_keys if k.startswith(backbone)]
     if unsaved or unplaced:
         raise InputError(
-            f"The PEFT adapter {adapter!r} does not fit the discriminator's backbone "
+            f"The PEFT adapter {adapter.name!r} does not fit the discriminator's backbone "
             f"({type(model).__name__}): {len(unplaced)} saved tensors found no parameter (e.g. {unplaced[:2]}), "
             f"{len(unsaved)} adapter parameters no saved tensor (e.g. {unsaved[:2]}). Merge the adapter into its base "
             "(`peft.AutoPeftModelForCausalLM.from_pretrained(ADAPTER).merge_and_unload().save_pretrained(MERGED)`) and "
@@ -377,7 +378,7 @@ def merged_adapter(model: nn.Module, adapter: str, revision: str | None = None,
     if resized and not any(k.startswith(embed_key) for k in weights):
         raise InputError(
             f"The discriminator's input embedding was resized to {embedding_rows} rows (the student's), but the PEFT "
-            f"adapter {adapter!r} saved no rows for it: the added rows would be unset. Save the adapter with "
+            f"adapter {adapter.name!r} saved no rows for it: the added rows would be unset. Save the adapter with "
             "`save_embedding_layers=True`, or set discriminator_model_name_or_path.")
     merged = peft_model.merge_and_unload()
     for name, p in merged.named_parameters():

@@ -14,9 +14,11 @@ bad input stops before a weight is read:
 
 A PEFT adapter (a directory or Hub repo holding ``adapter_config.json``, as a LoRA SFT saves it): ``find_adapter``
 reads its config once per run start into a ``PeftAdapter``, which the preflight and the trainer's load are handed
-(each lookup of a Hub id is a ``cached_file`` request, a 404 for a plain model); ``adapter_config`` reads the
-config, ``adapter_base`` the base model it names, ``adapter_tokenizer_source`` where its tokenizer loads from;
-``generation_config`` falls back to the base model's.
+(each lookup of a Hub id is a ``cached_file`` request, a 404 for a plain model; ``AdapterLookup`` records the
+answer, a plain model's too, for a later step of the same start); ``adapter_config`` reads the config,
+``PeftAdapter.peft_config`` makes PEFT's config object of it (PEFT then reads no file), ``adapter_base`` the base
+model it names, ``adapter_tokenizer_source`` where its tokenizer loads from (a Hub id: one listing of its files,
+worked out only where the tokenizer loads from the model); ``generation_config`` falls back to the base model's.
 
 Where the tokenizer is loaded from the model (no ``processing_class`` given), ``check_tokenizer_source`` asks for a
 tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in the Hub id's cached snapshot.
@@ -24,6 +26,7 @@ tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -110,6 +113,27 @@ class PeftAdapter(NamedTuple):
     def base_revision(self) -> str | None:
         """The base model's revision, as PEFT loads it: the adapter's record."""
         return self.config.get("revision")
+
+    def peft_config(self):
+        """A new ``peft.PeftConfig`` of ``config``, built as ``PeftConfig.from_pretrained`` builds it from the file
+        (the class of its ``peft_type``, ``runtime_config`` dropped), without reading the file again: for
+        ``PeftModel.from_pretrained(config=...)`` and the discriminator's merge, which may change the copy."""
+        from peft import PeftConfig
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+        kwargs = {k: v for k, v in copy.deepcopy(self.config).items() if k != "runtime_config"}
+        cls = PEFT_TYPE_TO_CONFIG_MAPPING[kwargs["peft_type"]] if "peft_type" in kwargs else PeftConfig
+        return cls.from_peft_type(**cls.check_kwargs(**kwargs))
+
+
+class AdapterLookup(NamedTuple):
+    """What ``find_adapter`` answered for ``name`` at ``revision``: ``adapter``, or None for a plain model (or a
+    name that cannot be reached). A step that looked the model up hands this on, so that a later step of the same
+    run start asks no second time (``preflight.prepare_model_and_tokenizer``'s ``adapter_lookup``)."""
+
+    name: str
+    revision: str | None
+    adapter: PeftAdapter | None
 
 
 def find_adapter(name_or_path: str | None, revision: str | None = None) -> PeftAdapter | None:

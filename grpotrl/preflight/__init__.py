@@ -53,8 +53,8 @@ from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
 from ..models.quantization import pin_quantized_kernels, quantized_bits
-from ..models.sources import (PeftAdapter, adapter_tokenizer_source, check_model_source, check_tokenizer_source,
-                              find_adapter, generation_config, model_file)
+from ..models.sources import (AdapterLookup, PeftAdapter, adapter_tokenizer_source, check_model_source,
+                              check_tokenizer_source, find_adapter, generation_config, model_file)
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
@@ -108,19 +108,39 @@ def task_labels(column: str, *datasets) -> list[str]:
                    if hasattr(d, "unique") and column in (d.column_names or []) for t in d.unique(column)})
 
 
+class PreparedModel(NamedTuple):
+    """What ``prepare_model_and_tokenizer`` hands the step that called it:
+
+    * ``model``: the resolved name where it was given as a string (an alias becomes its cached directory), else the
+      model given;
+    * ``processing_class``: the one given, else the one loaded as TRL's trainer loads it;
+    * ``stop_token_ids``: every end id (I4): eos, the chat template's end-of-turn, the generation config's;
+    * ``model_id``: the directory or Hub id the model's files come from (None: a loaded model that names none);
+    * ``adapter``: the PEFT adapter the name holds (None: a plain or loaded model).
+    """
+
+    model: object
+    processing_class: object
+    stop_token_ids: list[int]
+    model_id: str | None
+    adapter: PeftAdapter | None
+
+
 def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, kind: str, peft_config=_NOT_GIVEN,
-                                prompt_optional: bool = False, eval_dataset=None, quantization_config=None):
+                                prompt_optional: bool = False, eval_dataset=None, quantization_config=None,
+                                adapter_lookup: AdapterLookup | None = None) -> PreparedModel:
     """Steps 1-3: resolve aliases and check config, datasets, model, tokenizer and stop tokens.
 
     ``model`` is a local directory, a Hugging Face Hub id (``args.model_init_kwargs["revision"]``
-    honoured, as TRL does) or a loaded model. Returns ``(model, processing_class, stop_token_ids,
-    model_id, adapter)``: ``model`` is the resolved name when it was given as a string (an alias becomes its
-    cached directory), ``model_id`` the directory or Hub id its files come from (or None), ``adapter`` the PEFT
-    adapter ``model`` names (``models.sources.find_adapter``, read here once for the run start; None for a plain
-    or loaded model), which the later checks and the trainer's load (``trainers.adapter.adapter_loaded``) take.
+    honoured, as TRL does) or a loaded model. Returns a ``PreparedModel``: ``adapter`` the PEFT adapter ``model``
+    names (``models.sources.find_adapter``, read here once for the run start, or taken from ``adapter_lookup``
+    where an earlier step of the same start asked for this name and revision: GAD's; None for a plain or loaded
+    model), which the later checks and the trainer's load (``trainers.adapter.adapter_loaded``) take.
     A tokenizer not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
-    truncates on the left). When the trainer passes its ``peft_config`` (None included), a loaded
-    quantized model must come with one or be a PEFT model already, and so must a model TRL loads with the
+    truncates on the left), a PEFT adapter's from its own files, else its base's
+    (``models.sources.adapter_tokenizer_source``: worked out here, only where the tokenizer loads; a Hub id's is
+    one listing of its files). When the trainer passes its ``peft_config`` (None included), a loaded quantized
+    model must come with one or be a PEFT model already, and so must a model TRL loads with the
     trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']``; ``model_init_kwargs``'
     dtype must be one TRL reads (``_check_init_dtype``). Bitsandbytes layers are pinned to
     one kernel (``models.quantization.pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
@@ -133,13 +153,14 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     for name, dataset in named_splits(train_dataset, eval_dataset):
         check_dataset(dataset, name, kind=kind, prompt_optional=prompt_optional)
     revision = adapter = None
-    tokenizer_source = config_source = base_revision = None  # an adapter's: where its tokenizer, config come from
     if model is None or isinstance(model, str):
         model = resolve_model_path(model)
         init_kwargs = getattr(args, "model_init_kwargs", None) or {}
         revision = init_kwargs.get("revision")
         _check_init_dtype(init_kwargs)
-        adapter = find_adapter(model, revision)  # a PEFT adapter: the trainer trains it (trainers.adapter)
+        asked = adapter_lookup is not None and (adapter_lookup.name, adapter_lookup.revision) == (model, revision)
+        # a PEFT adapter: the trainer trains it (trainers.adapter)
+        adapter = adapter_lookup.adapter if asked else find_adapter(model, revision)
         trains = peft_config if adapter is None else adapter.config  # the adapter is this run's LoRA
         _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), trains,
                                         "model_init_kwargs['quantization_config'] asks for")
@@ -148,8 +169,6 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         check_model_source(model, revision)
         if adapter is not None:
             check_adapter_peft_config(model, None if peft_config is _NOT_GIVEN else peft_config)
-            tokenizer_source, config_source = adapter_tokenizer_source(adapter), adapter.base
-            base_revision = adapter.base_revision  # the base's, as PEFT loads it
         targets = getattr(peft_config, "target_modules", None) if peft_config is not _NOT_GIVEN else None
         if targets:  # PEFT trains the names that match and ignores a misspelled one
             check_lora_targets(sorted(targets) if isinstance(targets, (set, frozenset)) else targets, model, revision,
@@ -163,8 +182,8 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     if processing_class is None:
         if model_id is None:
             raise InputError("The model has no name or path to load its tokenizer from: pass `processing_class`.")
-        source = tokenizer_source or model_id
-        source_revision = revision if source == model_id else base_revision
+        source = model_id if adapter is None else adapter_tokenizer_source(adapter)  # an adapter's own, else its base's
+        source_revision = revision if source == model_id else adapter.base_revision
         check_tokenizer_source(source, source_revision)  # not transformers' "Unrecognized processing class"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
         processing_class = AutoProcessor.from_pretrained(source, revision=source_revision,
@@ -173,12 +192,13 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args, adapter))
     if kind == "grpo" and train_dataset is not None:  # prompts the model's context cannot hold (config only)
+        base = adapter.base if adapter is not None else None  # an adapter's config is its base's
         check_prompt_lengths(train_dataset, split_name(train_dataset, "train"),
-                             getattr(processing_class, "tokenizer", processing_class), config_source or model_id,
-                             base_revision if config_source else revision,
+                             getattr(processing_class, "tokenizer", processing_class), base or model_id,
+                             adapter.base_revision if base else revision,
                              getattr(args, "max_completion_length", None),
                              **(getattr(args, "chat_template_kwargs", None) or {}))
-    return model, processing_class, stop_ids, model_id, adapter
+    return PreparedModel(model, processing_class, stop_ids, model_id, adapter)
 
 
 TRL_DTYPES = ("bfloat16", "float16", "float32", "auto")  # the strings trl's create_model_from_path reads as dtype
@@ -288,20 +308,50 @@ def _uses_peft(model, peft_config, adapter: PeftAdapter | None) -> bool:
 # GRPO (and its subclasses)
 # ---------------------------------------------------------------------------------------------
 
+class GRPOCheck(NamedTuple):
+    """What ``check_grpo`` hands ``GRPOTrainer.__init__``:
+
+    * ``model``: the resolved name where it was given as a string (an alias becomes its cached directory), else the
+      model given;
+    * ``processing_class``: the one given, else the one loaded as TRL's trainer loads it (padding and truncating on
+      the left);
+    * ``reward_funcs``: as TRL takes them (one, or a list): a recipe's names resolved, local judges loaded, rewards
+      per task made TRL's flat list (``rewards.tasks.per_task``);
+    * ``stop_token_ids``: every end id (I4): eos, the chat template's end-of-turn, the generation config's;
+    * ``checked_resume``: the resume checkpoint as checked (step 5, ``ResumeCheck``), which ``train()`` does not
+      check again;
+    * ``adapter``: the PEFT adapter the model's name holds (None: a plain or loaded model), for
+      ``trainers.adapter.adapter_loaded``.
+    """
+
+    model: object
+    processing_class: object
+    reward_funcs: object
+    stop_token_ids: list[int]
+    checked_resume: ResumeCheck
+    adapter: PeftAdapter | None
+
+
+# a private keyword of GRPOTrainer.__init__'s **kwargs (not TRL's): an ``AdapterLookup`` of the model that a
+# subclass's own checks made first (GADTrainer's), read by ``check_grpo`` and dropped before TRL's __init__
+# (``trainers.adapter.adapter_loaded``)
+ADAPTER_LOOKUP = "_grpotrl_adapter_lookup"
+
+
 def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs: dict, *,
-               trainer_name: str, multitask: bool, resume_kind: str):
+               trainer_name: str, multitask: bool, resume_kind: str) -> GRPOCheck:
     """Every check of ``GRPOTrainer.__init__`` (GAD's and multi-task's run theirs first) before TRL
     loads anything; then the local judges load (``rewards.recipe.LocalJudgeSpec``) and rewards per
     task become TRL's flat list. ``trainer_name``: the trainer class, as errors name it; ``multitask``: the
     trainer reads task labels (rewards per task, CAGrad: ``MultiTaskGRPOTrainer``); ``resume_kind``: the
-    trainer kind whose checkpoints a resume must hold ("grpo", "gad"). Returns ``(model, processing_class,
-    reward_funcs, stop_token_ids, ResumeCheck, adapter)``: ``adapter`` the PEFT adapter ``model`` names, read once
-    (``prepare_model_and_tokenizer``), for ``trainers.adapter.adapter_loaded``."""
+    trainer kind whose checkpoints a resume must hold ("grpo", "gad"). ``kwargs[ADAPTER_LOOKUP]``, where a
+    trainer's own checks looked the model up first (GAD's), is that answer (``prepare_model_and_tokenizer``'s
+    ``adapter_lookup``). Returns a ``GRPOCheck``."""
     peft_config = kwargs.get("peft_config")
     model, processing_class, stop_ids, model_id, adapter = prepare_model_and_tokenizer(
         model, processing_class, args, train_dataset, kind="grpo", peft_config=peft_config,
         prompt_optional=kwargs.get("environment_factory") is not None, eval_dataset=eval_dataset,
-        quantization_config=kwargs.get("quantization_config"),
+        quantization_config=kwargs.get("quantization_config"), adapter_lookup=kwargs.get(ADAPTER_LOOKUP),
     )
     if kwargs.get("tools"):  # TRL's tool loop reads completions as chat messages
         for name, dataset in named_splits(train_dataset, eval_dataset):
@@ -353,7 +403,7 @@ def check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processin
     reward_funcs = load_local_judges(reward_funcs, args.device)  # every check passed: the judges' weights
     if isinstance(reward_funcs, Mapping):
         reward_funcs = per_task(reward_funcs, args.task_column)
-    return model, processing_class, reward_funcs, stop_ids, resume, adapter
+    return GRPOCheck(model, processing_class, reward_funcs, stop_ids, resume, adapter)
 
 
 def no_kl_reference(beta, kl_in_reward_coef) -> str:
@@ -701,10 +751,23 @@ def teacher_responses_over_cap(dataset, tokenizer, max_completion_length: int | 
             f"add_special_tokens=False)['input_ids']) < {max_completion_length}).")
 
 
-def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> dict:
+class GADCheck(NamedTuple):
+    """What ``check_gad`` hands ``GADTrainer.__init__``:
+
+    * ``discriminator_load``: how D loads besides its path (``discriminator_load_kwargs``);
+    * ``student_adapter``: the lookup of the student's PEFT adapter, where one was made (D starts from the student's
+      checkpoint by name; None otherwise), which the trainer hands GRPO's checks (``ADAPTER_LOOKUP``) so that they
+      ask no second time.
+    """
+
+    discriminator_load: dict
+    student_adapter: AdapterLookup | None
+
+
+def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> GADCheck:
     """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
-    every row with the teacher's response, the discriminator's starting point. Returns how D loads besides its
-    path (``discriminator_load_kwargs``; a student's PEFT adapter looked up once here)."""
+    every row with the teacher's response, the discriminator's starting point. Returns a ``GADCheck`` (a
+    student's PEFT adapter looked up once here, for D and for GRPO's checks)."""
     if not isinstance(args, GADConfig):
         raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
                          "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
@@ -729,48 +792,51 @@ def discriminator_load_kwargs(model, args) -> dict:
     checkpoint by name, the student's ``model_init_kwargs["revision"]`` (a loaded student's revision is
     unknown: its config's path at the default revision). Where that checkpoint is a PEFT adapter (a LoRA SFT's
     output), D loads the adapter's base (its path: the student's base model's) at the base's revision
-    (``revision``: the adapter's record) and merges the adapter into it (``adapter``, its path, at the student's
-    revision, ``adapter_revision``: ``gad.discriminator.merged_adapter``); else both are None."""
+    (``revision``: the adapter's record) and merges the adapter into it (``adapter``, the ``PeftAdapter`` read at
+    the student's revision: ``gad.discriminator.merged_adapter``); else ``adapter`` is None."""
     return _discriminator_load(model, args)[0]
 
 
-def _discriminator_load(model, args) -> tuple[dict, PeftAdapter | None]:
-    """``(discriminator_load_kwargs, the student's PEFT adapter or None)``, the adapter looked up once."""
+def _discriminator_load(model, args) -> tuple[dict, AdapterLookup | None]:
+    """``(discriminator_load_kwargs, the student's adapter lookup)``: the lookup made once (None: none needed)."""
     init = args.model_init_kwargs or {}
     own_path = args.discriminator_model_name_or_path or not isinstance(model, str)
-    adapter = None if own_path else find_adapter(resolve_model_path(model), init.get("revision"))
+    lookup = None
+    if not own_path:
+        name = resolve_model_path(model)
+        lookup = AdapterLookup(name, init.get("revision"), find_adapter(name, init.get("revision")))
+    adapter = lookup.adapter if lookup else None
     return {"revision": None if own_path else adapter.base_revision if adapter else init.get("revision"),
             "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code),
-            "adapter": adapter.name if adapter else None,
-            "adapter_revision": init.get("revision") if adapter else None}, adapter
+            "adapter": adapter}, lookup
 
 
-def _check_discriminator(model, args) -> dict:
+def _check_discriminator(model, args) -> GADCheck:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
     student's own checkpoint at the student's revision (``discriminator_load_kwargs``), which must then be
     loadable by name; a student's PEFT adapter, its base model (at the base's revision), the adapter merged into
     D after the load (``gad.discriminator.merged_adapter``). That merge is refused where it cannot be made: a
     prompt-learning adapter (no weights to merge), and under DeepSpeed ZeRO-3, where D's weights load
-    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights. Returns
-    ``discriminator_load_kwargs``."""
+    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights. Returns ``check_gad``'s
+    ``GADCheck``."""
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
-        return discriminator_load_kwargs(model, args)
+        return GADCheck(*_discriminator_load(model, args))
     student_source = resolve_model_path(model) if isinstance(model, str) else \
         getattr(getattr(model, "config", None), "_name_or_path", None)
     if not student_source:
         raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
                          "discriminator_model_name_or_path (a local directory or a Hub id).")
-    load, adapter = _discriminator_load(model, args)
+    load, lookup = _discriminator_load(model, args)
+    adapter = load["adapter"]
     if adapter is None:
         check_model_source(student_source, load["revision"], what="Discriminator model (the student's own checkpoint)")
-        return load
-    from peft import PeftConfig
+        return GADCheck(load, lookup)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     path = adapter.name
-    peft_config = PeftConfig.from_pretrained(path, revision=load["adapter_revision"])
+    peft_config = adapter.peft_config()  # the config read once (find_adapter), as PEFT reads it
     why = ("it is a prompt-learning adapter, which holds no weights to merge"
            if peft_config.is_prompt_learning or peft_config.is_adaption_prompt else
            "this run is under DeepSpeed ZeRO-3, where the discriminator's weights load partitioned and PEFT merges "
@@ -783,20 +849,36 @@ def _check_discriminator(model, args) -> dict:
             "discriminator_model_name_or_path: MERGED; or set discriminator_model_name_or_path to another checkpoint.")
     check_model_source(adapter.base, load["revision"],
                        what="Discriminator model (the base model of the student's PEFT adapter)")
-    return load
+    return GADCheck(load, lookup)
 
 
 # ---------------------------------------------------------------------------------------------
 # SFT
 # ---------------------------------------------------------------------------------------------
 
-def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs: dict):
+class SFTCheck(NamedTuple):
+    """What ``check_sft`` hands ``SFTTrainer.__init__``:
+
+    * ``model``, ``processing_class``, ``stop_token_ids``, ``checked_resume``, ``adapter``: as ``GRPOCheck``'s (the
+      tokenizer loaded with TRL's default sides);
+    * ``data_format``: TRL's dataset type of the train rows (``chat.sft_rows.data_format``: "chat_prompt_completion",
+      "chat", ...; None under a ``formatting_func`` or for rows it cannot read).
+    """
+
+    model: object
+    processing_class: object
+    stop_token_ids: list[int]
+    data_format: str | None
+    checked_resume: ResumeCheck
+    adapter: PeftAdapter | None
+
+
+def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs: dict) -> SFTCheck:
     """Every check of ``SFTTrainer.__init__`` before TRL loads anything: the datasets as TRL takes
     them, ``padding_free`` without packing under ``max_length``, model and tokenizer, and on chat data a
     template, the checkpoint's fingerprint (the rows rendered as TRL will render them, compared with the rendering
     the checkpoint was trained on: ``templates.check_rows_render_alike``) and I2 on the first prompt-completion row.
-    Returns ``(model, processing_class, stop_token_ids, data format, ResumeCheck, adapter)``: ``adapter`` as
-    ``check_grpo``'s."""
+    Returns an ``SFTCheck``."""
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
@@ -830,4 +912,4 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
             tokenize_i2_row(first_row(train_dataset), processing_class, stop_ids, sft_option(args, "chat_template_kwargs"))
     resume = check_resume(args, "sft", processing_class, _uses_peft(model, kwargs.get("peft_config"), adapter),
                           model=model, peft_config=kwargs.get("peft_config"), adapter=adapter)
-    return model, processing_class, stop_ids, fmt, resume, adapter
+    return SFTCheck(model, processing_class, stop_ids, fmt, resume, adapter)

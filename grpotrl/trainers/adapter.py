@@ -20,12 +20,15 @@ import torch
 
 from ..checkpoints import read_config
 from ..errors import InputError
-from ..models.sources import PeftAdapter, adapter_tokenizer_source, model_file
+from ..models.sources import PeftAdapter, model_file
+from ..preflight import ADAPTER_LOOKUP
 
 
 @contextmanager
-def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, processing_class=None):
-    """``(model, kwargs)`` for TRL's trainer ``__init__``, within which it is called. ``model`` naming a PEFT
+def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, processing_class):
+    """``(model, kwargs)`` for TRL's trainer ``__init__``, within which it is called; ``kwargs`` never hold
+    grpotrl's private ``preflight.ADAPTER_LOOKUP`` (the preflight's, not TRL's). ``processing_class``: the run's
+    tokenizer, as the preflight returned it (the one given, or the one it loaded). ``model`` naming a PEFT
     adapter (``adapter``: the preflight's ``models.sources.find_adapter`` of it, read once per run start; a local
     directory or Hub repo holding ``adapter_config.json``, such as a LoRA SFT's output), which
     transformers' ``from_pretrained`` and TRL cannot load with peft < 0.22 ("Unrecognized model"), and which
@@ -34,8 +37,9 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
     loads a model by name (``trl.trainer.utils.create_model_from_path`` with ``args.model_init_kwargs``, the
     trainer's ``quantization_config``, ``trust_remote_code``, no device map under DDP or DeepSpeed), its token
     embeddings take the rows the adapter saved for them (``fit_embeddings``: an SFT that added tokens to the
-    tokenizer, ``processing_class``'s, else the adapter's own), then the adapter loads onto it
-    (``peft.PeftModel.from_pretrained``, at ``model_init_kwargs``' revision) trainable, the base frozen;
+    tokenizer, ``processing_class``), then the adapter loads onto it (``peft.PeftModel.from_pretrained``, at
+    ``model_init_kwargs``' revision, with the config the preflight read: ``PeftAdapter.peft_config``) trainable,
+    the base frozen;
     ``kwargs`` lose ``quantization_config`` (applied) and ``peft_config`` (None: the preflight refused any
     other, ``preflight.model.check_adapter_peft_config``). TRL then trains that adapter, and with ``beta`` > 0
     copies it as its reference (adapter ``ref``: the policy at step 0, I10). Within the block, TRL's warning
@@ -47,6 +51,7 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
             no embedding that long (``unsaved_rows``); after it, where the embeddings it saved are too short or
             the untied output embedding is missing (``fit_embeddings``).
     """
+    kwargs = {k: v for k, v in kwargs.items() if k != ADAPTER_LOOKUP}
     if adapter is None:
         yield model, kwargs
         return
@@ -65,7 +70,7 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
         init_kwargs["device_map"] = None
     init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     shapes = adapter_tensor_shapes(model, revision)
-    tokens = _tokenizer_length(processing_class, adapter, init_kwargs["trust_remote_code"])
+    tokens = len(getattr(processing_class, "tokenizer", processing_class))
     base_name = adapter.base
     base_rows = _config_vocab_size(read_config(model_file(base_name, "config.json", adapter.base_revision)))
     if base_rows is not None and tokens > base_rows and not any(s and s[0] >= tokens for s in shapes.values()):
@@ -78,7 +83,8 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
     peft_kwargs = {"autocast_adapter_dtype": False} if zero3 else {}  # as TRL builds an adapter under ZeRO-3: one dtype
     if init_kwargs.get("token") is not None:  # a private adapter on the Hub: the token the base loaded with
         peft_kwargs["token"] = init_kwargs["token"]
-    peft_model = PeftModel.from_pretrained(base, model, revision=revision, is_trainable=True, **peft_kwargs)
+    peft_model = PeftModel.from_pretrained(base, model, revision=revision, is_trainable=True,
+                                           config=adapter.peft_config(), **peft_kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "peft_config")}
 
     def quiet(record: logging.LogRecord) -> bool:  # accelerate's logger prefixes the rank ("[RANK 0] ")
@@ -171,19 +177,6 @@ def fit_embeddings(base, shapes: dict[str, tuple[int, ...]], tokens: int, path: 
             "the base's, with random rows for the added tokens. Save the SFT's model again with "
             "`model.save_pretrained(DIR, save_embedding_layers=True)` (both embeddings), and start from that adapter.")
     base.resize_token_embeddings(rows, mean_resizing=False)
-
-
-def _tokenizer_length(processing_class, adapter: PeftAdapter, trust_remote_code) -> int:
-    """The tokens of ``processing_class`` (its tokenizer), else of the tokenizer the preflight loads for the PEFT
-    ``adapter`` (its own, else its base's: ``adapter_tokenizer_source``)."""
-    if processing_class is None:
-        from transformers import AutoTokenizer
-
-        source = adapter_tokenizer_source(adapter)
-        processing_class = AutoTokenizer.from_pretrained(
-            source, revision=adapter.revision if source == adapter.name else adapter.base_revision,
-            trust_remote_code=trust_remote_code)
-    return len(getattr(processing_class, "tokenizer", processing_class))
 
 
 def _config_vocab_size(config: dict | None) -> int | None:

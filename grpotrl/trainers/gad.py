@@ -55,7 +55,7 @@ from ..gad.discriminator import DiscriminatorReward, load_discriminator
 from ..errors import InputError
 from ..guards import due
 from ..models.dropout import disable_dropout
-from ..preflight import check_gad, split_name, teacher_responses_over_cap
+from ..preflight import ADAPTER_LOOKUP, check_gad, split_name, teacher_responses_over_cap
 from . import _intercept
 from .gad_engine import prepare_discriminator
 from .grpo import GRPOTrainer
@@ -68,10 +68,12 @@ class GADTrainer(GRPOTrainer):
 
     Overrides (on top of grpotrl.GRPOTrainer's, whose overrides and run-time wraps all apply here;
     everything else is TRL's):
-      * ``__init__``: checks ``teacher_response`` before any model loads; loads D (a student's PEFT adapter merged
-        into its base) and its optimizer after TRL, prepared under the student's launch (``gad_engine.py``: DDP by
-        accelerate, or ``deepspeed.initialize`` at the student's ZeRO stage; FSDP is refused); sets TRL's ``beta``
-        to 0 for good (TRL computes no reference logprobs; the KL is grpotrl.GRPOTrainer's, ``_kl_loss``).
+      * ``__init__``: checks ``teacher_response`` before any model loads (the student's PEFT adapter looked up once:
+        GRPO's checks take that lookup through the private keyword ``preflight.ADAPTER_LOOKUP``, which never
+        reaches TRL); loads D (a student's PEFT adapter merged into its base) and its optimizer after TRL, prepared
+        under the student's launch (``gad_engine.py``: DDP by accelerate, or ``deepspeed.initialize`` at the
+        student's ZeRO stage; FSDP is refused); sets TRL's ``beta`` to 0 for good (TRL computes no reference
+        logprobs; the KL is grpotrl.GRPOTrainer's, ``_kl_loss``).
       * ``_calculate_rewards``: the D step above (``gad_engine``), then grpotrl.GRPOTrainer's rewards with D's
         column served its scores, so they take TRL's and grpotrl's handling of any reward (a non-finite score,
         NaN included, counted and made missing); one column per reward function: ``discriminator`` (and
@@ -125,14 +127,17 @@ class GADTrainer(GRPOTrainer):
         """
         if args is None:
             args = GADConfig(output_dir="grpotrl-gad-output")
-        load = check_gad(model, args, train_dataset, eval_dataset, kwargs)  # how D loads; then GRPO's checks
+        checked = check_gad(model, args, train_dataset, eval_dataset, kwargs)  # how D loads; then GRPO's checks
+        load = checked.discriminator_load
+        # GRPO's checks take the student's adapter lookup made for D, rather than asking again
+        looked_up = {} if checked.student_adapter is None else {ADAPTER_LOOKUP: checked.student_adapter}
 
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
         self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
         # GRPOTrainer adds the column kl_penalty (kl_reward) after D's with use_kl_in_reward
         super().__init__(model, [self._d_reward], args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, **kwargs)
+                         processing_class=processing_class, **kwargs, **looked_up)
         if self.is_fsdp_enabled:
             raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 

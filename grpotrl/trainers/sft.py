@@ -123,8 +123,10 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         """
         args = sft_config(args, model)
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
-        model, processing_class, stop_ids, fmt, self._checked_resume, adapter = check_sft(
-            model, processing_class, args, train_dataset, eval_dataset, kwargs)
+        checked = check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs)
+        model, processing_class, stop_ids, fmt = (checked.model, checked.processing_class, checked.stop_token_ids,
+                                                  checked.data_format)
+        self._checked_resume = checked.checked_resume
         tok = getattr(processing_class, "tokenizer", processing_class)
         if args.eos_token is not None and args.eos_token not in tok.get_vocab():  # TRL says so once the model loaded
             raise InputError(
@@ -158,7 +160,7 @@ class SFTTrainer(CheckedResume, trl.SFTTrainer):
         self._template_tools = tool_variants(train_dataset, fmt)
         self._trained_on_template = fmt in ("chat_prompt_completion", "chat")
         self._guard_setup: dict | None = None
-        with adapter_loaded(model, adapter, args, kwargs, processing_class) as (model, kwargs):  # an adapter: base + it
+        with adapter_loaded(model, checked.adapter, args, kwargs, processing_class) as (model, kwargs):  # base + it
             super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)

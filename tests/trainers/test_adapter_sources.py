@@ -55,6 +55,41 @@ def _count_adapter_lookups(monkeypatch) -> list[str]:
     return looked_up
 
 
+def _count_peft_reads(monkeypatch) -> list[str]:
+    """Every ``adapter_config.json`` PEFT reads itself from here on (``PeftConfig.from_pretrained``, and
+    ``PeftModel.from_pretrained`` without a ``config``: each file through ``from_json_file``), by file."""
+    from peft.config import PeftConfigMixin
+
+    read, real = [], PeftConfigMixin.from_json_file.__func__
+
+    def counted(cls, path, **kwargs):
+        read.append(path)
+        return real(cls, path, **kwargs)
+
+    monkeypatch.setattr(PeftConfigMixin, "from_json_file", classmethod(counted))
+    return read
+
+
+def _count_hub_listings(monkeypatch) -> list[str]:
+    """Every listing of a Hub repo's files from here on (``models.sources._hub_files``: online one Hub request,
+    offline the cached snapshot's), by repo id: how ``adapter_tokenizer_source`` finds a Hub adapter's tokenizer."""
+    listed, real = [], sources._hub_files
+
+    def counted(repo_id, revision):
+        listed.append(repo_id)
+        return real(repo_id, revision)
+
+    monkeypatch.setattr(sources, "_hub_files", counted)
+    return listed
+
+
+def _gad_args(tmp_path, **overrides):
+    """One GAD step's settings, small, as ``grpo_args``' (the discriminator from the student's checkpoint)."""
+    return grpotrl.GADConfig(output_dir=str(tmp_path / "gad"), per_device_train_batch_size=8, num_generations=4,
+                             max_completion_length=12, max_steps=1, report_to="none", use_cpu=True, beta=0.0,
+                             guard_steps=0, save_strategy="no", disable_tqdm=True, **overrides)
+
+
 def _sft_rows(n=8):
     return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
              "completion": [{"role": "assistant", "content": str(i + 1)}]} for i in range(n)]
@@ -65,14 +100,23 @@ def _sft_rows(n=8):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("start", ["grpo on an adapter dir", "grpo on a plain model, LoRA, KL in the reward at beta 0",
-                                   "sft on an adapter dir"])
+                                   "sft on an adapter dir", "gad on an adapter dir", "gad on a plain model"])
 def test_adapter_config_is_looked_up_once_per_run_start(start, adapter_dir, tiny_llama, grpo_args, tmp_path,
                                                          monkeypatch):
-    """The preflight reads it once (``preflight.prepare_model_and_tokenizer``) and hands it on: to the KL-reference,
-    generation-config and resume checks and to the trainer's load (``trainers.adapter.adapter_loaded``); each
-    looked it up itself before (5 for GRPO on an adapter dir, 3 for the LoRA run, 4 for SFT; 5 on a Hub id)."""
-    looked_up = _count_adapter_lookups(monkeypatch)
-    if start.startswith("sft"):
+    """The preflight reads it once (``preflight.prepare_model_and_tokenizer``; GAD: ``check_gad``, whose lookup
+    GRPO's checks take, ``preflight.ADAPTER_LOOKUP``) and hands it on: to the KL-reference, generation-config and
+    resume checks, to the trainer's load (``trainers.adapter.adapter_loaded``) and to GAD's discriminator (its
+    merge-ability check and its merge); PEFT reads the file not at all (``PeftAdapter.peft_config`` is the config
+    it would read). Each step looked it up itself before (5 for GRPO on an adapter dir, 3 for the LoRA run, 4 for
+    SFT; 5 on a Hub id); GAD then still twice (``check_gad``, GRPO's), PEFT twice more for the student's load and
+    twice for D."""
+    looked_up, read_by_peft = _count_adapter_lookups(monkeypatch), _count_peft_reads(monkeypatch)
+    if start.startswith("gad"):
+        from test_gad import toy_rows
+
+        model = adapter_dir if "adapter" in start else tiny_llama
+        grpotrl.GADTrainer(model=model, args=_gad_args(tmp_path), train_dataset=Dataset.from_list(toy_rows(8)))
+    elif start.startswith("sft"):
         grpotrl.SFTTrainer(model=adapter_dir, train_dataset=Dataset.from_list(_sft_rows()),
                            args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, report_to="none",
                                                   use_cpu=True, guard_steps=-1))
@@ -86,6 +130,36 @@ def test_adapter_config_is_looked_up_once_per_run_start(start, adapter_dir, tiny
                             train_dataset=arithmetic_prompts(8))
         model = adapter_dir
     assert looked_up == [model]
+    assert read_by_peft == []
+
+
+def test_an_adapters_peft_config_is_the_one_peft_reads_from_its_file(adapter_dir):
+    """``PeftAdapter.peft_config``, built from the config read once, equals ``PeftConfig.from_pretrained``'s of
+    the same file (what PEFT's own loads would build), and is a new object each time (the discriminator's merge
+    changes its copy)."""
+    from peft import PeftConfig
+
+    adapter = sources.find_adapter(adapter_dir)
+    built = adapter.peft_config()
+    assert type(built) is type(PeftConfig.from_pretrained(adapter_dir))
+    assert built.to_dict() == PeftConfig.from_pretrained(adapter_dir).to_dict()
+    assert adapter.peft_config() is not built
+
+
+@pytest.mark.parametrize("tokenizer", ["loaded from the adapter", "given"])
+def test_a_hub_adapters_tokenizer_source_is_worked_out_once_and_only_where_the_tokenizer_loads(
+        tokenizer, hub_adapter, hub_tiny_llama, grpo_args, monkeypatch):
+    """Where the tokenizer loads from the model (no ``processing_class``), the preflight works out its source
+    (``adapter_tokenizer_source``: one listing of the Hub repo's files, online a Hub request) once, and the
+    trainer's load uses the tokenizer it loaded. With ``processing_class`` given, nothing is listed: the
+    preflight listed the repo for a source it then did not use."""
+    from transformers import AutoTokenizer
+
+    given = AutoTokenizer.from_pretrained(hub_tiny_llama, padding_side="left") if tokenizer == "given" else None
+    listed = _count_hub_listings(monkeypatch)
+    grpotrl.GRPOTrainer(model=hub_adapter, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                        args=grpo_args(max_steps=1), processing_class=given)
+    assert listed == ([] if given is not None else [hub_adapter])
 
 
 def test_a_changed_directory_is_read_again_by_the_next_run(tiny_llama, adapter_dir, grpo_args, monkeypatch):
@@ -229,3 +303,4 @@ def test_the_kl_reference_error_at_beta_above_0_says_the_reference_was_removed(t
         trainer.kl_reward([prompt], ["3"], completion_ids=[[28, 2]])
     assert str(missing.value) == no_kl_reference(0.04, None)
     assert "removed afterwards" in str(missing.value) and "set beta" not in str(missing.value)  # beta is 0.04
+
