@@ -257,6 +257,7 @@ def run(command: str, argv: list[str]) -> None:
     from grpotrl.checkpoints import check_output_dir
     from grpotrl.data import load_splits, pick_split
     from grpotrl.models import resolve_model_path
+    from grpotrl.preflight import ADAPTER_LOOKUP
     from grpotrl.preflight.model import check_model_args
     from grpotrl.rewards.recipe import parse_judges
     from grpotrl.rewards.resolve import RewardNames
@@ -266,9 +267,12 @@ def run(command: str, argv: list[str]) -> None:
     # Model path and its load settings: the trainer loads it, after its preflight (grpotrl/preflight/)
     ################
     model_path = resolve_model_path(model_args.model_name_or_path)  # an alias, a local dir or a Hub id
-    # the recipe's quantization needs LoRA; LoRA targets exist; a PEFT adapter as the model (a LoRA SFT's output,
-    # returned) is trained on with its own settings, which the recipe's LoRA fields must not contradict
-    adapter = check_model_args(model_args, model_path, getattr(training_args, "disable_dropout", False))
+    # the recipe's quantization needs LoRA; LoRA targets exist; a PEFT adapter as the model (a LoRA SFT's output)
+    # is trained on with its own settings, which the recipe's LoRA fields must not contradict. The lookup of the
+    # model's adapter_config.json (an adapter or not; on a Hub id a request) goes to the trainer's preflight,
+    # which takes it at the same name and revision instead of asking again
+    lookup = check_model_args(model_args, model_path, getattr(training_args, "disable_dropout", False))
+    is_adapter = lookup is not None and lookup.adapter is not None
     training_args.model_init_kwargs = {  # as `trl grpo` sets them; device_map None: the Trainer places the model
         "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype, "device_map": None,
@@ -308,14 +312,16 @@ def run(command: str, argv: list[str]) -> None:
     trainer_cls = {"sft": grpotrl.SFTTrainer, "grpo": grpotrl.GRPOTrainer, "gad": grpotrl.GADTrainer}[command]
     if command == "grpo" and (rewards["reward_funcs"].by_task or training_args.cagrad != "off"):
         trainer_cls = grpotrl.MultiTaskGRPOTrainer  # rewards per task, CAGrad
+    looked_up = {} if lookup is None else {ADAPTER_LOOKUP: lookup}  # GAD's D takes it too (preflight.check_gad)
     trainer = trainer_cls(
         model=model_path,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         quantization_config=get_quantization_config(model_args),
-        peft_config=None if adapter is not None else get_peft_config(model_args),
+        peft_config=None if is_adapter else get_peft_config(model_args),
         **rewards,
+        **looked_up,
     )
 
     ################

@@ -332,8 +332,10 @@ class GRPOCheck(NamedTuple):
     adapter: PeftAdapter | None
 
 
-# a private keyword of GRPOTrainer.__init__'s **kwargs (not TRL's): an ``AdapterLookup`` of the model that a
-# subclass's own checks made first (GADTrainer's), read by ``check_grpo`` and dropped before TRL's __init__
+# a private keyword of GRPOTrainer.__init__'s and SFTTrainer.__init__'s **kwargs (not TRL's): an ``AdapterLookup``
+# of the model that a step before the trainer's preflight made (the CLI's recipe check, ``preflight.model.
+# check_model_args``; a subclass's own checks, GADTrainer's), read by ``check_grpo`` / ``check_sft`` (taken only at
+# the same name and revision: ``prepare_model_and_tokenizer``) and dropped before TRL's __init__
 # (``trainers.adapter.adapter_loaded``)
 ADAPTER_LOOKUP = "_grpotrl_adapter_lookup"
 
@@ -767,7 +769,8 @@ class GADCheck(NamedTuple):
 def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> GADCheck:
     """``GADTrainer``'s own checks, before GRPO's: its config, no reward functions or tools, no FSDP,
     every row with the teacher's response, the discriminator's starting point. Returns a ``GADCheck`` (a
-    student's PEFT adapter looked up once here, for D and for GRPO's checks)."""
+    student's PEFT adapter looked up once here, for D and for GRPO's checks; ``kwargs[ADAPTER_LOOKUP]``, the CLI's,
+    taken at the same name and revision instead of asking again)."""
     if not isinstance(args, GADConfig):
         raise InputError(f"GADTrainer needs a grpotrl.GADConfig, got {type(args).__name__}: GAD has no TRL "
                          "counterpart, and its config holds the discriminator's settings and GSPO's defaults "
@@ -783,7 +786,7 @@ def check_gad(model, args, train_dataset, eval_dataset, kwargs: dict) -> GADChec
     for name, ds in named_splits(train_dataset, eval_dataset):
         check_dataset(ds, name, kind="grpo")  # GRPO's rows first (found checked by GRPO's preflight)
         check_teacher_responses(ds, name)
-    return _check_discriminator(model, args)
+    return _check_discriminator(model, args, kwargs.get(ADAPTER_LOOKUP))
 
 
 def discriminator_load_kwargs(model, args) -> dict:
@@ -797,38 +800,40 @@ def discriminator_load_kwargs(model, args) -> dict:
     return _discriminator_load(model, args)[0]
 
 
-def _discriminator_load(model, args) -> tuple[dict, AdapterLookup | None]:
-    """``(discriminator_load_kwargs, the student's adapter lookup)``: the lookup made once (None: none needed)."""
+def _discriminator_load(model, args, given: AdapterLookup | None = None) -> tuple[dict, AdapterLookup | None]:
+    """``(discriminator_load_kwargs, the student's adapter lookup)``: the lookup made once (None: none needed),
+    ``given`` where it was made for the same name and revision (the CLI's)."""
     init = args.model_init_kwargs or {}
     own_path = args.discriminator_model_name_or_path or not isinstance(model, str)
     lookup = None
     if not own_path:
-        name = resolve_model_path(model)
-        lookup = AdapterLookup(name, init.get("revision"), find_adapter(name, init.get("revision")))
+        name, revision = resolve_model_path(model), init.get("revision")
+        asked = given is not None and (given.name, given.revision) == (name, revision)
+        lookup = given if asked else AdapterLookup(name, revision, find_adapter(name, revision))
     adapter = lookup.adapter if lookup else None
     return {"revision": None if own_path else adapter.base_revision if adapter else init.get("revision"),
             "trust_remote_code": init.get("trust_remote_code", args.trust_remote_code),
             "adapter": adapter}, lookup
 
 
-def _check_discriminator(model, args) -> GADCheck:
+def _check_discriminator(model, args, given: AdapterLookup | None = None) -> GADCheck:
     """D's starting point: ``discriminator_model_name_or_path`` (an alias resolved in ``args``), else the
     student's own checkpoint at the student's revision (``discriminator_load_kwargs``), which must then be
     loadable by name; a student's PEFT adapter, its base model (at the base's revision), the adapter merged into
     D after the load (``gad.discriminator.merged_adapter``). That merge is refused where it cannot be made: a
     prompt-learning adapter (no weights to merge), and under DeepSpeed ZeRO-3, where D's weights load
-    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights. Returns ``check_gad``'s
-    ``GADCheck``."""
+    partitioned (transformers' ``zero.Init``) and PEFT merges only whole weights. ``given``: an earlier lookup of
+    the student (``_discriminator_load``). Returns ``check_gad``'s ``GADCheck``."""
     if args.discriminator_model_name_or_path:
         args.discriminator_model_name_or_path = resolve_model_path(args.discriminator_model_name_or_path)
         check_discriminator_source(args.discriminator_model_name_or_path)
-        return GADCheck(*_discriminator_load(model, args))
+        return GADCheck(*_discriminator_load(model, args, given))
     student_source = resolve_model_path(model) if isinstance(model, str) else \
         getattr(getattr(model, "config", None), "_name_or_path", None)
     if not student_source:
         raise InputError("Cannot initialise the discriminator: the student model has no name or path. Set "
                          "discriminator_model_name_or_path (a local directory or a Hub id).")
-    load, lookup = _discriminator_load(model, args)
+    load, lookup = _discriminator_load(model, args, given)
     adapter = load["adapter"]
     if adapter is None:
         check_model_source(student_source, load["revision"], what="Discriminator model (the student's own checkpoint)")
@@ -878,7 +883,8 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
     them, ``padding_free`` without packing under ``max_length``, model and tokenizer, and on chat data a
     template, the checkpoint's fingerprint (the rows rendered as TRL will render them, compared with the rendering
     the checkpoint was trained on: ``templates.check_rows_render_alike``) and I2 on the first prompt-completion row.
-    Returns an ``SFTCheck``."""
+    ``kwargs[ADAPTER_LOOKUP]``, where a step before the trainer looked the model up (the CLI's), is that answer
+    (``prepare_model_and_tokenizer``'s ``adapter_lookup``). Returns an ``SFTCheck``."""
     formatting_func = kwargs.get("formatting_func")
     dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset"))
@@ -897,7 +903,7 @@ def check_sft(model, processing_class, args, train_dataset, eval_dataset, kwargs
         )
     model, processing_class, stop_ids, model_id, adapter = prepare_model_and_tokenizer(
         model, processing_class, args, None, kind="sft", peft_config=kwargs.get("peft_config"),
-        quantization_config=kwargs.get("quantization_config"))
+        quantization_config=kwargs.get("quantization_config"), adapter_lookup=kwargs.get(ADAPTER_LOOKUP))
     fmt = None if formatting_func is not None else data_format(train_dataset)
     i2 = fmt == "chat_prompt_completion" and args.completion_only_loss is not False and not skip_prepare
     if fmt in ("chat_prompt_completion", "chat") and args.chat_template_path is None:  # else TRL installs one later

@@ -5,7 +5,8 @@
   4/8-bit needs ``use_peft``, a compute dtype, and LoRA target modules that exist; ``lora_*`` settings
   need ``use_peft``, and ``bnb_4bit_*`` / ``use_bnb_nested_quant`` need ``load_in_4bit`` (TRL ignores them
   without it). A PEFT adapter as ``model_name_or_path`` needs ``use_peft: true`` and LoRA settings that are the
-  adapter's own (``check_adapter_settings``).
+  adapter's own (``check_adapter_settings``). It returns its lookup of the model (``models.sources.AdapterLookup``),
+  which the CLI hands the trainer's preflight (``preflight.ADAPTER_LOOKUP``): one lookup per run start.
 * ``check_adapter_peft_config``: a PEFT adapter named as the model takes no ``peft_config`` (the Python API's).
 
 A model's source (a complete local dir, or a Hub id) is ``models.sources.check_model_source``, its tokenizer
@@ -22,7 +23,7 @@ import re
 
 from ..errors import InputError
 from ..models import resolve_model_path
-from ..models.sources import adapter_config, check_model_source
+from ..models.sources import AdapterLookup, check_model_source, find_adapter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,11 +42,13 @@ def check_discriminator_source(path: str) -> None:
 # A recipe's quantization and LoRA settings
 # ---------------------------------------------------------------------------------------------
 
-def check_model_args(model_args, model_path: str, dropout_disabled: bool = False) -> dict | None:
+def check_model_args(model_args, model_path: str, dropout_disabled: bool = False) -> AdapterLookup | None:
     """A recipe's quantization and LoRA fields (``trl.ModelConfig``), before any weights are read. Returns the
-    ``adapter_config.json`` of a PEFT adapter named as the model (None for a plain model), whose settings the
-    recipe's LoRA fields were compared with (``check_adapter_settings``; ``dropout_disabled``: the trainer zeroes
-    every dropout, ``disable_dropout``)."""
+    lookup of ``model_path`` at ``model_args.model_revision`` (``models.sources.AdapterLookup``: the PEFT adapter it
+    names, whose settings the recipe's LoRA fields were compared with (``check_adapter_settings``;
+    ``dropout_disabled``: the trainer zeroes every dropout, ``disable_dropout``), or None for a plain model), for
+    the trainer's preflight to take instead of asking again (``preflight.ADAPTER_LOOKUP``); None where no path is
+    given (the preflight says so)."""
     bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
     if bits:
         flag = f"load_in_{bits}bit"
@@ -77,12 +80,14 @@ def check_model_args(model_args, model_path: str, dropout_disabled: bool = False
             "these would be ignored and every weight of the model trained. Add `use_peft: true` to train LoRA "
             "adapters, or drop the lora_* settings to fine-tune the whole model."
         )
-    adapter = adapter_config(model_path, model_args.model_revision) if model_path else None
-    if adapter is not None:  # the trainer continues training the adapter, with its own settings
-        check_adapter_settings(model_args, model_path, adapter, dropout_disabled)
-    elif model_args.use_peft and model_args.lora_target_modules and model_path:  # no path: the preflight says so
+    if not model_path:  # the preflight says so
+        return None
+    lookup = AdapterLookup(model_path, model_args.model_revision, find_adapter(model_path, model_args.model_revision))
+    if lookup.adapter is not None:  # the trainer continues training the adapter, with its own settings
+        check_adapter_settings(model_args, model_path, lookup.adapter.config, dropout_disabled)
+    elif model_args.use_peft and model_args.lora_target_modules:
         check_lora_targets(model_args.lora_target_modules, model_path, model_args.model_revision)
-    return adapter
+    return lookup
 
 
 # a recipe's LoRA field -> the adapter_config.json key PEFT writes it as (trl.get_peft_config's mapping)

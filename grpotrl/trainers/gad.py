@@ -129,15 +129,17 @@ class GADTrainer(GRPOTrainer):
             args = GADConfig(output_dir="grpotrl-gad-output")
         checked = check_gad(model, args, train_dataset, eval_dataset, kwargs)  # how D loads; then GRPO's checks
         load = checked.discriminator_load
-        # GRPO's checks take the student's adapter lookup made for D, rather than asking again
-        looked_up = {} if checked.student_adapter is None else {ADAPTER_LOOKUP: checked.student_adapter}
+        # GRPO's checks take the student's adapter lookup made for D (or the caller's it took), rather than asking
+        # again; none made here: the caller's, if any, goes on as given
+        if checked.student_adapter is not None:
+            kwargs = {**kwargs, ADAPTER_LOOKUP: checked.student_adapter}
 
         # The reward functions exist before TRL starts (it names the metric columns after them);
         # D is attached once TRL has set the seed and loaded the student.
         self._d_reward = DiscriminatorReward(None, None, [], batch_size=args.per_device_train_batch_size)
         # GRPOTrainer adds the column kl_penalty (kl_reward) after D's with use_kl_in_reward
         super().__init__(model, [self._d_reward], args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, **kwargs, **looked_up)
+                         processing_class=processing_class, **kwargs)
         if self.is_fsdp_enabled:
             raise InputError("GADTrainer with FSDP is not supported; use DeepSpeed ZeRO or DDP.")
 

@@ -4,6 +4,8 @@ directory's are, and the KL in the reward at beta 0 on a ``peft.PeftModel`` pass
 adapter disabled: refused where the adapter was trained before the run). On a tiny Llama over the SmolLM2 tokenizer.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import HUB_CACHE, arithmetic_prompts, length_reward
@@ -14,11 +16,15 @@ from test_lora_sft_then_grpo import LORA
 from transformers import AutoModelForCausalLM
 
 import grpotrl
-from grpotrl import InputError
+from grpotrl import InputError, cli
 from grpotrl.models import sources
 from grpotrl.preflight import no_kl_reference
 
 HUB_ADAPTER = "grpotrl-test/tiny-lora"  # a fresh LoRA adapter on the cached grpotrl-test/tiny-llama
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "smollm2"
+GRPO_RECIPE, SFT_RECIPE = str(RECIPES / "grpo_quickstart.yaml"), str(RECIPES / "sft_quickstart.yaml")
+CAGRAD_RECIPE = str(RECIPES / "grpo_multitask_cagrad.yaml")  # MultiTaskGRPOTrainer
+GAD_RECIPE = str(RECIPES / "gad_quickstart.yaml")
 KL_AT_BETA_0 = dict(beta=0.0, use_kl_in_reward=True, kl_in_reward_coef=0.01, max_steps=1)
 
 
@@ -131,6 +137,31 @@ def test_adapter_config_is_looked_up_once_per_run_start(start, adapter_dir, tiny
         model = adapter_dir
     assert looked_up == [model]
     assert read_by_peft == []
+
+
+@pytest.mark.parametrize("command, start", [("grpo", "an adapter dir"), ("grpo", "a plain model, LoRA"),
+                                            ("grpo", "an adapter dir, CAGrad"), ("sft", "an adapter dir"),
+                                            ("gad", "an adapter dir"), ("gad", "an adapter dir, D its own")])
+def test_a_cli_run_start_looks_adapter_config_up_once(command, start, adapter_dir, tiny_llama, tmp_path,
+                                                     monkeypatch):
+    """``grpotrl grpo|sft --config RECIPE``: the CLI's recipe check (``preflight.model.check_model_args``: the
+    recipe's LoRA settings against the adapter's) looks the model up, and the trainer's preflight takes that lookup
+    (``preflight.ADAPTER_LOOKUP``) rather than asking again; GRPOTrainer, MultiTaskGRPOTrainer (CAGrad),
+    SFTTrainer and GADTrainer alike (GAD's D, from the student's checkpoint, takes it as GRPO's checks do). Each
+    looked it up itself before (2 per run start)."""
+    model = tiny_llama if "plain" in start else adapter_dir
+    recipe = {"sft": SFT_RECIPE, "gad": GAD_RECIPE}.get(command, CAGRAD_RECIPE if "CAGrad" in start else GRPO_RECIPE)
+    argv = [command, "--config", recipe, "--model_name_or_path", model, "--use_peft", "true", "--max_steps", "1",
+            "--output_dir", str(tmp_path / "out")]
+    if command != "sft":
+        argv += ["--guard_steps", "-1", "--per_device_train_batch_size", "8", "--max_completion_length", "8"]
+    if "D its own" in start:
+        argv += ["--discriminator_model_name_or_path", tiny_llama]
+    if "plain" in start:
+        argv += ["--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
+    looked_up = _count_adapter_lookups(monkeypatch)
+    cli.main(argv)
+    assert looked_up == [model], f"{len(looked_up)} lookups"
 
 
 def test_an_adapters_peft_config_is_the_one_peft_reads_from_its_file(adapter_dir):
