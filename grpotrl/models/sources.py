@@ -16,9 +16,10 @@ A PEFT adapter (a directory or Hub repo holding ``adapter_config.json``, as a Lo
 reads its config once per run start into a ``PeftAdapter``, which the preflight and the trainer's load are handed
 (each lookup of a Hub id is a ``cached_file`` request, a 404 for a plain model; ``AdapterLookup`` records the
 answer, a plain model's too, for a later step of the same start); ``adapter_config`` reads the config,
-``PeftAdapter.peft_config`` makes PEFT's config object of it (PEFT then reads no file), ``adapter_base`` the base
-model it names, ``adapter_tokenizer_source`` where its tokenizer loads from (a Hub id: one listing of its files,
-worked out only where the tokenizer loads from the model); ``generation_config`` falls back to the base model's.
+``PeftAdapter.peft_config`` makes PEFT's config object of it (PEFT then reads
+no config file; it still reads the weights), ``adapter_base`` the base
+model it names, ``adapter_tokenizer_source`` where its tokenizer loads from (a Hub id: one listing of its files, or
+where listing fails a request per ``TOKENIZER_FILES`` name; worked out only where the tokenizer loads from the model); ``generation_config`` falls back to the base model's.
 
 Where the tokenizer is loaded from the model (no ``processing_class`` given), ``check_tokenizer_source`` asks for a
 tokenizer vocabulary (``TOKENIZER_FILES``) in the local directory, or offline in the Hub id's cached snapshot.
@@ -115,8 +116,9 @@ class PeftAdapter(NamedTuple):
         return self.config.get("revision")
 
     def peft_config(self):
-        """A new ``peft.PeftConfig`` of ``config``, built as ``PeftConfig.from_pretrained`` builds it from the file
-        (the class of its ``peft_type``, ``runtime_config`` dropped), without reading the file again: for
+        """A new ``peft.PeftConfig`` of ``config``, built as PEFT's load builds it from the file
+        (``<the class of its peft_type>.from_pretrained``: that class's ``check_kwargs``; ``runtime_config`` dropped,
+        without PEFT's warning), without reading the file again: for
         ``PeftModel.from_pretrained(config=...)`` and the discriminator's merge, which may change the copy."""
         from peft import PeftConfig
         from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING

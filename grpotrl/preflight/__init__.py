@@ -139,7 +139,7 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     A tokenizer not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left), a PEFT adapter's from its own files, else its base's
     (``models.sources.adapter_tokenizer_source``: worked out here, only where the tokenizer loads; a Hub id's is
-    one listing of its files). When the trainer passes its ``peft_config`` (None included), a loaded quantized
+    one listing of its files, or a request per tokenizer file name where listing fails). When the trainer passes its ``peft_config`` (None included), a loaded quantized
     model must come with one or be a PEFT model already, and so must a model TRL loads with the
     trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']``; ``model_init_kwargs``'
     dtype must be one TRL reads (``_check_init_dtype``). Bitsandbytes layers are pinned to

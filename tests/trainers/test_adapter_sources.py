@@ -113,9 +113,8 @@ def test_adapter_config_is_looked_up_once_per_run_start(start, adapter_dir, tiny
     GRPO's checks take, ``preflight.ADAPTER_LOOKUP``) and hands it on: to the KL-reference, generation-config and
     resume checks, to the trainer's load (``trainers.adapter.adapter_loaded``) and to GAD's discriminator (its
     merge-ability check and its merge); PEFT reads the file not at all (``PeftAdapter.peft_config`` is the config
-    it would read). Each step looked it up itself before (5 for GRPO on an adapter dir, 3 for the LoRA run, 4 for
-    SFT; 5 on a Hub id); GAD then still twice (``check_gad``, GRPO's), PEFT twice more for the student's load and
-    twice for D."""
+    it would read). A step that asks again fails the count (each check asking for itself: 5 for GRPO on an adapter
+    dir, 3 for the LoRA run, 4 for SFT; GAD 2, and PEFT's own reads 4)."""
     looked_up, read_by_peft = _count_adapter_lookups(monkeypatch), _count_peft_reads(monkeypatch)
     if start.startswith("gad"):
         from test_gad import toy_rows
@@ -147,8 +146,8 @@ def test_a_cli_run_start_looks_adapter_config_up_once(command, start, adapter_di
     """``grpotrl grpo|sft --config RECIPE``: the CLI's recipe check (``preflight.model.check_model_args``: the
     recipe's LoRA settings against the adapter's) looks the model up, and the trainer's preflight takes that lookup
     (``preflight.ADAPTER_LOOKUP``) rather than asking again; GRPOTrainer, MultiTaskGRPOTrainer (CAGrad),
-    SFTTrainer and GADTrainer alike (GAD's D, from the student's checkpoint, takes it as GRPO's checks do). Each
-    looked it up itself before (2 per run start)."""
+    SFTTrainer and GADTrainer alike (GAD's D, from the student's checkpoint, takes it as GRPO's checks do). A trainer
+    that asks again makes 2."""
     model = tiny_llama if "plain" in start else adapter_dir
     recipe = {"sft": SFT_RECIPE, "gad": GAD_RECIPE}.get(command, CAGRAD_RECIPE if "CAGrad" in start else GRPO_RECIPE)
     argv = [command, "--config", recipe, "--model_name_or_path", model, "--use_peft", "true", "--max_steps", "1",
@@ -182,8 +181,8 @@ def test_a_hub_adapters_tokenizer_source_is_worked_out_once_and_only_where_the_t
         tokenizer, hub_adapter, hub_tiny_llama, grpo_args, monkeypatch):
     """Where the tokenizer loads from the model (no ``processing_class``), the preflight works out its source
     (``adapter_tokenizer_source``: one listing of the Hub repo's files, online a Hub request) once, and the
-    trainer's load uses the tokenizer it loaded. With ``processing_class`` given, nothing is listed: the
-    preflight listed the repo for a source it then did not use."""
+    trainer's load uses the tokenizer it loaded. With ``processing_class`` given, nothing is listed (a
+    source the run does not use is not worked out)."""
     from transformers import AutoTokenizer
 
     given = AutoTokenizer.from_pretrained(hub_tiny_llama, padding_side="left") if tokenizer == "given" else None
