@@ -1,4 +1,4 @@
-"""Every rank holds the same model (INVARIANTS.md I12).
+"""Every rank holds the same model (INVARIANTS.md I12), and every rank stops at one guard's failure.
 
 TRL 1.14 shipped a fused loss that, under plain DDP, never all-reduced the gradients: each rank
 stepped its own weights on its own data and nothing said so. After the first optimizer step and on
@@ -28,10 +28,21 @@ What is compared, and what it proves:
   loss's). A gather per parameter tensor: slower than the replica case, on guard steps only.
 * Not compared: FSDP (DTensor shards; the callback is not added), frozen parameters, buffers.
 
+Every rank stops at one guard's failure (``decided_together``, ``caught``, ``fail_together``): under DDP a guard
+that fails on one rank and raises there alone leaves the others waiting in their next collective (DDP's buffer
+broadcast or gradient all-reduce, the next gather) until the launcher kills them, with the reason printed by one
+rank only. A section of checks that every rank runs at the same point instead keeps this rank's first
+``InvariantError`` (``caught``) and, where it ends, decides on every rank's: one ``all_gather`` of a one-byte flag,
+the messages only when some rank failed, and then every rank raises (``agreed_error``). In a single process
+nothing is gathered and a failing check raises at once, unchanged.
+
 Letters: N trainable parameter tensors, W ranks.
 """
 
 from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
 
 import torch
 from transformers import TrainerCallback
@@ -181,3 +192,124 @@ def add_rank_agreement(trainer, guard_steps: int, first_update: int = 0) -> None
     if acc.num_processes > 1 and guard_steps != 0 and not getattr(trainer, "is_fsdp_enabled", False) \
             and torch.distributed.is_initialized():
         trainer.add_callback(RankAgreement(trainer, guard_steps, first_update))
+
+
+# ---------------------------------------------------------------- every rank stops at one guard's failure
+
+
+def world_size() -> int:
+    """The processes of the default process group; 1 without one."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def agreed_error(rank: int, failures: list[tuple[str, str] | None]) -> InvariantError:
+    """The error rank ``rank`` raises when some rank failed: ``failures[r]`` is rank r's ``(invariant, message)``
+    (``str`` of its ``InvariantError``), None where its checks passed. A failing rank's own error, naming its rank and
+    any other rank that failed too; a passing rank's, of the first failing rank's invariant, naming every failing
+    rank and quoting the first one's message in full.
+
+    >>> failed = [None, ("I5", "[I5] row 3")]
+    >>> print(agreed_error(1, failed))
+    [I5] on rank 1 (of 2 processes): row 3
+    >>> print(agreed_error(0, failed))
+    [I5] rank(s) 1 (of 2 processes) failed this check, so every rank stops here; rank 1's error: [I5] row 3
+    >>> print(agreed_error(0, [("I10", "[I10] ref differs"), ("I4", "[I4] mask")]))
+    [I10] on rank 0 (of 2 processes; rank(s) 1 failed too): ref differs
+    """
+    W, failed = len(failures), [r for r, f in enumerate(failures) if f is not None]
+    own = failures[rank]
+    if own is not None:
+        invariant, message = own
+        others = [r for r in failed if r != rank]
+        also = f"; rank(s) {', '.join(map(str, others))} failed too" if others else ""
+        body = message.removeprefix(f"[{invariant}] ")
+        return InvariantError(invariant, f"on rank {rank} (of {W} processes{also}): {body}")
+    invariant, message = failures[failed[0]]
+    return InvariantError(invariant, f"rank(s) {', '.join(map(str, failed))} (of {W} processes) failed this check, "
+                          f"so every rank stops here; rank {failed[0]}'s error: {message}")
+
+
+def fail_together(failure: InvariantError | None, device=None) -> None:
+    """Every rank calls this at the same point with its own ``failure`` (None where its checks passed); it returns
+    on every rank or raises on every rank. In a single process it raises ``failure`` itself, unchanged, and gathers
+    nothing. Under a process group: one ``all_gather`` of a ``[1]`` uint8 flag (on ``device``, the collective's: the
+    accelerator's) and, only when some rank failed, one ``all_gather_object`` of the messages; then each rank raises
+    ``agreed_error`` (a failing rank with its own error's traceback).
+
+    >>> fail_together(None)
+    >>> e = InvariantError("I5", "row 3")
+    >>> try:
+    ...     fail_together(e)
+    ... except InvariantError as raised:
+    ...     print(raised is e, raised)
+    True [I5] row 3
+    """
+    W = world_size()
+    if W == 1:
+        if failure is not None:
+            raise failure
+        return
+    flags = gather_checksums(torch.tensor([failure is not None], dtype=torch.uint8, device=device))  # [W, 1]
+    if not bool(flags.any()):
+        return
+    failures: list = [None] * W
+    torch.distributed.all_gather_object(failures, None if failure is None else (failure.invariant, str(failure)))
+    error = agreed_error(torch.distributed.get_rank(), failures)
+    raise error if failure is None else error.with_traceback(failure.__traceback__)
+
+
+class Verdict:
+    """The first ``InvariantError`` a ``decided_together`` section caught on this rank (``failure``), and whether
+    the section defers it to one agreement at its end (``deferred``: several processes and the caller's condition)."""
+
+    def __init__(self, deferred: bool):
+        self.deferred, self.failure = deferred, None
+
+
+_OPEN: ContextVar[Verdict | None] = ContextVar("grpotrl_open_verdict", default=None)
+
+
+@contextlib.contextmanager
+def decided_together(agree: bool, device=None):
+    """A section of checks decided on every rank at its end: inside it, a check run in ``caught()`` that fails keeps
+    its ``InvariantError`` (the first) and the section goes on, so that this rank reaches the same collectives as the
+    others; a section that ends normally then calls ``fail_together`` (``device``: the collective's). ``agree`` must
+    be equal on every rank (a config, the step, train or eval: never this rank's data), so that every rank reaches
+    that agreement equally often; with ``agree`` False, or in a single process, nothing is deferred: a failing check
+    raises at once, as outside a section. A section opened inside another joins the outer one (the outermost
+    decides). An exception raised outside ``caught()`` (a check decided on every rank's values already, an error that
+    is no ``InvariantError``) leaves the section at once and is not agreed on.
+
+    >>> with decided_together(True):  # one process: the check raises at once
+    ...     with caught():
+    ...         raise InvariantError("I4", "row 0")
+    Traceback (most recent call last):
+    grpotrl.errors.InvariantError: [I4] row 0
+    """
+    if _OPEN.get() is not None:
+        yield
+        return
+    verdict = Verdict(deferred=agree and world_size() > 1)
+    token = _OPEN.set(verdict)
+    try:
+        yield
+    finally:
+        _OPEN.reset(token)
+    if verdict.deferred:
+        fail_together(verdict.failure, device)
+
+
+@contextlib.contextmanager
+def caught():
+    """Around one check inside a deferring ``decided_together`` section: its ``InvariantError`` is kept for the
+    section's agreement (the first one only) and the code after it runs on. Elsewhere the error propagates."""
+    verdict = _OPEN.get()
+    if verdict is None or not verdict.deferred:
+        yield
+        return
+    try:
+        yield
+    except InvariantError as e:
+        if verdict.failure is None:
+            verdict.failure = e

@@ -30,7 +30,7 @@ from ..generation.finished_rows import decoding_share
 from ..generation.processors import min_new_tokens_fired, vllm_sampling
 from ..generation.sampled_logprobs import generation_extras, recorded_logprobs, recorded_measures
 from ..guards import denominator, identity, precision
-from ..guards.ranks import add_rank_agreement
+from ..guards.ranks import add_rank_agreement, caught, decided_together
 from ..health import callbacks
 from ..models.dropout import disable_dropout
 from ..models.quantization import pin_quantized_kernels
@@ -70,7 +70,11 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         forward ``_recompute_reference`` (guard and logit-signal steps: I5's padded recompute, the logit
         signals), after it ``_check_loss``: I10 at step 0, the sampler gap, entropy health, I5 and I7's entropy
         values.
-      * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated.
+      * ``compute_loss``: I7, the entropy bonus's sign on the graph being backpropagated. Under DDP the guards of
+        ``_compute_loss`` and ``compute_loss`` decide together on every rank, once per microbatch at the end of
+        ``compute_loss`` (``_guards_agree_now``, ``guards.ranks.decided_together``): a guard failing on one rank
+        stops every rank there, each naming the failing rank(s), rather than leaving the others waiting in their
+        next collective.
       * ``training_step``, ``prediction_step``: TRL's fused head in CPU-sized tiles; under
         ``packed_attention='varlen'`` the policy switched to grpotrl's varlen attention for the whole step.
       * ``save_model``: the chat-template fingerprint beside the weights (I2; ``_save_fingerprint``).
@@ -168,11 +172,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         """
         args = complete_grpo_config(args if args is not None else GRPOConfig(output_dir="grpotrl-output"))
         # every check that must pass before TRL loads the model (grpotrl/preflight/), once
-        model, processing_class, reward_funcs, self.stop_token_ids, self._checked_resume, adapter = check_grpo(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs,
-            trainer_name=type(self).__name__, multitask=self._multitask, resume_kind=self._resume_kind)
-        reward_funcs = self._with_kl_reward_column(reward_funcs, args)
-        with adapter_loaded(model, adapter, args, kwargs, processing_class) as (model, kwargs):  # an adapter: base + it
+        checked = check_grpo(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs,
+                             trainer_name=type(self).__name__, multitask=self._multitask, resume_kind=self._resume_kind)
+        model, processing_class = checked.model, checked.processing_class
+        self.stop_token_ids, self._checked_resume = checked.stop_token_ids, checked.checked_resume
+        reward_funcs = self._with_kl_reward_column(checked.reward_funcs, args)
+        with adapter_loaded(model, checked.adapter, args, kwargs, processing_class) as (model, kwargs):  # base + it
             super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                              processing_class=processing_class, **kwargs)
         pin_quantized_kernels(self.model)  # a quantized model TRL loaded from a path (I5 on bitsandbytes' CPU kernels)
@@ -709,13 +714,22 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             the loss mask and the entropy bonus's tokens TRL's loss used) for ``compute_loss``'s I7 check.
 
         Raises:
-            InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11).
+            InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11); under
+                DDP, where ``_guards_agree_now``, on every rank, naming the rank(s) it failed on.
         """
+        with decided_together(self._guards_agree_now(), self.accelerator.device):  # one verdict of every rank's
+            return self._guarded_loss(model, inputs)
+
+    def _guarded_loss(self, model, inputs):
+        """``_compute_loss``'s work, in its section decided on every rank (``_guards_agree_now``): each loss-side
+        guard runs in ``caught()``, so that under DDP a rank whose check failed runs on through the same
+        collectives as the others to the one agreement."""
         record = self.hook_record.batch("train" if self.model.training else "eval")
         guard = record.guard if self._guard_now() and ROW_KEY in inputs else None
         if guard is not None:  # I1, I3, I4 on the microbatch the loss uses, before any compute
-            guards.check_loss_inputs(_intercept.read_tokenizer(self), guard, inputs, inputs[ROW_KEY].tolist(),
-                                     self.eos_token_ids, self._completion_cap(), self.mask_truncated_completions)
+            with caught():
+                guards.check_loss_inputs(_intercept.read_tokenizer(self), guard, inputs, inputs[ROW_KEY].tolist(),
+                                         self.eos_token_ids, self._completion_cap(), self.mask_truncated_completions)
         recomputed = self._recompute_reference(model, inputs, guarded=guard is not None)
         full_kl = self._kl_in_loss and self.args.kl_estimator == "full"
         capture = _intercept.record_backbone_output(self.accelerator.unwrap_model(model)) if full_kl \
@@ -730,7 +744,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # [B, C]
         bonus_mask = loss_mask * entropy_masks[0] if entropy_masks else loss_mask  # [B, C]: TRL's effective mask
         if guard is not None and self.model.training:  # I11 on TRL's policy loss (grpotrl's KL is not added yet)
-            self._check_denominator(loss, used, inputs, loss_mask)
+            with caught():
+                self._check_denominator(loss, used, inputs, loss_mask)
         if self._kl_in_loss:
             loss = loss + self._kl_loss(model, inputs, used, loss_mask, hidden[0] if full_kl else None)
         self.hook_record.loss = LossTerms(entropies, loss_mask, bonus_mask)
@@ -780,7 +795,8 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if self.hook_record.identity_due and self.model.training:
             self.hook_record.identity_due = False
             if self.state.global_step == self._identity_step():
-                self._check_step0_identity(model, used, inputs, loss_mask)
+                with caught():
+                    self._check_step0_identity(model, used, inputs, loss_mask)
                 # a microbatch with no loss token compares nothing: the next one of that step is checked
                 self.hook_record.identity_due = self.hook_record.identity_unchecked = not bool(loss_mask.any())
             elif self.hook_record.identity_unchecked:
@@ -793,14 +809,16 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
         if recomputed is None:
             return
         completion_ids = inputs["completion_ids"]  # [B, C]
-        metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, recomputed.logprobs,
-                                                     recomputed.slope, recomputed.scale, inputs["completion_mask"],
-                                                     completion_ids, self.temperature, self.guard_tolerances,
-                                                     inputs[ROW_KEY].tolist(),
-                                                     packed=self.padding_free and self.packed_attention)
+        with caught():
+            metrics = guards.check_logprobs_in_precision(_intercept.read_tokenizer(self), used, recomputed.logprobs,
+                                                         recomputed.slope, recomputed.scale, inputs["completion_mask"],
+                                                         completion_ids, self.temperature, self.guard_tolerances,
+                                                         inputs[ROW_KEY].tolist(),
+                                                         packed=self.padding_free and self.packed_attention)
+            self._record_metrics(metrics)  # an evaluation's I5 with the evaluation's metrics
         if entropies is not None and recomputed.entropies is not None:
-            guards.check_entropy_values(entropies, recomputed.entropies, loss_mask, self.guard_tolerances)
-        self._record_metrics(metrics)  # an evaluation's I5 with the evaluation's metrics
+            with caught():
+                guards.check_entropy_values(entropies, recomputed.entropies, loss_mask, self.guard_tolerances)
 
     def _reference_attention(self, model) -> contextlib.AbstractContextManager:
         """The attention of I5's padded recompute of ``model``: its own (sdpa), or where torch's varlen kernel runs
@@ -926,14 +944,27 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             loss (torch.Tensor): the loss, as TRL's.
 
         Raises:
-            InvariantError: the entropy bonus enters with another sign or weight (I7).
+            InvariantError: the entropy bonus enters with another sign or weight (I7), or a guard of
+                ``_compute_loss`` failed; under DDP, where ``_guards_agree_now``, on every rank, naming the rank(s) it
+                failed on.
         """
         coef = self.entropy_coef_in_force()  # before the adaptive controller updates it in the loss
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        terms = self.hook_record.loss
-        if self.model.training and terms is not None and terms.entropies is not None:
-            self._check_entropy_sign(loss, terms, coef, "the GRPO loss")
+        with decided_together(self._guards_agree_now(), self.accelerator.device):  # _compute_loss's guards join it
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            terms = self.hook_record.loss
+            if self.model.training and terms is not None and terms.entropies is not None:
+                with caught():
+                    self._check_entropy_sign(loss, terms, coef, "the GRPO loss")
         return loss
+
+    def _guards_agree_now(self) -> bool:
+        """Whether this microbatch's loss-side guards are decided on every rank at one point, the end of
+        ``compute_loss`` (``guards.ranks.decided_together``: under DDP one all_gather of a flag, none in one process):
+        on guard steps (I1, I3, I4, I5, I7's entropy values, I11; I10, whose step, ``_identity_step``, is one) and, in
+        training with an entropy bonus configured, on every microbatch (I7's sign). It reads only what every rank
+        holds alike (the config, the step, train or eval), never the microbatch, so that every rank reaches the
+        agreement equally often. Elsewhere a failing guard raises on its own rank (I7's sign without a bonus)."""
+        return self._guard_now() or (self.model.training and _intercept.read_entropy_bonus(self).enabled)
 
     def training_step(self, model, inputs, num_items_in_batch):
         """TRL's, with TRL's fused LM head on CPU in tiles of 512 tokens x 4096 vocabulary columns

@@ -26,7 +26,7 @@ import torch
 from .. import guards
 from ..configs import GRPOConfig, complete_grpo_config
 from ..errors import InputError, InvariantError
-from ..guards.ranks import gather_checksums
+from ..guards.ranks import caught, decided_together, gather_checksums, world_size
 from ..health.callbacks import loss_scale
 from ..ops.loss_types import named
 from ..ops.losses import cagrad_coefficients
@@ -117,8 +117,11 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         Under DDP these checks decide on every process's values (``_every_rank``: one ``all_gather`` per check, fused
         with its host read; none in a single process): every rank stops at the same point with one error naming the
         failing rank(s), and logs the same ``guards/bonus_alone_checked_share``, rather than one rank raising while
-        the others wait in their next collective. A finite loss whose gradient is NaN/inf stops training too
-        (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
+        the others wait in their next collective. The per-task I7 check (a task's loss carries no entropy bonus) and
+        the loss's I7 sign join ``grpotrl.GRPOTrainer``'s loss-side guards in its one agreement per microbatch, at
+        the end of ``compute_loss`` (``GRPOTrainer._guards_agree_now``): a rank whose check failed runs on through
+        the same collectives to it, and every rank stops there. A finite loss whose gradient is NaN/inf stops
+        training too (a non-finite Gram entry, ``_check_gram_finite``, naming the tasks and the step), but for fp16's
         loss-scaler overflow (any gradient here, taken at a scale S >= 1): the scaler skips that update and
         halves S, the combination is skipped with it, and ``.grad`` holds an inf for the scaler to find
         (``_combine_window``, ``_low_memory_loss``). (A finite loss with a NaN gradient at S >= 1 reads as that
@@ -152,7 +155,8 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         loss scale), each task's loss checked to hold no entropy bonus (I7: CAGrad rescales it), then exact CAGrad's
         accumulation (``_exact_step``) or low-memory CAGrad's combined loss, whose ``d loss / d H`` is checked to be
         ``-c`` (0 where the bonus acts on no token of the microbatch: ``GRPOTrainer._check_entropy_sign``); the
-        composed update is checked to raise the entropy on guard steps.
+        composed update is checked to raise the entropy on guard steps. Under DDP the I7 checks here and the guards
+        of ``GRPOTrainer._compute_loss`` decide on every rank at its end (``GRPOTrainer._guards_agree_now``).
 
         Returns:
             loss (torch.Tensor): the loss the Trainer backpropagates for this microbatch.
@@ -160,19 +164,22 @@ class MultiTaskGRPOTrainer(GRPOTrainer):
         if self.args.cagrad == "off" or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         coef = self.entropy_coef_in_force()
-        full, task_losses, reg = self._loss_terms(model, inputs, coef)
-        present = {k for k, r in _task_rows(inputs, len(self.task_names)).items() if r.numel()}
-        entropies = self.hook_record.loss.entropies if self.hook_record.loss is not None else None  # [B, C]
-        for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
-            if entropies is None or not loss.requires_grad:
-                continue
-            for slope in guards.entropy_slopes(loss, [entropies], self.current_gradient_accumulation_steps):
-                guards.check_slope(slope, 0.0, f"the policy loss of task {self.task_names[k]!r}")
-        if self.args.cagrad == "exact":
-            loss = self._exact_step(model, task_losses, reg, coef, present)
-        else:
-            loss = self._low_memory_loss(task_losses, reg, present)
-        self._check_entropy_sign(loss, self.hook_record.loss, coef, f"the CAGrad {self.args.cagrad} loss")
+        with decided_together(self._guards_agree_now(), self.accelerator.device):  # _compute_loss's guards join it
+            full, task_losses, reg = self._loss_terms(model, inputs, coef)
+            present = {k for k, r in _task_rows(inputs, len(self.task_names)).items() if r.numel()}
+            entropies = self.hook_record.loss.entropies if self.hook_record.loss is not None else None  # [B, C]
+            for k, loss in task_losses.items():  # CAGrad rescales these: the bonus must not hide in them
+                if entropies is None or not loss.requires_grad:
+                    continue
+                for slope in guards.entropy_slopes(loss, [entropies], self.current_gradient_accumulation_steps):
+                    with caught():
+                        guards.check_slope(slope, 0.0, f"the policy loss of task {self.task_names[k]!r}")
+            if self.args.cagrad == "exact":
+                loss = self._exact_step(model, task_losses, reg, coef, present)
+            else:
+                loss = self._low_memory_loss(task_losses, reg, present)
+            with caught():
+                self._check_entropy_sign(loss, self.hook_record.loss, coef, f"the CAGrad {self.args.cagrad} loss")
         return loss + (full - loss).detach()  # logs the GRPO loss; backpropagates ``loss``
 
     def _loss_terms(self, model, inputs: dict, coef: float):
@@ -554,19 +561,13 @@ def _every_rank(local: torch.Tensor, device=None) -> torch.Tensor:
     """``[W, *local.shape]`` on the host, row r rank r's ``local`` (moved to ``device``, the collective's: the
     accelerator's, where given and there are several processes), in one ``all_gather`` (I12's,
     ``guards.ranks.gather_checksums``) and one host read; in a single process
-    (``_world_size`` 1) ``local[None]`` read to the host, with no collective. Every process calls it at the
+    (``world_size`` 1) ``local[None]`` read to the host, with no collective. Every process calls it at the
     same point: the multi-task checks decide on every rank's values, so that all stop together, with one error. A
     rank that raised alone would leave the others waiting in their next collective until the launcher, or NCCL's
     timeout, kills them."""
-    if _world_size() == 1:
+    if world_size() == 1:
         return local[None].cpu()
     return gather_checksums(local if device is None else local.to(device)).cpu()
-
-
-def _world_size() -> int:
-    """The processes of the default process group; 1 without one."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _on_ranks(ranks: list[int], world: int) -> str:

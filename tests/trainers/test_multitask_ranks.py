@@ -5,19 +5,20 @@ point: a NaN/inf task loss in the forward (``_check_losses_finite``), a task los
 all-reduce until the launcher, or NCCL's timeout (10-30 min), killed them, with nothing said on those ranks.
 
 A real 2-process gloo group on CPU (spawned, 127.0.0.1, a free port) calls the checks with rank-dependent inputs:
-rank 1 fails, rank 0 passes, and both must raise the same error naming rank 1. Every collective has a 15 s timeout
-(the group's), and the parent waits at most 120 s for the children, so a rank left waiting fails the test instead of
-hanging it. A single process makes no collective call."""
+rank 1 fails, rank 0 passes, and both must raise the same error naming rank 1. Then the real trainer runs one CAGrad
+step there under accelerate's CPU DDP with an entropy bonus hidden in rank 1's task loss (I7's per-task check,
+``guards.check_slope`` in ``compute_loss``): both ranks stop, rank 1 with its own error, rank 0 naming rank 1 (the
+agreement of ``GRPOTrainer``'s loss-side guards, tests/trainers/test_grpo_ranks.py). Every collective has a 15 s
+timeout (the group's), and the parent waits at most 120 s for the children, so a rank left waiting fails the test
+instead of hanging it. A single process makes no collective call."""
 
 import math
-import multiprocessing
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from test_grpo_ranks import join_group, settings, two_spawned_ranks
 
 from grpotrl.errors import InvariantError
 from grpotrl.trainers.multitask import MultiTaskGRPOTrainer, _check_losses_finite, _check_reached
@@ -81,10 +82,34 @@ CASES = {  # name -> what each rank calls; rank 1 is the one that fails
 }
 
 
-def child(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=15))
-    out = {}
+class TaskBonus(MultiTaskGRPOTrainer):
+    """The real trainer, whose task loss (the first task present in the microbatch) carries ``-0.05 H`` on rank 1:
+    CAGrad would rescale that bonus with the task's weight."""
+
+    def _policy_terms(self, logps: dict, rows: dict, inputs: dict, entropy_mask):
+        terms = super()._policy_terms(logps, rows, inputs, entropy_mask)
+        if dist.get_rank() == 1:
+            loss = self.hook_record.loss
+            k = next(k for k, r in rows.items() if r.numel())
+            terms[k] = terms[k] - 0.05 * (loss.entropies * loss.mask).sum() / loss.mask.sum()
+        return terms
+
+
+def task_bonus_on_rank_1(model: str, out: str) -> None:
+    """One exact-CAGrad step, no guard due, with an entropy bonus configured (the per-task I7 check decides on every
+    rank there too)."""
+    from datasets import Dataset
+
+    rows = [{"prompt": [{"role": "user", "content": f"Question {i}?"}], "task": task}
+            for i in range(4) for task in ("fairness", "hallucination")]
+    args = settings(out, cagrad="exact", guard_steps=0, entropy_coef=0.01, gradient_checkpointing=False)
+    TaskBonus(model, reward_funcs={"fairness": rising, "hallucination": falling}, args=args,
+              train_dataset=Dataset.from_list(rows)).train()
+
+
+def child(rank: int, port: int, model: str, out: str, results) -> None:
+    join_group(rank, port, timeout_s=15)
+    out_dir, out = out, {}
     for name, case in CASES.items():  # the same order on both ranks
         LOGGED.clear()
         try:
@@ -94,28 +119,23 @@ def child(rank: int, port: int, results) -> None:
             out[name] = ("raised", str(e), dict(LOGGED))
         except Exception:  # noqa: BLE001 -- a wrong signature, a collective that timed out: the parent says which
             out[name] = ("error", traceback.format_exc(limit=3), None)
-    dist.destroy_process_group()
+    try:  # last: a rank left waiting in it spoils no case before
+        task_bonus_on_rank_1(model, f"{out_dir}/task_bonus")
+        out["task_bonus"] = ("returned", None)
+    except InvariantError as e:
+        out["task_bonus"] = ("raised", str(e), e.invariant)
+    except Exception:  # noqa: BLE001
+        out["task_bonus"] = ("error", traceback.format_exc(limit=4), None)
     results.put((rank, out))
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> dict:
-    """case -> (rank 0's outcome, rank 1's): ("returned", value) or ("raised", message, metrics logged first)."""
-    # spawn, not fork: a process forked from the suite's (its threads, and locks they held at the fork) can hang
-    # before it reaches the group; each child imports torch and grpotrl afresh (a few seconds, in parallel)
-    ctx = multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=child, args=(rank, port, results), daemon=True) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return {name: (got[0][name], got[1][name]) for name in CASES}
+def two_ranks(tiny_llama, tmp_path_factory) -> dict:
+    """case -> (rank 0's outcome, rank 1's): ("returned", value) or ("raised", message, metrics logged first, or
+    for ``task_bonus`` the invariant)."""
+    got = two_spawned_ranks(child, tiny_llama, str(tmp_path_factory.mktemp("multitask-ranks")), timeout_s=120)
+    return {name: (got[0][name], got[1][name]) for name in (*CASES, "task_bonus")}
 
 
 def same_error_on_both(outcomes) -> str:
@@ -165,6 +185,19 @@ def test_I7_composed_update_metrics_are_every_ranks(two_ranks):
     logged = zero[1]
     assert logged["guards/bonus_alone_checked_share"] == [0.5]
     assert len(logged["entropy/bonus_alone_dH_per_lr"]) == 1 and logged["entropy/bonus_alone_dH_per_lr"][0] > 0
+
+
+def test_I7_an_entropy_bonus_in_a_task_loss_on_one_rank_stops_every_rank_naming_it(two_ranks):
+    """I7: CAGrad rescales each task's loss, so none may carry the bonus; rank 1's does (``guards.check_slope`` in
+    ``compute_loss``, between the loss values' all_gather and the gradient paths'). Rank 0, whose task losses pass,
+    stops at the same point with the same invariant, naming rank 1 and quoting its error."""
+    (kind0, msg0, inv0), (kind1, msg1, inv1) = two_ranks["task_bonus"]
+    assert (kind0, kind1) == ("raised", "raised") and inv0 == inv1 == "I7", two_ranks["task_bonus"]
+    own = "[I7] on rank 1 (of 2 processes): the policy loss of task "
+    assert msg1.startswith(own) and "on the graph being backpropagated d loss / d H" in msg1, msg1
+    assert msg0.startswith("[I7] rank(s) 1 (of 2 processes) failed this check, so every rank stops here; rank 1's "
+                           "error: [I7] the policy loss of task "), msg0
+    assert msg0.endswith(msg1.split(": ", 1)[1]), (msg0, msg1)
 
 
 @pytest.fixture
