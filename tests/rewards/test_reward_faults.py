@@ -8,7 +8,7 @@ as a user runs it (a subprocess; a random 2-layer policy over the SmolLM2 tokeni
   missing and the rest of each group trains; set to off, TRL's handling, and the summary says
   the reward was not finite instead of printing ``inf``;
 * a judge's documented stop (``max_failed_batches``) is one ``stopped:`` line, exit 4;
-* a rubric file that is not plain YAML and a builtin as reward: one ``error:`` line, exit 2.
+* a rubric file that is not plain YAML: one ``error:`` line, exit 2, and its tag never runs.
 """
 
 import json
@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 from judge_server import LoopbackJudge
 
@@ -111,20 +110,15 @@ def test_judge_max_failed_batches_stop_is_one_stopped_line_exit_4(tmp_path, tiny
 
 
 # ---------------------------------------------------------------------------------------------
-# one error line before the load (tests/cli/test_cli_inputs.py has every case in-process)
+# one error line before the load, as a real process exits with it (tests/cli/test_cli_inputs.py has
+# every case in-process, the model load refused: the rubric file's and os.system as a reward)
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fields, expected", [
-    ({"judges": {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "rubric": "RUBRIC"}}, "reward_funcs": ["j"]},
-     "not plain YAML: could not determine a constructor for the tag"),
-    ({"reward_funcs": ["os.system"]}, "Reward posix.system(command) cannot be called as TRL calls a reward function"),
-])
-def test_cli_bad_rubric_and_builtin_reward_are_one_error_line_exit_2(fields, expected, tmp_path, tiny_llama):
-    """The in-process cases of tests/cli/test_cli_inputs.py show the model is never loaded (a load fails them)."""
+def test_cli_bad_rubric_is_one_error_line_exit_2_and_its_tag_never_runs(tmp_path, tiny_llama):
     rubric = tmp_path / "rubric.yaml"
     rubric.write_text(f"!!python/object/apply:os.system ['touch {tmp_path / 'PWNED'}']\n")
-    fields = json.loads(json.dumps(fields).replace("RUBRIC", str(rubric)))
-    code, out, err, seconds = grpo(tmp_path, tiny_llama, **fields)
+    judges = {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "rubric": str(rubric)}}
+    code, out, err, _ = grpo(tmp_path, tiny_llama, judges=judges, reward_funcs=["j"])
     line = one_line(err, "error")
-    assert code == 2 and expected in line, line
+    assert code == 2 and "not plain YAML: could not determine a constructor for the tag" in line, line
     assert not (tmp_path / "PWNED").exists()
