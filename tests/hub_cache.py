@@ -49,3 +49,14 @@ def add_to_cache(cache_dir: str, repo_id: str, src_dir: str, revision: str = "ma
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / revision).write_text(commit)
     return str(snapshot)
+
+
+def mark_missing(cache_dir: str, repo_id: str, filename: str, revision: str = "main") -> str:
+    """Record ``filename`` as absent from ``repo_id`` at ``revision`` (added by ``add_to_cache``) as
+    ``huggingface_hub`` does after an online 404 for it: an empty ``models--org--name/.no_exist/<commit>/<filename>``;
+    returns its path."""
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    marker = repo / ".no_exist" / (repo / "refs" / revision).read_text() / filename
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return str(marker)

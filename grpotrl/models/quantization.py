@@ -1,5 +1,6 @@
 """Models loaded through bitsandbytes (QLoRA): which, and their kernels pinned so that train and
-eval mode compute the same function. Used by the preflight (a loaded model) and the trainers."""
+eval mode compute the same function; a quantization set twice, said. Used by the preflight (a loaded model,
+the load settings) and the trainers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,33 @@ def quantized_bits(model) -> int | None:
     """4 or 8 when ``model`` was loaded through bitsandbytes, else None."""
     return 4 if getattr(model, "is_loaded_in_4bit", False) else 8 if getattr(model, "is_loaded_in_8bit", False) \
         else None
+
+
+def quantization_written(config) -> str:
+    """A ``quantization_config`` as its writer set it: a ``BitsAndBytesConfig`` by the fields that differ from its
+    defaults, a dict (a recipe's, ``to_dict()``'s) as given.
+
+    >>> from transformers import BitsAndBytesConfig
+    >>> quantization_written(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    "BitsAndBytesConfig(bnb_4bit_quant_type='nf4', load_in_4bit=True)"
+    >>> quantization_written({"load_in_8bit": True})
+    "{'load_in_8bit': True}"
+    """
+    if not hasattr(config, "to_diff_dict"):
+        return repr(config)
+    fields = sorted((k, v) for k, v in config.to_diff_dict().items() if not k.startswith("_"))
+    return f"{type(config).__name__}({', '.join(f'{k}={v!r}' for k, v in fields)})"
+
+
+def quantization_set_twice(trainer_config, init_config) -> str:
+    """Why a model cannot load with both the trainer's ``quantization_config`` and
+    ``model_init_kwargs['quantization_config']`` (TRL's trainers refuse the pair at their load), each as written
+    (``quantization_written``), and what to do."""
+    return (f"The model's quantization is set twice: the trainer's quantization_config="
+            f"{quantization_written(trainer_config)} and args.model_init_kwargs['quantization_config']="
+            f"{quantization_written(init_config)}; TRL loads the model with one only and refuses the pair. Set it in "
+            "one place: keep the trainer argument (from a recipe: load_in_4bit / load_in_8bit and the bnb_4bit_* "
+            "fields) and drop quantization_config from model_init_kwargs, or drop the trainer argument.")
 
 
 def _training_kernel(module, args):

@@ -184,6 +184,31 @@ def adapter_tokenizer_source(adapter: PeftAdapter) -> str:
     return adapter.name if own or not adapter.base else adapter.base
 
 
+def adapter_tokenizer_path(adapter: PeftAdapter) -> str:
+    """What ``AutoProcessor.from_pretrained`` is handed to load a PEFT adapter's own tokenizer (where
+    ``adapter_tokenizer_source`` is the adapter): with ``HF_HUB_OFFLINE=1`` a Hub id's cached snapshot directory,
+    which loads as a local adapter directory does; else ``adapter.name``. An adapter holds no config.json, and
+    transformers' AutoProcessor, then its AutoTokenizer, each look one up: a local directory's is missing (a
+    ValueError both pass over), and so is a Hub id's online (a 404 for config.json alone: ``cached_files`` returns
+    None), but offline a Hub id's is an OSError ("We couldn't connect to ...") that neither catches, unless the
+    cache holds huggingface_hub's ``.no_exist`` marker for it. The base's config as AutoProcessor's ``config``
+    does not help: AutoProcessor does not hand it on to AutoTokenizer."""
+    if is_local(adapter.name) or not _offline():
+        return adapter.name
+    return _hub_snapshot(adapter.name, adapter.revision, "PEFT adapter")
+
+
+def adapter_tokenizer_unloadable(adapter: PeftAdapter, err: Exception) -> str:
+    """The error for a PEFT adapter's own tokenizer that transformers could not load (``err``, an OSError: online,
+    the Hub refused or did not answer a request for one of its files, config.json included)."""
+    download = f"hf download {adapter.name}" + ("" if adapter.revision in (None, "main")
+                                                 else f" --revision {adapter.revision}")
+    return (f"The tokenizer of the PEFT adapter {adapter.name!r}{_at(adapter.revision)} (its own tokenizer files; "
+            f"an adapter has no config.json) could not be loaded: {type(err).__name__}: {err}. Download the adapter "
+            f"(`{download}`) and run with HF_HUB_OFFLINE=1 (it then loads from the cache), pass its local directory "
+            "as the model, or from Python pass processing_class=AutoTokenizer.from_pretrained(<that directory>).")
+
+
 def _hub_files(repo_id: str, revision: str | None) -> list[str] | None:
     """The top-level file names of the Hub repo ``repo_id`` at ``revision``: its cached snapshot's with
     ``HF_HUB_OFFLINE=1`` (what can be loaded then), the Hub's listing online; None where neither can be read

@@ -52,9 +52,10 @@ from ..data.checks import check_chat_prompts_for_tools, check_dataset, check_pro
 from ..errors import InputError
 from ..generation.processors import build_processors
 from ..models import resolve_model_path
-from ..models.quantization import pin_quantized_kernels, quantized_bits
-from ..models.sources import (AdapterLookup, PeftAdapter, adapter_tokenizer_source, check_model_source,
-                              check_tokenizer_source, find_adapter, generation_config, model_file)
+from ..models.quantization import pin_quantized_kernels, quantization_set_twice, quantized_bits
+from ..models.sources import (AdapterLookup, PeftAdapter, adapter_tokenizer_path, adapter_tokenizer_source,
+                              adapter_tokenizer_unloadable, check_model_source, check_tokenizer_source, find_adapter,
+                              generation_config, model_file)
 from ..ops.loss_types import LOSS_TYPES
 from ..rewards.recipe import load_local_judges
 from ..rewards.resolve import (RewardNames, check_reward_callables, check_reward_columns, check_reward_signal,
@@ -139,9 +140,12 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
     A tokenizer not given is loaded exactly as TRL's trainer would load it (``AutoProcessor``; GRPO pads and
     truncates on the left), a PEFT adapter's from its own files, else its base's
     (``models.sources.adapter_tokenizer_source``: worked out here, only where the tokenizer loads; a Hub id's is
-    one listing of its files, or a request per tokenizer file name where listing fails). When the trainer passes its ``peft_config`` (None included), a loaded quantized
+    one listing of its files, or a request per tokenizer file name where listing fails; its own files offline from
+    its cached snapshot, ``models.sources.adapter_tokenizer_path``).
+    When the trainer passes its ``peft_config`` (None included), a loaded quantized
     model must come with one or be a PEFT model already, and so must a model TRL loads with the
-    trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']``; ``model_init_kwargs``'
+    trainer's ``quantization_config`` or ``model_init_kwargs['quantization_config']`` (not both:
+    ``models.quantization.quantization_set_twice``); ``model_init_kwargs``'
     dtype must be one TRL reads (``_check_init_dtype``). Bitsandbytes layers are pinned to
     one kernel (``models.quantization.pin_quantized_kernels``). ``prompt_optional``: rows may lack ``prompt`` (an
     ``environment_factory``'s ``reset`` supplies it). SFT passes no datasets: ``check_sft`` checks them.
@@ -162,6 +166,8 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         # a PEFT adapter: the trainer trains it (trainers.adapter)
         adapter = adapter_lookup.adapter if asked else find_adapter(model, revision)
         trains = peft_config if adapter is None else adapter.config  # the adapter is this run's LoRA
+        if quantization_config is not None and "quantization_config" in init_kwargs:  # TRL: a ValueError at its load
+            raise InputError(quantization_set_twice(quantization_config, init_kwargs["quantization_config"]))
         _refuse_quantized_full_finetune(_config_bits(init_kwargs.get("quantization_config")), trains,
                                         "model_init_kwargs['quantization_config'] asks for")
         _refuse_quantized_full_finetune(_config_bits(quantization_config), trains,
@@ -186,8 +192,15 @@ def prepare_model_and_tokenizer(model, processing_class, args, train_dataset, ki
         source_revision = revision if source == model_id else adapter.base_revision
         check_tokenizer_source(source, source_revision)  # not transformers' "Unrecognized processing class"
         sides = {"truncation_side": "left", "padding_side": "left"} if kind == "grpo" else {}
-        processing_class = AutoProcessor.from_pretrained(source, revision=source_revision,
-                                                         trust_remote_code=args.trust_remote_code, **sides)
+        own = adapter is not None and source == adapter.name  # the adapter's own files, no config.json beside them
+        try:
+            processing_class = AutoProcessor.from_pretrained(adapter_tokenizer_path(adapter) if own else source,
+                                                             revision=source_revision,
+                                                             trust_remote_code=args.trust_remote_code, **sides)
+        except OSError as err:
+            if not own:
+                raise
+            raise InputError(adapter_tokenizer_unloadable(adapter, err)) from err
     if train_dataset is not None and _is_conversational(train_dataset):  # SFT passes None: it checks its own
         templates.require_chat_template(processing_class)
     stop_ids = templates.stop_token_ids(processing_class, model_generation_config(model, args, adapter))

@@ -4,7 +4,8 @@ loaded for grpotrl's trainers to hand TRL.
 * ``adapter_loaded``: the adapter's base model loads as TRL loads a model by name, its token embeddings take the
   rows the adapter saved for them (an SFT that added tokens: ``fit_embeddings``; a tokenizer with tokens the
   adapter saved no rows for is refused before the base loads), then the adapter loads onto it, trainable, the base
-  frozen: TRL trains it as it trains a PEFT model passed in, and with ``beta`` > 0 copies it as the reference.
+  frozen: TRL trains it as it trains a PEFT model passed in, and with ``beta`` > 0 copies it as the reference
+  (``reference_in_adapter_dtype``: on a quantized base in the adapter's bf16, as TRL casts the adapter).
 * ``adapter_tensor_shapes``, ``saved_rows``: what the adapter saved, read without loading weights.
 
 The checks that run before any load (``peft_config`` beside an adapter, the recipe's LoRA settings, the KL's
@@ -42,7 +43,8 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
     the base frozen;
     ``kwargs`` lose ``quantization_config`` (applied) and ``peft_config`` (None: the preflight refused any
     other, ``preflight.model.check_adapter_peft_config``). TRL then trains that adapter, and with ``beta`` > 0
-    copies it as its reference (adapter ``ref``: the policy at step 0, I10). Within the block, TRL's warning
+    copies it as its reference (adapter ``ref``: the policy at step 0, I10; after TRL's ``__init__`` in the
+    adapter's dtype, ``reference_in_adapter_dtype``, a PeftModel passed in too). Within the block, TRL's warning
     that ``model_init_kwargs`` is ignored for a model passed in is dropped: they were used. Anything else
     passes through unchanged.
 
@@ -54,6 +56,7 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
     kwargs = {k: v for k, v in kwargs.items() if k != ADAPTER_LOOKUP}
     if adapter is None:
         yield model, kwargs
+        reference_in_adapter_dtype(model)  # a PeftModel passed in: TRL's `ref` copy of it too
         return
     from peft import PeftModel
     from trl.trainer.utils import create_model_from_path
@@ -61,10 +64,7 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
     revision = adapter.revision  # model_init_kwargs', the adapter's own
     init_kwargs = {**(args.model_init_kwargs or {}), "revision": adapter.base_revision}  # the base's revision
     quantization_config = kwargs.get("quantization_config")
-    if quantization_config is not None:
-        if "quantization_config" in init_kwargs:  # TRL's refusal, which it would raise at its own load
-            raise InputError("quantization_config is set both as a trainer argument and in "
-                             "args.model_init_kwargs: set it in one place (the trainer argument).")
+    if quantization_config is not None:  # the preflight refused it set in model_init_kwargs too
         init_kwargs["quantization_config"] = quantization_config
     if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # TRL's: "auto" fails distributed
         init_kwargs["device_map"] = None
@@ -95,9 +95,29 @@ def adapter_loaded(model, adapter: PeftAdapter | None, args, kwargs: dict, proce
         log.addFilter(quiet)
     try:
         yield peft_model, kwargs
+        reference_in_adapter_dtype(peft_model)
     finally:
         for log in loggers:
             log.removeFilter(quiet)
+
+
+def reference_in_adapter_dtype(model) -> int:
+    """After TRL's ``__init__``: each parameter of TRL's ``ref`` adapter (the copy of a trained adapter it takes as
+    the KL's reference at ``beta`` > 0) in the dtype of the ``default`` adapter's parameter it copies; returns the
+    tensors cast. TRL casts a quantized model's trainable weights to bf16 (QLoRA) after it copied them into
+    ``ref``, which kept them in fp32: the reference then computed another function than the policy at step 0
+    (I10), and every KL and ratio after measured the bf16 rounding of the adapter. Cast from the fp32 values the
+    bf16 ones were rounded from, the two are bit for bit the same. Nothing for a model without a ``ref`` adapter."""
+    if "ref" not in (getattr(model, "peft_config", None) or {}):
+        return 0
+    params = dict(model.named_parameters())
+    cast = 0
+    for name, param in params.items():
+        own = params.get(name.replace(".ref.", ".default."), param) if ".ref." in name else param
+        if own.dtype != param.dtype:
+            param.data = param.data.to(own.dtype)
+            cast += 1
+    return cast
 
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME

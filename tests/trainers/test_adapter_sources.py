@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import HUB_CACHE, arithmetic_prompts, length_reward
 from datasets import Dataset
-from hub_cache import add_to_cache
+from hub_cache import add_to_cache, mark_missing
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_lora_sft_then_grpo import LORA
 from transformers import AutoModelForCausalLM
@@ -21,6 +21,8 @@ from grpotrl.models import sources
 from grpotrl.preflight import no_kl_reference
 
 HUB_ADAPTER = "grpotrl-test/tiny-lora"  # a fresh LoRA adapter on the cached grpotrl-test/tiny-llama
+ADAPTER_TEMPLATE_MARK = "{#- the adapter's own tokenizer -#}"  # begins the chat template saved beside
+# ``hub_adapter_with_tokenizer``'s adapter, not its base's (an added token would need embedding rows the adapter lacks)
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "smollm2"
 GRPO_RECIPE, SFT_RECIPE = str(RECIPES / "grpo_quickstart.yaml"), str(RECIPES / "sft_quickstart.yaml")
 CAGRAD_RECIPE = str(RECIPES / "grpo_multitask_cagrad.yaml")  # MultiTaskGRPOTrainer
@@ -45,6 +47,28 @@ def hub_adapter(hub_tiny_llama, tmp_path_factory) -> str:
     add_to_cache(HUB_CACHE, HUB_ADAPTER, str(saved))
     assert sources.adapter_config(HUB_ADAPTER)["base_model_name_or_path"] == hub_tiny_llama
     return HUB_ADAPTER
+
+
+@pytest.fixture(scope="module")
+def hub_adapter_with_tokenizer(hub_tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """A LoRA adapter on ``hub_tiny_llama`` saved as grpotrl's LoRA SFT saves one (adapter_config.json, its weights,
+    its tokenizer files, no config.json), its tokenizer the base's with its chat template marked
+    (``ADAPTER_TEMPLATE_MARK``), in the session's offline Hub cache twice: ``"no marker"`` as ``hf download``
+    leaves it, ``".no_exist"`` with the marker huggingface_hub writes for config.json after an online 404
+    (``hub_cache.mark_missing``). Returns the Hub id of each."""
+    from transformers import AutoTokenizer
+
+    saved = tmp_path_factory.mktemp("hub-lora-tok")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(hub_tiny_llama), LoraConfig(**LORA)).save_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(hub_tiny_llama)
+    tokenizer.chat_template = ADAPTER_TEMPLATE_MARK + tokenizer.chat_template
+    tokenizer.save_pretrained(saved)
+    assert not (saved / "config.json").exists()
+    ids = {"no marker": "grpotrl-test/tiny-lora-tok", ".no_exist": "grpotrl-test/tiny-lora-tok-no-exist"}
+    for repo_id in ids.values():
+        add_to_cache(HUB_CACHE, repo_id, str(saved))
+    mark_missing(HUB_CACHE, ids[".no_exist"], "config.json")
+    return ids
 
 
 def _count_adapter_lookups(monkeypatch) -> list[str]:
@@ -234,13 +258,14 @@ def test_grpo_on_a_hub_adapter_trains_that_adapter_on_its_frozen_hub_base(hub_ad
 def test_a_hub_adapters_own_tokenizer_is_found_by_any_sentencepiece_or_tiktoken_file(hub_tiny_llama, tmp_path,
                                                                                       grpo_args, monkeypatch):
     """A Hub adapter whose tokenizer vocabulary is a ``*.model`` file of another name than ``TOKENIZER_FILES``'
-    (as a local directory's is recognised) is the tokenizer's source, not its base."""
+    (as a local directory's is recognised) is the tokenizer's source, not its base: offline, its cached snapshot
+    (``models.sources.adapter_tokenizer_path``)."""
     from transformers import AutoProcessor
 
     from grpotrl.preflight import prepare_model_and_tokenizer
 
     get_peft_model(AutoModelForCausalLM.from_pretrained(hub_tiny_llama), LoraConfig(**LORA)).save_pretrained(tmp_path)
-    add_to_cache(HUB_CACHE, "grpotrl-test/tiny-lora-spm", str(tmp_path), extra={"custom_spm.model": "spm"})
+    snapshot = add_to_cache(HUB_CACHE, "grpotrl-test/tiny-lora-spm", str(tmp_path), extra={"custom_spm.model": "spm"})
     sources_asked = []
 
     def asked(source, *args, **kwargs):  # records where the tokenizer would load from; loads nothing
@@ -250,7 +275,51 @@ def test_a_hub_adapters_own_tokenizer_is_found_by_any_sentencepiece_or_tiktoken_
     monkeypatch.setattr(AutoProcessor, "from_pretrained", asked)
     with pytest.raises(RuntimeError, match="tokenizer source recorded"):
         prepare_model_and_tokenizer("grpotrl-test/tiny-lora-spm", None, grpo_args(), None, "grpo")
-    assert sources_asked == ["grpotrl-test/tiny-lora-spm"]
+    assert sources_asked == [snapshot]
+
+
+@pytest.mark.parametrize("trainer, cache", [("grpo", "no marker"), ("grpo", ".no_exist"), ("sft", "no marker")])
+def test_a_hub_adapter_holding_its_own_tokenizer_starts_on_that_tokenizer(trainer, cache, hub_adapter_with_tokenizer,
+                                                                          hub_tiny_llama, grpo_args, tmp_path):
+    """``model="org/adapter"`` offline, no ``processing_class``: the adapter's own tokenizer loads (it holds
+    ``ADAPTER_TEMPLATE_MARK``, its base's does not), from its cached snapshot
+    (``models.sources.adapter_tokenizer_path``) as from a local adapter dir. Handed the Hub id, transformers'
+    AutoProcessor looks up the adapter's config.json and, without huggingface_hub's ``.no_exist`` marker for it,
+    raises an OSError ("We couldn't connect to ...") instead of passing over it; with the marker (the control, which
+    loaded by the Hub id too) it passes over it. GRPOTrainer and SFTTrainer alike."""
+    from transformers import AutoTokenizer
+
+    model = hub_adapter_with_tokenizer[cache]
+    if trainer == "grpo":
+        started = grpotrl.GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=arithmetic_prompts(8),
+                                      args=grpo_args(max_steps=1))
+    else:
+        started = grpotrl.SFTTrainer(model=model, train_dataset=Dataset.from_list(_sft_rows()),
+                                     args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1,
+                                                            report_to="none", use_cpu=True, guard_steps=-1))
+    assert isinstance(started.model, PeftModel)
+    assert started.processing_class.chat_template.startswith(ADAPTER_TEMPLATE_MARK)
+    assert not AutoTokenizer.from_pretrained(hub_tiny_llama).chat_template.startswith(ADAPTER_TEMPLATE_MARK)
+
+
+def test_a_hub_adapters_own_tokenizer_that_cannot_load_says_what_to_do(hub_adapter_with_tokenizer, grpo_args,
+                                                                       monkeypatch):
+    """Where transformers cannot load the adapter's own tokenizer (an OSError: online, a request for one of its
+    files, config.json included, refused or unanswered), the error names the adapter and the error, and says how
+    to load it from files on disk instead (download it, pass its directory, or pass ``processing_class``)."""
+    from transformers import AutoProcessor
+
+    from grpotrl.preflight import prepare_model_and_tokenizer
+
+    def unreachable(source, *args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", unreachable)
+    model = hub_adapter_with_tokenizer["no marker"]
+    with pytest.raises(InputError, match=rf"The tokenizer of the PEFT adapter '{model}' .*could not be loaded: "
+                                         r"OSError: We couldn't connect .*`hf download " + model + r"`.*pass its "
+                                         r"local directory as the model.*processing_class="):
+        prepare_model_and_tokenizer(model, None, grpo_args(), None, "grpo")
 
 
 # ---------------------------------------------------------------------------------------------
