@@ -279,7 +279,8 @@ def decided_together(agree: bool, device=None):
     that agreement equally often; with ``agree`` False, or in a single process, nothing is deferred: a failing check
     raises at once, as outside a section. A section opened inside another joins the outer one (the outermost
     decides). An exception raised outside ``caught()`` (a check decided on every rank's values already, an error that
-    is no ``InvariantError``) leaves the section at once and is not agreed on.
+    is no ``InvariantError``) leaves the section at once and is not agreed on; a failure the section held by then
+    goes with it as a note (``add_note``), not lost.
 
     >>> with decided_together(True):  # one process: the check raises at once
     ...     with caught():
@@ -294,6 +295,10 @@ def decided_together(agree: bool, device=None):
     token = _OPEN.set(verdict)
     try:
         yield
+    except BaseException as raised:  # leaves the section unagreed: the failure it holds goes with it, as a note
+        if verdict.failure is not None and verdict.failure is not raised:
+            raised.add_note(f"grpotrl: before this, a check on this rank had failed: {verdict.failure}")
+        raise
     finally:
         _OPEN.reset(token)
     if verdict.deferred:

@@ -204,9 +204,21 @@ def adapter_tokenizer_unloadable(adapter: PeftAdapter, err: Exception) -> str:
     download = f"hf download {adapter.name}" + ("" if adapter.revision in (None, "main")
                                                  else f" --revision {adapter.revision}")
     return (f"The tokenizer of the PEFT adapter {adapter.name!r}{_at(adapter.revision)} (its own tokenizer files; "
-            f"an adapter has no config.json) could not be loaded: {type(err).__name__}: {err}. Download the adapter "
+            f"an adapter has no config.json) could not be loaded: {type(err).__name__}: {_first_line(err)} "
+            "Download the adapter "
             f"(`{download}`) and run with HF_HUB_OFFLINE=1 (it then loads from the cache), pass its local directory "
             "as the model, or from Python pass processing_class=AutoTokenizer.from_pretrained(<that directory>).")
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of ``err``'s message for an error of ours, with any URL's user:password (an ``HF_ENDPOINT``
+    holding a credential, which huggingface_hub's messages name) replaced by ``***``.
+
+    >>> _first_line(OSError("We couldn't connect to 'http://u:tok@host:9' to load the files.\\nCheck it."))
+    "We couldn't connect to 'http://***@host:9' to load the files."
+    """
+    lines = str(err).strip().splitlines()
+    return re.sub(r"(://)[^/@\s'\"]+@", r"\1***@", lines[0]) if lines else ""
 
 
 def _hub_files(repo_id: str, revision: str | None) -> list[str] | None:
@@ -330,7 +342,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, what: str) -> str | None:
                 "gated repo log in (`hf auth login` or HF_TOKEN)."
             ) from None
         except OSError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = _first_line(err) or type(err).__name__
             raise InputError(
                 f"{what} {repo_id!r}{_at(revision)} is not a local directory (relative to {os.getcwd()}) and could "
                 f"not be fetched from the Hugging Face Hub: {first} If it is a local path, fix it; if it is a Hub "

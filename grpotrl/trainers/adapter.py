@@ -107,13 +107,16 @@ def reference_in_adapter_dtype(model) -> int:
     tensors cast. TRL casts a quantized model's trainable weights to bf16 (QLoRA) after it copied them into
     ``ref``, which kept them in fp32: the reference then computed another function than the policy at step 0
     (I10), and every KL and ratio after measured the bf16 rounding of the adapter. Cast from the fp32 values the
-    bf16 ones were rounded from, the two are bit for bit the same. Nothing for a model without a ``ref`` adapter."""
+    bf16 ones were rounded from, the two are bit for bit the same. A ``ref`` parameter is matched by its name's
+    ``ref`` component (a module's ``lora_A.ref.weight``, a ParameterDict's ``lora_embedding_A.ref``); one without a
+    ``default`` twin is left as it is. Nothing for a model without a ``ref`` adapter."""
     if "ref" not in (getattr(model, "peft_config", None) or {}):
         return 0
     params = dict(model.named_parameters())
     cast = 0
     for name, param in params.items():
-        own = params.get(name.replace(".ref.", ".default."), param) if ".ref." in name else param
+        parts = name.split(".")  # "...lora_A.ref.weight", and a ParameterDict's "...lora_embedding_A.ref"
+        own = params.get(".".join("default" if p == "ref" else p for p in parts), param) if "ref" in parts else param
         if own.dtype != param.dtype:
             param.data = param.data.to(own.dtype)
             cast += 1

@@ -20,6 +20,7 @@ from trl.trainer.utils import use_adapter
 
 from ..chat import templates
 from ..errors import InputError, InvariantError
+from ..guards.ranks import caught
 from ..ops.losses import kl_full, kl_loss_term, kl_penalty
 from ..ops.masking import pad_sequences, position_ids_from_mask
 from ..ops.reduction import aggregate_like_trl
@@ -75,11 +76,13 @@ class ReferenceKL:
             gap = (mine - logp.detach())[m].abs().max().item() if m.any() else 0.0
             scale = logits.detach().abs().max().item() / self.temperature
             tol = self.guard_tolerances  # the same hidden states through the head: one rounding of the logits
-            if gap > tol.logprob_atol * max(scale, 1.0) * (100 if tol.low_precision else 1):
-                raise InvariantError("I5", f"kl_estimator='full' rebuilt the policy's logits from the loss's forward, "
-                                           f"but their logprobs differ from the loss's by {gap:.2e} nats (logit scale "
-                                           f"{scale:.1f}). This model's LM head is not a plain linear layer (logit "
-                                           "scaling or soft-capping?); use a sample-based kl_estimator.")
+            with caught():  # under DDP decided with the loss's other guards (this rank runs on to the reduce)
+                if gap > tol.logprob_atol * max(scale, 1.0) * (100 if tol.low_precision else 1):
+                    raise InvariantError(
+                        "I5", f"kl_estimator='full' rebuilt the policy's logits from the loss's forward, but their "
+                        f"logprobs differ from the loss's by {gap:.2e} nats (logit scale {scale:.1f}). This model's "
+                        "LM head is not a plain linear layer (logit scaling or soft-capping?); use a sample-based "
+                        "kl_estimator.")
         return logits, ref_logits
 
     def _ref_context(self):

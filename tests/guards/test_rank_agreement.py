@@ -59,6 +59,18 @@ def test_an_error_that_is_no_invariant_error_propagates_without_agreement(two_pr
     assert two_processes == []
 
 
+def test_a_failure_held_when_another_error_leaves_the_section_goes_with_it(two_processes):
+    """A caught I4, then an error raised outside ``caught()`` on the same rank (a check decided on every rank's values,
+    a crash): the section is left unagreed, and the I4 is not lost: it is a note of the error that left."""
+    with pytest.raises(ValueError, match="later") as raised:
+        with ranks.decided_together(True):
+            with ranks.caught():
+                raise InvariantError("I4", "row 0 mask")
+            raise ValueError("later, on this rank only")
+    assert two_processes == []
+    assert any("[I4] row 0 mask" in note for note in getattr(raised.value, "__notes__", []))
+
+
 def test_every_failing_rank_is_named_and_the_first_ones_message_quoted():
     failures = [None, ("I10", "[I10] ref differs"), ("I4", "[I4] mask")]
     assert str(ranks.agreed_error(0, failures)) == ("[I10] rank(s) 1, 2 (of 3 processes) failed this check, so every "

@@ -152,3 +152,24 @@ def test_quantization_set_in_model_init_kwargs_and_as_the_trainer_argument_is_re
             grpotrl.SFTTrainer(model=path, args=grpotrl.SFTConfig(output_dir=str(tmp_path / "sft"), report_to="none",
                                                                   use_cpu=True, model_init_kwargs=init),
                                train_dataset=_sft_rows(), quantization_config=given, **lora)
+
+
+def test_I10_the_ref_copy_is_cast_by_its_name_s_ref_component_a_parameter_dict_s_too(tiny_llama):
+    """``reference_in_adapter_dtype`` on a LoRA over q_proj and the token embedding (PEFT holds the embedding's
+    LoRA weights in a ParameterDict: ``...lora_embedding_A.ref``, no trailing dot), its ``ref`` copy in fp32 and the
+    trained ``default`` in bf16, as TRL's QLoRA cast leaves them: every ``ref`` tensor takes its twin's dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpotrl.trainers.adapter import reference_in_adapter_dtype
+
+    config = LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), config)
+    model.add_adapter("ref", config)
+    for name, p in model.named_parameters():
+        if "default" in name.split("."):
+            p.data = p.data.to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    refs = [n for n in params if "ref" in n.split(".")]
+    assert any(n.endswith("lora_embedding_A.ref") for n in refs), refs  # the ParameterDict case is there
+    assert reference_in_adapter_dtype(model) == len(refs)
+    assert {params[n].dtype for n in refs} == {torch.bfloat16}

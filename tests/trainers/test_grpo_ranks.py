@@ -37,6 +37,7 @@ CASES = {  # case -> (rank 1's fault, settings); every case runs one optimizer s
     "I4_mask": ("mask", dict(guard_steps=1)),
     "I10_reference": ("reference", dict(guard_steps=1, beta=0.04)),
     "I7_sign": ("sign", dict(guard_steps=0, entropy_coef=0.01)),
+    "I5_full_kl": ("full_kl", dict(guard_steps=1, beta=0.04, kl_estimator="full")),
     "passing_with_bonus": (None, dict(guard_steps=1, entropy_coef=0.01, max_steps=2)),
     "passing_no_bonus": (None, dict(guard_steps=1, max_steps=2)),
 }
@@ -69,6 +70,11 @@ class Planted(GRPOTrainer):
             mask[0, 0] = 0
             inputs = {**inputs, "completion_mask": mask}
         return inputs
+
+    def _full_kl_logits(self, model, inputs, hidden, logp, width):
+        if self.fault == "full_kl":  # only the rebuilt-logits check sees it (I5): a 1-nat gap, before the KL reduce
+            logp = logp + 1.0
+        return super()._full_kl_logits(model, inputs, hidden, logp, width)
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
@@ -171,6 +177,13 @@ def test_I4_a_completion_mask_wrong_on_one_rank_stops_every_rank_naming_it(two_r
 
 def test_I10_a_reference_off_the_policy_on_one_rank_stops_every_rank_naming_it(two_ranks):
     stopped_together(two_ranks["I10_reference"], "I10")
+
+
+def test_I5_full_kl_logits_wrong_on_one_rank_stop_every_rank_naming_it(two_ranks):
+    """kl_estimator='full': its rebuilt-logits check fails on rank 1 before the KL's reduce, which rank 1 still
+    reaches; every rank stops at the agreement."""
+    _, msg = stopped_together(two_ranks["I5_full_kl"], "I5")
+    assert "kl_estimator='full' rebuilt the policy's logits" in msg, msg
 
 
 def test_I7_an_entropy_sign_wrong_on_one_rank_stops_every_rank_naming_it(two_ranks):
