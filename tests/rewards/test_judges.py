@@ -2,7 +2,7 @@
 127.0.0.1, a loopback proxy in front of it for fault injection and request counting
 (tests/judge_server.py), and a GRPO run that uses the HTTP judge as its reward.
 
-Budget: one server start (~10 s) and about 30 real judge requests (~1-3 s each on 2 cores);
+Budget: one server start (~10 s) and about 18 real judge requests (~1-3 s each on 2 cores);
 fault tests never reach the server. Nothing leaves 127.0.0.1: the server runs with
 HF_HUB_OFFLINE=1 and its proxy variables point at a loopback listener that must stay unused.
 """
