@@ -714,16 +714,12 @@ class GRPOTrainer(CheckedResume, ReferenceKL, trl.GRPOTrainer):
             the loss mask and the entropy bonus's tokens TRL's loss used) for ``compute_loss``'s I7 check.
 
         Raises:
-            InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11); under
-                DDP, where ``_guards_agree_now``, on every rank, naming the rank(s) it failed on.
+            InvariantError: a guard found the microbatch or its logprobs wrong (I1, I3, I4, I5, I7, I10, I11). Each
+                runs in ``caught()``: within ``compute_loss``'s section (TRL's ``compute_loss`` is its only caller)
+                under DDP a rank whose check failed runs on through the same collectives as the others, and every
+                rank raises at that section's end (``_guards_agree_now``), naming the rank(s) it failed on; outside
+                one, or in one process, the check raises where it failed.
         """
-        with decided_together(self._guards_agree_now(), self.accelerator.device):  # one verdict of every rank's
-            return self._guarded_loss(model, inputs)
-
-    def _guarded_loss(self, model, inputs):
-        """``_compute_loss``'s work, in its section decided on every rank (``_guards_agree_now``): each loss-side
-        guard runs in ``caught()``, so that under DDP a rank whose check failed runs on through the same
-        collectives as the others to the one agreement."""
         record = self.hook_record.batch("train" if self.model.training else "eval")
         guard = record.guard if self._guard_now() and ROW_KEY in inputs else None
         if guard is not None:  # I1, I3, I4 on the microbatch the loss uses, before any compute
